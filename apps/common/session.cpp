@@ -1,0 +1,175 @@
+#include "common/session.hpp"
+
+#include <anydoor/error.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+#include <system_error>
+
+namespace anydoor::examples {
+namespace {
+
+session make_session(const session_options& opt) {
+  session s;
+  s.dev = tp::open_device({.provider = opt.provider});
+  s.pd = s.dev->alloc_pd();
+  s.cq = s.dev->create_cq(opt.queue_depth * 4);
+  s.qp = s.pd->create_qp({.send_cq = s.cq.get(), .recv_cq = s.cq.get(), .max_send_wr = opt.queue_depth,
+                          .max_recv_wr = opt.queue_depth});
+  s.buf.resize(opt.buffer_size);
+  s.mr = s.pd->register_memory(s.buf.data(), s.buf.size(),
+                               tp::access::local_write | tp::access::remote_write | tp::access::remote_read |
+                                   tp::access::remote_atomic);
+  return s;
+}
+
+constexpr std::size_t kInfoSize = 20;
+
+std::array<std::byte, kInfoSize> pack(const region_info& r) {
+  std::array<std::byte, kInfoSize> b{};
+  std::memcpy(b.data(), &r.addr, 8);
+  std::memcpy(b.data() + 8, &r.length, 8);
+  std::memcpy(b.data() + 16, &r.rkey, 4);
+  return b;
+}
+
+region_info unpack(std::span<const std::byte> b) {
+  if (b.size() != kInfoSize) throw std::runtime_error("peer sent no region description");
+  region_info r;
+  std::memcpy(&r.addr, b.data(), 8);
+  std::memcpy(&r.length, b.data() + 8, 8);
+  std::memcpy(&r.rkey, b.data() + 16, 4);
+  return r;
+}
+
+region_info describe(const session& s) {
+  return {reinterpret_cast<std::uint64_t>(s.buf.data()), s.buf.size(), s.mr->rkey()};
+}
+
+}  // namespace
+
+tp::completion session::wait(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  tp::completion c;
+  std::error_code ec;
+  for (std::uint32_t spins = 0;; ++spins) {
+    if (cq->poll({&c, 1}, ec) == 1) break;
+    if (ec) throw std::system_error(ec, "poll");
+    if ((spins & 0xfff) == 0 && std::chrono::steady_clock::now() > deadline) {
+      throw std::system_error(anydoor::errc::timed_out, "waiting for a completion");
+    }
+  }
+  if (c.status != tp::wc_status::success) {
+    throw std::system_error(c.status, "work request " + std::to_string(c.wr_id) + " (" +
+                                          std::string(tp::to_string(c.opcode)) + ")");
+  }
+  return c;
+}
+
+void session::post_recv(std::uint64_t wr_id, std::uint32_t length) {
+  const tp::sge sg = mr->slice(buf.size() / 2, length);
+  const tp::recv_request rr{.wr_id = wr_id, .sg_list = {&sg, 1}};
+  if (auto ec = qp->post_recv({&rr, 1})) throw std::system_error(ec, "post_recv");
+}
+
+void session::post(const tp::work_request& wr) {
+  if (auto ec = qp->post_send({&wr, 1})) throw std::system_error(ec, "post_send");
+}
+
+session accept_one(const std::string& host, std::uint16_t port, const session_options& opt,
+                   void (*on_listen)(std::uint16_t, void*), void* ctx) {
+  session s = make_session(opt);
+  auto lis = s.dev->listen(host, port);
+  if (on_listen != nullptr) on_listen(lis->port(), ctx);
+  std::error_code ec;
+  auto req = lis->get_request(std::chrono::seconds(60), ec);
+  if (!req) throw std::system_error(ec, "waiting for a connection");
+  s.peer = unpack(req->private_data());
+  const auto info = pack(describe(s));
+  if (auto aec = req->accept(*s.qp, info)) throw std::system_error(aec, "accept");
+  return s;
+}
+
+session connect_to(const std::string& host, std::uint16_t port, const session_options& opt) {
+  session s = make_session(opt);
+  const auto info = pack(describe(s));
+  auto r = s.dev->connect(*s.qp, host, port, info, std::chrono::seconds(10));
+  if (r.ec) throw std::system_error(r.ec, "connect to " + host + ":" + std::to_string(port));
+  s.peer = unpack(r.private_data);
+  return s;
+}
+
+std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator) {
+  constexpr std::uint32_t kWarmup = 1000;
+  const std::uint32_t total = iters + kWarmup;
+  const bool use_inline = size <= s.qp->attributes().max_inline_data;
+  const tp::sge sg = s.mr->slice(0, size);
+  const tp::work_request wr{.wr_id = 1, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = use_inline};
+  std::vector<double> rtt;
+  rtt.reserve(iters);
+  s.post_recv(2, size);
+  std::uint32_t sent = 0, received = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  if (initiator) {
+    s.post(wr);
+  }
+  // Send completions (the peer's ACK) and receives arrive in either order.
+  while (sent < total || received < total) {
+    const tp::completion c = s.wait();
+    if (c.opcode != tp::wc_opcode::recv) {
+      ++sent;
+      continue;
+    }
+    ++received;
+    s.post_recv(2, size);
+    if (initiator) {
+      const auto t1 = std::chrono::steady_clock::now();
+      if (received > kWarmup) rtt.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
+      t0 = t1;
+      if (received < total) s.post(wr);
+    } else {
+      s.post(wr);
+    }
+  }
+  return rtt;
+}
+
+double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
+  const std::uint64_t span = std::min<std::uint64_t>(s.buf.size() / 2, s.peer.length / 2) / size;
+  if (span == 0) throw std::invalid_argument("stream: transfer size larger than half the buffers");
+  std::uint64_t posted = 0, done = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (done < count) {
+    while (posted < count && posted - done < window) {
+      const std::uint64_t off = (posted % span) * size;
+      const tp::sge sg = s.mr->slice(off, size);
+      s.post({.wr_id = posted, .op = op, .sg_list = {&sg, 1}, .remote_addr = s.peer.addr + off,
+              .rkey = s.peer.rkey});
+      ++posted;
+    }
+    s.wait();
+    ++done;
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void serve_until_disconnect(session& s) {
+  tp::completion c[16];
+  std::error_code ec;
+  while (s.qp->state() == tp::qp_state::rts && !ec) s.cq->poll(c, ec);
+}
+
+summary summarize(std::vector<double> v) {
+  summary s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  s.min = v.front();
+  s.median = v[v.size() / 2];
+  s.p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  s.mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  return s;
+}
+
+}  // namespace anydoor::examples

@@ -1,0 +1,186 @@
+// The provider contract: the NIC as anydoor's runtime sees it. Two providers
+// implement it: "verbs" (rdma-core) and "tcp" (a software RC NIC over TCP).
+//
+// Threading: a completion queue, and the queue pairs whose send CQ it is, are
+// driven by one thread at a time (the thread that polls it also posts to those
+// queue pairs). Different completion queues of one device may be driven by
+// different threads. Memory registration is thread-safe.
+#pragma once
+
+#include <anydoor/transport/types.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace anydoor::transport {
+
+// A registration (ibv_mr). Destroying it deregisters: the keys stop working,
+// locally and remotely.
+class memory_region {
+ public:
+  virtual ~memory_region() = default;
+  memory_region(const memory_region&) = delete;
+  memory_region& operator=(const memory_region&) = delete;
+
+  void* addr() const noexcept { return addr_; }
+  std::size_t length() const noexcept { return length_; }
+  std::uint32_t lkey() const noexcept { return lkey_; }
+  std::uint32_t rkey() const noexcept { return rkey_; }
+  transport::access access() const noexcept { return access_; }
+
+  // A scatter/gather element for [offset, offset + len) of this region.
+  sge slice(std::size_t offset, std::uint32_t len) const noexcept {
+    return {reinterpret_cast<std::uint64_t>(static_cast<std::byte*>(addr_) + offset), len, lkey_};
+  }
+
+ protected:
+  memory_region(void* addr, std::size_t length, std::uint32_t lkey, std::uint32_t rkey,
+                transport::access acc) noexcept
+      : addr_(addr), length_(length), lkey_(lkey), rkey_(rkey), access_(acc) {}
+
+ private:
+  void* addr_;
+  std::size_t length_;
+  std::uint32_t lkey_;
+  std::uint32_t rkey_;
+  transport::access access_;
+};
+
+// A completion queue (ibv_cq with its completion channel).
+class completion_queue {
+ public:
+  virtual ~completion_queue() = default;
+
+  // Moves up to out.size() completions into out; returns how many. With the
+  // tcp provider this is also where progress happens. An overflowed queue
+  // returns 0 and sets ec to errc::cq_overflow from then on.
+  virtual std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept = 0;
+
+  // Request a notification (ibv_req_notify_cq): the next completion makes
+  // notify_fd() readable. Poll again after arming: completions that arrived
+  // before the arm do not notify.
+  virtual std::error_code arm() noexcept = 0;
+
+  // A non-blocking file descriptor that becomes readable after arm() when a
+  // completion (or, for tcp, progress to make) arrives. Owned by the queue.
+  virtual int notify_fd() const noexcept = 0;
+
+  // Consumes pending notifications (ibv_get_cq_event + ibv_ack_cq_events);
+  // returns how many were consumed. Never blocks.
+  virtual std::size_t ack_events() noexcept = 0;
+
+  virtual std::uint32_t depth() const noexcept = 0;
+  virtual cq_counters counters() const noexcept = 0;
+};
+
+// A reliable-connected queue pair (ibv_qp of type IBV_QPT_RC).
+class queue_pair {
+ public:
+  virtual ~queue_pair() = default;
+
+  virtual std::uint32_t qp_num() const noexcept = 0;
+  virtual qp_state state() const noexcept = 0;
+
+  // State transitions (ibv_modify_qp). Allowed: reset->init, init->rtr and
+  // rtr->rts (need a connected peer, normally done by connect/accept),
+  // any->error, any->reset. Anything else is errc::invalid_state.
+  virtual std::error_code modify(qp_state next) noexcept = 0;
+
+  // Posts the whole span with one doorbell. Either every request is accepted
+  // or none is: on error, *bad (if given) is the index of the offending one.
+  // Refused unless the state is rts (or error: then each request completes
+  // with work_request_flushed).
+  virtual std::error_code post_send(std::span<const work_request> wrs,
+                                    std::size_t* bad = nullptr) noexcept = 0;
+
+  // Likewise for receives; allowed in init, rtr, rts and error.
+  virtual std::error_code post_recv(std::span<const recv_request> wrs,
+                                    std::size_t* bad = nullptr) noexcept = 0;
+
+  virtual const qp_attributes& attributes() const noexcept = 0;
+  virtual qp_counters counters() const noexcept = 0;
+};
+
+// A protection domain (ibv_pd): registrations and queue pairs live in one.
+class protection_domain {
+ public:
+  virtual ~protection_domain() = default;
+
+  // Registers [addr, addr + length) with exactly the given access. Throws
+  // std::system_error (errc::registration_failed, errc::invalid_argument).
+  virtual std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length,
+                                                         access acc) = 0;
+
+  // Creates a queue pair in state reset. Throws std::system_error.
+  virtual std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) = 0;
+};
+
+// An incoming connection request (rdma_cm's RDMA_CM_EVENT_CONNECT_REQUEST).
+class connection_request {
+ public:
+  virtual ~connection_request() = default;
+  virtual std::span<const std::byte> private_data() const noexcept = 0;
+  // Connects qp (state reset or init) to the requester and moves it to rts.
+  virtual std::error_code accept(queue_pair& qp, std::span<const std::byte> private_data) noexcept = 0;
+  // Refuses the request; the requester's connect fails with connection_rejected.
+  virtual void reject(std::span<const std::byte> private_data) noexcept = 0;
+};
+
+class listener {
+ public:
+  virtual ~listener() = default;
+  // Readable when a request may be waiting (for a reactor).
+  virtual int fd() const noexcept = 0;
+  virtual std::uint16_t port() const noexcept = 0;
+  // Waits up to timeout for the next request; nullptr with ec set on failure
+  // (errc::timed_out when none came).
+  virtual std::unique_ptr<connection_request> get_request(std::chrono::milliseconds timeout,
+                                                          std::error_code& ec) noexcept = 0;
+};
+
+struct connect_result {
+  std::error_code ec;
+  std::vector<std::byte> private_data;  // the peer's, from its accept or reject
+};
+
+// A device (ibv_context) with its connection manager.
+class device {
+ public:
+  virtual ~device() = default;
+  virtual std::string_view provider() const noexcept = 0;
+  virtual std::string_view name() const noexcept = 0;
+  virtual const capabilities& caps() const noexcept = 0;
+
+  virtual std::unique_ptr<protection_domain> alloc_pd() = 0;
+  // Throws std::system_error when depth is 0 or above caps().max_cqe.
+  virtual std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) = 0;
+
+  // Listens on host:port (port 0: any free port). Throws std::system_error.
+  virtual std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port) = 0;
+
+  // Connects qp (state reset or init) to a listener and moves it to rts.
+  virtual connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
+                                 std::span<const std::byte> private_data,
+                                 std::chrono::milliseconds timeout) noexcept = 0;
+};
+
+struct device_options {
+  std::string provider = "auto";  // auto | tcp | verbs (ANYDOOR_PROVIDER overrides)
+  std::string name;               // device name; empty: the first usable (ANYDOOR_DEVICE overrides)
+};
+
+// Names of the providers built into this library.
+std::vector<std::string> available_providers();
+
+// Opens a device. provider=auto picks verbs when an RDMA device with an
+// active port exists and the verbs provider is built, else tcp; the choice is
+// logged. Throws std::system_error (errc::provider_unavailable, errc::no_device).
+std::unique_ptr<device> open_device(const device_options& options = {});
+
+}  // namespace anydoor::transport

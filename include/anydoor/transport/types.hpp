@@ -1,0 +1,180 @@
+// Plain types of the provider contract. They mirror libibverbs closely:
+// anything ibv_post_send / ibv_poll_cq can express, these can.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <system_error>
+
+namespace anydoor::transport {
+
+// Memory access flags (ibv_access_flags). Local read is always allowed.
+enum class access : std::uint32_t {
+  none = 0,
+  local_write = 1u << 0,
+  remote_write = 1u << 1,
+  remote_read = 1u << 2,
+  remote_atomic = 1u << 3,
+};
+constexpr access operator|(access a, access b) noexcept {
+  return static_cast<access>(static_cast<std::uint32_t>(a) | static_cast<std::uint32_t>(b));
+}
+constexpr access operator&(access a, access b) noexcept {
+  return static_cast<access>(static_cast<std::uint32_t>(a) & static_cast<std::uint32_t>(b));
+}
+constexpr bool has(access set, access flag) noexcept { return (set & flag) == flag; }
+
+// Completion status; the numeric values equal enum ibv_wc_status.
+enum class wc_status : std::uint8_t {
+  success = 0,
+  local_length_error = 1,
+  local_qp_operation_error = 2,
+  local_eec_operation_error = 3,
+  local_protection_error = 4,
+  work_request_flushed = 5,
+  memory_window_bind_error = 6,
+  bad_response = 7,
+  local_access_error = 8,
+  remote_invalid_request = 9,
+  remote_access_error = 10,
+  remote_operation_error = 11,
+  retry_exceeded = 12,
+  rnr_retry_exceeded = 13,
+  local_rdd_violation = 14,
+  remote_invalid_rd_request = 15,
+  remote_aborted = 16,
+  invalid_eec_number = 17,
+  invalid_eec_state = 18,
+  fatal = 19,
+  response_timeout = 20,
+  general_error = 21,
+};
+std::string_view to_string(wc_status s) noexcept;
+const std::error_category& wc_category() noexcept;
+inline std::error_code make_error_code(wc_status s) noexcept {
+  return {static_cast<int>(s), wc_category()};
+}
+
+// Send-side operations (ibv_wr_opcode).
+enum class opcode : std::uint8_t {
+  send,
+  send_with_imm,
+  write,
+  write_with_imm,
+  read,
+  fetch_add,
+  compare_swap,
+};
+
+// What a completion reports (ibv_wc_opcode).
+enum class wc_opcode : std::uint8_t {
+  send,
+  write,
+  read,
+  compare_swap,
+  fetch_add,
+  recv,
+  recv_rdma_with_imm,
+};
+std::string_view to_string(opcode op) noexcept;
+std::string_view to_string(wc_opcode op) noexcept;
+
+// One scatter/gather element (ibv_sge): addr is a virtual address inside a
+// registration of the same protection domain, lkey that registration's key.
+struct sge {
+  std::uint64_t addr = 0;
+  std::uint32_t length = 0;
+  std::uint32_t lkey = 0;
+};
+
+// A send-queue work request (ibv_send_wr). The provider copies it (and the
+// scatter/gather list) at post time; the memory it points at must stay valid
+// until the request completes, except with inline_data, which is copied.
+struct work_request {
+  std::uint64_t wr_id = 0;
+  opcode op = opcode::send;
+  std::span<const sge> sg_list{};
+  bool signaled = true;
+  bool inline_data = false;
+  std::uint32_t imm = 0;            // send_with_imm, write_with_imm (host order)
+  std::uint64_t remote_addr = 0;    // write, read, atomics
+  std::uint32_t rkey = 0;           // write, read, atomics
+  std::uint64_t compare_add = 0;    // fetch_add: the addend; compare_swap: the compare value
+  std::uint64_t swap = 0;           // compare_swap: the new value
+};
+
+// A receive-queue work request (ibv_recv_wr).
+struct recv_request {
+  std::uint64_t wr_id = 0;
+  std::span<const sge> sg_list{};
+};
+
+// A work completion (ibv_wc).
+struct completion {
+  std::uint64_t wr_id = 0;
+  wc_status status = wc_status::success;
+  wc_opcode opcode = wc_opcode::send;
+  std::uint32_t byte_len = 0;  // receives and reads: bytes placed
+  std::uint32_t imm = 0;       // valid when has_imm
+  bool has_imm = false;
+  std::uint32_t qp_num = 0;
+};
+
+// Queue-pair states (ibv_qp_state, the subset an RC queue pair uses).
+enum class qp_state : std::uint8_t { reset, init, rtr, rts, error };
+std::string_view to_string(qp_state s) noexcept;
+
+struct capabilities {
+  std::uint32_t max_qp_wr = 0;
+  std::uint32_t max_sge = 0;
+  std::uint32_t max_inline = 0;
+  std::uint64_t max_mr_size = 0;
+  std::uint32_t max_msg_size = 0;
+  std::uint32_t max_cqe = 0;
+  std::uint32_t max_private_data = 0;
+  bool atomics = false;
+  bool gpu_memory = false;
+};
+
+// Creation attributes of an RC queue pair (ibv_qp_init_attr + the
+// retry-related part of ibv_qp_attr).
+class completion_queue;
+struct qp_attributes {
+  completion_queue* send_cq = nullptr;
+  completion_queue* recv_cq = nullptr;
+  std::uint32_t max_send_wr = 128;
+  std::uint32_t max_recv_wr = 128;
+  std::uint32_t max_send_sge = 4;
+  std::uint32_t max_recv_sge = 4;
+  std::uint32_t max_inline_data = 64;
+  std::uint8_t rnr_retry = 7;             // 0..7, 7 means retry forever
+  std::uint32_t min_rnr_timer_us = 100;   // wait before resending after an RNR NAK
+};
+
+// Counters a provider keeps per queue pair.
+struct qp_counters {
+  std::uint64_t send_wrs = 0;        // work requests accepted by post_send
+  std::uint64_t recv_wrs = 0;        // work requests accepted by post_recv
+  std::uint64_t doorbells = 0;       // post_send calls that accepted work
+  std::uint64_t rnr_naks_sent = 0;   // receiver side: sends that found no receive
+  std::uint64_t rnr_naks_received = 0;
+  std::uint64_t retransmits = 0;     // requests sent again after an RNR NAK
+  std::uint64_t tx_syscalls = 0;     // provider-specific (tcp: sendmsg calls)
+  std::uint64_t rx_syscalls = 0;     // provider-specific (tcp: recv calls)
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
+};
+
+struct cq_counters {
+  std::uint64_t polls = 0;
+  std::uint64_t empty_polls = 0;
+  std::uint64_t completions = 0;
+  std::uint64_t events = 0;
+};
+
+}  // namespace anydoor::transport
+
+template <>
+struct std::is_error_code_enum<anydoor::transport::wc_status> : std::true_type {};

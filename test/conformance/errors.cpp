@@ -1,0 +1,379 @@
+// Provider conformance: protection, length and RNR errors, the state machine,
+// completion-queue overflow and peer death.
+#include "../support/harness.hpp"
+
+#include <csignal>
+#include <cstring>
+#include <set>
+#include <sys/wait.h>
+#include <unistd.h>
+
+using namespace anydoor::test;
+using tp::access;
+
+namespace {
+
+// A target buffer with canaries on both sides of the registered window.
+struct guarded {
+  static constexpr std::size_t kGuard = 64;
+  std::vector<std::uint8_t> mem;
+  explicit guarded(std::size_t n) : mem(n + 2 * kGuard, 0xa5) {}
+  std::uint8_t* data() { return mem.data() + kGuard; }
+  std::size_t size() const { return mem.size() - 2 * kGuard; }
+  bool untouched() const {
+    return std::all_of(mem.begin(), mem.end(), [](std::uint8_t b) { return b == 0xa5; });
+  }
+};
+
+void expect_remote_access_error(connected_pair& p, const tp::work_request& wr, guarded& target) {
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  auto c = p.drv.wait_one(p.a.cq.get());
+  CHECK(c.status == tp::wc_status::remote_access_error);
+  CHECK(c.wr_id == wr.wr_id);
+  CHECK(p.a.qp->state() == tp::qp_state::error);
+  p.drv.settle(p.b.cq.get(), 20ms);
+  CHECK(p.b.qp->state() == tp::qp_state::error);
+  CHECK(target.untouched());
+}
+
+}  // namespace
+
+TEST_CASE("remote access is checked against the target's registrations", "[conformance]") {
+  connected_pair p;
+  guarded target(256);
+  std::vector<std::uint8_t> local(512, 0x11);
+  auto lmr = p.a.pd->register_memory(local.data(), local.size(), access::local_write);
+  const auto taddr = reinterpret_cast<std::uint64_t>(target.data());
+
+  SECTION("unknown rkey") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request wr{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                        .rkey = tmr->rkey() ^ 0x5a5a00u};
+    expect_remote_access_error(p, wr, target);
+  }
+  SECTION("deregistered rkey") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+    const std::uint32_t rkey = tmr->rkey();
+    tmr.reset();
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request wr{.wr_id = 2, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = taddr, .rkey = rkey};
+    expect_remote_access_error(p, wr, target);
+  }
+  SECTION("write out of bounds by one byte") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request wr{.wr_id = 3, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                        .remote_addr = taddr + target.size() - 15, .rkey = tmr->rkey()};
+    expect_remote_access_error(p, wr, target);
+  }
+  SECTION("read out of bounds by one byte") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::remote_read);
+    tp::sge sg = lmr->slice(0, 257);
+    tp::work_request wr{.wr_id = 4, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                        .rkey = tmr->rkey()};
+    expect_remote_access_error(p, wr, target);
+    CHECK(std::all_of(local.begin(), local.end(), [](auto b) { return b == 0x11; }));
+  }
+  SECTION("write into a read-only region") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::remote_read);
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request wr{.wr_id = 5, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                        .rkey = tmr->rkey()};
+    expect_remote_access_error(p, wr, target);
+  }
+  SECTION("read from a region without remote_read") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request wr{.wr_id = 6, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                        .rkey = tmr->rkey()};
+    expect_remote_access_error(p, wr, target);
+  }
+  SECTION("atomic on a region without remote_atomic") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+    tp::sge sg = lmr->slice(0, 8);
+    tp::work_request wr{.wr_id = 7, .op = tp::opcode::fetch_add, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                        .rkey = tmr->rkey(), .compare_add = 1};
+    expect_remote_access_error(p, wr, target);
+  }
+  SECTION("write_with_imm out of bounds consumes no receive data") {
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+    tp::recv_request rr{.wr_id = 70};
+    REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request wr{.wr_id = 8, .op = tp::opcode::write_with_imm, .sg_list = {&sg, 1}, .imm = 1,
+                        .remote_addr = taddr + 250, .rkey = tmr->rkey()};
+    expect_remote_access_error(p, wr, target);
+  }
+}
+
+TEST_CASE("a deregistered region can no longer be written remotely", "[conformance]") {
+  connected_pair p;
+  guarded target(64);
+  std::uint64_t v = 0x77;
+  auto lmr = p.a.pd->register_memory(&v, 8, access::none);
+  auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | access::remote_write);
+  tp::sge sg = lmr->slice(0, 8);
+  tp::work_request wr{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                      .remote_addr = reinterpret_cast<std::uint64_t>(target.data()), .rkey = tmr->rkey()};
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  CHECK(target.data()[0] == 0x77);
+  std::memset(target.data(), 0xa5, 8);
+  tmr.reset();
+  wr.wr_id = 2;
+  expect_remote_access_error(p, wr, target);
+}
+
+TEST_CASE("a local key that does not cover the buffer is a local protection error", "[conformance]") {
+  connected_pair p;
+  std::vector<char> buf(64);
+  auto mr = p.a.pd->register_memory(buf.data(), 32, access::none);
+  tp::sge sg{reinterpret_cast<std::uint64_t>(buf.data()), 64, mr->lkey()};
+  tp::work_request wr = send_wr(12, {&sg, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  auto c = p.drv.wait_one(p.a.cq.get());
+  CHECK(c.status == tp::wc_status::local_protection_error);
+  CHECK(c.wr_id == 12);
+  CHECK(p.a.qp->state() == tp::qp_state::error);
+}
+
+TEST_CASE("a message larger than the receive buffer is a local length error, not an overflow", "[conformance]") {
+  connected_pair p;
+  std::vector<char> src(100, 's');
+  guarded dst(64);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  tp::sge rsg = dmr->slice(0, 64);
+  tp::recv_request rr{.wr_id = 50, .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  tp::sge ssg = smr->slice(0, 100);
+  tp::work_request wr = send_wr(51, {&ssg, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  auto rc = p.drv.wait_one(p.b.cq.get());
+  CHECK(rc.wr_id == 50);
+  CHECK(rc.status == tp::wc_status::local_length_error);
+  auto sc = p.drv.wait_one(p.a.cq.get());
+  CHECK(sc.wr_id == 51);
+  CHECK(sc.status == tp::wc_status::remote_invalid_request);
+  CHECK(dst.untouched());
+  CHECK(p.b.qp->state() == tp::qp_state::error);
+  CHECK(p.a.qp->state() == tp::qp_state::error);
+}
+
+TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
+  std::vector<char> src(32, 'r'), dst(32);
+
+  SECTION("rnr_retry 7 retries until a receive is posted") {
+    connected_pair p({.rnr_retry = 7, .min_rnr_timer_us = 1000});
+    auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+    auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+    tp::sge ssg = smr->slice(0, 32);
+    tp::work_request wr = send_wr(60, {&ssg, 1});
+    REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+    CHECK(p.drv.settle(p.a.cq.get(), 100ms).empty());
+    CHECK(p.a.qp->counters().rnr_naks_received >= 2);
+    CHECK(p.a.qp->state() == tp::qp_state::rts);
+    tp::sge rsg = dmr->slice(0, 32);
+    tp::recv_request rr{.wr_id = 61, .sg_list = {&rsg, 1}};
+    REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+    CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+    CHECK(p.drv.wait_one(p.b.cq.get()).byte_len == 32);
+    CHECK(dst == src);
+  }
+  SECTION("rnr_retry 2 gives up with RNR retry exceeded") {
+    connected_pair p({.rnr_retry = 2, .min_rnr_timer_us = 500});
+    auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+    tp::sge ssg = smr->slice(0, 32);
+    tp::work_request wrs[] = {send_wr(62, {&ssg, 1}), send_wr(63, {&ssg, 1}, false)};
+    REQUIRE_FALSE(p.a.qp->post_send(wrs));
+    auto c = p.drv.wait(p.a.cq.get(), 2);
+    REQUIRE(c.size() == 2);
+    CHECK(c[0].wr_id == 62);
+    CHECK(c[0].status == tp::wc_status::rnr_retry_exceeded);
+    CHECK(c[1].wr_id == 63);
+    CHECK(c[1].status == tp::wc_status::work_request_flushed);
+    CHECK(p.a.qp->counters().rnr_naks_received == 3);
+    CHECK(p.a.qp->state() == tp::qp_state::error);
+  }
+  SECTION("requests behind an RNR-NAKed send stay in order") {
+    connected_pair p({.rnr_retry = 7, .min_rnr_timer_us = 200});
+    alignas(8) std::uint64_t cell = 0;
+    std::uint64_t one = 1;
+    auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+    auto omr = p.a.pd->register_memory(&one, 8, access::none);
+    auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+    auto cmr = p.b.pd->register_memory(&cell, 8, access::local_write | access::remote_write);
+    tp::sge ssg = smr->slice(0, 32), osg = omr->slice(0, 8);
+    tp::work_request wrs[] = {send_wr(64, {&ssg, 1}),
+                              {.wr_id = 65, .op = tp::opcode::write, .sg_list = {&osg, 1},
+                               .remote_addr = reinterpret_cast<std::uint64_t>(&cell), .rkey = cmr->rkey()}};
+    REQUIRE_FALSE(p.a.qp->post_send(wrs));
+    p.drv.settle(p.a.cq.get(), 30ms);
+    CHECK(cell == 0);  // the write waits behind the send
+    tp::sge rsg = dmr->slice(0, 32);
+    tp::recv_request rr{.wr_id = 66, .sg_list = {&rsg, 1}};
+    REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+    auto c = p.drv.wait(p.a.cq.get(), 2);
+    REQUIRE(c.size() == 2);
+    CHECK(c[0].wr_id == 64);
+    CHECK(c[1].wr_id == 65);
+    CHECK(cell == 1);
+    CHECK(p.a.qp->counters().retransmits >= 1);
+  }
+}
+
+TEST_CASE("the queue pair state machine", "[conformance]") {
+  endpoint e;
+  auto qp = e.pd->create_qp(e.attrs());
+  std::uint64_t v = 0;
+  auto mr = e.pd->register_memory(&v, 8, access::local_write);
+  tp::sge sg = mr->slice(0, 8);
+  tp::work_request wr = send_wr(1, {&sg, 1});
+  tp::recv_request rr{.wr_id = 2, .sg_list = {&sg, 1}};
+
+  CHECK(qp->state() == tp::qp_state::reset);
+  CHECK(qp->post_send({&wr, 1}) == anydoor::errc::invalid_state);
+  CHECK(qp->post_recv({&rr, 1}) == anydoor::errc::invalid_state);
+  CHECK(qp->modify(tp::qp_state::rts) == anydoor::errc::invalid_state);
+  CHECK(qp->modify(tp::qp_state::rtr) == anydoor::errc::invalid_state);
+  REQUIRE_FALSE(qp->modify(tp::qp_state::init));
+  CHECK(qp->state() == tp::qp_state::init);
+  CHECK(qp->modify(tp::qp_state::init) == anydoor::errc::invalid_state);
+  CHECK(qp->modify(tp::qp_state::rts) == anydoor::errc::invalid_state);
+  CHECK(qp->modify(tp::qp_state::rtr) == anydoor::errc::not_connected);
+  CHECK(qp->post_send({&wr, 1}) == anydoor::errc::invalid_state);
+  CHECK_FALSE(qp->post_recv({&rr, 1}));  // receives may be posted from init on
+  REQUIRE_FALSE(qp->modify(tp::qp_state::error));
+  CHECK(qp->state() == tp::qp_state::error);
+  driver d{e.cq.get()};
+  auto c = d.wait_one(e.cq.get());
+  CHECK(c.wr_id == 2);
+  CHECK(c.status == tp::wc_status::work_request_flushed);
+  CHECK(qp->modify(tp::qp_state::rtr) == anydoor::errc::invalid_state);
+  REQUIRE_FALSE(qp->modify(tp::qp_state::reset));
+  CHECK(qp->state() == tp::qp_state::reset);
+  CHECK(d.settle(e.cq.get(), 10ms).empty());
+}
+
+TEST_CASE("entering error flushes every outstanding request exactly once", "[conformance]") {
+  connected_pair p({.max_send_wr = 16, .max_recv_wr = 16, .rnr_retry = 7, .min_rnr_timer_us = 1000});
+  std::vector<char> buf(64);
+  auto mr = p.a.pd->register_memory(buf.data(), buf.size(), access::local_write);
+  tp::sge sg = mr->slice(0, 8);
+  // The peer posts no receives: the sends stay outstanding (RNR forever).
+  std::vector<tp::work_request> sends;
+  for (std::uint64_t i = 0; i < 10; ++i) sends.push_back(send_wr(100 + i, {&sg, 1}, i % 3 == 0));
+  REQUIRE_FALSE(p.a.qp->post_send(sends));
+  std::vector<tp::recv_request> recvs;
+  for (std::uint64_t i = 0; i < 5; ++i) recvs.push_back({.wr_id = 200 + i, .sg_list = {&sg, 1}});
+  REQUIRE_FALSE(p.a.qp->post_recv(recvs));
+  p.drv.settle(p.a.cq.get(), 20ms);
+  REQUIRE_FALSE(p.a.qp->modify(tp::qp_state::error));
+  auto c = p.drv.wait(p.a.cq.get(), 15);
+  REQUIRE(c.size() == 15);
+  std::set<std::uint64_t> ids;
+  for (auto& x : c) {
+    CHECK(x.status == tp::wc_status::work_request_flushed);
+    ids.insert(x.wr_id);
+  }
+  CHECK(ids.size() == 15);
+  CHECK(p.drv.settle(p.a.cq.get(), 20ms).empty());  // nothing completes twice
+  // posting to a queue pair in error flushes at once
+  tp::work_request late = send_wr(300, {&sg, 1}, false);
+  REQUIRE_FALSE(p.a.qp->post_send({&late, 1}));
+  auto lc = p.drv.wait_one(p.a.cq.get());
+  CHECK(lc.wr_id == 300);
+  CHECK(lc.status == tp::wc_status::work_request_flushed);
+  // the peer sees its side fail too, with no hang
+  p.drv.settle(p.b.cq.get(), 50ms);
+  CHECK(p.b.qp->state() == tp::qp_state::error);
+}
+
+TEST_CASE("completion queue overflow is reported, never silent", "[conformance]") {
+  connected_pair p({}, 4096, 4);  // the receiver's CQ holds 4
+  std::vector<char> src(8, 'o'), dst(8 * 8);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  std::vector<tp::sge> rsg;
+  for (std::size_t i = 0; i < 8; ++i) rsg.push_back(dmr->slice(i * 8, 8));
+  std::vector<tp::recv_request> rr;
+  for (std::size_t i = 0; i < 8; ++i) rr.push_back({.wr_id = i, .sg_list = {&rsg[i], 1}});
+  REQUIRE_FALSE(p.b.qp->post_recv(rr));
+  tp::sge ssg = smr->slice(0, 8);
+  std::vector<tp::work_request> wrs;
+  for (std::uint64_t i = 0; i < 8; ++i) wrs.push_back(send_wr(i, {&ssg, 1}));
+  REQUIRE_FALSE(p.a.qp->post_send(wrs));
+  std::this_thread::sleep_for(50ms);  // every message reaches the receiver before it polls
+  std::error_code ec;
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (!ec && std::chrono::steady_clock::now() < deadline) {
+    tp::completion one[1];
+    p.b.cq->poll(one, ec);
+  }
+  CHECK(ec == anydoor::errc::cq_overflow);
+  CHECK(p.b.cq->arm() == anydoor::errc::cq_overflow);
+  tp::completion more[8];
+  CHECK(p.b.cq->poll(more, ec) == 0);
+  CHECK(ec == anydoor::errc::cq_overflow);
+  CHECK(p.b.qp->state() == tp::qp_state::error);
+}
+
+TEST_CASE("peer death completes outstanding requests with an error", "[conformance]") {
+  std::vector<char> buf(64, 'd');
+
+  SECTION("the peer's queue pair is destroyed") {
+    connected_pair p({.rnr_retry = 7, .min_rnr_timer_us = 1000});
+    auto mr = p.a.pd->register_memory(buf.data(), buf.size(), access::local_write);
+    tp::sge sg = mr->slice(0, 8);
+    tp::work_request wrs[] = {send_wr(1, {&sg, 1}), send_wr(2, {&sg, 1})};
+    tp::recv_request rr{.wr_id = 3, .sg_list = {&sg, 1}};
+    REQUIRE_FALSE(p.a.qp->post_recv({&rr, 1}));
+    REQUIRE_FALSE(p.a.qp->post_send(wrs));
+    p.drv.settle(p.a.cq.get(), 10ms);
+    p.b.qp.reset();
+    auto c = p.drv.wait(p.a.cq.get(), 3, 5s);
+    REQUIRE(c.size() == 3);
+    for (auto& x : c) CHECK(x.status != tp::wc_status::success);
+    CHECK(p.a.qp->state() == tp::qp_state::error);
+  }
+  SECTION("the peer process is killed") {
+    auto probe = open_test_device();
+    auto lis = probe->listen(test_host(), 0);
+    const std::uint16_t port = lis->port();
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      // The peer: accept one connection, then never poll again.
+      std::error_code ec;
+      auto req = lis->get_request(10s, ec);
+      auto dev = open_test_device();
+      auto pd = dev->alloc_pd();
+      auto cq = dev->create_cq(64);
+      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+      if (!req || req->accept(*qp, {})) ::_exit(1);
+      ::pause();
+      ::_exit(0);
+    }
+    lis.reset();
+    endpoint a;
+    a.qp = a.pd->create_qp(a.attrs({.rnr_retry = 7}));
+    auto r = a.dev->connect(*a.qp, test_host(), port, {}, 10s);
+    REQUIRE_FALSE(r.ec);
+    auto mr = a.pd->register_memory(buf.data(), buf.size(), access::local_write);
+    tp::sge sg = mr->slice(0, 8);
+    tp::work_request wrs[] = {send_wr(1, {&sg, 1}), send_wr(2, {&sg, 1}, false), send_wr(3, {&sg, 1})};
+    REQUIRE_FALSE(a.qp->post_send(wrs));
+    driver d{a.cq.get()};
+    CHECK(d.settle(a.cq.get(), 20ms).empty());
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    auto c = d.wait(a.cq.get(), 3, 5s);
+    REQUIRE(c.size() == 3);
+    CHECK(c[0].status == tp::wc_status::retry_exceeded);
+    CHECK(c[1].status == tp::wc_status::work_request_flushed);
+    CHECK(c[2].status == tp::wc_status::work_request_flushed);
+    CHECK(a.qp->state() == tp::qp_state::error);
+  }
+}

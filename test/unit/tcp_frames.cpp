@@ -1,0 +1,317 @@
+// The tcp provider facing a hostile or broken peer: a raw socket speaks the
+// wire protocol by hand. Every case must end with the queue pair in error,
+// a log line, no crash, and no memory touched outside a registration.
+#include "../support/harness.hpp"
+#include "tcp/wire.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+using namespace anydoor::test;
+using namespace anydoor::transport::tcp;
+using tp::access;
+
+namespace {
+
+int raw_connect(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
+}
+
+void raw_send(int fd, const void* p, std::size_t n) {
+  REQUIRE(::send(fd, p, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n));
+}
+
+void send_hello(int fd, std::uint8_t version = kWireVersion) {
+  std::array<std::byte, kHandshakeSize> b{};
+  encode(handshake{.kind = handshake_kind::hello, .qp_num = 1, .max_send_wr = 16, .max_recv_wr = 16}, b);
+  b[4] = std::byte{version};
+  raw_send(fd, b.data(), b.size());
+}
+
+// Reads exactly n bytes (or fewer at EOF) with a timeout.
+std::vector<std::byte> raw_read(int fd, std::size_t n, int timeout_ms = 3000) {
+  std::vector<std::byte> out;
+  while (out.size() < n) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) != 1) break;
+    std::byte buf[4096];
+    const ssize_t r = ::recv(fd, buf, std::min(sizeof buf, n - out.size()), 0);
+    if (r <= 0) break;
+    out.insert(out.end(), buf, buf + r);
+  }
+  return out;
+}
+
+// A tcp-provider queue pair whose peer is a raw socket.
+struct raw_peer {
+  endpoint ep;
+  std::vector<std::uint8_t> mem = std::vector<std::uint8_t>(4096 + 128, 0xa5);
+  std::unique_ptr<tp::memory_region> mr;
+  int fd = -1;
+
+  raw_peer() {
+    ep.qp = ep.pd->create_qp(ep.attrs());
+    mr = ep.pd->register_memory(mem.data() + 64, 4096,
+                                access::local_write | access::remote_write | access::remote_read |
+                                    access::remote_atomic);
+    auto lis = ep.dev->listen("127.0.0.1", 0);
+    fd = raw_connect(lis->port());
+    send_hello(fd);
+    std::error_code ec;
+    auto req = lis->get_request(5s, ec);
+    REQUIRE(req);
+    REQUIRE_FALSE(req->accept(*ep.qp, {}));
+    auto reply = raw_read(fd, kHandshakeSize);
+    REQUIRE(reply.size() == kHandshakeSize);
+    handshake h;
+    REQUIRE(decode(std::span<const std::byte, kHandshakeSize>(reply.data(), kHandshakeSize), h) ==
+            handshake_error::none);
+    CHECK(h.kind == handshake_kind::accept);
+  }
+  ~raw_peer() {
+    if (fd >= 0) ::close(fd);
+  }
+  std::uint64_t base() const { return reinterpret_cast<std::uint64_t>(mem.data() + 64); }
+  bool guards_intact() const {
+    return std::all_of(mem.begin(), mem.begin() + 64, [](auto b) { return b == 0xa5; }) &&
+           std::all_of(mem.end() - 64, mem.end(), [](auto b) { return b == 0xa5; });
+  }
+  void send_frame(const frame_header& h, const void* payload = nullptr, std::size_t n = 0) {
+    std::vector<std::byte> b(kHeaderSize + n);
+    encode(h, std::span<std::byte, kHeaderSize>(b.data(), kHeaderSize));
+    if (n > 0) std::memcpy(b.data() + kHeaderSize, payload, n);
+    raw_send(fd, b.data(), b.size());
+  }
+  // Polls the queue pair's CQ until it is in error (or 5 s).
+  bool reaches_error() {
+    driver d{ep.cq.get()};
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (ep.qp->state() != tp::qp_state::error && std::chrono::steady_clock::now() < deadline) d.step();
+    return ep.qp->state() == tp::qp_state::error;
+  }
+  bool closed_by_provider() {
+    for (int i = 0; i < 100; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) == 1) {
+        std::byte b[256];
+        const ssize_t r = ::recv(fd, b, sizeof b, 0);
+        if (r <= 0) return true;
+      }
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("tcp provider: a well-formed write from a raw peer lands and is acknowledged", "[unit][tcp]") {
+  raw_peer p;
+  const char data[] = "hello";
+  p.send_frame({.type = frame_type::write, .psn = 1, .length = 5, .remote_addr = p.base() + 10,
+                .rkey = p.mr->rkey()},
+               data, 5);
+  driver d{p.ep.cq.get()};
+  d.settle(p.ep.cq.get(), 30ms);
+  CHECK(std::memcmp(p.mem.data() + 64 + 10, "hello", 5) == 0);
+  auto ack = raw_read(p.fd, kHeaderSize);
+  REQUIRE(ack.size() == kHeaderSize);
+  frame_header h;
+  REQUIRE(decode(std::span<const std::byte, kHeaderSize>(ack.data(), kHeaderSize), h) == decode_error::none);
+  CHECK(h.type == frame_type::ack);
+  CHECK(h.psn == 1);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}
+
+TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit][tcp]") {
+  raw_peer p;
+  SECTION("unknown version") {
+    std::array<std::byte, kHeaderSize> b{};
+    encode(frame_header{.type = frame_type::send}, b);
+    b[0] = std::byte{7};
+    raw_send(p.fd, b.data(), b.size());
+  }
+  SECTION("unknown frame type") {
+    std::array<std::byte, kHeaderSize> b{};
+    encode(frame_header{.type = frame_type::send}, b);
+    b[1] = std::byte{0x42};
+    raw_send(p.fd, b.data(), b.size());
+  }
+  SECTION("oversized payload") {
+    p.send_frame({.type = frame_type::write, .psn = 1, .length = 0xffffffff, .remote_addr = p.base(),
+                  .rkey = p.mr->rkey()});
+  }
+  SECTION("truncated frame, then the peer closes") {
+    std::array<std::byte, kHeaderSize> b{};
+    encode(frame_header{.type = frame_type::send, .psn = 1, .length = 10}, b);
+    raw_send(p.fd, b.data(), 20);
+    ::shutdown(p.fd, SHUT_WR);
+  }
+  SECTION("truncated payload, then the peer closes") {
+    const char data[10] = {};
+    p.send_frame({.type = frame_type::write, .psn = 1, .length = 1000, .remote_addr = p.base(),
+                  .rkey = p.mr->rkey()},
+                 data, sizeof data);
+    ::shutdown(p.fd, SHUT_WR);
+  }
+  SECTION("sequence number out of order") {
+    p.send_frame({.type = frame_type::write, .psn = 5, .remote_addr = p.base(), .rkey = p.mr->rkey()});
+  }
+  SECTION("a response with no request outstanding") {
+    p.send_frame({.type = frame_type::ack, .psn = 1});
+  }
+  SECTION("write outside the registration (header says so, payload follows)") {
+    std::vector<char> data(64, 'x');
+    p.send_frame({.type = frame_type::write, .psn = 1, .length = 64, .remote_addr = p.base() + 4096 - 32,
+                  .rkey = p.mr->rkey()},
+                 data.data(), data.size());
+    REQUIRE(p.reaches_error());
+    auto nak = raw_read(p.fd, kHeaderSize);
+    REQUIRE(nak.size() == kHeaderSize);
+    frame_header h;
+    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(nak.data(), kHeaderSize), h) == decode_error::none);
+    CHECK(h.type == frame_type::nak);
+    CHECK(h.imm == static_cast<std::uint32_t>(tp::wc_status::remote_access_error));
+  }
+  SECTION("read beyond the registration") {
+    p.send_frame({.type = frame_type::read_request, .psn = 1, .remote_addr = p.base() + 1,
+                  .rkey = p.mr->rkey(), .read_length = 4096});
+  }
+  SECTION("address arithmetic that wraps around") {
+    p.send_frame({.type = frame_type::write, .psn = 1, .length = 16, .remote_addr = ~std::uint64_t{0} - 7,
+                  .rkey = p.mr->rkey()},
+                 "0123456789abcdef", 16);
+  }
+  CHECK(p.reaches_error());
+  CHECK(p.closed_by_provider());
+  CHECK(p.guards_intact());
+}
+
+TEST_CASE("tcp provider: connection handshake errors", "[unit][tcp]") {
+  auto dev = open_test_device();
+  auto pd = dev->alloc_pd();
+  auto cq = dev->create_cq(16);
+  auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+
+  SECTION("nobody listening") {
+    auto lis = dev->listen("127.0.0.1", 0);
+    const std::uint16_t port = lis->port();
+    lis.reset();
+    auto r = dev->connect(*qp, "127.0.0.1", port, {}, 2s);
+    CHECK(r.ec == anydoor::errc::connection_refused);
+    CHECK(qp->state() == tp::qp_state::reset);
+  }
+  SECTION("unresolvable host") {
+    auto r = dev->connect(*qp, "no-such-host.invalid", 1, {}, 2s);
+    CHECK(r.ec == anydoor::errc::address_error);
+  }
+  SECTION("the listener rejects, with private data") {
+    auto lis = dev->listen("127.0.0.1", 0);
+    std::thread t([&] {
+      std::error_code ec;
+      auto req = lis->get_request(5s, ec);
+      REQUIRE(req);
+      CHECK(req->private_data().size() == 3);
+      const std::byte why[] = {std::byte{'n'}, std::byte{'o'}};
+      req->reject(why);
+    });
+    const std::byte hi[] = {std::byte{1}, std::byte{2}, std::byte{3}};
+    auto r = dev->connect(*qp, "127.0.0.1", lis->port(), hi, 5s);
+    t.join();
+    CHECK(r.ec == anydoor::errc::connection_rejected);
+    REQUIRE(r.private_data.size() == 2);
+    CHECK(r.private_data[0] == std::byte{'n'});
+  }
+  SECTION("private data travels both ways on accept") {
+    auto lis = dev->listen("127.0.0.1", 0);
+    auto qp2 = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+    std::vector<std::byte> seen;
+    std::thread t([&] {
+      std::error_code ec;
+      auto req = lis->get_request(5s, ec);
+      REQUIRE(req);
+      seen.assign(req->private_data().begin(), req->private_data().end());
+      std::vector<std::byte> mine(56, std::byte{0x5a});
+      CHECK_FALSE(req->accept(*qp2, mine));
+    });
+    std::vector<std::byte> hi(56, std::byte{0x33});
+    auto r = dev->connect(*qp, "127.0.0.1", lis->port(), hi, 5s);
+    t.join();
+    REQUIRE_FALSE(r.ec);
+    CHECK(seen == hi);
+    CHECK(r.private_data == std::vector<std::byte>(56, std::byte{0x5a}));
+    CHECK(qp->state() == tp::qp_state::rts);
+    // a connected queue pair cannot connect again
+    CHECK(dev->connect(*qp, "127.0.0.1", lis->port(), {}, 1s).ec == anydoor::errc::invalid_state);
+  }
+  SECTION("private data above the limit is refused") {
+    std::vector<std::byte> big(dev->caps().max_private_data + 1);
+    CHECK(dev->connect(*qp, "127.0.0.1", 1, big, 1s).ec == anydoor::errc::invalid_argument);
+  }
+  SECTION("a hello with another wire version is refused on both sides") {
+    auto lis = dev->listen("127.0.0.1", 0);
+    const int fd = raw_connect(lis->port());
+    send_hello(fd, 9);
+    std::error_code ec;
+    auto req = lis->get_request(5s, ec);
+    CHECK(req == nullptr);
+    CHECK(ec == anydoor::errc::version_mismatch);
+    auto reply = raw_read(fd, kHandshakeSize);
+    REQUIRE(reply.size() == kHandshakeSize);
+    handshake h;
+    CHECK(decode(std::span<const std::byte, kHandshakeSize>(reply.data(), kHandshakeSize), h) ==
+          handshake_error::none);
+    CHECK(h.kind == handshake_kind::reject);
+    CHECK(h.version == kWireVersion);
+    ::close(fd);
+  }
+  SECTION("a listener that speaks another version, garbage, or nothing") {
+    const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::listen(lfd, 4) == 0);
+    socklen_t len = sizeof a;
+    ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+    const std::uint16_t port = ntohs(a.sin_port);
+    int mode = GENERATE(0, 1, 2);
+    std::thread t([&] {
+      const int fd = ::accept(lfd, nullptr, nullptr);
+      raw_read(fd, kHandshakeSize);
+      std::array<std::byte, kHandshakeSize> b{};
+      encode(handshake{.kind = handshake_kind::accept, .max_send_wr = 16}, b);
+      if (mode == 0) b[4] = std::byte{2};
+      if (mode == 1) b[0] = std::byte{'Z'};
+      if (mode != 2) ::send(fd, b.data(), b.size(), MSG_NOSIGNAL);
+      raw_read(fd, 1, 1500);  // hold the connection until the client gives up
+      ::close(fd);
+    });
+    auto r = dev->connect(*qp, "127.0.0.1", port, {}, 500ms);
+    t.join();
+    ::close(lfd);
+    if (mode == 0) CHECK(r.ec == anydoor::errc::version_mismatch);
+    if (mode == 1) CHECK(r.ec == anydoor::errc::protocol_error);
+    if (mode == 2) CHECK(r.ec == anydoor::errc::timed_out);
+    CHECK(qp->state() == tp::qp_state::reset);
+  }
+  SECTION("get_request times out when nobody comes") {
+    auto lis = dev->listen("127.0.0.1", 0);
+    std::error_code ec;
+    CHECK(lis->get_request(50ms, ec) == nullptr);
+    CHECK(ec == anydoor::errc::timed_out);
+  }
+}

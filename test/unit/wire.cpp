@@ -1,0 +1,103 @@
+// The tcp provider's frame and handshake codecs.
+#include "tcp/wire.hpp"
+
+#include <catch2/catch.hpp>
+
+using namespace anydoor::transport::tcp;
+
+namespace {
+std::array<std::byte, kHeaderSize> encoded(const frame_header& h) {
+  std::array<std::byte, kHeaderSize> b{};
+  encode(h, b);
+  return b;
+}
+}  // namespace
+
+TEST_CASE("frame headers round-trip", "[unit]") {
+  frame_header h{.type = frame_type::write, .flags = kFlagImm, .psn = 0xfffffffe, .length = 4096,
+                 .imm = 0x01020304, .remote_addr = 0x1122334455667788, .rkey = 0x99aabbcc,
+                 .read_length = 0, .compare_add = 0xdeadbeefcafef00d, .swap = 42};
+  auto b = encoded(h);
+  CHECK(static_cast<int>(b[0]) == kWireVersion);
+  CHECK(static_cast<int>(b[16]) == 0x88);  // little-endian on the wire
+  frame_header d;
+  REQUIRE(decode(b, d) == decode_error::none);
+  CHECK(d.type == h.type);
+  CHECK(d.flags == h.flags);
+  CHECK(d.psn == h.psn);
+  CHECK(d.length == h.length);
+  CHECK(d.imm == h.imm);
+  CHECK(d.remote_addr == h.remote_addr);
+  CHECK(d.rkey == h.rkey);
+  CHECK(d.compare_add == h.compare_add);
+  CHECK(d.swap == h.swap);
+}
+
+TEST_CASE("the frame decoder rejects every kind of malformed header", "[unit]") {
+  frame_header d;
+  SECTION("version") {
+    auto b = encoded({.type = frame_type::send});
+    b[0] = std::byte{2};
+    CHECK(decode(b, d) == decode_error::bad_version);
+  }
+  SECTION("type") {
+    auto b = encoded({.type = frame_type::send});
+    b[1] = std::byte{99};
+    CHECK(decode(b, d) == decode_error::bad_type);
+    b[1] = std::byte{0};
+    CHECK(decode(b, d) == decode_error::bad_type);
+  }
+  SECTION("flags") {
+    CHECK(decode(encoded({.type = frame_type::send, .flags = 0x8000}), d) == decode_error::bad_flags);
+    CHECK(decode(encoded({.type = frame_type::read_request, .flags = kFlagImm}), d) == decode_error::bad_flags);
+  }
+  SECTION("oversized") {
+    CHECK(decode(encoded({.type = frame_type::send, .length = kMaxPayload + 1}), d) == decode_error::oversized);
+    CHECK(decode(encoded({.type = frame_type::read_request, .read_length = kMaxPayload + 1}), d) ==
+          decode_error::oversized);
+    CHECK(decode(encoded({.type = frame_type::send, .length = kMaxPayload}), d) == decode_error::none);
+  }
+  SECTION("payload on a frame that carries none") {
+    CHECK(decode(encoded({.type = frame_type::ack, .length = 1}), d) == decode_error::unexpected_payload);
+    CHECK(decode(encoded({.type = frame_type::fetch_add, .length = 8}), d) == decode_error::unexpected_payload);
+  }
+  SECTION("inconsistent field") {
+    CHECK(decode(encoded({.type = frame_type::write, .read_length = 4}), d) == decode_error::bad_field);
+  }
+  for (auto e : {decode_error::none, decode_error::bad_version, decode_error::bad_type, decode_error::bad_flags,
+                 decode_error::oversized, decode_error::unexpected_payload, decode_error::bad_field}) {
+    CHECK_FALSE(to_string(e).empty());
+  }
+}
+
+TEST_CASE("handshakes round-trip and reject garbage", "[unit]") {
+  std::array<std::byte, kHandshakeSize> b{};
+  handshake h{.kind = handshake_kind::accept, .private_data_len = 56, .qp_num = 7, .max_send_wr = 128,
+              .max_recv_wr = 64};
+  encode(h, b);
+  handshake d;
+  REQUIRE(decode(b, d) == handshake_error::none);
+  CHECK(d.kind == handshake_kind::accept);
+  CHECK(d.private_data_len == 56);
+  CHECK(d.qp_num == 7);
+  CHECK(d.max_send_wr == 128);
+  CHECK(d.max_recv_wr == 64);
+
+  auto bad = b;
+  bad[0] = std::byte{'X'};
+  CHECK(decode(bad, d) == handshake_error::bad_magic);
+  bad = b;
+  bad[4] = std::byte{9};
+  CHECK(decode(bad, d) == handshake_error::bad_version);
+  CHECK(d.version == 9);
+  bad = b;
+  bad[5] = std::byte{4};
+  CHECK(decode(bad, d) == handshake_error::bad_kind);
+  h.private_data_len = 57;
+  encode(h, bad);
+  CHECK(decode(bad, d) == handshake_error::bad_length);
+  h.private_data_len = 0;
+  h.max_send_wr = 0;
+  encode(h, bad);
+  CHECK(decode(bad, d) == handshake_error::bad_length);
+}

@@ -1,0 +1,29 @@
+// The tcp provider's device: a name, capabilities and a connection manager.
+#pragma once
+
+#include <anydoor/transport/provider.hpp>
+
+#include <string>
+
+namespace anydoor::transport::tcp {
+
+class tcp_device final : public device {
+ public:
+  explicit tcp_device(std::string name) : name_(std::move(name)), caps_(make_caps()) {}
+  std::string_view provider() const noexcept override { return "tcp"; }
+  std::string_view name() const noexcept override { return name_; }
+  const capabilities& caps() const noexcept override { return caps_; }
+  std::unique_ptr<protection_domain> alloc_pd() override;
+  std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
+  std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port) override;
+  connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
+                         std::span<const std::byte> private_data,
+                         std::chrono::milliseconds timeout) noexcept override;
+
+ private:
+  static capabilities make_caps() noexcept;
+  std::string name_;
+  capabilities caps_;
+};
+
+}  // namespace anydoor::transport::tcp

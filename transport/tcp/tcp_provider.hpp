@@ -1,0 +1,251 @@
+// The tcp provider: a software RC NIC. One TCP connection per queue pair;
+// requests (send, write, read, atomics) are executed by the target's
+// provider against its registrations, and answered with ACK/NAK or response
+// frames, so the initiator's completion means what it means on a real NIC.
+// Progress happens inside completion_queue::poll().
+#pragma once
+
+#include <anydoor/transport/provider.hpp>
+
+#include "tcp/wire.hpp"
+
+#include <sys/uio.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace anydoor::transport::tcp {
+
+class tcp_cq;
+class tcp_qp;
+
+// Keys and lookups of a protection domain's registrations. Lookups are
+// lock-free (they run on the data path of every completion queue's thread);
+// register/deregister take a mutex.
+class registration_table {
+ public:
+  struct view {
+    std::byte* addr = nullptr;
+    std::uint64_t length = 0;
+    access acc = access::none;
+  };
+  static constexpr std::uint32_t kCapacity = 1u << 14;
+
+  registration_table();
+  std::uint32_t add(std::byte* addr, std::uint64_t length, access acc);  // 0 when full
+  void remove(std::uint32_t key) noexcept;
+  // The registration behind key when [addr, addr+len) lies inside it and it
+  // grants `need`; nullptr otherwise.
+  std::byte* check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need) const noexcept;
+
+ private:
+  struct entry {
+    std::atomic<std::uint32_t> key{0};
+    std::atomic<std::uint64_t> addr{0};
+    std::atomic<std::uint64_t> length{0};
+    std::atomic<std::uint32_t> acc{0};
+    std::uint8_t generation = 0;
+  };
+  std::mutex mutex_;
+  std::unique_ptr<entry[]> entries_;
+  std::vector<std::uint32_t> free_;
+};
+
+class tcp_pd;
+
+class tcp_mr final : public memory_region {
+ public:
+  tcp_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length,
+         std::uint32_t key, transport::access acc) noexcept;
+  ~tcp_mr() override;
+
+ private:
+  std::shared_ptr<registration_table> table_;
+};
+
+class tcp_pd final : public protection_domain {
+ public:
+  std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
+  std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
+  const registration_table& table() const noexcept { return *table_; }
+
+ private:
+  std::shared_ptr<registration_table> table_ = std::make_shared<registration_table>();
+};
+
+class tcp_cq final : public completion_queue {
+ public:
+  explicit tcp_cq(std::uint32_t depth);
+  ~tcp_cq() override;
+
+  std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
+  std::error_code arm() noexcept override;
+  int notify_fd() const noexcept override { return epfd_; }
+  std::size_t ack_events() noexcept override;
+  std::uint32_t depth() const noexcept override { return depth_; }
+  cq_counters counters() const noexcept override { return counters_; }
+
+  // For queue pairs.
+  void push(const completion& c) noexcept;
+  void attach(tcp_qp* qp);
+  void detach(tcp_qp* qp) noexcept;
+  void watch(int fd, tcp_qp* qp, bool want_write) noexcept;
+  void unwatch(int fd) noexcept;
+  void schedule(std::chrono::steady_clock::time_point when) noexcept;
+  void progress() noexcept;
+
+ private:
+  void signal() noexcept;
+
+  std::uint32_t depth_;
+  std::vector<completion> ring_;
+  std::uint64_t ring_head_ = 0;
+  std::uint64_t ring_tail_ = 0;
+  bool armed_ = false;
+  bool overflow_ = false;
+  int epfd_ = -1;
+  int evfd_ = -1;
+  int timerfd_ = -1;
+  std::chrono::steady_clock::time_point timer_at_{};
+  bool timer_set_ = false;
+  std::vector<tcp_qp*> qps_;
+  cq_counters counters_;
+};
+
+// A queue pair. See tcp_qp.cpp for the engine.
+class tcp_qp final : public queue_pair {
+ public:
+  tcp_qp(const registration_table& table, const qp_attributes& attr);
+  ~tcp_qp() override;
+
+  std::uint32_t qp_num() const noexcept override { return qpn_; }
+  qp_state state() const noexcept override { return state_; }
+  std::error_code modify(qp_state next) noexcept override;
+  std::error_code post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept override;
+  std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
+  const qp_attributes& attributes() const noexcept override { return attr_; }
+  qp_counters counters() const noexcept override { return counters_; }
+
+  // Connection manager: adopt a connected socket; moves the QP to rts.
+  std::error_code attach_socket(int fd, std::uint32_t peer_max_send_wr) noexcept;
+  bool can_connect() const noexcept {
+    return (state_ == qp_state::reset || state_ == qp_state::init) && fd_ < 0;
+  }
+
+  // Completion queues drive these.
+  void progress() noexcept;                 // read and write what the socket allows
+  void on_events(std::uint32_t events) noexcept;
+  void on_timer(std::chrono::steady_clock::time_point now) noexcept;
+  void on_cq_overflow() noexcept;
+  void forget_cq(const tcp_cq* cq) noexcept;
+  bool wants_progress() const noexcept { return fd_ >= 0; }
+
+ private:
+  struct sq_entry {
+    work_request wr;               // sg_list points into sges_ (or inline_)
+    std::uint32_t psn = 0;
+    std::uint32_t length = 0;      // total payload / read length
+    wc_status local_error = wc_status::success;
+    std::array<std::byte, kHeaderSize> header{};
+  };
+  struct rq_entry {
+    std::uint64_t wr_id = 0;
+    std::uint32_t num_sge = 0;
+  };
+  struct response {
+    frame_header h;
+    const std::byte* payload = nullptr;
+    std::array<std::byte, kHeaderSize> header{};
+  };
+  // Where an inbound payload goes.
+  struct segment {
+    std::byte* ptr = nullptr;  // nullptr: discard
+    std::uint64_t len = 0;
+  };
+  enum class rx_phase : std::uint8_t { header, payload };
+  enum class after_payload : std::uint8_t { none, ack_only, recv_done, write_imm_done, read_done };
+
+  // sending
+  void flush() noexcept;
+  bool fill_iov() noexcept;
+  void build_request_header(sq_entry& e) noexcept;
+  void queue_response(const frame_header& h, const std::byte* payload) noexcept;
+  void update_write_interest() noexcept;
+  // receiving
+  void receive() noexcept;
+  bool handle_header(const frame_header& h) noexcept;
+  void finish_payload() noexcept;
+  bool handle_request(const frame_header& h) noexcept;
+  bool handle_response(const frame_header& h) noexcept;
+  bool take_recv(std::uint32_t length, bool& rnr) noexcept;
+  void nak(std::uint32_t psn, wc_status status, bool fatal) noexcept;
+  void complete_head(wc_status status, std::uint32_t byte_len) noexcept;
+  void check_local_error() noexcept;
+  // errors
+  void protocol_error(std::string_view why) noexcept;
+  void peer_gone(std::string_view why) noexcept;
+  void enter_error(wc_status head_status) noexcept;
+  void close_socket() noexcept;
+  void push_send(const completion& c) noexcept;
+  void push_recv(const completion& c) noexcept;
+  sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[(idx % attr_.max_send_wr) * attr_.max_send_sge]; }
+  sge* rq_sges_of(std::uint64_t idx) noexcept { return &rq_sges_[(idx % attr_.max_recv_wr) * attr_.max_recv_sge]; }
+
+  const registration_table& table_;
+  qp_attributes attr_;
+  std::uint32_t qpn_;
+  qp_state state_ = qp_state::reset;
+  int fd_ = -1;
+  bool close_when_flushed_ = false;
+  qp_counters counters_;
+
+  // send queue: [head_, ack_) acknowledged but not yet retired (unsignaled),
+  // [ack_, tx_) sent, [tx_, tail_) posted; indices grow without wrapping.
+  std::vector<sq_entry> sq_;
+  std::vector<sge> sq_sges_;
+  std::vector<std::byte> inline_;
+  std::uint64_t sq_head_ = 0, sq_ack_ = 0, sq_tx_ = 0, sq_tail_ = 0;
+  std::uint32_t next_psn_ = 1;
+  std::uint8_t rnr_left_ = 7;
+  bool rnr_waiting_ = false;
+  bool rewind_pending_ = false;
+  bool tx_blocked_ = false;  // a request with a local error waits at the head of the sent queue
+  std::uint64_t rewind_to_ = 0;
+  std::chrono::steady_clock::time_point rnr_until_{};
+
+  // receive queue
+  std::vector<rq_entry> rq_;
+  std::vector<sge> rq_sges_;
+  std::uint64_t rq_head_ = 0, rq_tail_ = 0;
+
+  // responder
+  std::uint32_t expected_psn_ = 1;
+  bool rnr_discard_ = false;  // after an RNR NAK: drop requests until expected_psn_ comes again
+  std::vector<response> resp_;
+  std::uint64_t resp_head_ = 0, resp_queued_ = 0, resp_tail_ = 0;  // [head, queued) in iov_
+
+  // transmit: iovecs of whole frames; [iov_pos_, iov_count_) still to send
+  static constexpr std::size_t kMaxIov = 64;
+  std::array<iovec, kMaxIov> iov_{};
+  std::size_t iov_count_ = 0, iov_pos_ = 0;
+  bool want_write_ = false;
+
+  // receive: staging buffer and the current frame
+  std::vector<std::byte> rx_buf_;
+  std::size_t rx_begin_ = 0, rx_end_ = 0;
+  rx_phase phase_ = rx_phase::header;
+  frame_header cur_{};
+  std::array<segment, 16> seg_{};
+  std::size_t seg_count_ = 0, seg_index_ = 0;
+  std::uint64_t payload_left_ = 0;
+  after_payload after_ = after_payload::none;
+  wc_status payload_status_ = wc_status::success;
+  std::uint64_t recv_wr_id_ = 0;
+};
+
+}  // namespace anydoor::transport::tcp

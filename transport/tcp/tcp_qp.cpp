@@ -1,0 +1,839 @@
+// The tcp provider's queue pair: requester and responder of one RC
+// connection over a TCP socket.
+//
+// Requester: post_send encodes each work request's header into its send
+// queue slot; flush() gathers whole frames (header + payload straight from
+// registered memory) into one sendmsg. A request completes when the peer's
+// response arrives (ACK, NAK, read or atomic response), in order.
+// Responder: receive() parses frames, checks every remote access against the
+// protection domain's registrations, places payloads (straight from the socket
+// into the destination when large), executes atomics, and queues responses.
+// RNR: a send (or write with immediate) that finds no receive is NAKed; the
+// responder drops later requests until the NAKed one comes again; the
+// requester waits min_rnr_timer_us, then sends again from the NAKed request
+// (go-back-N), at most rnr_retry times (7: forever).
+#include "tcp/tcp_provider.hpp"
+
+#include <anydoor/error.hpp>
+
+#include "log.hpp"
+
+#include <sys/socket.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+
+namespace anydoor::transport::tcp {
+namespace {
+
+std::atomic<std::uint32_t> g_next_qpn{1};
+constexpr std::size_t kRxBufferSize = 64 * 1024;
+constexpr std::size_t kDirectReadMin = 16 * 1024;
+constexpr int kMaxFramesPerProgress = 256;
+
+bool psn_le(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(b - a) >= 0; }
+
+wc_opcode completion_opcode(opcode op) noexcept {
+  switch (op) {
+    case opcode::send:
+    case opcode::send_with_imm: return wc_opcode::send;
+    case opcode::write:
+    case opcode::write_with_imm: return wc_opcode::write;
+    case opcode::read: return wc_opcode::read;
+    case opcode::fetch_add: return wc_opcode::fetch_add;
+    case opcode::compare_swap: return wc_opcode::compare_swap;
+  }
+  return wc_opcode::send;
+}
+
+bool is_atomic(opcode op) noexcept { return op == opcode::fetch_add || op == opcode::compare_swap; }
+bool carries_data(opcode op) noexcept {
+  return op == opcode::send || op == opcode::send_with_imm || op == opcode::write || op == opcode::write_with_imm;
+}
+
+void check_attr(const qp_attributes& a) {
+  const char* why = nullptr;
+  if (a.send_cq == nullptr || a.recv_cq == nullptr) why = "send_cq and recv_cq are required";
+  else if (a.max_send_wr == 0 || a.max_send_wr > (1u << 15)) why = "max_send_wr must be in 1..32768";
+  else if (a.max_recv_wr == 0 || a.max_recv_wr > (1u << 15)) why = "max_recv_wr must be in 1..32768";
+  else if (a.max_send_sge == 0 || a.max_send_sge > 16) why = "max_send_sge must be in 1..16";
+  else if (a.max_recv_sge == 0 || a.max_recv_sge > 16) why = "max_recv_sge must be in 1..16";
+  else if (a.max_inline_data > 1024) why = "max_inline_data must be at most 1024";
+  else if (a.rnr_retry > 7) why = "rnr_retry must be in 0..7";
+  if (why != nullptr) throw std::system_error(errc::invalid_argument, std::string("create_qp: ") + why);
+  if (dynamic_cast<tcp_cq*>(a.send_cq) == nullptr || dynamic_cast<tcp_cq*>(a.recv_cq) == nullptr) {
+    throw std::system_error(errc::invalid_argument, "create_qp: completion queues of another provider");
+  }
+}
+
+}  // namespace
+
+tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr)
+    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)) {
+  check_attr(attr_);
+  sq_.resize(attr_.max_send_wr);
+  sq_sges_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
+  inline_.resize(std::size_t{attr_.max_send_wr} * attr_.max_inline_data);
+  rq_.resize(attr_.max_recv_wr);
+  rq_sges_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
+  rx_buf_.resize(kRxBufferSize);
+  rnr_left_ = attr_.rnr_retry;
+  static_cast<tcp_cq*>(attr_.send_cq)->attach(this);
+  static_cast<tcp_cq*>(attr_.recv_cq)->attach(this);
+}
+
+tcp_qp::~tcp_qp() {
+  close_socket();
+  if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->detach(this);
+  if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->detach(this);
+}
+
+void tcp_qp::forget_cq(const tcp_cq* cq) noexcept {
+  close_socket();
+  if (attr_.send_cq == cq) attr_.send_cq = nullptr;
+  if (attr_.recv_cq == cq) attr_.recv_cq = nullptr;
+}
+
+// ---------------------------------------------------------------- state machine
+
+std::error_code tcp_qp::modify(qp_state next) noexcept {
+  const qp_state prev = state_;
+  switch (next) {
+    case qp_state::error:
+      close_when_flushed_ = false;
+      enter_error(wc_status::work_request_flushed);
+      return {};
+    case qp_state::reset:
+      close_socket();
+      // Like verbs: outstanding work is discarded without completions.
+      sq_head_ = sq_ack_ = sq_tx_ = sq_tail_ = 0;
+      rq_head_ = rq_tail_ = 0;
+      next_psn_ = expected_psn_ = 1;
+      rnr_left_ = attr_.rnr_retry;
+      rnr_waiting_ = rewind_pending_ = rnr_discard_ = tx_blocked_ = false;
+      state_ = qp_state::reset;
+      break;
+    case qp_state::init:
+      if (state_ != qp_state::reset) return errc::invalid_state;
+      state_ = qp_state::init;
+      break;
+    case qp_state::rtr:
+      if (state_ != qp_state::init) return errc::invalid_state;
+      if (fd_ < 0) return errc::not_connected;
+      state_ = qp_state::rtr;
+      break;
+    case qp_state::rts:
+      if (state_ != qp_state::rtr) return errc::invalid_state;
+      state_ = qp_state::rts;
+      break;
+  }
+  log().debug("qp {}: {} -> {}", qpn_, to_string(prev), to_string(state_));
+  return {};
+}
+
+std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) noexcept {
+  if (!can_connect()) {
+    ::close(fd);
+    return errc::invalid_state;
+  }
+  fd_ = fd;
+  // Each request of the peer yields at most one response, plus room for NAKs.
+  resp_.assign(std::size_t{peer_max_send_wr} * 2 + 8, response{});
+  resp_head_ = resp_queued_ = resp_tail_ = 0;
+  iov_count_ = iov_pos_ = 0;
+  rx_begin_ = rx_end_ = 0;
+  phase_ = rx_phase::header;
+  close_when_flushed_ = false;
+  want_write_ = false;
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, false);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, false);
+  log().debug("qp {}: {} -> rts (connected)", qpn_, to_string(state_));
+  state_ = qp_state::rts;
+  return {};
+}
+
+void tcp_qp::close_socket() noexcept {
+  if (fd_ < 0) return;
+  if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->unwatch(fd_);
+  if (attr_.recv_cq != nullptr && attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->unwatch(fd_);
+  ::close(fd_);
+  fd_ = -1;
+  iov_count_ = iov_pos_ = 0;
+  resp_head_ = resp_queued_ = resp_tail_ = 0;
+  rx_begin_ = rx_end_ = 0;
+  phase_ = rx_phase::header;
+  close_when_flushed_ = false;
+}
+
+void tcp_qp::push_send(const completion& c) noexcept {
+  if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->push(c);
+}
+
+void tcp_qp::push_recv(const completion& c) noexcept {
+  if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->push(c);
+}
+
+void tcp_qp::enter_error(wc_status head_status) noexcept {
+  if (state_ == qp_state::error) return;
+  log().debug("qp {}: {} -> error ({})", qpn_, to_string(state_), to_string(head_status));
+  state_ = qp_state::error;
+  // Every outstanding request completes exactly once, signaled or not.
+  for (std::uint64_t i = sq_ack_; i < sq_tail_; ++i) {
+    const sq_entry& e = sq_[i % attr_.max_send_wr];
+    const wc_status s = i == sq_ack_ ? head_status : wc_status::work_request_flushed;
+    push_send({.wr_id = e.wr.wr_id, .status = s, .opcode = completion_opcode(e.wr.op), .qp_num = qpn_});
+  }
+  sq_head_ = sq_ack_ = sq_tx_ = sq_tail_;
+  for (std::uint64_t i = rq_head_; i < rq_tail_; ++i) {
+    push_recv({.wr_id = rq_[i % attr_.max_recv_wr].wr_id, .status = wc_status::work_request_flushed,
+               .opcode = wc_opcode::recv, .qp_num = qpn_});
+  }
+  rq_head_ = rq_tail_;
+  rnr_waiting_ = rewind_pending_ = tx_blocked_ = false;
+  if (close_when_flushed_ && fd_ >= 0) {
+    // A NAK still has to reach the peer; flush() closes once it is out.
+    flush();
+  } else {
+    close_socket();
+  }
+}
+
+void tcp_qp::peer_gone(std::string_view why) noexcept {
+  if (sq_ack_ < sq_tail_ || phase_ == rx_phase::payload || rx_begin_ < rx_end_) {
+    log().warn("qp {}: connection lost with work outstanding: {}", qpn_, why);
+  } else {
+    log().info("qp {}: disconnected: {}", qpn_, why);
+  }
+  close_when_flushed_ = false;
+  close_socket();
+  enter_error(sq_ack_ < sq_tx_ ? wc_status::retry_exceeded : wc_status::work_request_flushed);
+}
+
+void tcp_qp::protocol_error(std::string_view why) noexcept {
+  log().warn("qp {}: bad frame from peer: {}; moving the queue pair to error", qpn_, why);
+  close_when_flushed_ = false;
+  close_socket();
+  enter_error(sq_ack_ < sq_tx_ ? wc_status::bad_response : wc_status::work_request_flushed);
+}
+
+void tcp_qp::on_cq_overflow() noexcept {
+  close_when_flushed_ = false;
+  enter_error(wc_status::work_request_flushed);
+}
+
+// ---------------------------------------------------------------- posting
+
+std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
+  if (state_ == qp_state::reset) return errc::invalid_state;
+  for (std::size_t i = 0; i < wrs.size(); ++i) {
+    if (wrs[i].sg_list.size() > attr_.max_recv_sge) {
+      if (bad != nullptr) *bad = i;
+      return errc::invalid_argument;
+    }
+    if (rq_tail_ - rq_head_ + i + 1 > attr_.max_recv_wr) {
+      if (bad != nullptr) *bad = i;
+      return errc::queue_full;
+    }
+  }
+  counters_.recv_wrs += wrs.size();
+  for (const recv_request& wr : wrs) {
+    if (state_ == qp_state::error) {
+      push_recv({.wr_id = wr.wr_id, .status = wc_status::work_request_flushed, .opcode = wc_opcode::recv,
+                 .qp_num = qpn_});
+      continue;
+    }
+    const std::uint64_t idx = rq_tail_++;
+    rq_[idx % attr_.max_recv_wr] = {wr.wr_id, static_cast<std::uint32_t>(wr.sg_list.size())};
+    std::copy(wr.sg_list.begin(), wr.sg_list.end(), rq_sges_of(idx));
+  }
+  return {};
+}
+
+std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept {
+  if (state_ != qp_state::rts && state_ != qp_state::error) return errc::invalid_state;
+  for (std::size_t i = 0; i < wrs.size(); ++i) {
+    const work_request& wr = wrs[i];
+    std::uint64_t total = 0;
+    for (const sge& s : wr.sg_list) total += s.length;
+    const bool ok =
+        wr.sg_list.size() <= attr_.max_send_sge && total <= kMaxPayload &&
+        (!wr.inline_data || (carries_data(wr.op) && total <= attr_.max_inline_data)) &&
+        (!is_atomic(wr.op) || (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8));
+    if (!ok) {
+      if (bad != nullptr) *bad = i;
+      return errc::invalid_argument;
+    }
+    if (sq_tail_ - sq_head_ + i + 1 > attr_.max_send_wr) {
+      if (bad != nullptr) *bad = i;
+      return errc::queue_full;
+    }
+  }
+  counters_.send_wrs += wrs.size();
+  if (state_ == qp_state::error) {
+    for (const work_request& wr : wrs) {
+      push_send({.wr_id = wr.wr_id, .status = wc_status::work_request_flushed,
+                 .opcode = completion_opcode(wr.op), .qp_num = qpn_});
+    }
+    return {};
+  }
+  ++counters_.doorbells;
+  for (const work_request& wr : wrs) {
+    const std::uint64_t idx = sq_tail_++;
+    sq_entry& e = sq_[idx % attr_.max_send_wr];
+    sge* sges = sges_of(idx);
+    e.wr = wr;
+    e.local_error = wc_status::success;
+    e.length = 0;
+    if (wr.inline_data) {
+      std::byte* buf = &inline_[(idx % attr_.max_send_wr) * attr_.max_inline_data];
+      std::size_t off = 0;
+      for (const sge& s : wr.sg_list) {
+        std::memcpy(buf + off, reinterpret_cast<const void*>(s.addr), s.length);
+        off += s.length;
+      }
+      sges[0] = {reinterpret_cast<std::uint64_t>(buf), static_cast<std::uint32_t>(off), 0};
+      e.wr.sg_list = {sges, 1};
+      e.length = static_cast<std::uint32_t>(off);
+    } else {
+      const access need = carries_data(wr.op) ? access::none : access::local_write;
+      std::copy(wr.sg_list.begin(), wr.sg_list.end(), sges);
+      e.wr.sg_list = {sges, wr.sg_list.size()};
+      for (const sge& s : wr.sg_list) {
+        e.length += s.length;
+        if (s.length != 0 && table_.check(s.lkey, s.addr, s.length, need) == nullptr) {
+          e.local_error = wc_status::local_protection_error;
+        }
+      }
+    }
+    e.psn = next_psn_++;
+    build_request_header(e);
+  }
+  flush();
+  check_local_error();
+  return {};
+}
+
+void tcp_qp::build_request_header(sq_entry& e) noexcept {
+  frame_header h;
+  h.psn = e.psn;
+  h.remote_addr = e.wr.remote_addr;
+  h.rkey = e.wr.rkey;
+  switch (e.wr.op) {
+    case opcode::send:
+    case opcode::send_with_imm:
+      h.type = frame_type::send;
+      h.length = e.length;
+      break;
+    case opcode::write:
+    case opcode::write_with_imm:
+      h.type = frame_type::write;
+      h.length = e.length;
+      break;
+    case opcode::read:
+      h.type = frame_type::read_request;
+      h.read_length = e.length;
+      break;
+    case opcode::fetch_add:
+      h.type = frame_type::fetch_add;
+      h.compare_add = e.wr.compare_add;
+      break;
+    case opcode::compare_swap:
+      h.type = frame_type::compare_swap;
+      h.compare_add = e.wr.compare_add;
+      h.swap = e.wr.swap;
+      break;
+  }
+  if (e.wr.op == opcode::send_with_imm || e.wr.op == opcode::write_with_imm) {
+    h.flags = kFlagImm;
+    h.imm = e.wr.imm;
+  }
+  encode(h, e.header);
+}
+
+// ---------------------------------------------------------------- transmit
+
+bool tcp_qp::fill_iov() noexcept {
+  auto add = [this](const void* p, std::size_t n) {
+    iov_[iov_count_++] = {const_cast<void*>(p), n};
+  };
+  const std::size_t cap = resp_.size();
+  while (resp_queued_ < resp_tail_) {
+    response& r = resp_[resp_queued_ % cap];
+    const std::size_t need = r.h.length > 0 ? 2 : 1;
+    if (iov_count_ + need > kMaxIov) return iov_count_ > 0;
+    add(r.header.data(), kHeaderSize);
+    if (r.h.length > 0) add(r.payload, r.h.length);
+    ++resp_queued_;
+  }
+  if (state_ != qp_state::rts || rnr_waiting_ || rewind_pending_ || tx_blocked_) return iov_count_ > 0;
+  while (sq_tx_ < sq_tail_) {
+    sq_entry& e = sq_[sq_tx_ % attr_.max_send_wr];
+    if (e.local_error != wc_status::success) {
+      tx_blocked_ = true;  // completes with the error once everything before it is acknowledged
+      break;
+    }
+    std::size_t need = 1;
+    if (carries_data(e.wr.op)) {
+      for (const sge& s : e.wr.sg_list) need += s.length > 0 ? 1 : 0;
+    }
+    if (iov_count_ + need > kMaxIov) break;
+    add(e.header.data(), kHeaderSize);
+    if (carries_data(e.wr.op)) {
+      for (const sge& s : e.wr.sg_list) {
+        if (s.length > 0) add(reinterpret_cast<const void*>(s.addr), s.length);
+      }
+    }
+    ++sq_tx_;
+  }
+  return iov_count_ > 0;
+}
+
+void tcp_qp::flush() noexcept {
+  while (fd_ >= 0) {
+    if (iov_pos_ == iov_count_) {
+      resp_head_ = resp_queued_;
+      iov_count_ = iov_pos_ = 0;
+      if (rewind_pending_) {
+        rewind_pending_ = false;
+        counters_.retransmits += sq_tx_ - rewind_to_;
+        sq_tx_ = rewind_to_;
+      }
+      if (close_when_flushed_ && resp_head_ == resp_tail_) {
+        close_socket();
+        return;
+      }
+      if (!fill_iov()) break;
+    }
+    msghdr msg{};
+    msg.msg_iov = &iov_[iov_pos_];
+    msg.msg_iovlen = iov_count_ - iov_pos_;
+    const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ++counters_.tx_syscalls;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      peer_gone(std::strerror(errno));
+      return;
+    }
+    counters_.bytes_sent += static_cast<std::uint64_t>(n);
+    auto left = static_cast<std::size_t>(n);
+    while (left > 0 && iov_pos_ < iov_count_) {
+      iovec& v = iov_[iov_pos_];
+      const std::size_t take = std::min(left, v.iov_len);
+      v.iov_base = static_cast<std::byte*>(v.iov_base) + take;
+      v.iov_len -= take;
+      left -= take;
+      if (v.iov_len == 0) ++iov_pos_;
+    }
+  }
+  update_write_interest();
+}
+
+void tcp_qp::update_write_interest() noexcept {
+  if (fd_ < 0) return;
+  const bool want = iov_pos_ < iov_count_;
+  if (want == want_write_) return;
+  want_write_ = want;
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want);
+}
+
+void tcp_qp::queue_response(const frame_header& h, const std::byte* payload) noexcept {
+  const std::size_t cap = resp_.size();
+  if (h.type == frame_type::ack && resp_tail_ > resp_queued_) {
+    response& last = resp_[(resp_tail_ - 1) % cap];
+    if (last.h.type == frame_type::ack) {  // cumulative: one ACK covers both
+      last.h.psn = h.psn;
+      encode(last.h, last.header);
+      return;
+    }
+  }
+  response& r = resp_[resp_tail_++ % cap];
+  r.h = h;
+  r.payload = payload;
+  encode(r.h, r.header);
+}
+
+void tcp_qp::nak(std::uint32_t psn, wc_status status, bool fatal) noexcept {
+  frame_header h;
+  h.type = frame_type::nak;
+  h.psn = psn;
+  h.imm = static_cast<std::uint32_t>(status);
+  queue_response(h, nullptr);
+  if (fatal) {
+    log().warn("qp {}: request {} from peer failed: {}; moving the queue pair to error", qpn_, psn,
+               to_string(status));
+    close_when_flushed_ = true;
+    enter_error(wc_status::work_request_flushed);
+  }
+}
+
+// ---------------------------------------------------------------- receive
+
+void tcp_qp::progress() noexcept {
+  if (fd_ < 0) return;
+  flush();
+  receive();
+  flush();
+  check_local_error();
+}
+
+void tcp_qp::on_events(std::uint32_t /*events*/) noexcept { progress(); }
+
+void tcp_qp::on_timer(std::chrono::steady_clock::time_point now) noexcept {
+  if (!rnr_waiting_) return;
+  if (now < rnr_until_) {
+    static_cast<tcp_cq*>(attr_.send_cq)->schedule(rnr_until_);
+    return;
+  }
+  rnr_waiting_ = false;
+  flush();
+}
+
+void tcp_qp::receive() noexcept {
+  for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error;) {
+    if (phase_ == rx_phase::header) {
+      if (rx_end_ - rx_begin_ < kHeaderSize) {
+        if (rx_begin_ > 0) {
+          std::memmove(rx_buf_.data(), rx_buf_.data() + rx_begin_, rx_end_ - rx_begin_);
+          rx_end_ -= rx_begin_;
+          rx_begin_ = 0;
+        }
+        const ssize_t n = ::recv(fd_, rx_buf_.data() + rx_end_, rx_buf_.size() - rx_end_, MSG_DONTWAIT);
+        ++counters_.rx_syscalls;
+        if (n > 0) {
+          rx_end_ += static_cast<std::size_t>(n);
+          counters_.bytes_received += static_cast<std::uint64_t>(n);
+          continue;
+        }
+        if (n == 0) peer_gone("peer closed the connection");
+        else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) peer_gone(std::strerror(errno));
+        return;
+      }
+      // A request needs room for its response; wait for the transmitter to drain.
+      if (resp_tail_ - resp_head_ >= resp_.size()) return;
+      const decode_error err =
+          decode(std::span<const std::byte, kHeaderSize>(rx_buf_.data() + rx_begin_, kHeaderSize), cur_);
+      if (err != decode_error::none) {
+        protocol_error(to_string(err));
+        return;
+      }
+      rx_begin_ += kHeaderSize;
+      ++frames;
+      seg_count_ = seg_index_ = 0;
+      payload_left_ = cur_.length;
+      after_ = after_payload::none;
+      const bool ok = is_request(cur_.type) ? handle_request(cur_) : handle_response(cur_);
+      if (!ok || fd_ < 0 || state_ == qp_state::error) return;
+      if (payload_left_ == 0) {
+        finish_payload();
+        continue;
+      }
+      phase_ = rx_phase::payload;
+    }
+    // payload: staging buffer first, then straight from the socket when large
+    while (payload_left_ > 0) {
+      segment* s = seg_index_ < seg_count_ ? &seg_[seg_index_] : nullptr;
+      const std::uint64_t want = s != nullptr ? std::min(s->len, payload_left_) : payload_left_;
+      std::size_t got = 0;
+      if (rx_begin_ < rx_end_) {
+        got = static_cast<std::size_t>(std::min<std::uint64_t>(want, rx_end_ - rx_begin_));
+        if (s != nullptr && s->ptr != nullptr) std::memcpy(s->ptr, rx_buf_.data() + rx_begin_, got);
+        rx_begin_ += got;
+      } else {
+        rx_begin_ = rx_end_ = 0;
+        const bool direct = s != nullptr && s->ptr != nullptr && want >= kDirectReadMin;
+        const ssize_t n = direct ? ::recv(fd_, s->ptr, static_cast<std::size_t>(want), MSG_DONTWAIT)
+                                 : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+        ++counters_.rx_syscalls;
+        if (n <= 0) {
+          if (n == 0) peer_gone("peer closed the connection");
+          else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) peer_gone(std::strerror(errno));
+          return;
+        }
+        counters_.bytes_received += static_cast<std::uint64_t>(n);
+        if (!direct) {
+          rx_end_ = static_cast<std::size_t>(n);
+          continue;
+        }
+        got = static_cast<std::size_t>(n);
+      }
+      payload_left_ -= got;
+      if (s != nullptr) {
+        if (s->ptr != nullptr) s->ptr += got;
+        s->len -= got;
+        if (s->len == 0) ++seg_index_;
+      }
+    }
+    phase_ = rx_phase::header;
+    finish_payload();
+  }
+}
+
+bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
+  rnr = false;
+  if (rq_head_ == rq_tail_) {
+    rnr = true;
+    return false;
+  }
+  const std::uint64_t idx = rq_head_++;
+  const rq_entry& r = rq_[idx % attr_.max_recv_wr];
+  const sge* sges = rq_sges_of(idx);
+  std::uint64_t room = 0;
+  for (std::uint32_t i = 0; i < r.num_sge; ++i) room += sges[i].length;
+  if (length > room) {
+    push_recv({.wr_id = r.wr_id, .status = wc_status::local_length_error, .opcode = wc_opcode::recv,
+               .qp_num = qpn_});
+    log().warn("qp {}: {}-byte message does not fit the {}-byte receive buffer", qpn_, length, room);
+    nak(cur_.psn, wc_status::remote_invalid_request, true);
+    return false;
+  }
+  std::uint64_t left = length;
+  for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
+    const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
+    std::byte* p = table_.check(sges[i].lkey, sges[i].addr, n, access::local_write);
+    if (p == nullptr) {
+      push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
+                 .qp_num = qpn_});
+      nak(cur_.psn, wc_status::remote_operation_error, true);
+      return false;
+    }
+    seg_[seg_count_++] = {p, n};
+    left -= n;
+  }
+  recv_wr_id_ = r.wr_id;
+  return true;
+}
+
+bool tcp_qp::handle_request(const frame_header& h) noexcept {
+  auto discard = [this] {
+    seg_count_ = seg_index_ = 0;
+    after_ = after_payload::none;
+    return true;
+  };
+  if (h.psn != expected_psn_) {
+    if (rnr_discard_) return discard();  // go-back-N after an RNR NAK
+    protocol_error("request sequence " + std::to_string(h.psn) + ", expected " + std::to_string(expected_psn_));
+    return false;
+  }
+  rnr_discard_ = false;
+  const bool imm = (h.flags & kFlagImm) != 0;
+  bool rnr = false;
+  switch (h.type) {
+    case frame_type::send:
+      if (!take_recv(h.length, rnr)) {
+        if (!rnr) return false;
+        ++counters_.rnr_naks_sent;
+        rnr_discard_ = true;
+        nak(h.psn, wc_status::rnr_retry_exceeded, false);
+        return discard();
+      }
+      after_ = after_payload::recv_done;
+      break;
+    case frame_type::write: {
+      std::byte* dst = h.length == 0 ? nullptr : table_.check(h.rkey, h.remote_addr, h.length, access::remote_write);
+      if (h.length != 0 && dst == nullptr) {
+        nak(h.psn, wc_status::remote_access_error, true);
+        return false;
+      }
+      if (imm && !take_recv(0, rnr)) {
+        if (!rnr) return false;
+        ++counters_.rnr_naks_sent;
+        rnr_discard_ = true;
+        nak(h.psn, wc_status::rnr_retry_exceeded, false);
+        return discard();
+      }
+      seg_count_ = 0;
+      if (dst != nullptr) seg_[seg_count_++] = {dst, h.length};
+      after_ = imm ? after_payload::write_imm_done : after_payload::ack_only;
+      break;
+    }
+    case frame_type::read_request: {
+      const std::byte* src =
+          h.read_length == 0 ? nullptr : table_.check(h.rkey, h.remote_addr, h.read_length, access::remote_read);
+      if (h.read_length != 0 && src == nullptr) {
+        nak(h.psn, wc_status::remote_access_error, true);
+        return false;
+      }
+      frame_header r;
+      r.type = frame_type::read_response;
+      r.psn = h.psn;
+      r.length = h.read_length;
+      queue_response(r, src);
+      break;
+    }
+    case frame_type::fetch_add:
+    case frame_type::compare_swap: {
+      if (h.remote_addr % 8 != 0) {
+        nak(h.psn, wc_status::remote_invalid_request, true);
+        return false;
+      }
+      std::byte* p = table_.check(h.rkey, h.remote_addr, 8, access::remote_atomic);
+      if (p == nullptr) {
+        nak(h.psn, wc_status::remote_access_error, true);
+        return false;
+      }
+      std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
+      std::uint64_t old;
+      if (h.type == frame_type::fetch_add) {
+        old = word.fetch_add(h.compare_add, std::memory_order_acq_rel);
+      } else {
+        old = h.compare_add;
+        word.compare_exchange_strong(old, h.swap, std::memory_order_acq_rel);
+      }
+      frame_header r;
+      r.type = frame_type::atomic_response;
+      r.psn = h.psn;
+      r.compare_add = old;
+      queue_response(r, nullptr);
+      break;
+    }
+    default:
+      protocol_error("response type on the request path");
+      return false;
+  }
+  ++expected_psn_;
+  return true;
+}
+
+void tcp_qp::finish_payload() noexcept {
+  switch (after_) {
+    case after_payload::none:
+      return;
+    case after_payload::recv_done:
+    case after_payload::write_imm_done: {
+      const bool imm = (cur_.flags & kFlagImm) != 0;
+      push_recv({.wr_id = recv_wr_id_, .status = wc_status::success,
+                 .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
+                 .byte_len = cur_.length, .imm = imm ? cur_.imm : 0, .has_imm = imm, .qp_num = qpn_});
+      [[fallthrough]];
+    }
+    case after_payload::ack_only: {
+      frame_header a;
+      a.type = frame_type::ack;
+      a.psn = cur_.psn;
+      queue_response(a, nullptr);
+      break;
+    }
+    case after_payload::read_done:
+      complete_head(wc_status::success, cur_.length);
+      break;
+  }
+  after_ = after_payload::none;
+}
+
+void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
+  if (status != wc_status::success) {
+    enter_error(status);
+    return;
+  }
+  const std::uint64_t idx = sq_ack_++;
+  const sq_entry& e = sq_[idx % attr_.max_send_wr];
+  if (e.wr.signaled) {
+    push_send({.wr_id = e.wr.wr_id, .status = wc_status::success, .opcode = completion_opcode(e.wr.op),
+               .byte_len = byte_len, .qp_num = qpn_});
+    sq_head_ = sq_ack_;  // retires the unsignaled requests before it too
+  }
+  rnr_left_ = attr_.rnr_retry;  // progress resets the RNR retry budget
+}
+
+void tcp_qp::check_local_error() noexcept {
+  if (tx_blocked_ && sq_ack_ == sq_tx_ && state_ == qp_state::rts) {
+    const wc_status s = sq_[sq_ack_ % attr_.max_send_wr].local_error;
+    log().warn("qp {}: work request {} failed locally: {}", qpn_, sq_[sq_ack_ % attr_.max_send_wr].wr.wr_id,
+               to_string(s));
+    close_when_flushed_ = false;
+    enter_error(s);
+  }
+}
+
+bool tcp_qp::handle_response(const frame_header& h) noexcept {
+  if (sq_ack_ == sq_tx_) {
+    protocol_error("response with no request outstanding");
+    return false;
+  }
+  sq_entry& head = sq_[sq_ack_ % attr_.max_send_wr];
+  switch (h.type) {
+    case frame_type::ack: {
+      const std::uint64_t count = std::uint64_t{h.psn - head.psn} + 1;
+      if (!psn_le(head.psn, h.psn) || count > sq_tx_ - sq_ack_) {
+        protocol_error("ACK for a request never sent");
+        return false;
+      }
+      for (std::uint64_t k = 0; k < count; ++k) {
+        const sq_entry& e = sq_[sq_ack_ % attr_.max_send_wr];
+        if (e.wr.op == opcode::read || is_atomic(e.wr.op)) {
+          protocol_error("ACK in place of a read or atomic response");
+          return false;
+        }
+        complete_head(wc_status::success, 0);
+      }
+      return true;
+    }
+    case frame_type::nak: {
+      if (h.psn != head.psn) {
+        protocol_error("NAK for a request that is not the oldest outstanding");
+        return false;
+      }
+      const auto status = static_cast<wc_status>(h.imm);
+      if (status == wc_status::rnr_retry_exceeded) {
+        ++counters_.rnr_naks_received;
+        if (attr_.rnr_retry != 7) {
+          if (rnr_left_ == 0) {
+            log().warn("qp {}: receiver not ready, {} retries exhausted", qpn_, attr_.rnr_retry);
+            close_when_flushed_ = false;
+            enter_error(wc_status::rnr_retry_exceeded);
+            return false;
+          }
+          --rnr_left_;
+        }
+        rnr_waiting_ = true;
+        rnr_until_ = std::chrono::steady_clock::now() + std::chrono::microseconds(attr_.min_rnr_timer_us);
+        static_cast<tcp_cq*>(attr_.send_cq)->schedule(rnr_until_);
+        rewind_to_ = sq_ack_;
+        rewind_pending_ = true;
+        return true;
+      }
+      if (status != wc_status::remote_access_error && status != wc_status::remote_invalid_request &&
+          status != wc_status::remote_operation_error) {
+        protocol_error("NAK with an unknown status");
+        return false;
+      }
+      log().warn("qp {}: work request {} failed at the peer: {}", qpn_, head.wr.wr_id, to_string(status));
+      close_when_flushed_ = false;
+      enter_error(status);
+      return false;
+    }
+    case frame_type::read_response: {
+      if (head.wr.op != opcode::read || h.psn != head.psn || h.length != head.length) {
+        protocol_error("read response does not match the oldest outstanding request");
+        return false;
+      }
+      seg_count_ = 0;
+      for (const sge& s : head.wr.sg_list) {
+        if (s.length > 0) seg_[seg_count_++] = {reinterpret_cast<std::byte*>(s.addr), s.length};
+      }
+      after_ = after_payload::read_done;
+      return true;
+    }
+    case frame_type::atomic_response: {
+      if (!is_atomic(head.wr.op) || h.psn != head.psn) {
+        protocol_error("atomic response does not match the oldest outstanding request");
+        return false;
+      }
+      std::memcpy(reinterpret_cast<void*>(head.wr.sg_list[0].addr), &h.compare_add, 8);
+      complete_head(wc_status::success, 8);
+      return true;
+    }
+    default:
+      protocol_error("request type on the response path");
+      return false;
+  }
+}
+
+}  // namespace anydoor::transport::tcp
