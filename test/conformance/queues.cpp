@@ -235,3 +235,38 @@ TEST_CASE("notify fd: a completion arriving between the last poll and arm is not
   REQUIRE(found);
   CHECK(buf[0].wr_id == 1);
 }
+
+TEST_CASE("a burst larger than one progress pass completes on a queue shared by many queue pairs",
+          "[conformance]") {
+  constexpr std::uint32_t kQps = 8;
+  constexpr std::uint32_t kMsgs = 1000;
+  endpoint a(4096), b(4096);
+  std::vector<std::unique_ptr<tp::queue_pair>> aq, bq;
+  for (std::uint32_t i = 0; i < kQps; ++i) {
+    aq.push_back(a.pd->create_qp(a.attrs({.max_send_wr = kMsgs, .max_recv_wr = kMsgs})));
+    bq.push_back(b.pd->create_qp(b.attrs({.max_send_wr = kMsgs, .max_recv_wr = kMsgs})));
+    connect_pair(*b.dev, *bq.back(), *a.dev, *aq.back());
+  }
+  std::vector<std::uint32_t> src(kMsgs), dst(kMsgs, 0);
+  auto smr = a.pd->register_memory(src.data(), src.size() * 4, access::none);
+  auto dmr = b.pd->register_memory(dst.data(), dst.size() * 4, access::local_write);
+  std::vector<tp::sge> rsg(kMsgs), ssg(kMsgs);
+  std::vector<tp::recv_request> rr(kMsgs);
+  std::vector<tp::work_request> wrs(kMsgs);
+  for (std::uint32_t i = 0; i < kMsgs; ++i) {
+    src[i] = i;
+    rsg[i] = dmr->slice(i * 4, 4);
+    ssg[i] = smr->slice(i * 4, 4);
+    rr[i] = {.wr_id = i, .sg_list = {&rsg[i], 1}};
+    wrs[i] = send_wr(i, {&ssg[i], 1}, i + 1 == kMsgs);
+  }
+  REQUIRE_FALSE(bq[3]->post_recv(rr));
+  REQUIRE_FALSE(aq[3]->post_send(wrs));
+  // Let the whole burst reach the receiver before it polls at all.
+  driver sender{a.cq.get()};
+  sender.settle(a.cq.get(), 50ms);
+  driver receiver{b.cq.get(), a.cq.get()};
+  auto rc = receiver.wait(b.cq.get(), kMsgs, 10s);
+  REQUIRE(rc.size() == kMsgs);
+  for (std::uint32_t i = 0; i < kMsgs; ++i) CHECK(dst[i] == i);
+}

@@ -203,6 +203,9 @@ void tcp_cq::progress() noexcept {
     auto* qp = static_cast<tcp_qp*>(events[static_cast<std::size_t>(i)].data.ptr);
     if (qp != nullptr) qp->on_events(events[static_cast<std::size_t>(i)].events);
   }
+  for (std::size_t i = 0; i < qps_.size(); ++i) {
+    if (qps_[i]->has_buffered_input()) qps_[i]->progress();
+  }
 }
 
 std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {

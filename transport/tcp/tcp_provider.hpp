@@ -144,6 +144,11 @@ class tcp_qp final : public queue_pair {
   void on_cq_overflow() noexcept;
   void forget_cq(const tcp_cq* cq) noexcept;
   bool wants_progress() const noexcept { return fd_ >= 0; }
+  // Input already read from the socket but not yet processed (a progress
+  // call handles a bounded number of frames); epoll cannot report it.
+  bool has_buffered_input() const noexcept {
+    return fd_ >= 0 && (phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_);
+  }
 
  private:
   struct sq_entry {
@@ -178,6 +183,7 @@ class tcp_qp final : public queue_pair {
   void update_write_interest() noexcept;
   // receiving
   void receive() noexcept;
+  void discard_input() noexcept;
   bool handle_header(const frame_header& h) noexcept;
   void finish_payload() noexcept;
   bool handle_request(const frame_header& h) noexcept;

@@ -495,7 +495,23 @@ void tcp_qp::on_timer(std::chrono::steady_clock::time_point now) noexcept {
   flush();
 }
 
+// In error, with a NAK still to send: whatever the peer sends is dropped, so
+// that a level-triggered notify fd does not stay readable.
+void tcp_qp::discard_input() noexcept {
+  for (;;) {
+    const ssize_t n = ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+    ++counters_.rx_syscalls;
+    if (n > 0) continue;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) close_socket();
+    return;
+  }
+}
+
 void tcp_qp::receive() noexcept {
+  if (state_ == qp_state::error) {
+    if (fd_ >= 0) discard_input();
+    return;
+  }
   for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error;) {
     if (phase_ == rx_phase::header) {
       if (rx_end_ - rx_begin_ < kHeaderSize) {

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Side-by-side provider-level comparison on loopback, busy-polling, all in one
+# run: anydoor-perf (tcp provider) against libfabric's fi_pingpong (tcp
+# provider, msg endpoints) and UCX's ucx_perftest (UCX_TLS=tcp).
+#   64 B send/recv one-way latency: anydoor lat, fi_pingpong -S 64, ucx tag_lat -s 64
+#   64 KiB bandwidth:               anydoor write_bw, ucx ucp_put_bw -s 65536
+# Every tool runs REPS times (default 5), interleaved, server on CPU 0 and
+# client on CPU 1; the medians of the runs and the ratios are printed.
+# fi_pingpong reports only a mean per run; UCX and anydoor report a median
+# per run (UCX's 50th percentile), which is what is compared.
+#   bench/compare-peers.sh [BUILD_DIR]   (default build/; needs scripts/setup --bench)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build}
+perf=$build/bin/anydoor-perf
+REPS=${REPS:-5}
+ITERS=${ITERS:-20000}
+BW_ITERS=${BW_ITERS:-20000}
+port=$((20000 + RANDOM % 20000))
+for t in "$perf" fi_pingpong ucx_perftest taskset; do
+  command -v "$t" >/dev/null || { echo "compare-peers: $t not found (run scripts/setup --bench and build first)" >&2; exit 2; }
+done
+
+pair() {  # pair "server command" "client command": prints the client's output
+  local srv=$1 cli=$2
+  port=$((port + 1))
+  eval "taskset -c 0 ${srv//PORT/$port}" >/dev/null 2>&1 &
+  local spid=$!
+  sleep 0.4
+  local out
+  out=$(eval "timeout 120 taskset -c 1 ${cli//PORT/$port}" 2>&1) || true
+  wait "$spid" 2>/dev/null || true
+  echo "$out"
+}
+
+median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+
+declare -A results
+for ((r = 1; r <= REPS; r++)); do
+  echo "round $r/$REPS" >&2
+  out=$(pair "$perf --server --port PORT --provider tcp --test lat -n $ITERS" \
+             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test lat -n $ITERS")
+  results[ours_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "fi_pingpong -p tcp -e msg -S 64 -I $ITERS -B PORT" \
+             "fi_pingpong -p tcp -e msg -S 64 -I $ITERS -P PORT 127.0.0.1")
+  results[fi_lat]+="$(awk '$1 == "64" {print $7}' <<<"$out") "
+  out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
+             "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t tag_lat -s 64 -n $ITERS")
+  results[ucx_lat]+="$(awk '$1 == "Final:" {print $3}' <<<"$out") "
+  out=$(pair "$perf --server --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS" \
+             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS")
+  results[ours_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
+             "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s 65536 -n $BW_ITERS")
+  results[ucx_bw]+="$(awk '$1 == "Final:" {print $6}' <<<"$out") "
+done
+
+m() { tr ' ' '\n' <<<"${results[$1]}" | grep -v '^$' | median; }
+ours_lat=$(m ours_lat); fi_lat=$(m fi_lat); ucx_lat=$(m ucx_lat); ours_bw=$(m ours_bw); ucx_bw=$(m ucx_bw)
+echo
+echo "runs per tool: $REPS (latency $ITERS round trips, bandwidth $BW_ITERS x 64 KiB)"
+for k in ours_lat fi_lat ucx_lat ours_bw ucx_bw; do printf '  %-9s %s\n' "$k" "${results[$k]}"; done
+echo
+printf '64 B one-way latency (us, median of runs): anydoor %s | fi_pingpong tcp %s | UCX tcp %s\n' "$ours_lat" "$fi_lat" "$ucx_lat"
+awk -v o="$ours_lat" -v f="$fi_lat" -v u="$ucx_lat" \
+  'BEGIN {printf "  ratio anydoor/fi_pingpong = %.2f, anydoor/UCX = %.2f (below 1: anydoor faster)\n", o/f, o/u}'
+printf '64 KiB write bandwidth (MB/s, median of runs): anydoor %s | UCX tcp put_bw %s\n' "$ours_bw" "$ucx_bw"
+awk -v o="$ours_bw" -v u="$ucx_bw" \
+  'BEGIN {printf "  ratio anydoor/UCX = %.2f (above 1: anydoor faster)\n", o/u}'
