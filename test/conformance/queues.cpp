@@ -270,3 +270,25 @@ TEST_CASE("a burst larger than one progress pass completes on a queue shared by 
   REQUIRE(rc.size() == kMsgs);
   for (std::uint32_t i = 0; i < kMsgs; ++i) CHECK(dst[i] == i);
 }
+
+TEST_CASE("a receiver that arms its queue and sleeps still acknowledges what it received", "[conformance]") {
+  connected_pair p;
+  std::vector<char> src(16, 'a'), dst(16);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
+  tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  tp::work_request wr = send_wr(2, {&ssg, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  // The receiver polls until its receive completes, arms, and from then on
+  // only the sender is driven.
+  driver rx{p.b.cq.get()};
+  CHECK(rx.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  REQUIRE_FALSE(p.b.cq->arm());
+  driver tx{p.a.cq.get()};
+  auto c = tx.wait(p.a.cq.get(), 1, 3s);
+  REQUIRE(c.size() == 1);
+  CHECK(c[0].wr_id == 2);
+  CHECK(c[0].status == tp::wc_status::success);
+}

@@ -204,7 +204,7 @@ void tcp_cq::progress() noexcept {
     if (qp != nullptr) qp->on_events(events[static_cast<std::size_t>(i)].events);
   }
   for (std::size_t i = 0; i < qps_.size(); ++i) {
-    if (qps_[i]->has_buffered_input()) qps_[i]->progress();
+    if (qps_[i]->has_pending_work()) qps_[i]->progress();
   }
 }
 
@@ -225,6 +225,8 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
 
 std::error_code tcp_cq::arm() noexcept {
   if (overflow_) return errc::cq_overflow;
+  // The caller may sleep now: held-back acknowledgements must not wait for it.
+  for (std::size_t i = 0; i < qps_.size(); ++i) qps_[i]->flush_acks();
   armed_ = true;
   // Stricter than verbs: completions already queued notify at once.
   if (ring_head_ != ring_tail_) {

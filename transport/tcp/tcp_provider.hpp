@@ -139,15 +139,19 @@ class tcp_qp final : public queue_pair {
 
   // Completion queues drive these.
   void progress() noexcept;                 // read and write what the socket allows
+  void flush_acks() noexcept;               // send acknowledgements held back by progress()
   void on_events(std::uint32_t events) noexcept;
   void on_timer(std::chrono::steady_clock::time_point now) noexcept;
   void on_cq_overflow() noexcept;
   void forget_cq(const tcp_cq* cq) noexcept;
   bool wants_progress() const noexcept { return fd_ >= 0; }
-  // Input already read from the socket but not yet processed (a progress
-  // call handles a bounded number of frames); epoll cannot report it.
-  bool has_buffered_input() const noexcept {
-    return fd_ >= 0 && (phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_);
+  // Work epoll cannot report: input already read but not yet processed (a
+  // progress call handles a bounded number of frames), or an acknowledgement
+  // held back by the previous pass.
+  bool has_pending_work() const noexcept {
+    if (fd_ < 0) return false;
+    const bool input = phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_;
+    return input || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
   }
 
  private:
@@ -181,6 +185,7 @@ class tcp_qp final : public queue_pair {
   void build_request_header(sq_entry& e) noexcept;
   void queue_response(const frame_header& h, const std::byte* payload) noexcept;
   void update_write_interest() noexcept;
+  bool only_ack_pending() const noexcept;
   // receiving
   void receive() noexcept;
   void discard_input() noexcept;

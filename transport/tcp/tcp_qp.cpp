@@ -479,8 +479,20 @@ void tcp_qp::progress() noexcept {
   if (fd_ < 0) return;
   flush();
   receive();
-  flush();
+  // A lone ACK waits for company: it leaves with the next request posted
+  // (one segment instead of two in request/reply traffic), or at the start
+  // of the next progress pass, or when the completion queue is armed.
+  if (!only_ack_pending()) flush();
   check_local_error();
+}
+
+bool tcp_qp::only_ack_pending() const noexcept {
+  return iov_pos_ == iov_count_ && sq_tx_ == sq_tail_ && resp_tail_ - resp_queued_ == 1 &&
+         resp_[(resp_tail_ - 1) % resp_.size()].h.type == frame_type::ack;
+}
+
+void tcp_qp::flush_acks() noexcept {
+  if (fd_ >= 0 && resp_queued_ < resp_tail_) flush();
 }
 
 void tcp_qp::on_events(std::uint32_t /*events*/) noexcept { progress(); }
