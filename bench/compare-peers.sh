@@ -7,7 +7,8 @@
 # Every tool runs REPS times (default 5), interleaved, server on CPU 0 and
 # client on CPU 1; the medians of the runs and the ratios are printed.
 # fi_pingpong reports only a mean per run; UCX and anydoor report a median
-# per run (UCX's 50th percentile), which is what is compared.
+# per run (UCX's 50th percentile), which is what is compared. Bandwidth is
+# in MB/s of 10^6 bytes for both.
 #   bench/compare-peers.sh [BUILD_DIR]   (default build/; needs scripts/setup --bench)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,7 +53,8 @@ for ((r = 1; r <= REPS; r++)); do
   results[ours_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
   out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
              "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s 65536 -n $BW_ITERS")
-  results[ucx_bw]+="$(awk '$1 == "Final:" {print $6}' <<<"$out") "
+  # ucx_perftest's MB is 2^20 bytes; converted to 10^6 like anydoor-perf's
+  results[ucx_bw]+="$(awk '$1 == "Final:" {printf "%.1f", $6 * 1.048576}' <<<"$out") "
 done
 
 m() { tr ' ' '\n' <<<"${results[$1]}" | grep -v '^$' | median; }

@@ -181,13 +181,15 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     CHECK(p.drv.wait_one(p.b.cq.get()).byte_len == 32);
     CHECK(dst == src);
   }
-  SECTION("rnr_retry 2 gives up with RNR retry exceeded") {
-    connected_pair p({.rnr_retry = 2, .min_rnr_timer_us = 500});
+  SECTION("rnr_retry 2 gives up with RNR retry exceeded after min_rnr_timer_us each") {
+    connected_pair p({.rnr_retry = 2, .min_rnr_timer_us = 20000});
     auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
     tp::sge ssg = smr->slice(0, 32);
     tp::work_request wrs[] = {send_wr(62, {&ssg, 1}), send_wr(63, {&ssg, 1}, false)};
+    const auto t0 = std::chrono::steady_clock::now();
     REQUIRE_FALSE(p.a.qp->post_send(wrs));
     auto c = p.drv.wait(p.a.cq.get(), 2);
+    CHECK(std::chrono::steady_clock::now() - t0 >= 40ms);  // two waits of min_rnr_timer_us
     REQUIRE(c.size() == 2);
     CHECK(c[0].wr_id == 62);
     CHECK(c[0].status == tp::wc_status::rnr_retry_exceeded);
@@ -376,4 +378,23 @@ TEST_CASE("peer death completes outstanding requests with an error", "[conforman
     CHECK(c[2].status == tp::wc_status::work_request_flushed);
     CHECK(a.qp->state() == tp::qp_state::error);
   }
+}
+
+TEST_CASE("a receive with a bad local key fails at both ends", "[conformance]") {
+  connected_pair p;
+  std::vector<char> src(16, 'k'), dst(16);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::none);  // no local_write
+  tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
+  tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  tp::work_request wr = send_wr(2, {&ssg, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  auto rc = p.drv.wait_one(p.b.cq.get());
+  CHECK(rc.wr_id == 1);
+  CHECK(rc.status == tp::wc_status::local_protection_error);
+  auto sc = p.drv.wait_one(p.a.cq.get());
+  CHECK(sc.wr_id == 2);
+  CHECK(sc.status == tp::wc_status::remote_operation_error);
+  CHECK(std::all_of(dst.begin(), dst.end(), [](char x) { return x == 0; }));
 }

@@ -139,3 +139,18 @@ TEST_CASE("error codes have names and messages", "[unit]") {
   CHECK(tp::to_string(tp::opcode::compare_swap) == "compare_swap");
   CHECK(tp::to_string(tp::wc_opcode::recv_rdma_with_imm) == "recv_rdma_with_imm");
 }
+
+TEST_CASE("registration fails cleanly when the domain's key space is exhausted", "[unit]") {
+  auto dev = tp::open_device({.provider = "tcp"});
+  auto pd = dev->alloc_pd();
+  char buf[16];
+  std::vector<std::unique_ptr<tp::memory_region>> mrs;
+  std::error_code ec;
+  while (!ec && mrs.size() < 100000) {
+    ec = thrown([&] { mrs.push_back(pd->register_memory(buf, sizeof buf, access::local_write)); });
+  }
+  CHECK(ec == anydoor::errc::registration_failed);
+  CHECK(mrs.size() == 16383);
+  mrs.pop_back();  // a freed key can be used again
+  CHECK_NOTHROW(mrs.push_back(pd->register_memory(buf, sizeof buf, access::local_write)));
+}

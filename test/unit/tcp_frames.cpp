@@ -200,6 +200,31 @@ TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit]
   CHECK(p.guards_intact());
 }
 
+TEST_CASE("tcp provider: a response that does not match the request is a bad response", "[unit][tcp]") {
+  raw_peer p;
+  std::uint64_t v = 0;
+  auto lmr = p.ep.pd->register_memory(&v, 8, access::local_write);
+  tp::sge sg = lmr->slice(0, 8);
+  tp::work_request wr{.wr_id = 9, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = 0x1000, .rkey = 1};
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  auto req = raw_read(p.fd, kHeaderSize);  // the read request
+  REQUIRE(req.size() == kHeaderSize);
+  SECTION("an atomic response to a read") { p.send_frame({.type = frame_type::atomic_response, .psn = 1}); }
+  SECTION("a read response of the wrong length") {
+    p.send_frame({.type = frame_type::read_response, .psn = 1, .length = 4}, "abcd", 4);
+  }
+  SECTION("an ACK in place of the read response") { p.send_frame({.type = frame_type::ack, .psn = 1}); }
+  SECTION("a NAK with a status a responder cannot send") {
+    p.send_frame({.type = frame_type::nak, .psn = 1, .imm = static_cast<std::uint32_t>(tp::wc_status::fatal)});
+  }
+  driver d{p.ep.cq.get()};
+  auto c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 9);
+  CHECK(c.status == tp::wc_status::bad_response);
+  CHECK(p.ep.qp->state() == tp::qp_state::error);
+  CHECK(v == 0);
+}
+
 TEST_CASE("tcp provider: connection handshake errors", "[unit][tcp]") {
   auto dev = open_test_device();
   auto pd = dev->alloc_pd();
