@@ -4,6 +4,9 @@
 #include "log.hpp"
 #include "tcp/tcp_device.hpp"
 #include "verbs/probe.hpp"
+#ifdef ANYDOOR_HAVE_VERBS
+#include "verbs/verbs_provider.hpp"
+#endif
 
 #include <cstdlib>
 #include <string>
@@ -124,7 +127,13 @@ std::string_view to_string(qp_state s) noexcept {
   return "unknown";
 }
 
-std::vector<std::string> available_providers() { return {"tcp"}; }
+std::vector<std::string> available_providers() {
+#ifdef ANYDOOR_HAVE_VERBS
+  return {"tcp", "verbs"};
+#else
+  return {"tcp"};
+#endif
+}
 
 std::unique_ptr<device> open_device(const device_options& options) {
   std::string provider = options.provider;
@@ -135,14 +144,14 @@ std::unique_ptr<device> open_device(const device_options& options) {
 
   if (provider == "auto") {
     const verbs::probe_result probe = verbs::probe_devices();
-    if (probe.active_device.empty()) {
-      log().info("provider=auto: no RDMA device with an active port ({}); using tcp", probe.detail);
+    if (!probe.active_device.empty() && (name.empty() || name == probe.active_device || name != "tcp0")) {
+      log().info("provider=auto: RDMA device {} is active; using verbs", probe.active_device);
+      provider = "verbs";
     } else {
-      log().warn("provider=auto: RDMA device {} is active, but this build has no verbs provider yet; using tcp",
-                 probe.active_device);
+      log().info("provider=auto: no RDMA device with an active port ({}); using tcp", probe.detail);
+      provider = "tcp";
+      if (!name.empty() && name != "tcp0") name.clear();  // a verbs device name does not apply to tcp
     }
-    provider = "tcp";
-    if (!name.empty() && name != "tcp0") name.clear();  // a verbs device name does not apply to tcp
   }
   if (provider == "tcp") {
     if (!name.empty() && name != "tcp0") {
@@ -151,8 +160,12 @@ std::unique_ptr<device> open_device(const device_options& options) {
     return std::make_unique<tcp::tcp_device>("tcp0");
   }
   if (provider == "verbs") {
+#ifdef ANYDOOR_HAVE_VERBS
+    return verbs::open(name);
+#else
     throw std::system_error(errc::provider_unavailable,
-                            "the verbs provider is not part of this build yet; use provider=tcp");
+                            "the verbs provider is not in this build (ANYDOOR_WITH_VERBS=OFF); use provider=tcp");
+#endif
   }
   throw std::system_error(errc::provider_unavailable,
                           "unknown provider '" + provider + "' (known: auto, tcp, verbs)");

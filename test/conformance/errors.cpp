@@ -1,5 +1,24 @@
 // Provider conformance: protection, length and RNR errors, the state machine,
 // completion-queue overflow and peer death.
+//
+// Differences between providers, each checked only where it applies:
+// - RNR NAK and retransmission counts: the tcp provider counts them per queue
+//   pair; verbs exposes no per-QP RNR counters, so verbs skips those checks.
+// - A queue pair moved to error by its owner: the tcp provider closes the
+//   connection, so the peer's queue pair fails at once; on RDMA hardware the
+//   peer notices only when it next sends (transport retries), so that check
+//   is tcp-only.
+// - Peer death: the tcp provider sees the connection close and fails the
+//   oldest request with retry_exceeded; the verbs provider acts on rdma_cm's
+//   DISCONNECTED event and flushes everything. (rxe on Linux 6.1 never times
+//   out a request that is in infinite RNR retry towards a destroyed queue
+//   pair, so without the event it would hang.)
+// - rxe (Linux 6.1) reports a receive buffer that is too small, and a
+//   receive whose local key lacks local_write, as local_qp_operation_error
+//   at the receiver and remote_operation_error at the sender; the IB spec
+//   (and mlx5) say local_length_error / remote_invalid_request and
+//   local_protection_error / remote_operation_error. Both are accepted on
+//   verbs; the invariants (both ends fail, no byte lands) hold everywhere.
 #include "../support/harness.hpp"
 
 #include <csignal>
@@ -152,10 +171,15 @@ TEST_CASE("a message larger than the receive buffer is a local length error, not
   REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
   auto rc = p.drv.wait_one(p.b.cq.get());
   CHECK(rc.wr_id == 50);
-  CHECK(rc.status == tp::wc_status::local_length_error);
   auto sc = p.drv.wait_one(p.a.cq.get());
   CHECK(sc.wr_id == 51);
-  CHECK(sc.status == tp::wc_status::remote_invalid_request);
+  if (testing_tcp()) {
+    CHECK(rc.status == tp::wc_status::local_length_error);
+    CHECK(sc.status == tp::wc_status::remote_invalid_request);
+  } else {  // see the top of this file (rxe)
+    CHECK((rc.status == tp::wc_status::local_length_error || rc.status == tp::wc_status::local_qp_operation_error));
+    CHECK((sc.status == tp::wc_status::remote_invalid_request || sc.status == tp::wc_status::remote_operation_error));
+  }
   CHECK(dst.untouched());
   CHECK(p.b.qp->state() == tp::qp_state::error);
   CHECK(p.a.qp->state() == tp::qp_state::error);
@@ -172,7 +196,7 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     tp::work_request wr = send_wr(60, {&ssg, 1});
     REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
     CHECK(p.drv.settle(p.a.cq.get(), 100ms).empty());
-    CHECK(p.a.qp->counters().rnr_naks_received >= 2);
+    if (testing_tcp()) CHECK(p.a.qp->counters().rnr_naks_received >= 2);  // verbs: no per-QP RNR counter
     CHECK(p.a.qp->state() == tp::qp_state::rts);
     tp::sge rsg = dmr->slice(0, 32);
     tp::recv_request rr{.wr_id = 61, .sg_list = {&rsg, 1}};
@@ -195,7 +219,7 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     CHECK(c[0].status == tp::wc_status::rnr_retry_exceeded);
     CHECK(c[1].wr_id == 63);
     CHECK(c[1].status == tp::wc_status::work_request_flushed);
-    CHECK(p.a.qp->counters().rnr_naks_received == 3);
+    if (testing_tcp()) CHECK(p.a.qp->counters().rnr_naks_received == 3);  // verbs: no per-QP RNR counter
     CHECK(p.a.qp->state() == tp::qp_state::error);
   }
   SECTION("requests behind an RNR-NAKed send stay in order") {
@@ -221,7 +245,7 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     CHECK(c[0].wr_id == 64);
     CHECK(c[1].wr_id == 65);
     CHECK(cell == 1);
-    CHECK(p.a.qp->counters().retransmits >= 1);
+    if (testing_tcp()) CHECK(p.a.qp->counters().retransmits >= 1);  // verbs: no retransmission counter
   }
 }
 
@@ -287,9 +311,11 @@ TEST_CASE("entering error flushes every outstanding request exactly once", "[con
   auto lc = p.drv.wait_one(p.a.cq.get());
   CHECK(lc.wr_id == 300);
   CHECK(lc.status == tp::wc_status::work_request_flushed);
-  // the peer sees its side fail too, with no hang
-  p.drv.settle(p.b.cq.get(), 50ms);
-  CHECK(p.b.qp->state() == tp::qp_state::error);
+  // tcp: the peer sees its side fail too, with no hang (verbs: only when it next sends)
+  if (testing_tcp()) {
+    p.drv.settle(p.b.cq.get(), 50ms);
+    CHECK(p.b.qp->state() == tp::qp_state::error);
+  }
 }
 
 TEST_CASE("completion queue overflow is reported, never silent", "[conformance]") {
@@ -334,22 +360,24 @@ TEST_CASE("peer death completes outstanding requests with an error", "[conforman
     REQUIRE_FALSE(p.a.qp->post_send(wrs));
     p.drv.settle(p.a.cq.get(), 10ms);
     p.b.qp.reset();
-    auto c = p.drv.wait(p.a.cq.get(), 3, 5s);
+    auto c = p.drv.wait(p.a.cq.get(), 3, 10s);
     REQUIRE(c.size() == 3);
     for (auto& x : c) CHECK(x.status != tp::wc_status::success);
     CHECK(p.a.qp->state() == tp::qp_state::error);
   }
   SECTION("the peer process is killed") {
-    auto probe = open_test_device();
-    auto lis = probe->listen(test_host(), 0);
-    const std::uint16_t port = lis->port();
+    int port_pipe[2];
+    REQUIRE(::pipe(port_pipe) == 0);
     const pid_t child = ::fork();
     REQUIRE(child >= 0);
     if (child == 0) {
-      // The peer: accept one connection, then never poll again.
+      // The peer: its own device, accepts one connection, then never polls again.
+      auto dev = open_test_device();
+      auto lis = dev->listen(test_host(), 0);
+      const std::uint16_t port = lis->port();
+      if (::write(port_pipe[1], &port, sizeof port) != sizeof port) ::_exit(1);
       std::error_code ec;
       auto req = lis->get_request(10s, ec);
-      auto dev = open_test_device();
       auto pd = dev->alloc_pd();
       auto cq = dev->create_cq(64);
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
@@ -357,7 +385,8 @@ TEST_CASE("peer death completes outstanding requests with an error", "[conforman
       ::pause();
       ::_exit(0);
     }
-    lis.reset();
+    std::uint16_t port = 0;
+    REQUIRE(::read(port_pipe[0], &port, sizeof port) == sizeof port);
     endpoint a;
     a.qp = a.pd->create_qp(a.attrs({.rnr_retry = 7}));
     auto r = a.dev->connect(*a.qp, test_host(), port, {}, 10s);
@@ -371,9 +400,12 @@ TEST_CASE("peer death completes outstanding requests with an error", "[conforman
     ::kill(child, SIGKILL);
     int status = 0;
     ::waitpid(child, &status, 0);
-    auto c = d.wait(a.cq.get(), 3, 5s);
+    auto c = d.wait(a.cq.get(), 3, 10s);
     REQUIRE(c.size() == 3);
-    CHECK(c[0].status == tp::wc_status::retry_exceeded);
+    // tcp: the oldest request fails as a NIC's transport timeout would;
+    // verbs: rdma_cm's DISCONNECTED event moves the queue pair to error, so
+    // everything is flushed
+    CHECK(c[0].status == (testing_tcp() ? tp::wc_status::retry_exceeded : tp::wc_status::work_request_flushed));
     CHECK(c[1].status == tp::wc_status::work_request_flushed);
     CHECK(c[2].status == tp::wc_status::work_request_flushed);
     CHECK(a.qp->state() == tp::qp_state::error);
@@ -392,7 +424,11 @@ TEST_CASE("a receive with a bad local key fails at both ends", "[conformance]") 
   REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
   auto rc = p.drv.wait_one(p.b.cq.get());
   CHECK(rc.wr_id == 1);
-  CHECK(rc.status == tp::wc_status::local_protection_error);
+  if (testing_tcp()) {
+    CHECK(rc.status == tp::wc_status::local_protection_error);
+  } else {  // see the top of this file (rxe)
+    CHECK((rc.status == tp::wc_status::local_protection_error || rc.status == tp::wc_status::local_qp_operation_error));
+  }
   auto sc = p.drv.wait_one(p.a.cq.get());
   CHECK(sc.wr_id == 2);
   CHECK(sc.status == tp::wc_status::remote_operation_error);

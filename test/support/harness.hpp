@@ -32,6 +32,9 @@ inline std::string test_host() {
   const char* h = std::getenv("ANYDOOR_TEST_HOST");
   return h != nullptr && *h != '\0' ? h : "127.0.0.1";
 }
+// Where providers legitimately differ, tests check this and say why.
+inline bool testing_tcp() { return provider_under_test() == "tcp"; }
+
 inline std::unique_ptr<tp::device> open_test_device() {
   return tp::open_device({.provider = provider_under_test()});
 }

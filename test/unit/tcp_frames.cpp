@@ -190,6 +190,17 @@ TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit]
     p.send_frame({.type = frame_type::read_request, .psn = 1, .remote_addr = p.base() + 1,
                   .rkey = p.mr->rkey(), .read_length = 4096});
   }
+  SECTION("an atomic on an address that is not 8-byte aligned") {
+    p.send_frame({.type = frame_type::fetch_add, .psn = 1, .remote_addr = p.base() + 4, .rkey = p.mr->rkey(),
+                  .compare_add = 1});
+    REQUIRE(p.reaches_error());
+    auto nak = raw_read(p.fd, kHeaderSize);
+    REQUIRE(nak.size() == kHeaderSize);
+    frame_header h;
+    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(nak.data(), kHeaderSize), h) == decode_error::none);
+    CHECK(h.type == frame_type::nak);
+    CHECK(h.imm == static_cast<std::uint32_t>(tp::wc_status::remote_invalid_request));
+  }
   SECTION("address arithmetic that wraps around") {
     p.send_frame({.type = frame_type::write, .psn = 1, .length = 16, .remote_addr = ~std::uint64_t{0} - 7,
                   .rkey = p.mr->rkey()},

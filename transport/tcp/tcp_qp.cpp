@@ -263,7 +263,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
     const bool ok =
         wr.sg_list.size() <= attr_.max_send_sge && total <= kMaxPayload &&
         (!wr.inline_data || (carries_data(wr.op) && total <= attr_.max_inline_data)) &&
-        (!is_atomic(wr.op) || (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8));
+        (!is_atomic(wr.op) || (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8 && wr.remote_addr % 8 == 0));
     if (!ok) {
       if (bad != nullptr) *bad = i;
       return errc::invalid_argument;

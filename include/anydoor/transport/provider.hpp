@@ -94,6 +94,11 @@ class queue_pair {
 
   // Posts the whole span with one doorbell. Either every request is accepted
   // or none is: on error, *bad (if given) is the index of the offending one.
+  // errc::invalid_argument: too many sges, inline data above max_inline_data
+  // or on a read/atomic, an atomic without exactly one 8-byte sge or with a
+  // remote address that is not 8-byte aligned. errc::queue_full: the send
+  // queue has no room (unsignaled requests hold their slot until a later
+  // signaled one completes).
   // Refused unless the state is rts (or error: then each request completes
   // with work_request_flushed).
   virtual std::error_code post_send(std::span<const work_request> wrs,

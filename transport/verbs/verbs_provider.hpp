@@ -1,0 +1,179 @@
+// The verbs provider: the contract on rdma-core (libibverbs + librdmacm).
+//
+// Queue pairs are created with ibv_create_qp on the protection domain and
+// connected through rdma_cm with a user-managed QP (conn_param.qp_num): the
+// provider moves them through init/rtr/rts with rdma_init_qp_attr. The
+// device's ibv_context comes from rdma_get_devices(), so cm ids resolve to
+// the same context as the domain.
+//
+// Work-request ids: the provider posts its own wr_id, (generation, queue
+// pair index on the CQ, slot), and keeps the caller's wr_id in the slot, so
+// that a completion finds its queue pair without a lookup table and the send
+// queue's occupancy (signaled completions retire the unsignaled requests
+// before them) is known exactly: post_send is all-or-nothing.
+#pragma once
+
+#include <anydoor/transport/provider.hpp>
+
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace anydoor::transport::verbs {
+
+class verbs_cq;
+class verbs_qp;
+
+struct device_state {
+  ibv_context* ctx = nullptr;  // owned by rdma_cm (rdma_get_devices)
+  ibv_context** cm_list = nullptr;
+  std::uint8_t port = 1;
+  int gid_index = -1;
+  std::string name;
+  capabilities caps;
+  std::mutex async_mutex;
+  ~device_state();
+  // Reads pending asynchronous events (non-blocking), logs them, and turns
+  // CQ errors into overflow and QP errors into queue-pair error state.
+  void drain_async_events() noexcept;
+};
+
+class verbs_device final : public device {
+ public:
+  explicit verbs_device(const std::string& name);
+  std::string_view provider() const noexcept override { return "verbs"; }
+  std::string_view name() const noexcept override { return state_->name; }
+  const capabilities& caps() const noexcept override { return state_->caps; }
+  std::unique_ptr<protection_domain> alloc_pd() override;
+  std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
+  std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port) override;
+  connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
+                         std::span<const std::byte> private_data,
+                         std::chrono::milliseconds timeout) noexcept override;
+  int gid_index() const noexcept { return state_->gid_index; }
+
+ private:
+  std::shared_ptr<device_state> state_;
+};
+
+class verbs_pd final : public protection_domain {
+ public:
+  explicit verbs_pd(std::shared_ptr<device_state> dev);
+  ~verbs_pd() override;
+  std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
+  std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
+
+ private:
+  std::shared_ptr<device_state> dev_;
+  ibv_pd* pd_ = nullptr;
+};
+
+class verbs_mr final : public memory_region {
+ public:
+  verbs_mr(ibv_mr* mr, transport::access acc) noexcept;
+  ~verbs_mr() override;
+
+ private:
+  ibv_mr* mr_;
+};
+
+class verbs_cq final : public completion_queue {
+ public:
+  verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth);
+  ~verbs_cq() override;
+  std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
+  std::error_code arm() noexcept override;
+  int notify_fd() const noexcept override { return channel_->fd; }
+  std::size_t ack_events() noexcept override;
+  std::uint32_t depth() const noexcept override { return static_cast<std::uint32_t>(cq_->cqe); }
+  cq_counters counters() const noexcept override { return counters_; }
+
+  ibv_cq* raw() const noexcept { return cq_; }
+  std::uint32_t attach(verbs_qp* qp);      // returns the queue pair's index on this CQ
+  void detach(std::uint32_t index) noexcept;
+  void on_overflow() noexcept;
+  void check_events() noexcept;  // asynchronous and connection events
+
+ private:
+  struct qp_entry {
+    verbs_qp* qp = nullptr;
+    std::uint8_t generation = 0;
+  };
+  std::shared_ptr<device_state> dev_;
+  ibv_comp_channel* channel_ = nullptr;
+  ibv_cq* cq_ = nullptr;
+  std::vector<qp_entry> qps_;
+  bool overflow_ = false;
+  std::uint32_t empty_streak_ = 0;
+  cq_counters counters_;
+  friend class verbs_qp;
+};
+
+class verbs_qp final : public queue_pair {
+ public:
+  verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attributes& attr);
+  ~verbs_qp() override;
+
+  std::uint32_t qp_num() const noexcept override { return qp_->qp_num; }
+  qp_state state() const noexcept override;
+  std::error_code modify(qp_state next) noexcept override;
+  std::error_code post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept override;
+  std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
+  const qp_attributes& attributes() const noexcept override { return attr_; }
+  qp_counters counters() const noexcept override { return counters_; }
+
+  // Connection manager.
+  ibv_qp* raw() const noexcept { return qp_; }
+  ibv_context* context() const noexcept { return dev_->ctx; }
+  bool can_connect() const noexcept;
+  // Moves the QP to `target` with rdma_init_qp_attr's attributes for the id.
+  std::error_code cm_transition(rdma_cm_id* id, ibv_qp_state target) noexcept;
+  void adopt(rdma_cm_id* id, rdma_event_channel* channel) noexcept;
+
+  // Completion translation (called by the CQ).
+  void complete(const ibv_wc& wc, std::uint32_t slot, bool recv, completion& out) noexcept;
+  void on_async_error() noexcept;
+  // Reads this connection's rdma_cm events (non-blocking): DISCONNECTED
+  // (the peer destroyed its connection or died) moves the QP to error.
+  void poll_cm_events() noexcept;
+
+ private:
+  struct send_slot {
+    std::uint64_t wr_id = 0;
+    std::uint64_t seq = 0;
+    opcode op = opcode::send;
+    bool signaled = true;
+  };
+  std::uint64_t make_wr_id(std::uint32_t cq_index, std::uint8_t gen, std::uint32_t slot, bool recv) const noexcept;
+  void disconnect() noexcept;
+
+  std::shared_ptr<device_state> dev_;
+  qp_attributes attr_;
+  ibv_qp* qp_ = nullptr;
+  verbs_cq* scq_;
+  verbs_cq* rcq_;
+  std::uint32_t sindex_ = 0, rindex_ = 0;  // our index on each CQ
+  std::uint8_t sgen_ = 0, rgen_ = 0;
+  rdma_cm_id* cm_id_ = nullptr;
+  rdma_event_channel* cm_channel_ = nullptr;
+  qp_counters counters_;
+  // send queue accounting: [sq_retired_, sq_posted_) occupy slots
+  std::vector<send_slot> sq_;
+  std::uint64_t sq_posted_ = 0, sq_retired_ = 0;
+  std::vector<std::uint64_t> rq_;  // caller's wr_id per receive slot
+  std::uint64_t rq_posted_ = 0, rq_done_ = 0;
+  // post-time scratch (no allocation per post)
+  std::vector<ibv_send_wr> swr_;
+  std::vector<ibv_sge> ssge_;
+  std::vector<ibv_recv_wr> rwr_;
+  std::vector<ibv_sge> rsge_;
+};
+
+// For open_device: the first device with an active port, or the named one.
+std::unique_ptr<device> open(const std::string& name);
+
+}  // namespace anydoor::transport::verbs
