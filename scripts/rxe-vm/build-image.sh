@@ -100,6 +100,28 @@ sleep 10
 EOF
 chmod 755 "$ROOTFS/sbin/rxe-init"
 
+# --- 2b. Soft-iWARP: Debian's 6.1 kernel ships rdma_rxe but not siw
+# (CONFIG_RDMA_SIW unset); build siw.ko out of tree against the guest
+# kernel's headers from linux-source-6.1 (SKIP_SIW=1 leaves it out).
+if [ "${SKIP_SIW:-0}" != 1 ]; then
+  ts=$(date +%s)
+  KVER=$(ls "$ROOTFS/lib/modules" | head -1)
+  dpkg -s "linux-headers-$KVER" >/dev/null 2>&1 || \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "linux-headers-$KVER"
+  SIW=$WORK/siw
+  rm -rf "$SIW" && mkdir -p "$SIW/src"
+  (cd "$SIW" && apt-get download linux-source-6.1 >/dev/null)
+  dpkg-deb --fsys-tarfile "$SIW"/linux-source-6.1_*.deb | tar -xO ./usr/src/linux-source-6.1.tar.xz \
+    | tar -xJ -C "$SIW/src" --strip-components=5 --wildcards 'linux-source-6.1/drivers/infiniband/sw/siw/*'
+  make -C "/usr/src/linux-headers-$KVER" M="$SIW/src" CONFIG_RDMA_SIW=m modules -j"$(nproc)" >"$SIW/make.log" 2>&1 \
+    || { tail -20 "$SIW/make.log"; echo "siw build failed"; exit 1; }
+  mkdir -p "$ROOTFS/lib/modules/$KVER/extra"
+  strip --strip-debug -o "$ROOTFS/lib/modules/$KVER/extra/siw.ko" "$SIW/src/siw.ko"
+  chroot "$ROOTFS" depmod -a "$KVER"
+  rm -rf "$SIW"
+  echo "### siw.ko for $KVER took $(( $(date +%s) - ts )) s"
+fi
+
 chroot "$ROOTFS" update-initramfs -u -k all
 rm -f "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*_Packages
 

@@ -223,6 +223,7 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
       if (ibv_query_port(ctx, port, &pattr) == 0 && pattr.state == IBV_PORT_ACTIVE) {
         state_->ctx = ctx;
         state_->port = port;
+        state_->iwarp = ctx->device->transport_type == IBV_TRANSPORT_IWARP;
         state_->name = name;
         auto& c = state_->caps;
         c.max_qp_wr = static_cast<std::uint32_t>(attr.max_qp_wr);
@@ -526,6 +527,7 @@ std::error_code verbs_qp::modify(qp_state next) noexcept {
       return errc::invalid_state;
   }
   if (ibv_modify_qp(qp_, &a, mask) != 0) return {errno, std::system_category()};
+  posted_state_ = next;
   if (next == qp_state::reset) {
     sq_retired_ = sq_posted_;
     rq_done_ = rq_posted_;
@@ -557,19 +559,21 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
     mask |= IBV_QP_RNR_RETRY | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT;
   }
   if (ibv_modify_qp(qp_, &a, mask) != 0) return {errno, std::system_category()};
-  log().debug("qp {}: -> {}", qp_num(), to_string(from_ibv(target)));
+  posted_state_ = from_ibv(target);
+  log().debug("qp {}: -> {}", qp_num(), to_string(posted_state_));
   return {};
 }
 
 void verbs_qp::adopt(rdma_cm_id* id, rdma_event_channel* channel) noexcept {
   cm_id_ = id;
   cm_channel_ = channel;
+  posted_state_ = qp_state::rts;
 }
 
 void verbs_qp::on_async_error() noexcept {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_ERR;
-  ibv_modify_qp(qp_, &a, IBV_QP_STATE);
+  if (ibv_modify_qp(qp_, &a, IBV_QP_STATE) == 0) posted_state_ = qp_state::error;
 }
 
 void verbs_qp::poll_cm_events() noexcept {
@@ -593,8 +597,7 @@ std::uint64_t verbs_qp::make_wr_id(std::uint32_t cq_index, std::uint8_t gen, std
 }
 
 std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept {
-  const qp_state s = state();
-  if (s != qp_state::rts && s != qp_state::error) return errc::invalid_state;
+  if (posted_state_ != qp_state::rts && posted_state_ != qp_state::error) return errc::invalid_state;
   for (std::size_t i = 0; i < wrs.size(); ++i) {
     const work_request& wr = wrs[i];
     std::uint64_t total = 0;
@@ -648,7 +651,7 @@ std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size
 }
 
 std::error_code verbs_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
-  if (state() == qp_state::reset) return errc::invalid_state;
+  if (posted_state_ == qp_state::reset) return errc::invalid_state;
   for (std::size_t i = 0; i < wrs.size(); ++i) {
     if (wrs[i].sg_list.size() > attr_.max_recv_sge) {
       if (bad != nullptr) *bad = i;
@@ -740,7 +743,9 @@ class verbs_request final : public connection_request {
     if (vqp->state() == qp_state::reset) {
       if (auto ec = vqp->cm_transition(id_, IBV_QPS_INIT)) return fail(ch, ec);
     }
-    if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTR)) return fail(ch, ec);
+    if (!vqp->iwarp()) {
+      if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTR)) return fail(ch, ec);
+    }
     ibv_device_attr attr{};
     ibv_query_device(id_->verbs, &attr);
     const auto wrapped = wrap_private_data(pdata);
@@ -754,7 +759,9 @@ class verbs_request final : public connection_request {
       log().warn("verbs: accept: expected ESTABLISHED, got {}", rdma_event_str(type));
       return fail(ch, errc::connection_refused);
     }
-    if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTS)) return fail(ch, ec);
+    if (!vqp->iwarp()) {
+      if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTS)) return fail(ch, ec);
+    }
     vqp->adopt(id_, ch);
     id_ = nullptr;
     return {};
@@ -930,16 +937,21 @@ connect_result verbs_device::connect(queue_pair& qp, const std::string& host, st
   const auto wrapped = wrap_private_data(pdata);
   rdma_conn_param p = conn_param(*vqp, wrapped, attr);
   if (rdma_connect(id, &p) != 0) return fail({errno, std::system_category()}, "rdma_connect");
-  if (auto ec = expect(RDMA_CM_EVENT_CONNECT_RESPONSE, errc::connection_refused, "connect")) {
+  // IB/RoCE with a user-managed QP: CONNECT_RESPONSE, then RTR, RTS and
+  // rdma_establish. iWARP: the CM moves the QP and reports ESTABLISHED.
+  const rdma_cm_event_type reply = vqp->iwarp() ? RDMA_CM_EVENT_ESTABLISHED : RDMA_CM_EVENT_CONNECT_RESPONSE;
+  if (auto ec = expect(reply, errc::connection_refused, "connect")) {
     const auto keep = result.private_data;
     fail(ec, "connect");
     result.private_data = keep;
     vqp->modify(qp_state::reset);
     return result;
   }
-  if (auto ec = vqp->cm_transition(id, IBV_QPS_RTR)) return fail(ec, "RTR");
-  if (auto ec = vqp->cm_transition(id, IBV_QPS_RTS)) return fail(ec, "RTS");
-  if (rdma_establish(id) != 0) return fail({errno, std::system_category()}, "rdma_establish");
+  if (!vqp->iwarp()) {
+    if (auto ec = vqp->cm_transition(id, IBV_QPS_RTR)) return fail(ec, "RTR");
+    if (auto ec = vqp->cm_transition(id, IBV_QPS_RTS)) return fail(ec, "RTS");
+    if (rdma_establish(id) != 0) return fail({errno, std::system_category()}, "rdma_establish");
+  }
   vqp->adopt(id, ch);
   return result;
 }

@@ -33,6 +33,7 @@ struct device_state {
   ibv_context** cm_list = nullptr;
   std::uint8_t port = 1;
   int gid_index = -1;
+  bool iwarp = false;  // iWARP (siw, ...): the CM itself moves QPs to RTR/RTS
   std::string name;
   capabilities caps;
   std::mutex async_mutex;
@@ -129,6 +130,7 @@ class verbs_qp final : public queue_pair {
   // Connection manager.
   ibv_qp* raw() const noexcept { return qp_; }
   ibv_context* context() const noexcept { return dev_->ctx; }
+  bool iwarp() const noexcept { return dev_->iwarp; }
   bool can_connect() const noexcept;
   // Moves the QP to `target` with rdma_init_qp_attr's attributes for the id.
   std::error_code cm_transition(rdma_cm_id* id, ibv_qp_state target) noexcept;
@@ -158,6 +160,10 @@ class verbs_qp final : public queue_pair {
   verbs_cq* rcq_;
   std::uint32_t sindex_ = 0, rindex_ = 0;  // our index on each CQ
   std::uint8_t sgen_ = 0, rgen_ = 0;
+  // The state this provider last set. Posting checks it instead of asking
+  // the device (ibv_query_qp is a system call); the device may move the QP
+  // to error on its own, where posting is allowed too (requests flush).
+  qp_state posted_state_ = qp_state::reset;
   rdma_cm_id* cm_id_ = nullptr;
   rdma_event_channel* cm_channel_ = nullptr;
   qp_counters counters_;
