@@ -172,16 +172,29 @@ bool readable_within(int fd, int ms) {
   pollfd p{fd, POLLIN, 0};
   return ::poll(&p, 1, ms) == 1;
 }
+
+// A connected pair with one 16-byte receive posted at b, and a send ready at a.
+struct one_message {
+  connected_pair p;
+  std::vector<char> src = std::vector<char>(16, 'n'), dst = std::vector<char>(16);
+  std::unique_ptr<tp::memory_region> smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  std::unique_ptr<tp::memory_region> dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
+
+  one_message() {
+    tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
+    REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  }
+  void send() {
+    tp::work_request wr = send_wr(2, {&ssg, 1});
+    REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  }
+};
 }  // namespace
 
 TEST_CASE("notify fd: a completion after arm makes the fd readable", "[conformance]") {
-  connected_pair p;
-  std::vector<char> src(16, 'n'), dst(16);
-  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
-  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
-  tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
-  tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
-  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  one_message m;
+  auto& p = m.p;
 
   tp::completion buf[4];
   std::error_code ec;
@@ -190,8 +203,7 @@ TEST_CASE("notify fd: a completion after arm makes the fd readable", "[conforman
   REQUIRE_FALSE(p.b.cq->arm());
   CHECK_FALSE(readable_within(p.b.cq->notify_fd(), 20));  // nothing happened yet
 
-  tp::work_request wr = send_wr(2, {&ssg, 1});
-  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  m.send();
   // The receiver sleeps on its fd; only the sender's side is driven meanwhile.
   REQUIRE(readable_within(p.b.cq->notify_fd(), 5000));
   p.b.cq->ack_events();
@@ -211,18 +223,12 @@ TEST_CASE("notify fd: a completion after arm makes the fd readable", "[conforman
 }
 
 TEST_CASE("notify fd: a completion arriving between the last poll and arm is not lost", "[conformance]") {
-  connected_pair p;
-  std::vector<char> src(16, 'n'), dst(16);
-  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
-  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
-  tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
-  tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
-  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  one_message m;
+  auto& p = m.p;
   tp::completion buf[4];
   std::error_code ec;
   REQUIRE(p.b.cq->poll(buf, ec) == 0);  // the reactor drained: empty
-  tp::work_request wr = send_wr(2, {&ssg, 1});
-  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));  // ... the completion arrives now ...
+  m.send();  // ... the completion arrives now ...
   std::this_thread::sleep_for(20ms);
   REQUIRE_FALSE(p.b.cq->arm());  // ... and the reactor arms only afterwards
   // The arm-then-drain rule: either the drain after arm finds it, or the fd
@@ -272,15 +278,9 @@ TEST_CASE("a burst larger than one progress pass completes on a queue shared by 
 }
 
 TEST_CASE("a receiver that arms its queue and sleeps still acknowledges what it received", "[conformance]") {
-  connected_pair p;
-  std::vector<char> src(16, 'a'), dst(16);
-  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
-  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
-  tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
-  tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
-  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
-  tp::work_request wr = send_wr(2, {&ssg, 1});
-  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  one_message m;
+  auto& p = m.p;
+  m.send();
   // The receiver polls until its receive completes, arms, and from then on
   // only the sender is driven.
   driver rx{p.b.cq.get()};

@@ -103,6 +103,15 @@ struct raw_peer {
     while (ep.qp->state() != tp::qp_state::error && std::chrono::steady_clock::now() < deadline) d.step();
     return ep.qp->state() == tp::qp_state::error;
   }
+  // Reads the provider's next frame and checks it is a NAK with `status`.
+  void expect_nak(tp::wc_status status) {
+    auto nak = raw_read(fd, kHeaderSize);
+    REQUIRE(nak.size() == kHeaderSize);
+    frame_header h;
+    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(nak.data(), kHeaderSize), h) == decode_error::none);
+    CHECK(h.type == frame_type::nak);
+    CHECK(h.imm == static_cast<std::uint32_t>(status));
+  }
   bool closed_by_provider() {
     for (int i = 0; i < 100; ++i) {
       pollfd p{fd, POLLIN, 0};
@@ -179,12 +188,7 @@ TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit]
                   .rkey = p.mr->rkey()},
                  data.data(), data.size());
     REQUIRE(p.reaches_error());
-    auto nak = raw_read(p.fd, kHeaderSize);
-    REQUIRE(nak.size() == kHeaderSize);
-    frame_header h;
-    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(nak.data(), kHeaderSize), h) == decode_error::none);
-    CHECK(h.type == frame_type::nak);
-    CHECK(h.imm == static_cast<std::uint32_t>(tp::wc_status::remote_access_error));
+    p.expect_nak(tp::wc_status::remote_access_error);
   }
   SECTION("read beyond the registration") {
     p.send_frame({.type = frame_type::read_request, .psn = 1, .remote_addr = p.base() + 1,
@@ -194,12 +198,7 @@ TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit]
     p.send_frame({.type = frame_type::fetch_add, .psn = 1, .remote_addr = p.base() + 4, .rkey = p.mr->rkey(),
                   .compare_add = 1});
     REQUIRE(p.reaches_error());
-    auto nak = raw_read(p.fd, kHeaderSize);
-    REQUIRE(nak.size() == kHeaderSize);
-    frame_header h;
-    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(nak.data(), kHeaderSize), h) == decode_error::none);
-    CHECK(h.type == frame_type::nak);
-    CHECK(h.imm == static_cast<std::uint32_t>(tp::wc_status::remote_invalid_request));
+    p.expect_nak(tp::wc_status::remote_invalid_request);
   }
   SECTION("address arithmetic that wraps around") {
     p.send_frame({.type = frame_type::write, .psn = 1, .length = 16, .remote_addr = ~std::uint64_t{0} - 7,

@@ -2,6 +2,7 @@
 
 #include <anydoor/error.hpp>
 
+#include "contract_checks.hpp"
 #include "log.hpp"
 #include "tcp/tcp_device.hpp"
 
@@ -77,15 +78,7 @@ tcp_mr::tcp_mr(std::shared_ptr<registration_table> table, void* addr, std::size_
 tcp_mr::~tcp_mr() { table_->remove(lkey()); }
 
 std::unique_ptr<memory_region> tcp_pd::register_memory(void* addr, std::size_t length, access acc) {
-  constexpr auto known = access::local_write | access::remote_write | access::remote_read |
-                         access::remote_atomic;
-  if (addr == nullptr || length == 0 || (acc & known) != acc) {
-    throw std::system_error(errc::invalid_argument, "register_memory: null address, zero length or unknown access flag");
-  }
-  // Remote write and atomic access require local write, as with verbs.
-  if ((has(acc, access::remote_write) || has(acc, access::remote_atomic)) && !has(acc, access::local_write)) {
-    throw std::system_error(errc::invalid_argument, "register_memory: remote_write/remote_atomic need local_write");
-  }
+  check_registration(addr, length, acc);
   const std::uint32_t key = table_->add(static_cast<std::byte*>(addr), length, acc);
   if (key == 0) {
     throw std::system_error(errc::registration_failed, "register_memory: registration table full");
@@ -127,12 +120,20 @@ tcp_cq::~tcp_cq() {
   ::close(epfd_);
 }
 
-void tcp_cq::attach(tcp_qp* qp) {
-  if (std::find(qps_.begin(), qps_.end(), qp) == qps_.end()) qps_.push_back(qp);
+void tcp_cq::attach(tcp_qp* qp, std::uint32_t wrs) {
+  qps_.push_back(qp);
+  wrs_ += wrs;
+  if (wrs_ > depth_) {
+    log().warn("completion queue depth {} is below the {} work requests of its queue pairs: it can overflow",
+               depth_, wrs_);
+  }
 }
 
-void tcp_cq::detach(tcp_qp* qp) noexcept {
-  qps_.erase(std::remove(qps_.begin(), qps_.end(), qp), qps_.end());
+void tcp_cq::detach(tcp_qp* qp, std::uint32_t wrs) noexcept {
+  const auto it = std::find(qps_.begin(), qps_.end(), qp);
+  if (it == qps_.end()) return;
+  qps_.erase(it);
+  wrs_ -= wrs;
 }
 
 void tcp_cq::watch(int fd, tcp_qp* qp, bool want_write) noexcept {

@@ -92,8 +92,9 @@ class tcp_cq final : public completion_queue {
 
   // For queue pairs.
   void push(const completion& c) noexcept;
-  void attach(tcp_qp* qp);
-  void detach(tcp_qp* qp) noexcept;
+  // wrs: the work requests the queue pair can have outstanding on this CQ.
+  void attach(tcp_qp* qp, std::uint32_t wrs);
+  void detach(tcp_qp* qp, std::uint32_t wrs) noexcept;
   void watch(int fd, tcp_qp* qp, bool want_write) noexcept;
   void unwatch(int fd) noexcept;
   void schedule(std::chrono::steady_clock::time_point when) noexcept;
@@ -114,6 +115,7 @@ class tcp_cq final : public completion_queue {
   std::chrono::steady_clock::time_point timer_at_{};
   bool timer_set_ = false;
   std::vector<tcp_qp*> qps_;
+  std::uint64_t wrs_ = 0;  // work requests of the queue pairs on it
   cq_counters counters_;
 };
 

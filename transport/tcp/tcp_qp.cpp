@@ -16,6 +16,7 @@
 
 #include <anydoor/error.hpp>
 
+#include "contract_checks.hpp"
 #include "log.hpp"
 
 #include <sys/socket.h>
@@ -37,24 +38,6 @@ constexpr std::size_t kDirectReadMin = 16 * 1024;
 constexpr int kMaxFramesPerProgress = 256;
 
 bool psn_le(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(b - a) >= 0; }
-
-wc_opcode completion_opcode(opcode op) noexcept {
-  switch (op) {
-    case opcode::send:
-    case opcode::send_with_imm: return wc_opcode::send;
-    case opcode::write:
-    case opcode::write_with_imm: return wc_opcode::write;
-    case opcode::read: return wc_opcode::read;
-    case opcode::fetch_add: return wc_opcode::fetch_add;
-    case opcode::compare_swap: return wc_opcode::compare_swap;
-  }
-  return wc_opcode::send;
-}
-
-bool is_atomic(opcode op) noexcept { return op == opcode::fetch_add || op == opcode::compare_swap; }
-bool carries_data(opcode op) noexcept {
-  return op == opcode::send || op == opcode::send_with_imm || op == opcode::write || op == opcode::write_with_imm;
-}
 
 void check_attr(const qp_attributes& a) {
   const char* why = nullptr;
@@ -83,14 +66,24 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr)
   rq_sges_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
   rx_buf_.resize(kRxBufferSize);
   rnr_left_ = attr_.rnr_retry;
-  static_cast<tcp_cq*>(attr_.send_cq)->attach(this);
-  static_cast<tcp_cq*>(attr_.recv_cq)->attach(this);
+  auto* scq = static_cast<tcp_cq*>(attr_.send_cq);
+  auto* rcq = static_cast<tcp_cq*>(attr_.recv_cq);
+  if (scq == rcq) {
+    scq->attach(this, attr_.max_send_wr + attr_.max_recv_wr);
+  } else {
+    scq->attach(this, attr_.max_send_wr);
+    rcq->attach(this, attr_.max_recv_wr);
+  }
 }
 
 tcp_qp::~tcp_qp() {
   close_socket();
-  if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->detach(this);
-  if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->detach(this);
+  if (attr_.send_cq != nullptr && attr_.send_cq == attr_.recv_cq) {
+    static_cast<tcp_cq*>(attr_.send_cq)->detach(this, attr_.max_send_wr + attr_.max_recv_wr);
+    return;
+  }
+  if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->detach(this, attr_.max_send_wr);
+  if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->detach(this, attr_.max_recv_wr);
 }
 
 void tcp_qp::forget_cq(const tcp_cq* cq) noexcept {
@@ -230,16 +223,7 @@ void tcp_qp::on_cq_overflow() noexcept {
 
 std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
   if (state_ == qp_state::reset) return errc::invalid_state;
-  for (std::size_t i = 0; i < wrs.size(); ++i) {
-    if (wrs[i].sg_list.size() > attr_.max_recv_sge) {
-      if (bad != nullptr) *bad = i;
-      return errc::invalid_argument;
-    }
-    if (rq_tail_ - rq_head_ + i + 1 > attr_.max_recv_wr) {
-      if (bad != nullptr) *bad = i;
-      return errc::queue_full;
-    }
-  }
+  if (auto ec = check_recv(wrs, attr_.max_recv_sge, attr_.max_recv_wr, rq_tail_ - rq_head_, bad)) return ec;
   counters_.recv_wrs += wrs.size();
   for (const recv_request& wr : wrs) {
     if (state_ == qp_state::error) {
@@ -256,23 +240,9 @@ std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t
 
 std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept {
   if (state_ != qp_state::rts && state_ != qp_state::error) return errc::invalid_state;
-  for (std::size_t i = 0; i < wrs.size(); ++i) {
-    const work_request& wr = wrs[i];
-    std::uint64_t total = 0;
-    for (const sge& s : wr.sg_list) total += s.length;
-    const bool ok =
-        wr.sg_list.size() <= attr_.max_send_sge && total <= kMaxPayload &&
-        (!wr.inline_data || (carries_data(wr.op) && total <= attr_.max_inline_data)) &&
-        (!is_atomic(wr.op) || (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8 && wr.remote_addr % 8 == 0));
-    if (!ok) {
-      if (bad != nullptr) *bad = i;
-      return errc::invalid_argument;
-    }
-    if (sq_tail_ - sq_head_ + i + 1 > attr_.max_send_wr) {
-      if (bad != nullptr) *bad = i;
-      return errc::queue_full;
-    }
-  }
+  const send_limits lim{attr_.max_send_sge, attr_.max_inline_data, kMaxPayload, attr_.max_send_wr,
+                        sq_tail_ - sq_head_};
+  if (auto ec = check_send(wrs, lim, bad)) return ec;
   counters_.send_wrs += wrs.size();
   if (state_ == qp_state::error) {
     for (const work_request& wr : wrs) {

@@ -2,6 +2,7 @@
 
 #include <anydoor/error.hpp>
 
+#include "contract_checks.hpp"
 #include "log.hpp"
 
 #include <arpa/inet.h>
@@ -68,24 +69,6 @@ ibv_wr_opcode ibv_op(opcode op) {
     case opcode::compare_swap: return IBV_WR_ATOMIC_CMP_AND_SWP;
   }
   return IBV_WR_SEND;
-}
-
-wc_opcode completion_opcode(opcode op) {
-  switch (op) {
-    case opcode::send:
-    case opcode::send_with_imm: return wc_opcode::send;
-    case opcode::write:
-    case opcode::write_with_imm: return wc_opcode::write;
-    case opcode::read: return wc_opcode::read;
-    case opcode::fetch_add: return wc_opcode::fetch_add;
-    case opcode::compare_swap: return wc_opcode::compare_swap;
-  }
-  return wc_opcode::send;
-}
-
-bool is_atomic(opcode op) { return op == opcode::fetch_add || op == opcode::compare_swap; }
-bool carries_data(opcode op) {
-  return op == opcode::send || op == opcode::send_with_imm || op == opcode::write || op == opcode::write_with_imm;
 }
 
 // IB's encoded RNR NAK timer: the smallest code whose delay is >= us.
@@ -295,13 +278,7 @@ verbs_pd::verbs_pd(std::shared_ptr<device_state> dev) : dev_(std::move(dev)), pd
 verbs_pd::~verbs_pd() { ibv_dealloc_pd(pd_); }
 
 std::unique_ptr<memory_region> verbs_pd::register_memory(void* addr, std::size_t length, access acc) {
-  constexpr auto known = access::local_write | access::remote_write | access::remote_read | access::remote_atomic;
-  if (addr == nullptr || length == 0 || (acc & known) != acc) {
-    throw std::system_error(errc::invalid_argument, "register_memory: null address, zero length or unknown access flag");
-  }
-  if ((has(acc, access::remote_write) || has(acc, access::remote_atomic)) && !has(acc, access::local_write)) {
-    throw std::system_error(errc::invalid_argument, "register_memory: remote_write/remote_atomic need local_write");
-  }
+  check_registration(addr, length, acc);
   ibv_mr* mr = ibv_reg_mr(pd_, addr, length, ibv_access(acc));  // exactly the requested access
   if (mr == nullptr) {
     throw std::system_error(errc::registration_failed,
@@ -341,7 +318,12 @@ verbs_cq::~verbs_cq() {
   ibv_destroy_comp_channel(channel_);
 }
 
-std::uint32_t verbs_cq::attach(verbs_qp* qp) {
+std::uint32_t verbs_cq::attach(verbs_qp* qp, std::uint32_t wrs) {
+  wrs_ += wrs;
+  if (wrs_ > static_cast<std::uint64_t>(cq_->cqe)) {
+    log().warn("completion queue depth {} is below the {} work requests of its queue pairs: it can overflow",
+               cq_->cqe, wrs_);
+  }
   for (std::uint32_t i = 0; i < qps_.size(); ++i) {
     if (qps_[i].qp == nullptr) {
       qps_[i].qp = qp;
@@ -354,8 +336,9 @@ std::uint32_t verbs_cq::attach(verbs_qp* qp) {
   return static_cast<std::uint32_t>(qps_.size() - 1);
 }
 
-void verbs_cq::detach(std::uint32_t index) noexcept {
+void verbs_cq::detach(std::uint32_t index, std::uint32_t wrs) noexcept {
   if (index < qps_.size()) qps_[index].qp = nullptr;
+  wrs_ -= wrs;
 }
 
 void verbs_cq::on_overflow() noexcept {
@@ -463,17 +446,17 @@ verbs_qp::verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attri
   ssge_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
   rwr_.resize(attr_.max_recv_wr);
   rsge_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
-  sindex_ = scq_->attach(this);
+  sindex_ = scq_->attach(this, attr_.max_send_wr);
   sgen_ = scq_->qps_[sindex_].generation;
-  rindex_ = rcq_->attach(this);
+  rindex_ = rcq_->attach(this, attr_.max_recv_wr);
   rgen_ = rcq_->qps_[rindex_].generation;
 }
 
 verbs_qp::~verbs_qp() {
   disconnect();
   if (ibv_destroy_qp(qp_) != 0) log().error("ibv_destroy_qp: {}", std::strerror(errno));
-  scq_->detach(sindex_);
-  rcq_->detach(rindex_);
+  scq_->detach(sindex_, attr_.max_send_wr);
+  rcq_->detach(rindex_, attr_.max_recv_wr);
 }
 
 void verbs_qp::disconnect() noexcept {
@@ -598,18 +581,9 @@ std::uint64_t verbs_qp::make_wr_id(std::uint32_t cq_index, std::uint8_t gen, std
 
 std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept {
   if (posted_state_ != qp_state::rts && posted_state_ != qp_state::error) return errc::invalid_state;
-  for (std::size_t i = 0; i < wrs.size(); ++i) {
-    const work_request& wr = wrs[i];
-    std::uint64_t total = 0;
-    for (const sge& g : wr.sg_list) total += g.length;
-    const bool ok = wr.sg_list.size() <= attr_.max_send_sge && total <= dev_->caps.max_msg_size &&
-                    (!wr.inline_data || (carries_data(wr.op) && total <= attr_.max_inline_data)) &&
-                    (!is_atomic(wr.op) || (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8 && wr.remote_addr % 8 == 0));
-    if (!ok || (sq_posted_ - sq_retired_ + i + 1 > attr_.max_send_wr)) {
-      if (bad != nullptr) *bad = i;
-      return ok ? errc::queue_full : errc::invalid_argument;
-    }
-  }
+  const send_limits lim{attr_.max_send_sge, attr_.max_inline_data, dev_->caps.max_msg_size, attr_.max_send_wr,
+                        sq_posted_ - sq_retired_};
+  if (auto ec = check_send(wrs, lim, bad)) return ec;
   if (wrs.empty()) return {};
   std::size_t sge_used = 0;
   for (std::size_t i = 0; i < wrs.size(); ++i) {
@@ -652,16 +626,7 @@ std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size
 
 std::error_code verbs_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
   if (posted_state_ == qp_state::reset) return errc::invalid_state;
-  for (std::size_t i = 0; i < wrs.size(); ++i) {
-    if (wrs[i].sg_list.size() > attr_.max_recv_sge) {
-      if (bad != nullptr) *bad = i;
-      return errc::invalid_argument;
-    }
-    if (rq_posted_ - rq_done_ + i + 1 > attr_.max_recv_wr) {
-      if (bad != nullptr) *bad = i;
-      return errc::queue_full;
-    }
-  }
+  if (auto ec = check_recv(wrs, attr_.max_recv_sge, attr_.max_recv_wr, rq_posted_ - rq_done_, bad)) return ec;
   if (wrs.empty()) return {};
   std::size_t sge_used = 0;
   for (std::size_t i = 0; i < wrs.size(); ++i) {

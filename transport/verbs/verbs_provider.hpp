@@ -94,8 +94,10 @@ class verbs_cq final : public completion_queue {
   cq_counters counters() const noexcept override { return counters_; }
 
   ibv_cq* raw() const noexcept { return cq_; }
-  std::uint32_t attach(verbs_qp* qp);      // returns the queue pair's index on this CQ
-  void detach(std::uint32_t index) noexcept;
+  // Returns the queue pair's index on this CQ; wrs: the work requests it
+  // can have outstanding here.
+  std::uint32_t attach(verbs_qp* qp, std::uint32_t wrs);
+  void detach(std::uint32_t index, std::uint32_t wrs) noexcept;
   void on_overflow() noexcept;
   void check_events() noexcept;  // asynchronous and connection events
 
@@ -108,6 +110,7 @@ class verbs_cq final : public completion_queue {
   ibv_comp_channel* channel_ = nullptr;
   ibv_cq* cq_ = nullptr;
   std::vector<qp_entry> qps_;
+  std::uint64_t wrs_ = 0;
   bool overflow_ = false;
   std::uint32_t empty_streak_ = 0;
   cq_counters counters_;

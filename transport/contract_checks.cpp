@@ -1,0 +1,47 @@
+#include "contract_checks.hpp"
+
+#include <anydoor/error.hpp>
+
+namespace anydoor::transport {
+
+std::error_code check_send(std::span<const work_request> wrs, const send_limits& lim, std::size_t* bad) noexcept {
+  for (std::size_t i = 0; i < wrs.size(); ++i) {
+    const work_request& wr = wrs[i];
+    std::uint64_t total = 0;
+    for (const sge& s : wr.sg_list) total += s.length;
+    const bool ok = wr.sg_list.size() <= lim.max_sge && total <= lim.max_msg_size &&
+                    (!wr.inline_data || (carries_data(wr.op) && total <= lim.max_inline)) &&
+                    (!is_atomic(wr.op) ||
+                     (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8 && wr.remote_addr % 8 == 0));
+    if (!ok || lim.outstanding + i + 1 > lim.queue_depth) {
+      if (bad != nullptr) *bad = i;
+      return ok ? errc::queue_full : errc::invalid_argument;
+    }
+  }
+  return {};
+}
+
+std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_sge, std::uint32_t queue_depth,
+                           std::uint64_t outstanding, std::size_t* bad) noexcept {
+  for (std::size_t i = 0; i < wrs.size(); ++i) {
+    const bool ok = wrs[i].sg_list.size() <= max_sge;
+    if (!ok || outstanding + i + 1 > queue_depth) {
+      if (bad != nullptr) *bad = i;
+      return ok ? errc::queue_full : errc::invalid_argument;
+    }
+  }
+  return {};
+}
+
+void check_registration(const void* addr, std::size_t length, access acc) {
+  constexpr auto known = access::local_write | access::remote_write | access::remote_read | access::remote_atomic;
+  if (addr == nullptr || length == 0 || (acc & known) != acc) {
+    throw std::system_error(errc::invalid_argument, "register_memory: null address, zero length or unknown access flag");
+  }
+  // As with verbs: remote write and atomic access require local write.
+  if ((has(acc, access::remote_write) || has(acc, access::remote_atomic)) && !has(acc, access::local_write)) {
+    throw std::system_error(errc::invalid_argument, "register_memory: remote_write/remote_atomic need local_write");
+  }
+}
+
+}  // namespace anydoor::transport

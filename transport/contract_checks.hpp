@@ -1,0 +1,49 @@
+// The contract's argument checks and opcode mapping, shared by every
+// provider so that they refuse exactly the same requests.
+#pragma once
+
+#include <anydoor/transport/types.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <system_error>
+
+namespace anydoor::transport {
+
+constexpr bool is_atomic(opcode op) noexcept { return op == opcode::fetch_add || op == opcode::compare_swap; }
+
+constexpr bool carries_data(opcode op) noexcept {
+  return op == opcode::send || op == opcode::send_with_imm || op == opcode::write || op == opcode::write_with_imm;
+}
+
+constexpr wc_opcode completion_opcode(opcode op) noexcept {
+  switch (op) {
+    case opcode::send:
+    case opcode::send_with_imm: return wc_opcode::send;
+    case opcode::write:
+    case opcode::write_with_imm: return wc_opcode::write;
+    case opcode::read: return wc_opcode::read;
+    case opcode::fetch_add: return wc_opcode::fetch_add;
+    case opcode::compare_swap: return wc_opcode::compare_swap;
+  }
+  return wc_opcode::send;
+}
+
+struct send_limits {
+  std::uint32_t max_sge;
+  std::uint32_t max_inline;
+  std::uint32_t max_msg_size;
+  std::uint32_t queue_depth;
+  std::uint64_t outstanding;  // slots taken now
+};
+
+// post_send's checks (provider.hpp documents them); sets *bad on failure.
+std::error_code check_send(std::span<const work_request> wrs, const send_limits& lim, std::size_t* bad) noexcept;
+// post_recv's checks.
+std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_sge, std::uint32_t queue_depth,
+                           std::uint64_t outstanding, std::size_t* bad) noexcept;
+// register_memory's checks; throws std::system_error(errc::invalid_argument).
+void check_registration(const void* addr, std::size_t length, access acc);
+
+}  // namespace anydoor::transport
