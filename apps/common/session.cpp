@@ -2,6 +2,8 @@
 
 #include <anydoor/error.hpp>
 
+#include <poll.h>
+
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -171,7 +173,21 @@ double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count
 void serve_until_disconnect(session& s) {
   tp::completion c[16];
   std::error_code ec;
-  while (s.qp->state() == tp::qp_state::rts && !ec) s.cq->poll(c, ec);
+  // The tcp provider executes one-sided work inside poll(): busy-poll. An
+  // RDMA device needs no CPU for it: sleep on the notify fd (arm, poll again,
+  // then wait) and wake for completions and connection events.
+  const bool busy = s.dev->provider() == "tcp";
+  for (std::uint32_t i = 1; !ec; ++i) {
+    const bool got = s.cq->poll(c, ec) > 0;
+    if ((i & 1023) == 0 && s.qp->state() != tp::qp_state::rts) break;
+    if (busy || got || ec) continue;
+    if ((ec = s.cq->arm())) break;
+    if (s.cq->poll(c, ec) > 0 || ec) continue;
+    pollfd p{s.cq->notify_fd(), POLLIN, 0};
+    ::poll(&p, 1, 10);  // 10 ms: the state is looked at again
+    s.cq->ack_events();
+    i = 1023;  // look at the state after each wait
+  }
 }
 
 summary summarize(std::vector<double> v) {

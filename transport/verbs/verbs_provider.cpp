@@ -378,8 +378,16 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
   }
   if (n == 0) {
     ++counters_.empty_polls;
-    // Asynchronous events (CQ overflow among them) are looked at now and then.
-    if ((++empty_streak_ & 63) == 0) check_events();
+    // Asynchronous and connection events (CQ overflow, a peer's disconnect)
+    // are looked at when idle, at most once a millisecond: each look is two
+    // system calls.
+    if ((++empty_streak_ & 63) == 0) {
+      const auto now = clock::now();
+      if (now - events_checked_ >= std::chrono::milliseconds(1)) {
+        events_checked_ = now;
+        check_events();
+      }
+    }
   } else {
     empty_streak_ = 0;
   }

@@ -113,6 +113,7 @@ class verbs_cq final : public completion_queue {
   std::uint64_t wrs_ = 0;
   bool overflow_ = false;
   std::uint32_t empty_streak_ = 0;
+  std::chrono::steady_clock::time_point events_checked_{};
   cq_counters counters_;
   friend class verbs_qp;
 };
