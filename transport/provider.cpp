@@ -144,7 +144,7 @@ std::unique_ptr<device> open_device(const device_options& options) {
 
   if (provider == "auto") {
     const verbs::probe_result probe = verbs::probe_devices();
-    if (!probe.active_device.empty() && (name.empty() || name == probe.active_device || name != "tcp0")) {
+    if (!probe.active_device.empty() && name != "tcp0") {
       log().info("provider=auto: RDMA device {} is active; using verbs", probe.active_device);
       provider = "verbs";
     } else {

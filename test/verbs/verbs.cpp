@@ -117,3 +117,30 @@ TEST_CASE("verbs: connection failures come back as clear error codes", "[verbs]"
     CHECK(ec == anydoor::errc::timed_out);
   }
 }
+
+TEST_CASE("verbs: ANYDOOR_GID_INDEX chooses the GID connections leave from", "[verbs]") {
+  struct env_guard {
+    explicit env_guard(const char* v) { ::setenv("ANYDOOR_GID_INDEX", v, 1); }
+    ~env_guard() { ::unsetenv("ANYDOOR_GID_INDEX"); }
+  };
+  {
+    env_guard g("999");
+    try {
+      open_verbs();
+      FAIL("opened a device with a GID index that does not exist");
+    } catch (const std::system_error& e) {
+      CHECK(e.code() == anydoor::errc::invalid_argument);
+    }
+  }
+  env_guard g(std::getenv("ANYDOOR_TEST_GID_INDEX") != nullptr ? std::getenv("ANYDOOR_TEST_GID_INDEX") : "1");
+  connected_pair p;  // both ends opened with the chosen GID: the connection works through it
+  std::uint64_t src = 7, dst = 0;
+  auto smr = p.a.pd->register_memory(&src, 8, access::none);
+  auto dmr = p.b.pd->register_memory(&dst, 8, access::local_write | access::remote_write);
+  tp::sge sg = smr->slice(0, 8);
+  tp::work_request wr{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                      .remote_addr = reinterpret_cast<std::uint64_t>(&dst), .rkey = dmr->rkey()};
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  CHECK(dst == 7);
+}

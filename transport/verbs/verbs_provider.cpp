@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <system_error>
 
@@ -217,16 +218,36 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         c.max_private_data = kMaxUserPrivateData;
         c.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
         c.gpu_memory = false;
-        // GID: RoCE v2 with an IPv4-mapped address preferred (ANYDOOR_GID_INDEX overrides).
+        // GID: RoCE v2 with an IPv4-mapped address preferred; ANYDOOR_GID_INDEX
+        // chooses one, and connections then leave from its address (rdma_cm
+        // picks the GID from the source address).
+        auto ipv4_of = [](const ibv_gid& g) -> std::uint32_t {
+          const bool v4 = std::all_of(g.raw, g.raw + 10, [](std::uint8_t b) { return b == 0; }) &&
+                          g.raw[10] == 0xff && g.raw[11] == 0xff;
+          std::uint32_t a = 0;
+          if (v4) std::memcpy(&a, g.raw + 12, 4);
+          return a;
+        };
         if (const char* g = std::getenv("ANYDOOR_GID_INDEX"); g != nullptr && *g != '\0') {
-          state_->gid_index = std::atoi(g);
+          char* end = nullptr;
+          const long gi = std::strtol(g, &end, 10);
+          ibv_gid_entry e{};
+          if (end == g || *end != '\0' || gi < 0 || gi >= pattr.gid_tbl_len ||
+              ibv_query_gid_ex(ctx, port, static_cast<std::uint32_t>(gi), &e, 0) != 0) {
+            throw std::system_error(errc::invalid_argument, "ANYDOOR_GID_INDEX=" + std::string(g) + ": no such GID on " +
+                                                                name + " port " + std::to_string(port));
+          }
+          state_->gid_index = static_cast<int>(gi);
+          state_->gid_forced = true;
+          state_->gid_ipv4 = ipv4_of(e.gid);
         } else {
           for (int gi = 0; gi < pattr.gid_tbl_len && state_->gid_index < 0; ++gi) {
             ibv_gid_entry e{};
             if (ibv_query_gid_ex(ctx, port, static_cast<std::uint32_t>(gi), &e, 0) != 0) continue;
-            const bool v4 = std::all_of(e.gid.raw, e.gid.raw + 10, [](std::uint8_t b) { return b == 0; }) &&
-                            e.gid.raw[10] == 0xff && e.gid.raw[11] == 0xff;
-            if (e.gid_type == IBV_GID_TYPE_ROCE_V2 && v4) state_->gid_index = gi;
+            if (e.gid_type == IBV_GID_TYPE_ROCE_V2 && ipv4_of(e.gid) != 0) {
+              state_->gid_index = gi;
+              state_->gid_ipv4 = ipv4_of(e.gid);
+            }
           }
         }
         break;
@@ -888,7 +909,14 @@ connect_result verbs_device::connect(queue_pair& qp, const std::string& host, st
     return fail({errno, std::system_category()}, "rdma_create_id");
   }
   set_nonblocking(ch->fd);
-  const int rc = rdma_resolve_addr(id, res->ai_src_addr, res->ai_dst_addr, timeout_ms);
+  sockaddr_in gid_src{};
+  sockaddr* src = res->ai_src_addr;
+  if (state_->gid_forced && state_->gid_ipv4 != 0 && res->ai_dst_addr->sa_family == AF_INET) {
+    gid_src.sin_family = AF_INET;
+    gid_src.sin_addr.s_addr = state_->gid_ipv4;
+    src = reinterpret_cast<sockaddr*>(&gid_src);
+  }
+  const int rc = rdma_resolve_addr(id, src, res->ai_dst_addr, timeout_ms);
   rdma_freeaddrinfo(res);
   if (rc != 0) return fail(errc::address_error, "rdma_resolve_addr");
   if (auto ec = expect(RDMA_CM_EVENT_ADDR_RESOLVED, errc::address_error, "address resolution")) {

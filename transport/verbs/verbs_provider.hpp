@@ -33,6 +33,8 @@ struct device_state {
   ibv_context** cm_list = nullptr;
   std::uint8_t port = 1;
   int gid_index = -1;
+  bool gid_forced = false;        // ANYDOOR_GID_INDEX chose it
+  std::uint32_t gid_ipv4 = 0;     // the GID's IPv4 address (network order), 0 if none
   bool iwarp = false;  // iWARP (siw, ...): the CM itself moves QPs to RTR/RTS
   std::string name;
   capabilities caps;
