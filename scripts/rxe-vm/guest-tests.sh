@@ -24,6 +24,7 @@ filter=$(cat filter 2>/dev/null)
 # --warn NoTests: a spec that matches nothing fails instead of passing.
 suite verbs-tests bin/anydoor-verbs-tests --warn NoTests ${filter:+"$filter"}
 suite conformance bin/anydoor-conformance --warn NoTests ${filter:+"$filter"}
+suite runtime bin/anydoor-runtime-tests --warn NoTests ${filter:+"$filter"}
 if [ "$(cat bench 2>/dev/null)" = 1 ] && [ -x bin/anydoor-perf ]; then
   bash ./bench.sh || fail=$((fail + 1))
 fi

@@ -1,0 +1,118 @@
+// The reactor: one per io_context (thread) and completion queue. It turns the
+// queue's completions into calls of the operations that are waiting for them.
+//
+// Event mode: the CQ's notify fd (a dup of it) is an asio stream_descriptor;
+// when it is readable the reactor acknowledges the events, polls in batches
+// until the queue is empty, arms, and polls again before waiting (the
+// arm-then-drain rule: no lost wake-ups). Busy mode: it polls from a handler
+// that re-posts itself. Adaptive mode: busy for `spin` after the last
+// completion, then event mode.
+//
+// Operations are owned by the caller (pooled there); the reactor keeps a
+// fixed table of slots mapping wr_id to operation, so nothing is allocated
+// per operation. One completion per tracked work request: track only the
+// signaled ones (an unsignaled request has no completion of its own).
+#pragma once
+
+#include <anydoor/transport/provider.hpp>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+namespace anydoor {
+
+namespace asio = boost::asio;
+
+enum class poll_mode : std::uint8_t { event, busy, adaptive };
+std::string_view to_string(poll_mode m) noexcept;
+// "event", "busy" or "adaptive"; false for anything else.
+bool parse_poll_mode(std::string_view text, poll_mode& out) noexcept;
+
+struct reactor_options {
+  poll_mode mode = poll_mode::adaptive;     // ANYDOOR_POLL overrides
+  std::chrono::microseconds spin{50};       // adaptive: busy time after the last completion
+  std::uint32_t batch = 16;                 // completions per poll call, 16..1024
+  std::uint32_t max_operations = 4096;      // operation slots, 1..2^24
+};
+
+// What the reactor calls when a tracked work request completes.
+class operation {
+ public:
+  virtual void complete(const transport::completion& c) noexcept = 0;
+
+ protected:
+  virtual ~operation() = default;  // not deleted through this base
+};
+
+struct reactor_stats {
+  std::uint64_t polls = 0;        // poll calls
+  std::uint64_t empty_polls = 0;  // poll calls that found nothing
+  std::uint64_t completions = 0;  // completions dispatched
+  std::uint64_t wakeups = 0;      // notify-fd readiness handled
+  std::uint64_t arms = 0;
+  std::uint64_t stray = 0;        // completions whose wr_id no operation holds
+};
+
+class reactor {
+ public:
+  // Throws std::system_error (errc::invalid_argument) for bad options or an
+  // unknown ANYDOOR_POLL value.
+  reactor(asio::io_context& io, transport::completion_queue& cq, reactor_options options = {});
+  ~reactor();
+  reactor(const reactor&) = delete;
+  reactor& operator=(const reactor&) = delete;
+
+  // A wr_id for one work request whose completion goes to `op`; 0 when every
+  // slot is taken.
+  std::uint64_t track(operation& op) noexcept;
+  // Forgets a wr_id whose request was never posted (post failed).
+  void untrack(std::uint64_t wr_id) noexcept;
+
+  void start();  // begin polling (idempotent)
+  void stop();   // stop polling; io_context::run() returns once nothing else is pending
+
+  poll_mode mode() const noexcept { return mode_; }
+  const reactor_stats& stats() const noexcept { return stats_; }
+  std::size_t tracked() const noexcept { return tracked_; }
+
+ private:
+  struct slot {
+    operation* op = nullptr;
+    std::uint32_t generation = 0;
+    std::uint32_t next_free = 0;
+  };
+  std::size_t drain();  // polls until empty; returns completions dispatched
+  void dispatch(const transport::completion& c) noexcept;
+  void fail_all() noexcept;
+  void wait_readable();
+  void on_readable();
+  void arm_and_wait();
+  void spin_step();
+
+  asio::io_context& io_;
+  transport::completion_queue& cq_;
+  reactor_options options_;
+  poll_mode mode_;
+  asio::posix::stream_descriptor fd_;
+  std::vector<slot> slots_;
+  std::uint32_t free_head_ = 0;  // index + 1; 0: none free
+  std::size_t tracked_ = 0;
+  std::vector<transport::completion> buf_;
+  bool running_ = false;
+  bool waiting_ = false;
+  bool failed_ = false;
+  std::chrono::steady_clock::time_point last_activity_{};
+  reactor_stats stats_;
+  // Handlers still queued in the io_context when the reactor is destroyed
+  // see this flag cleared and do nothing.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+};
+
+}  // namespace anydoor

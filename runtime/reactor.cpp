@@ -1,0 +1,231 @@
+#include <anydoor/error.hpp>
+#include <anydoor/reactor.hpp>
+
+#include "log.hpp"
+
+#include <boost/asio/post.hpp>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <system_error>
+
+namespace anydoor {
+
+std::string_view to_string(poll_mode m) noexcept {
+  switch (m) {
+    case poll_mode::event: return "event";
+    case poll_mode::busy: return "busy";
+    case poll_mode::adaptive: return "adaptive";
+  }
+  return "unknown";
+}
+
+bool parse_poll_mode(std::string_view text, poll_mode& out) noexcept {
+  for (poll_mode m : {poll_mode::event, poll_mode::busy, poll_mode::adaptive}) {
+    if (text == to_string(m)) {
+      out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
+namespace {
+
+poll_mode effective_mode(const reactor_options& o) {
+  const char* env = std::getenv("ANYDOOR_POLL");
+  if (env == nullptr || *env == '\0') return o.mode;
+  poll_mode m{};
+  if (!parse_poll_mode(env, m)) {
+    throw std::system_error(errc::invalid_argument,
+                            std::string("ANYDOOR_POLL='") + env + "': use event, busy or adaptive");
+  }
+  return m;
+}
+
+const reactor_options& checked(const reactor_options& o) {
+  if (o.batch < 16 || o.batch > 1024) {
+    throw std::system_error(errc::invalid_argument, "reactor: batch must be in 16..1024");
+  }
+  if (o.max_operations == 0 || o.max_operations > (1u << 24)) {
+    throw std::system_error(errc::invalid_argument, "reactor: max_operations must be in 1..2^24");
+  }
+  if (o.spin.count() < 0) throw std::system_error(errc::invalid_argument, "reactor: negative spin time");
+  return o;
+}
+
+int dup_fd(int fd) {
+  const int d = ::dup(fd);
+  if (d < 0) throw std::system_error(errno, std::system_category(), "reactor: dup(notify fd)");
+  return d;
+}
+
+}  // namespace
+
+reactor::reactor(asio::io_context& io, transport::completion_queue& cq, reactor_options options)
+    : io_(io), cq_(cq), options_(checked(options)), mode_(effective_mode(options_)),
+      fd_(io, dup_fd(cq.notify_fd())), slots_(options_.max_operations), buf_(options_.batch) {
+  for (std::uint32_t i = 0; i < options_.max_operations; ++i) slots_[i].next_free = i + 2;
+  slots_.back().next_free = 0;
+  free_head_ = 1;
+  log().debug("reactor: poll mode {}, batch {}, {} operation slots", to_string(mode_), options_.batch,
+              options_.max_operations);
+}
+
+reactor::~reactor() {
+  *alive_ = false;
+  running_ = false;
+  boost::system::error_code ignored;
+  fd_.cancel(ignored);
+}
+
+std::uint64_t reactor::track(operation& op) noexcept {
+  if (free_head_ == 0) return 0;
+  const std::uint32_t index = free_head_ - 1;
+  slot& s = slots_[index];
+  free_head_ = s.next_free;
+  s.op = &op;
+  ++s.generation;
+  ++tracked_;
+  return (std::uint64_t{s.generation} << 32) | (index + 1);
+}
+
+void reactor::untrack(std::uint64_t wr_id) noexcept {
+  const auto index = static_cast<std::uint32_t>(wr_id & 0xffffffffu);
+  if (index == 0 || index > slots_.size()) return;
+  slot& s = slots_[index - 1];
+  if (s.op == nullptr || s.generation != static_cast<std::uint32_t>(wr_id >> 32)) return;
+  s.op = nullptr;
+  s.next_free = free_head_;
+  free_head_ = index;
+  --tracked_;
+}
+
+void reactor::dispatch(const transport::completion& c) noexcept {
+  const auto index = static_cast<std::uint32_t>(c.wr_id & 0xffffffffu);
+  slot* s = index == 0 || index > slots_.size() ? nullptr : &slots_[index - 1];
+  if (s == nullptr || s->op == nullptr || s->generation != static_cast<std::uint32_t>(c.wr_id >> 32)) {
+    ++stats_.stray;
+    log().warn("reactor: completion for unknown wr_id {:#x} ({}) dropped", c.wr_id, transport::to_string(c.status));
+    return;
+  }
+  operation* op = s->op;
+  untrack(c.wr_id);  // the slot is free before the operation runs: it may track again
+  ++stats_.completions;
+  op->complete(c);
+}
+
+void reactor::fail_all() noexcept {
+  failed_ = true;
+  running_ = false;
+  for (std::uint32_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].op == nullptr) continue;
+    const std::uint64_t wr_id = (std::uint64_t{slots_[i].generation} << 32) | (i + 1);
+    dispatch({.wr_id = wr_id, .status = transport::wc_status::fatal});
+  }
+}
+
+std::size_t reactor::drain() {
+  std::size_t total = 0;
+  for (;;) {
+    std::error_code ec;
+    const std::size_t n = cq_.poll(buf_, ec);
+    ++stats_.polls;
+    if (ec) {
+      log().error("reactor: polling the completion queue failed: {}; failing {} pending operations", ec.message(),
+                  tracked_);
+      fail_all();
+      return total;
+    }
+    if (n == 0) ++stats_.empty_polls;
+    for (std::size_t i = 0; i < n; ++i) dispatch(buf_[i]);
+    total += n;
+    if (n < buf_.size()) return total;
+  }
+}
+
+void reactor::start() {
+  if (running_ || failed_) return;
+  running_ = true;
+  last_activity_ = std::chrono::steady_clock::now();
+  asio::post(io_, [this, alive = alive_] {
+    if (!*alive || !running_) return;
+    if (mode_ == poll_mode::event) {
+      arm_and_wait();
+    } else {
+      spin_step();
+    }
+  });
+}
+
+void reactor::stop() {
+  running_ = false;
+  boost::system::error_code ignored;
+  fd_.cancel(ignored);
+}
+
+void reactor::spin_step() {
+  if (!running_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (drain() > 0) last_activity_ = now;
+  if (!running_) return;
+  if (mode_ == poll_mode::busy || now - last_activity_ < options_.spin) {
+    asio::post(io_, [this, alive = alive_] {
+      if (*alive) spin_step();
+    });
+    return;
+  }
+  arm_and_wait();
+}
+
+void reactor::arm_and_wait() {
+  while (running_) {
+    drain();
+    if (!running_) return;
+    if (auto ec = cq_.arm()) {
+      log().error("reactor: arming the completion queue failed: {}", ec.message());
+      fail_all();
+      return;
+    }
+    ++stats_.arms;
+    // Completions that arrived before the arm do not notify: drain again.
+    if (drain() == 0) break;
+    if (mode_ == poll_mode::adaptive) {
+      last_activity_ = std::chrono::steady_clock::now();
+      asio::post(io_, [this, alive = alive_] {
+        if (*alive) spin_step();
+      });
+      return;
+    }
+  }
+  if (running_) wait_readable();
+}
+
+void reactor::wait_readable() {
+  if (waiting_) return;
+  waiting_ = true;
+  fd_.async_wait(asio::posix::stream_descriptor::wait_read,
+                 [this, alive = alive_](const boost::system::error_code& ec) {
+    if (!*alive) return;
+    waiting_ = false;
+    if (ec || !running_) return;
+    on_readable();
+  });
+}
+
+void reactor::on_readable() {
+  ++stats_.wakeups;
+  cq_.ack_events();
+  const std::size_t n = drain();
+  if (!running_) return;
+  if (mode_ == poll_mode::adaptive && n > 0) {
+    last_activity_ = std::chrono::steady_clock::now();
+    spin_step();
+    return;
+  }
+  arm_and_wait();
+}
+
+}  // namespace anydoor
