@@ -1,0 +1,85 @@
+// Provider conformance: the connection manager.
+#include "../support/harness.hpp"
+
+using namespace anydoor::test;
+
+namespace {
+struct one_qp {
+  std::unique_ptr<tp::device> dev = open_test_device();
+  std::unique_ptr<tp::protection_domain> pd = dev->alloc_pd();
+  std::unique_ptr<tp::completion_queue> cq = dev->create_cq(512);
+  std::unique_ptr<tp::queue_pair> qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+};
+}  // namespace
+
+TEST_CASE("connecting where nobody listens is connection_refused", "[conformance]") {
+  one_qp e;
+  auto lis = e.dev->listen(test_host(), 0);
+  const std::uint16_t port = lis->port();
+  lis.reset();
+  auto r = e.dev->connect(*e.qp, test_host(), port, {}, 5s);
+  CHECK(r.ec == anydoor::errc::connection_refused);
+  CHECK(e.qp->state() == tp::qp_state::reset);
+}
+
+TEST_CASE("an unresolvable host is address_error", "[conformance]") {
+  one_qp e;
+  CHECK(e.dev->connect(*e.qp, "no-such-host.invalid", 1, {}, 2s).ec == anydoor::errc::address_error);
+  CHECK_THROWS_AS(e.dev->listen("no-such-host.invalid", 0), std::system_error);
+}
+
+TEST_CASE("a rejected request is connection_rejected, with the rejecter's private data", "[conformance]") {
+  one_qp e;
+  auto lis = e.dev->listen(test_host(), 0);
+  std::thread t([&] {
+    std::error_code ec;
+    auto req = lis->get_request(10s, ec);
+    REQUIRE(req);
+    CHECK(req->private_data().size() == 3);
+    const std::byte why[] = {std::byte{'n'}, std::byte{'o'}};
+    req->reject(why);
+  });
+  const std::byte hi[] = {std::byte{1}, std::byte{2}, std::byte{3}};
+  auto r = e.dev->connect(*e.qp, test_host(), lis->port(), hi, 10s);
+  t.join();
+  CHECK(r.ec == anydoor::errc::connection_rejected);
+  REQUIRE(r.private_data.size() == 2);
+  CHECK(r.private_data[0] == std::byte{'n'});
+  CHECK(e.qp->state() != tp::qp_state::rts);
+}
+
+TEST_CASE("private data travels both ways, up to max_private_data", "[conformance]") {
+  one_qp e;
+  const std::size_t max = e.dev->caps().max_private_data;
+  auto lis = e.dev->listen(test_host(), 0);
+  auto qp2 = e.pd->create_qp({.send_cq = e.cq.get(), .recv_cq = e.cq.get()});
+  std::vector<std::byte> seen;
+  std::thread t([&] {
+    std::error_code ec;
+    auto req = lis->get_request(10s, ec);
+    REQUIRE(req);
+    seen.assign(req->private_data().begin(), req->private_data().end());
+    CHECK_FALSE(req->accept(*qp2, std::vector<std::byte>(max, std::byte{0x5a})));
+  });
+  const std::vector<std::byte> hi(max, std::byte{0x33});
+  auto r = e.dev->connect(*e.qp, test_host(), lis->port(), hi, 10s);
+  t.join();
+  REQUIRE_FALSE(r.ec);
+  CHECK(seen == hi);
+  CHECK(r.private_data == std::vector<std::byte>(max, std::byte{0x5a}));
+  CHECK(e.qp->state() == tp::qp_state::rts);
+  CHECK(qp2->state() == tp::qp_state::rts);
+  // a connected queue pair cannot connect again; too much private data is refused
+  CHECK(e.dev->connect(*e.qp, test_host(), lis->port(), {}, 1s).ec == anydoor::errc::invalid_state);
+  auto qp3 = e.pd->create_qp({.send_cq = e.cq.get(), .recv_cq = e.cq.get()});
+  CHECK(e.dev->connect(*qp3, test_host(), lis->port(), std::vector<std::byte>(max + 1), 1s).ec ==
+        anydoor::errc::invalid_argument);
+}
+
+TEST_CASE("get_request times out when nobody comes", "[conformance]") {
+  one_qp e;
+  auto lis = e.dev->listen(test_host(), 0);
+  std::error_code ec;
+  CHECK(lis->get_request(100ms, ec) == nullptr);
+  CHECK(ec == anydoor::errc::timed_out);
+}
