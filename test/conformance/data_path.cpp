@@ -37,11 +37,12 @@ TEST_CASE("send/recv gathers on send and scatters on receive", "[conformance]") 
   CHECK(sc.opcode == tp::wc_opcode::send);
   CHECK(sc.wr_id == 5);
 
-  std::vector<std::byte> sent(src.begin(), src.begin() + 120);
-  sent.insert(sent.end(), src.begin() + 150, src.begin() + 280);
-  std::vector<std::byte> got(dst.begin() + 200, dst.begin() + 300);  // first 100 bytes
-  got.insert(got.end(), dst.begin(), dst.begin() + 50);                // next 50
-  got.insert(got.end(), dst.begin() + 50, dst.begin() + 150);          // last 100 of 150
+  std::vector<std::byte> sent(250), got(250);
+  std::copy_n(src.begin(), 120, sent.begin());
+  std::copy_n(src.begin() + 150, 130, sent.begin() + 120);
+  std::copy_n(dst.begin() + 200, 100, got.begin());       // first sge: 100 bytes
+  std::copy_n(dst.begin(), 50, got.begin() + 100);        // second: 50
+  std::copy_n(dst.begin() + 50, 100, got.begin() + 150);  // third: 100 of its 150
   CHECK(got == sent);
   CHECK(std::all_of(dst.begin() + 150, dst.begin() + 200, [](std::byte b) { return b == std::byte{0}; }));
 }
