@@ -29,11 +29,6 @@ class tcp_qp;
 // register/deregister take a mutex.
 class registration_table {
  public:
-  struct view {
-    std::byte* addr = nullptr;
-    std::uint64_t length = 0;
-    access acc = access::none;
-  };
   static constexpr std::uint32_t kCapacity = 1u << 14;
 
   registration_table();
@@ -56,8 +51,6 @@ class registration_table {
   std::vector<std::uint32_t> free_;
 };
 
-class tcp_pd;
-
 class tcp_mr final : public memory_region {
  public:
   tcp_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length,
@@ -72,7 +65,6 @@ class tcp_pd final : public protection_domain {
  public:
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
-  const registration_table& table() const noexcept { return *table_; }
 
  private:
   std::shared_ptr<registration_table> table_ = std::make_shared<registration_table>();

@@ -57,7 +57,6 @@ class verbs_device final : public device {
   connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
                          std::span<const std::byte> private_data,
                          std::chrono::milliseconds timeout) noexcept override;
-  int gid_index() const noexcept { return state_->gid_index; }
 
  private:
   std::shared_ptr<device_state> state_;
@@ -134,7 +133,6 @@ class verbs_qp final : public queue_pair {
   qp_counters counters() const noexcept override { return counters_; }
 
   // Connection manager.
-  ibv_qp* raw() const noexcept { return qp_; }
   ibv_context* context() const noexcept { return dev_->ctx; }
   bool iwarp() const noexcept { return dev_->iwarp; }
   bool can_connect() const noexcept;
