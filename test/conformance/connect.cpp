@@ -3,15 +3,6 @@
 
 using namespace anydoor::test;
 
-namespace {
-struct one_qp {
-  std::unique_ptr<tp::device> dev = open_test_device();
-  std::unique_ptr<tp::protection_domain> pd = dev->alloc_pd();
-  std::unique_ptr<tp::completion_queue> cq = dev->create_cq(512);
-  std::unique_ptr<tp::queue_pair> qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-};
-}  // namespace
-
 TEST_CASE("connecting where nobody listens is connection_refused", "[conformance]") {
   one_qp e;
   auto lis = e.dev->listen(test_host(), 0);

@@ -53,6 +53,14 @@ struct endpoint {
   }
 };
 
+// A device with a domain, a completion queue and one fresh queue pair.
+struct one_qp {
+  std::unique_ptr<tp::device> dev = open_test_device();
+  std::unique_ptr<tp::protection_domain> pd = dev->alloc_pd();
+  std::unique_ptr<tp::completion_queue> cq = dev->create_cq(512);
+  std::unique_ptr<tp::queue_pair> qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+};
+
 // Connects `client` (active side) to `server` (passive side), both fresh
 // queue pairs from create_qp. Returns the server's queue pair.
 inline void connect_pair(tp::device& server_dev, tp::queue_pair& server_qp, tp::device& client_dev,

@@ -236,10 +236,9 @@ TEST_CASE("tcp provider: a response that does not match the request is a bad res
 }
 
 TEST_CASE("tcp provider: connection handshake errors", "[unit][tcp]") {
-  auto dev = open_test_device();
-  auto pd = dev->alloc_pd();
-  auto cq = dev->create_cq(16);
-  auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+  one_qp e;
+  auto& dev = e.dev;
+  auto& qp = e.qp;
 
   SECTION("a hello with another wire version is refused on both sides") {
     auto lis = dev->listen("127.0.0.1", 0);

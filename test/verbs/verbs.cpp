@@ -55,10 +55,9 @@ TEST_CASE("verbs: registration keeps exactly the requested access", "[verbs]") {
 
 TEST_CASE("verbs: an unreachable address is address_error or timed_out", "[verbs]") {
   // (refused, rejected, private data and timeouts: test/conformance/connect.cpp)
-  auto dev = open_verbs();
-  auto pd = dev->alloc_pd();
-  auto cq = dev->create_cq(16);
-  auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+  one_qp e;
+  auto& dev = e.dev;
+  auto& qp = e.qp;
 
   SECTION("unreachable address") {
     // nothing answers ARP for this address on the rxe netdev's subnet
