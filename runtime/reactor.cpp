@@ -81,23 +81,41 @@ reactor::~reactor() {
   fd_.cancel(ignored);
 }
 
-std::uint64_t reactor::track(operation& op) noexcept {
+std::uint32_t reactor::take_slot(operation& op, bool persistent) noexcept {
   if (free_head_ == 0) return 0;
   const std::uint32_t index = free_head_ - 1;
   slot& s = slots_[index];
   free_head_ = s.next_free;
   s.op = &op;
-  ++s.generation;
+  s.persistent = persistent;
+  s.generation = (s.generation + 1) & 0x7fffffffu;
   ++tracked_;
-  return (std::uint64_t{s.generation} << 32) | (index + 1);
+  return index + 1;
+}
+
+std::uint64_t reactor::track(operation& op) noexcept {
+  const std::uint32_t i = take_slot(op, false);
+  if (i == 0) return 0;
+  return (std::uint64_t{slots_[i - 1].generation} << 32) | i;
+}
+
+std::uint64_t reactor::track_persistent(operation& op) noexcept {
+  const std::uint32_t i = take_slot(op, true);
+  return i == 0 ? 0 : (kPersistent | i);
 }
 
 void reactor::untrack(std::uint64_t wr_id) noexcept {
   const auto index = static_cast<std::uint32_t>(wr_id & 0xffffffffu);
   if (index == 0 || index > slots_.size()) return;
   slot& s = slots_[index - 1];
-  if (s.op == nullptr || s.generation != static_cast<std::uint32_t>(wr_id >> 32)) return;
+  if (s.op == nullptr) return;
+  if ((wr_id & kPersistent) != 0) {
+    if (!s.persistent) return;
+  } else if (s.persistent || s.generation != tag_of(wr_id)) {
+    return;
+  }
   s.op = nullptr;
+  s.persistent = false;
   s.next_free = free_head_;
   free_head_ = index;
   --tracked_;
@@ -106,13 +124,15 @@ void reactor::untrack(std::uint64_t wr_id) noexcept {
 void reactor::dispatch(const transport::completion& c) noexcept {
   const auto index = static_cast<std::uint32_t>(c.wr_id & 0xffffffffu);
   slot* s = index == 0 || index > slots_.size() ? nullptr : &slots_[index - 1];
-  if (s == nullptr || s->op == nullptr || s->generation != static_cast<std::uint32_t>(c.wr_id >> 32)) {
+  const bool persistent = (c.wr_id & kPersistent) != 0;
+  if (s == nullptr || s->op == nullptr || s->persistent != persistent ||
+      (!persistent && s->generation != tag_of(c.wr_id))) {
     ++stats_.stray;
     log().warn("reactor: completion for unknown wr_id {:#x} ({}) dropped", c.wr_id, transport::to_string(c.status));
     return;
   }
   operation* op = s->op;
-  untrack(c.wr_id);  // the slot is free before the operation runs: it may track again
+  if (!persistent) untrack(c.wr_id);  // the slot is free before the operation runs: it may track again
   ++stats_.completions;
   op->complete(c);
 }
@@ -122,7 +142,8 @@ void reactor::fail_all() noexcept {
   running_ = false;
   for (std::uint32_t i = 0; i < slots_.size(); ++i) {
     if (slots_[i].op == nullptr) continue;
-    const std::uint64_t wr_id = (std::uint64_t{slots_[i].generation} << 32) | (i + 1);
+    const std::uint64_t wr_id = slots_[i].persistent ? (kPersistent | (i + 1))
+                                                     : ((std::uint64_t{slots_[i].generation} << 32) | (i + 1));
     dispatch({.wr_id = wr_id, .status = transport::wc_status::fatal});
   }
 }
@@ -149,9 +170,10 @@ std::size_t reactor::drain() {
 void reactor::start() {
   if (running_ || failed_) return;
   running_ = true;
+  const std::uint64_t epoch = ++epoch_;
   last_activity_ = std::chrono::steady_clock::now();
-  asio::post(io_, [this, alive = alive_] {
-    if (!*alive || !running_) return;
+  asio::post(io_, [this, alive = alive_, epoch] {
+    if (!*alive || !running_ || epoch != epoch_) return;
     if (mode_ == poll_mode::event) {
       arm_and_wait();
     } else {
@@ -168,12 +190,13 @@ void reactor::stop() {
 
 void reactor::spin_step() {
   if (!running_) return;
+  const std::uint64_t epoch = epoch_;
   const auto now = std::chrono::steady_clock::now();
   if (drain() > 0) last_activity_ = now;
   if (!running_) return;
   if (mode_ == poll_mode::busy || now - last_activity_ < options_.spin) {
-    asio::post(io_, [this, alive = alive_] {
-      if (*alive) spin_step();
+    asio::post(io_, [this, alive = alive_, epoch] {
+      if (*alive && epoch == epoch_) spin_step();
     });
     return;
   }
@@ -194,8 +217,8 @@ void reactor::arm_and_wait() {
     if (drain() == 0) break;
     if (mode_ == poll_mode::adaptive) {
       last_activity_ = std::chrono::steady_clock::now();
-      asio::post(io_, [this, alive = alive_] {
-        if (*alive) spin_step();
+      asio::post(io_, [this, alive = alive_, epoch = epoch_] {
+        if (*alive && epoch == epoch_) spin_step();
       });
       return;
     }
@@ -210,7 +233,10 @@ void reactor::wait_readable() {
                  [this, alive = alive_](const boost::system::error_code& ec) {
     if (!*alive) return;
     waiting_ = false;
-    if (ec || !running_) return;
+    if (!running_) return;
+    // Cancelled by a stop() that a start() has since undone: wait again.
+    if (ec == asio::error::operation_aborted) return wait_readable();
+    if (ec) return;
     on_readable();
   });
 }

@@ -21,7 +21,14 @@ enum class errc {
   provider_unavailable,  // the requested provider is not built or has no device
   no_device,             // no device matches the request
   registration_failed,   // memory could not be registered
+  message_size,          // a message is larger than the receiving buffer or the peer's maximum
+  authentication_failed, // the peer's auth token does not match (or one side has none)
+  connection_closed,     // the connection was closed (by either side) before the operation finished
+  no_buffer_space,       // no pool buffer became free within the bounded wait
+  too_many_connections,  // the fabric's connection limit (its CQ sizing) is reached
 };
+// The last value, for tests that walk every code.
+inline constexpr errc errc_last = errc::too_many_connections;
 
 const std::error_category& error_category() noexcept;
 

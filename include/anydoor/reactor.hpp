@@ -10,8 +10,12 @@
 //
 // Operations are owned by the caller (pooled there); the reactor keeps a
 // fixed table of slots mapping wr_id to operation, so nothing is allocated
-// per operation. One completion per tracked work request: track only the
-// signaled ones (an unsignaled request has no completion of its own).
+// per operation. A slot from track() serves one completion: track only the
+// signaled requests (an unsignaled one has no completion of its own). A
+// persistent slot (track_persistent) serves any number: its wr_ids carry a
+// 31-bit tag of the caller's choosing (a sequence number), so a connection
+// can route every request of a queue pair, signaled or not (errors flush
+// them all), through one slot.
 #pragma once
 
 #include <anydoor/transport/provider.hpp>
@@ -72,8 +76,20 @@ class reactor {
   // A wr_id for one work request whose completion goes to `op`; 0 when every
   // slot is taken.
   std::uint64_t track(operation& op) noexcept;
-  // Forgets a wr_id whose request was never posted (post failed).
+  // Forgets a wr_id whose request was never posted (post failed), or a
+  // persistent slot (any of its wr_ids) once nothing of it is outstanding.
   void untrack(std::uint64_t wr_id) noexcept;
+
+  // A persistent slot for `op`: 0 when every slot is taken, else a base
+  // that persistent_id() combines with tags.
+  std::uint64_t track_persistent(operation& op) noexcept;
+  static constexpr std::uint64_t persistent_id(std::uint64_t base, std::uint32_t tag) noexcept {
+    return base | (std::uint64_t{tag & 0x7fffffffu} << 32);
+  }
+  static constexpr std::uint32_t tag_of(std::uint64_t wr_id) noexcept {
+    return static_cast<std::uint32_t>(wr_id >> 32) & 0x7fffffffu;
+  }
+  static constexpr std::uint64_t kPersistent = std::uint64_t{1} << 63;
 
   void start();  // begin polling (idempotent)
   void stop();   // stop polling; io_context::run() returns once nothing else is pending
@@ -85,9 +101,11 @@ class reactor {
  private:
   struct slot {
     operation* op = nullptr;
-    std::uint32_t generation = 0;
+    std::uint32_t generation = 0;  // 31 bits
     std::uint32_t next_free = 0;
+    bool persistent = false;
   };
+  std::uint32_t take_slot(operation& op, bool persistent) noexcept;  // index + 1, or 0
   std::size_t drain();  // polls until empty; returns completions dispatched
   void dispatch(const transport::completion& c) noexcept;
   void fail_all() noexcept;
@@ -106,6 +124,7 @@ class reactor {
   std::size_t tracked_ = 0;
   std::vector<transport::completion> buf_;
   bool running_ = false;
+  std::uint64_t epoch_ = 0;  // bumped by start(): handlers of an earlier run retire
   bool waiting_ = false;
   bool failed_ = false;
   std::chrono::steady_clock::time_point last_activity_{};

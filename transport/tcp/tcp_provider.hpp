@@ -138,12 +138,13 @@ class tcp_qp final : public queue_pair {
   void on_timer(std::chrono::steady_clock::time_point now) noexcept;
   void on_cq_overflow() noexcept;
   void forget_cq(const tcp_cq* cq) noexcept;
-  bool wants_progress() const noexcept { return fd_ >= 0; }
+  // Connected and published to the completion queues (see attach_socket).
+  bool wants_progress() const noexcept { return live_.load(std::memory_order_acquire); }
   // Work epoll cannot report: input already read but not yet processed (a
   // progress call handles a bounded number of frames), or an acknowledgement
   // held back by the previous pass.
   bool has_pending_work() const noexcept {
-    if (fd_ < 0) return false;
+    if (!wants_progress()) return false;
     const bool input = phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_;
     return input || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
   }
@@ -206,6 +207,10 @@ class tcp_qp final : public queue_pair {
   std::uint32_t qpn_;
   qp_state state_ = qp_state::reset;
   int fd_ = -1;
+  // Set last by attach_socket, which may run on a connecting thread while
+  // the completion queue's thread polls: the CQ side touches nothing else of
+  // this queue pair until it reads true here.
+  std::atomic<bool> live_{false};
   bool close_when_flushed_ = false;
   qp_counters counters_;
 

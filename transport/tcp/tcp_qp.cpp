@@ -143,15 +143,17 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
   phase_ = rx_phase::header;
   close_when_flushed_ = false;
   want_write_ = false;
-  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, false);
-  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, false);
   log().debug("qp {}: {} -> rts (connected)", qpn_, to_string(state_));
   state_ = qp_state::rts;
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, false);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, false);
+  live_.store(true, std::memory_order_release);  // the completion queues may drive it from now on
   return {};
 }
 
 void tcp_qp::close_socket() noexcept {
   if (fd_ < 0) return;
+  live_.store(false, std::memory_order_relaxed);
   if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->unwatch(fd_);
   if (attr_.recv_cq != nullptr && attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->unwatch(fd_);
   ::close(fd_);
@@ -188,6 +190,9 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
   }
   rq_head_ = rq_tail_;
   rnr_waiting_ = rewind_pending_ = tx_blocked_ = false;
+  // Acknowledgements already generated (a NIC would have sent them at once;
+  // this one may hold a lone ACK back) still reach the peer before the close.
+  if (fd_ >= 0 && resp_queued_ < resp_tail_) close_when_flushed_ = true;
   if (close_when_flushed_ && fd_ >= 0) {
     // A NAK still has to reach the peer; flush() closes once it is out.
     flush();
@@ -446,7 +451,7 @@ void tcp_qp::nak(std::uint32_t psn, wc_status status, bool fatal) noexcept {
 // ---------------------------------------------------------------- receive
 
 void tcp_qp::progress() noexcept {
-  if (fd_ < 0) return;
+  if (!wants_progress()) return;
   flush();
   receive();
   // A lone ACK waits for company: it leaves with the next request posted
@@ -462,7 +467,7 @@ bool tcp_qp::only_ack_pending() const noexcept {
 }
 
 void tcp_qp::flush_acks() noexcept {
-  if (fd_ >= 0 && resp_queued_ < resp_tail_) flush();
+  if (wants_progress() && resp_queued_ < resp_tail_) flush();
 }
 
 void tcp_qp::on_events(std::uint32_t /*events*/) noexcept { progress(); }

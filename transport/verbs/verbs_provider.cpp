@@ -494,9 +494,8 @@ void verbs_qp::disconnect() noexcept {
     rdma_destroy_id(cm_id_);
     cm_id_ = nullptr;
   }
-  if (cm_channel_ != nullptr) {
-    rdma_destroy_event_channel(cm_channel_);
-    cm_channel_ = nullptr;
+  if (rdma_event_channel* ch = cm_channel_.exchange(nullptr)) {
+    rdma_destroy_event_channel(ch);
   }
 }
 
@@ -578,8 +577,8 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
 
 void verbs_qp::adopt(rdma_cm_id* id, rdma_event_channel* channel) noexcept {
   cm_id_ = id;
-  cm_channel_ = channel;
   posted_state_ = qp_state::rts;
+  cm_channel_.store(channel, std::memory_order_release);
 }
 
 void verbs_qp::on_async_error() noexcept {
@@ -589,9 +588,10 @@ void verbs_qp::on_async_error() noexcept {
 }
 
 void verbs_qp::poll_cm_events() noexcept {
-  if (cm_channel_ == nullptr) return;
+  rdma_event_channel* ch = cm_channel_.load(std::memory_order_acquire);
+  if (ch == nullptr) return;
   rdma_cm_event* ev = nullptr;
-  while (rdma_get_cm_event(cm_channel_, &ev) == 0) {
+  while (rdma_get_cm_event(ch, &ev) == 0) {
     const rdma_cm_event_type type = ev->event;
     rdma_ack_cm_event(ev);
     if (type == RDMA_CM_EVENT_DISCONNECTED || type == RDMA_CM_EVENT_DEVICE_REMOVAL) {

@@ -18,6 +18,7 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -169,7 +170,9 @@ class verbs_qp final : public queue_pair {
   // to error on its own, where posting is allowed too (requests flush).
   qp_state posted_state_ = qp_state::reset;
   rdma_cm_id* cm_id_ = nullptr;
-  rdma_event_channel* cm_channel_ = nullptr;
+  // Stored last by adopt(), which may run on a connecting thread while the
+  // completion queue's thread polls it for cm events.
+  std::atomic<rdma_event_channel*> cm_channel_{nullptr};
   qp_counters counters_;
   // send queue accounting: [sq_retired_, sq_posted_) occupy slots
   std::vector<send_slot> sq_;

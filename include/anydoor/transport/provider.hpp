@@ -4,7 +4,13 @@
 // Threading: a completion queue, and the queue pairs whose send CQ it is, are
 // driven by one thread at a time (the thread that polls it also posts to those
 // queue pairs). Different completion queues of one device may be driven by
-// different threads. Memory registration is thread-safe.
+// different threads. Memory registration is thread-safe. Connection setup
+// (device::connect, listener::get_request, connection_request::accept and
+// reject) blocks, and may run on another thread while the queue pair's
+// completion queues are being polled, provided nothing else uses that queue
+// pair until the call returns: the provider publishes the connected queue pair
+// to its completion queues safely. Create queue pairs and post their first
+// receives on the completion queue's thread.
 #pragma once
 
 #include <anydoor/transport/types.hpp>

@@ -1,0 +1,9 @@
+// anydoor: everything a user of the runtime needs.
+#pragma once
+
+#include <anydoor/buffer_pool.hpp>
+#include <anydoor/connection.hpp>
+#include <anydoor/error.hpp>
+#include <anydoor/fabric.hpp>
+#include <anydoor/reactor.hpp>
+#include <anydoor/transport/provider.hpp>

@@ -1,0 +1,234 @@
+// A connection: one reliable-connected queue pair carrying messages (not a
+// byte stream) between two anydoor endpoints.
+//
+//   co_await conn.async_send(asio::buffer(data), asio::use_awaitable);
+//   anydoor::message m = co_await conn.async_receive(asio::use_awaitable);
+//   std::size_t n = co_await conn.async_receive(asio::buffer(dst), asio::use_awaitable);
+//
+// Every operation takes any Asio completion token; signatures carry
+// anydoor::error_code (boost::system::error_code, Asio's error type) first:
+// it holds anydoor's std::error_code categories unchanged and compares equal
+// to anydoor::errc and transport::wc_status values, and use_awaitable and
+// use_future throw boost::system::system_error from it. Operations of one connection run on its fabric's
+// io_context thread.
+//
+// Sending: a message up to the eager limit is copied (inline into the work
+// request when small, else into a pooled registered buffer) and async_send
+// completes once it is posted; the data is on its way and the caller's buffer
+// is free. A larger message goes by rendezvous: the peer RDMA-READs it straight
+// from the caller's buffer, which must stay untouched until async_send
+// completes (on the peer's fin). A message above the peer's maximum fails with
+// errc::message_size. Sends wait (never fail) for credits; for a pool buffer
+// they wait at most connection_options::buffer_wait (errc::no_buffer_space).
+//
+// Receiving: async_receive() hands out the message in its pooled receive
+// buffer (zero copy); destroying the message re-posts that buffer and returns
+// its credit to the peer. async_receive(buffer) copies an eager message or
+// reads a rendezvous message straight into the buffer; a message larger than
+// the buffer fails with errc::message_size and is dropped (never truncated).
+// Messages are taken in order of arrival; with several receives outstanding a
+// rendezvous message may complete after an eager one that arrived later.
+//
+// Cancellation (per operation, through the handler's cancellation slot): a
+// waiting receive or a send that is still queued completes with
+// std::errc::operation_canceled and the connection stays usable; an operation
+// already on the wire runs to completion.
+//
+// Close: async_close() sends what is queued, tells the peer, and completes
+// when the peer has closed too; the peer's pending and later receives fail
+// with errc::connection_closed once it has taken every earlier message. On a
+// queue-pair error (peer death) every pending operation completes exactly
+// once with the error; messages already received can still be taken.
+// Destroying an open connection aborts it (the peer sees an error).
+#pragma once
+
+#include <anydoor/detail/op_node.hpp>
+#include <anydoor/error.hpp>
+
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/buffer.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <system_error>
+#include <tuple>
+
+namespace anydoor {
+
+namespace asio = boost::asio;
+using error_code = boost::system::error_code;
+
+class message;
+class connection;
+
+namespace detail {
+class fabric_state;
+op_node* acquire_node(connection_impl& c, op_kind kind);
+void release_node(connection_impl& c, op_node* n) noexcept;
+asio::io_context::executor_type io_executor(const connection_impl& c) noexcept;
+void cancel_node(void* node, asio::cancellation_type type);
+void start_send(connection_impl& c, op_node* n);
+void start_receive(connection_impl& c, op_node* n);
+void start_close(connection_impl& c, op_node* n);
+
+// Completes an operation started on an empty (moved-from) handle with
+// errc::not_connected.
+template <class Handler, class... Args>
+void complete_not_connected(Handler handler, Args... defaults) {
+  auto ex = asio::get_associated_executor(handler);
+  asio::post(ex, [h = std::move(handler),
+                  t = std::make_tuple(boost::system::error_code(make_error_code(errc::not_connected)), std::move(defaults)...)]() mutable {
+    std::apply(std::move(h), std::move(t));
+  });
+}
+}  // namespace detail
+
+// A received message. Holds its receive buffer until destroyed (or moved
+// from); then the buffer is re-posted for the peer.
+class message {
+ public:
+  message() noexcept;
+  message(message&& other) noexcept;
+  message& operator=(message&& other) noexcept;
+  ~message();
+
+  const std::byte* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  std::span<const std::byte> bytes() const noexcept { return {data_, size_}; }
+  asio::const_buffer buffer() const noexcept { return {data_, size_}; }
+
+ private:
+  friend class detail::connection_impl;
+  void release() noexcept;
+
+  std::shared_ptr<detail::connection_impl> owner_;
+  const std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+  std::uint32_t buffer_ = 0xffffffffu;  // pool buffer to re-post
+  std::unique_ptr<detail::op_node> large_;  // a rendezvous message's own memory (node.large, node.mr)
+};
+
+struct connection_stats {
+  std::uint64_t messages_sent = 0;
+  std::uint64_t messages_received = 0;
+  std::uint64_t bytes_sent = 0;        // payload bytes of completed sends
+  std::uint64_t bytes_received = 0;    // payload bytes of received messages
+  std::uint64_t eager_sends = 0;
+  std::uint64_t inline_sends = 0;
+  std::uint64_t rendezvous_sends = 0;
+  std::uint64_t posts = 0;             // send work requests posted
+  std::uint64_t doorbells = 0;         // post_send calls
+  std::uint64_t signaled = 0;          // signaled send work requests
+  std::uint64_t recv_posts = 0;        // receive work requests posted
+  std::uint64_t credit_stalls = 0;     // sends that had to wait for credits
+  std::uint64_t buffer_stalls = 0;     // sends that had to wait for a pool buffer
+  std::uint64_t credit_messages = 0;   // explicit credit updates sent
+  std::uint64_t rnr_naks = 0;          // from the provider: RNR NAKs sent + received (should stay 0)
+};
+
+// What the peer announced in the handshake.
+struct peer_parameters {
+  std::uint16_t credits = 0;
+  std::uint32_t recv_buffer = 0;
+  std::uint32_t eager_limit = 0;
+  std::uint64_t max_message = 0;
+};
+
+class connection {
+ public:
+  connection() noexcept;
+  explicit connection(std::shared_ptr<detail::connection_impl> impl) noexcept;
+  connection(connection&&) noexcept;
+  connection& operator=(connection&&) noexcept;
+  ~connection();
+
+  bool is_open() const noexcept;
+  explicit operator bool() const noexcept { return impl_ != nullptr; }
+
+  // Sends one message made of the buffers of `buffers` (at most 16 buffers;
+  // a rendezvous message must be a single buffer). void(error_code, std::size_t).
+  template <class ConstBufferSequence, class Token>
+  auto async_send(const ConstBufferSequence& buffers, Token&& token) {
+    return asio::async_initiate<Token, void(error_code, std::size_t)>(
+        [this](auto handler, const ConstBufferSequence& bufs) {
+          if (!impl_) return detail::complete_not_connected(std::move(handler), std::size_t{0});
+          detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::send);
+          std::size_t i = 0;
+          bool too_many = false;
+          for (auto it = asio::buffer_sequence_begin(bufs); it != asio::buffer_sequence_end(bufs); ++it) {
+            const asio::const_buffer b(*it);
+            if (b.size() == 0) continue;
+            if (i == n->bufs.size()) {
+              too_many = true;
+              break;
+            }
+            n->bufs[i++] = b;
+            n->length += b.size();
+          }
+          n->nbufs = static_cast<std::uint8_t>(i);
+          if (too_many) n->nbufs = 0xff;
+          n->handler.template store<std::size_t>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node,
+                                                 n);
+          detail::start_send(*impl_, n);
+        },
+        token, buffers);
+  }
+
+  // Receives the next message in its pooled buffer. void(error_code, message).
+  template <class Token>
+  auto async_receive(Token&& token) {
+    return asio::async_initiate<Token, void(error_code, message)>(
+        [this](auto handler) {
+          if (!impl_) return detail::complete_not_connected(std::move(handler), message{});
+          detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::receive_message);
+          n->handler.template store<message>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node, n);
+          detail::start_receive(*impl_, n);
+        },
+        token);
+  }
+
+  // Receives the next message into `buffer`. void(error_code, std::size_t).
+  template <class Token>
+  auto async_receive(asio::mutable_buffer buffer, Token&& token) {
+    return asio::async_initiate<Token, void(error_code, std::size_t)>(
+        [this](auto handler, asio::mutable_buffer b) {
+          if (!impl_) return detail::complete_not_connected(std::move(handler), std::size_t{0});
+          detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::receive_buffer);
+          n->dest = b;
+          n->handler.template store<std::size_t>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node,
+                                                 n);
+          detail::start_receive(*impl_, n);
+        },
+        token, buffer);
+  }
+
+  // Graceful close. void(error_code).
+  template <class Token>
+  auto async_close(Token&& token) {
+    return asio::async_initiate<Token, void(error_code)>(
+        [this](auto handler) {
+          if (!impl_) return detail::complete_not_connected(std::move(handler));
+          detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::close);
+          n->handler.template store<>(std::move(handler), detail::io_executor(*impl_), nullptr, nullptr);
+          detail::start_close(*impl_, n);
+        },
+        token);
+  }
+
+  // Aborts: the queue pair goes to error, pending operations complete with
+  // errc::connection_closed, the peer sees an error.
+  void abort() noexcept;
+
+  connection_stats stats() const noexcept;
+  const peer_parameters& peer() const noexcept;
+  std::uint32_t eager_limit() const noexcept;  // effective: ours capped by the peer's receive buffer
+
+ private:
+  std::shared_ptr<detail::connection_impl> impl_;
+};
+
+}  // namespace anydoor

@@ -1,0 +1,142 @@
+// The fabric: one provider device, its protection domain, one completion
+// queue with its reactor, and the buffer pool, bound to one io_context
+// (thread). Connections are made with listen()/async_accept and
+// async_connect.
+//
+//   asio::io_context io;
+//   anydoor::fabric fab(io, {.connection = {.auth_token = "s3cret"}});
+//   anydoor::acceptor acc = fab.listen("0.0.0.0", 7471);
+//   anydoor::connection c = co_await acc.async_accept(asio::use_awaitable);
+//   anydoor::connection d = co_await fab.async_connect("10.0.0.2:7471", asio::use_awaitable);
+//
+// The reactor polls only while operations are pending (or sends are still in
+// flight), so io_context::run() returns once the work is done. Connection
+// setup blocks in the provider (rdma_cm, the tcp handshake) and runs on a
+// short-lived helper thread; its result is delivered on the io_context.
+// A fabric, its connections and their messages belong to one thread; the
+// fabric must outlive them.
+#pragma once
+
+#include <anydoor/buffer_pool.hpp>
+#include <anydoor/connection.hpp>
+#include <anydoor/reactor.hpp>
+#include <anydoor/transport/provider.hpp>
+
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace anydoor {
+
+struct connection_options {
+  std::uint16_t credits = 64;            // receive buffers posted per connection: 4..4096
+  std::uint32_t eager_limit = 8192;      // payload bytes sent eagerly (also sizes our receive buffers): 1..1 MiB
+  std::uint64_t max_message = std::uint64_t{1} << 30;  // largest message sent or accepted: 1..2^40
+  std::uint32_t send_queue = 128;        // send work requests in flight: 8..4096
+  std::uint32_t signal_interval = 16;    // signal every k-th send (and the last of each doorbell): 1..send_queue
+  std::string auth_token;                // shared secret; both sides must agree (empty: none)
+  std::chrono::milliseconds connect_timeout{10000};
+  std::chrono::milliseconds buffer_wait{5000};  // a send waits this long for a pool buffer
+};
+
+struct fabric_options {
+  transport::device_options device;      // provider auto | tcp | verbs (ANYDOOR_PROVIDER)
+  reactor_options reactor;               // poll mode (ANYDOOR_POLL), spin, batch
+  connection_options connection;
+  std::uint32_t max_connections = 64;    // sizes the completion queue: 1..4096
+  std::size_t buffers_per_slab = 256;    // buffer pool growth step
+  std::size_t pool_max_bytes = std::size_t{256} << 20;  // buffer pool watermark
+};
+
+struct fabric_stats {
+  reactor_stats reactor;
+  buffer_pool_stats pool;
+  std::uint64_t connections = 0;         // open now
+  std::uint64_t accepted = 0;
+  std::uint64_t connected = 0;
+  std::uint64_t refused = 0;             // handshakes refused (either side)
+};
+
+class acceptor;
+
+class fabric {
+ public:
+  // Opens the device (provider=auto: verbs when a device with an active port
+  // exists, else tcp; logged). Throws std::system_error.
+  fabric(asio::io_context& io, fabric_options options = {});
+  ~fabric();
+  fabric(const fabric&) = delete;
+  fabric& operator=(const fabric&) = delete;
+
+  std::string_view provider() const noexcept;
+  transport::device& device() noexcept;
+  transport::protection_domain& protection_domain() noexcept;
+  const fabric_options& options() const noexcept;
+  fabric_stats stats() const noexcept;
+  asio::io_context::executor_type get_executor() const noexcept;
+
+  // Listens on host:port (port 0: a free one). Throws std::system_error.
+  acceptor listen(const std::string& host, std::uint16_t port);
+
+  // Connects to "host:port". void(error_code, connection). Errors:
+  // errc::connection_refused, connection_rejected, authentication_failed,
+  // version_mismatch, protocol_error, timed_out, address_error,
+  // too_many_connections, invalid_argument (a malformed address).
+  template <class Token>
+  auto async_connect(std::string_view address, Token&& token) {
+    return asio::async_initiate<Token, void(error_code, connection)>(
+        [this](auto handler, std::string addr) {
+          auto* n = new detail::pending_handler;  // setup path: one allocation per connect
+          n->template store<connection>(std::move(handler), get_executor(), nullptr, nullptr);
+          start_connect(std::move(addr), n);
+        },
+        token, std::string(address));
+  }
+
+ private:
+  void start_connect(std::string address, detail::pending_handler* h);
+  std::shared_ptr<detail::fabric_state> state_;
+};
+
+class acceptor {
+ public:
+  acceptor() noexcept;
+  acceptor(acceptor&&) noexcept;
+  acceptor& operator=(acceptor&&) noexcept;
+  ~acceptor();  // closes
+
+  std::uint16_t port() const noexcept;
+
+  // The next connection. void(error_code, connection). A request that
+  // fails the handshake (errc::authentication_failed, version_mismatch,
+  // protocol_error) is refused and completes this operation with that error;
+  // the acceptor stays usable. One accept at a time (else errc::invalid_state).
+  template <class Token>
+  auto async_accept(Token&& token) {
+    return asio::async_initiate<Token, void(error_code, connection)>(
+        [this](auto handler) {
+          auto* n = new detail::pending_handler;  // setup path: one allocation per accept
+          n->template store<connection>(std::move(handler), executor(), nullptr, nullptr);
+          start_accept(n);
+        },
+        token);
+  }
+
+  // Stops listening; a pending accept completes with operation_canceled.
+  void close() noexcept;
+
+ private:
+  friend class fabric;
+  struct state;
+  explicit acceptor(std::shared_ptr<state> s) noexcept;
+  asio::io_context::executor_type executor() const;  // throws when not listening
+  void start_accept(detail::pending_handler* h);
+  std::shared_ptr<state> state_;
+};
+
+}  // namespace anydoor

@@ -1,0 +1,193 @@
+// The connection engine (runtime-internal): credits, eager and rendezvous
+// messages, batching and selective signaling, close and failure. One
+// thread: the fabric's io_context.
+#pragma once
+
+#include <anydoor/connection.hpp>
+#include <anydoor/reactor.hpp>
+
+#include "fabric_state.hpp"
+#include "protocol.hpp"
+
+#include <boost/asio/steady_timer.hpp>
+
+#include <memory>
+#include <thread>
+#include <vector>
+
+namespace anydoor::detail {
+
+// An intrusive FIFO of op nodes.
+struct op_list {
+  op_node* head = nullptr;
+  op_node* tail = nullptr;
+  bool empty() const noexcept { return head == nullptr; }
+  void push_back(op_node* n) noexcept;
+  op_node* pop_front() noexcept;
+  void remove(op_node* n) noexcept;
+  bool contains(const op_node* n) const noexcept;
+};
+
+class connection_impl : public std::enable_shared_from_this<connection_impl> {
+ public:
+  enum class state : std::uint8_t { setup, open, closing, closed, failed };
+
+  explicit connection_impl(std::shared_ptr<fabric_state> fab);
+  ~connection_impl();
+  connection_impl(const connection_impl&) = delete;
+  connection_impl& operator=(const connection_impl&) = delete;
+
+  // Setup (io thread): creates the queue pair and posts the receives.
+  // Throws std::system_error.
+  void prepare();
+  transport::queue_pair& qp() noexcept { return *qp_; }
+  // The handshake is done: the peer's parameters are known.
+  void on_connected(const protocol::hello& peer);
+  void on_setup_failed() noexcept;  // the queue pair never connected
+  std::thread setup_thread;         // the connect helper, joined on the io thread
+
+  // Operations (connection.hpp's templates call these).
+  op_node* acquire(op_kind kind);
+  void release(op_node* n) noexcept;
+  void start_send(op_node* n);
+  void start_receive(op_node* n);
+  void start_close(op_node* n);
+  void cancel(op_node* n, asio::cancellation_type type);
+  void abort() noexcept;
+  void on_handle_released() noexcept;
+
+  // Flushing (fabric_state).
+  void flush() noexcept;
+  bool dirty = false;
+  bool waiting_buffer = false;
+  void on_buffer_available() noexcept;
+
+  // message
+  void return_buffer(std::uint32_t index) noexcept;
+
+  bool is_open() const noexcept { return state_ == state::open || state_ == state::setup; }
+  connection_stats stats() const noexcept;
+  const peer_parameters& peer() const noexcept { return peer_; }
+  std::uint32_t send_eager_limit() const noexcept { return eager_limit_; }
+  fabric_state& fabric() noexcept { return *fab_; }
+
+ private:
+  struct send_op final : operation {
+    connection_impl* c = nullptr;
+    void complete(const transport::completion& wc) noexcept override { c->on_send_completion(wc); }
+  };
+  struct recv_op final : operation {
+    connection_impl* c = nullptr;
+    void complete(const transport::completion& wc) noexcept override { c->on_recv_completion(wc); }
+  };
+  enum class slot_kind : std::uint8_t { none, eager, control, rts, read_last };
+  struct sq_slot {
+    std::uint32_t buffer = buffer_pool::npos;
+    slot_kind kind = slot_kind::none;
+    op_node* op = nullptr;
+    bool signaled = false;
+  };
+  struct inbox_entry {
+    std::uint32_t buffer = 0;
+    std::uint32_t length = 0;  // bytes received (header included)
+    bool rts = false;
+  };
+  struct fin_entry {
+    std::uint32_t cookie = 0;
+    protocol::fin_status status = protocol::fin_status::ok;
+  };
+
+  void on_send_completion(const transport::completion& wc) noexcept;
+  void on_recv_completion(const transport::completion& wc) noexcept;
+  void handle_message(std::uint32_t buffer, std::uint32_t length) noexcept;
+  void retire_through(std::uint64_t seq, transport::wc_status status) noexcept;
+  std::uint64_t full_seq(std::uint32_t tag, std::uint64_t base) const noexcept;
+
+  // sending
+  bool progress_sends(bool post) noexcept;  // false once nothing more can start now
+  enum class start_result : std::uint8_t { started, blocked_credit, blocked_buffer, blocked_queue };
+  start_result try_start(op_node* n, bool post) noexcept;
+  bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
+  std::uint32_t sq_free() const noexcept;
+  transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op) noexcept;
+  std::uint16_t take_owed() noexcept;
+  void post_fins() noexcept;
+  void maybe_send_credits() noexcept;
+  void arm_buffer_timer() noexcept;
+  void schedule() noexcept;
+
+  // receiving
+  void deliver(bool post) noexcept;
+  bool start_read(op_node* n, const inbox_entry& e) noexcept;  // false: no room now
+  void on_read_done(op_node* n, transport::wc_status status) noexcept;
+  void repost(std::uint32_t buffer) noexcept;
+  void queue_recv(std::uint32_t buffer) noexcept;
+  void drop_unposted() noexcept;
+  void on_close_acked() noexcept;
+  void on_peer_close() noexcept;
+
+  // ending
+  void fail(std::error_code ec) noexcept;
+  void finish_close_if_ready() noexcept;
+  void complete(op_node* n, bool post, std::error_code ec, std::size_t size = 0) noexcept;
+  void complete_message(op_node* n, bool post, message m) noexcept;
+  void maybe_release_self() noexcept;
+
+  std::shared_ptr<fabric_state> fab_;
+  std::unique_ptr<transport::queue_pair> qp_;
+  const connection_options& opt_;
+  state state_ = state::setup;
+  std::error_code error_;
+  bool handle_alive_ = true;
+  bool counted_ = false;  // in fabric_state::open_connections
+  bool peer_closed_ = false;   // the peer's close message arrived
+  bool close_sent_ = false;
+  op_node* close_op_ = nullptr;
+  peer_parameters peer_;
+  std::uint32_t eager_limit_ = 0;
+  std::uint64_t read_chunk_ = 0;
+  std::shared_ptr<connection_impl> self_;  // while work requests are outstanding
+
+  send_op send_op_;
+  recv_op recv_op_;
+  std::uint64_t send_base_ = 0;  // persistent wr_id bases
+  std::uint64_t recv_base_ = 0;
+
+  // send queue: [sq_retired_, sq_posted_) posted, [sq_posted_, sq_queued_) in batch_
+  std::vector<sq_slot> sq_;
+  std::vector<transport::sge> sq_sge_;
+  std::vector<std::byte> inline_stage_;   // per slot, inline_cap bytes
+  std::vector<transport::work_request> batch_;
+  std::uint64_t sq_retired_ = 0, sq_posted_ = 0, sq_queued_ = 0;
+  std::uint32_t since_signal_ = 0;
+
+  // receive queue: ring of posted buffers, FIFO
+  std::vector<std::uint32_t> rq_;
+  std::uint64_t rq_done_ = 0, rq_posted_ = 0, rq_queued_ = 0;
+  std::vector<transport::recv_request> recv_batch_;
+  std::vector<transport::sge> rq_sge_;
+
+  // credits
+  std::int64_t credits_ = 0;    // the peer's receives we may use
+  std::uint32_t owed_ = 0;      // our receives re-posted, not yet reported
+  std::int64_t peer_view_ = 0;  // the peer's credits as we know them
+
+  std::vector<inbox_entry> inbox_;  // ring, capacity = credits
+  std::uint64_t inbox_head_ = 0, inbox_tail_ = 0;
+  std::vector<fin_entry> fins_;     // fins waiting for a credit
+
+  op_list send_waiting_;   // sends not yet started, in order
+  op_list recv_waiting_;   // receives without a message yet
+  op_list active_;         // rendezvous sends waiting for fin, receives reading
+  std::vector<op_node*> free_nodes_;
+  std::vector<std::unique_ptr<op_node>> all_nodes_;
+  std::uint32_t next_cookie_ = 1;
+  std::size_t pending_ops_ = 0;  // started, not completed (each holds fabric busy)
+  std::uint64_t outstanding_signaled_ = 0;
+
+  asio::steady_timer buffer_timer_;
+  bool buffer_timer_armed_ = false;
+  connection_stats stats_;
+};
+
+}  // namespace anydoor::detail

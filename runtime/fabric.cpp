@@ -1,0 +1,426 @@
+#include <anydoor/error.hpp>
+#include <anydoor/fabric.hpp>
+
+#include "connection_impl.hpp"
+#include "fabric_state.hpp"
+#include "log.hpp"
+
+#include <boost/asio/post.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <thread>
+
+namespace anydoor {
+
+namespace detail {
+
+namespace {
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::system_error(errc::invalid_argument, what);
+}
+
+const fabric_options& checked(const fabric_options& o) {
+  const connection_options& c = o.connection;
+  require(o.max_connections >= 1 && o.max_connections <= 4096, "fabric: max_connections must be in 1..4096");
+  require(c.credits >= 4 && c.credits <= 4096, "fabric: connection.credits must be in 4..4096");
+  require(c.eager_limit >= 1 && c.eager_limit <= (1u << 20), "fabric: connection.eager_limit must be in 1..1 MiB");
+  require(c.max_message >= 1 && c.max_message <= (std::uint64_t{1} << 40),
+          "fabric: connection.max_message must be in 1..2^40");
+  require(c.send_queue >= 8 && c.send_queue <= 4096, "fabric: connection.send_queue must be in 8..4096");
+  require(c.signal_interval >= 1 && c.signal_interval <= c.send_queue,
+          "fabric: connection.signal_interval must be in 1..send_queue");
+  require(c.connect_timeout.count() > 0, "fabric: connection.connect_timeout must be positive");
+  require(c.buffer_wait.count() >= 0, "fabric: connection.buffer_wait must not be negative");
+  return o;
+}
+
+reactor_options reactor_for(const fabric_options& o) {
+  reactor_options r = o.reactor;
+  // Two persistent slots per connection.
+  r.max_operations = std::max<std::uint32_t>(r.max_operations, 2 * o.max_connections + 16);
+  return r;
+}
+
+std::error_code reason_error(protocol::refuse_reason r) {
+  switch (r) {
+    case protocol::refuse_reason::version: return errc::version_mismatch;
+    case protocol::refuse_reason::authentication: return errc::authentication_failed;
+    case protocol::refuse_reason::resources: return errc::too_many_connections;
+    case protocol::refuse_reason::malformed:
+    case protocol::refuse_reason::none: break;
+  }
+  return errc::protocol_error;
+}
+
+protocol::refuse_reason refuse_for(std::error_code ec) {
+  if (ec == errc::version_mismatch) return protocol::refuse_reason::version;
+  if (ec == errc::authentication_failed) return protocol::refuse_reason::authentication;
+  if (ec == errc::too_many_connections || ec == errc::no_buffer_space) return protocol::refuse_reason::resources;
+  return protocol::refuse_reason::malformed;
+}
+
+}  // namespace
+
+fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
+    : io(io_ctx), options(checked(o)), device(transport::open_device(o.device)) {
+  const transport::capabilities& caps = device->caps();
+  const connection_options& c = options.connection;
+  const std::uint64_t depth = std::uint64_t{options.max_connections} * (c.send_queue + c.credits);
+  if (depth > caps.max_cqe) {
+    throw std::system_error(errc::invalid_argument,
+                            "fabric: max_connections * (send_queue + credits) = " + std::to_string(depth) +
+                                " exceeds the device's completion queue limit " + std::to_string(caps.max_cqe));
+  }
+  if (c.send_queue > caps.max_qp_wr || c.credits > caps.max_qp_wr) {
+    throw std::system_error(errc::invalid_argument, "fabric: send_queue or credits above the device's max_qp_wr " +
+                                                        std::to_string(caps.max_qp_wr));
+  }
+  pd = device->alloc_pd();
+  cq = device->create_cq(static_cast<std::uint32_t>(depth));
+  inline_cap = std::min<std::uint32_t>(caps.max_inline, 256);
+  recv_buffer = static_cast<std::uint32_t>((protocol::kHeaderSize + c.eager_limit + 63) / 64 * 64);
+  pool = std::make_unique<buffer_pool>(
+      *pd, buffer_pool_options{.buffer_size = recv_buffer, .buffers_per_slab = options.buffers_per_slab,
+                               .initial_slabs = 1, .max_bytes = options.pool_max_bytes});
+  reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
+  token = protocol::token_digest(c.auth_token);
+  log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}",
+             device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
+             to_string(reactor->mode()));
+}
+
+fabric_state::~fabric_state() {
+  reactor.reset();
+  pool.reset();
+}
+
+void fabric_state::busy() noexcept {
+  if (active_++ == 0) reactor->start();
+}
+
+void fabric_state::idle() noexcept {
+  if (--active_ != 0 || stop_check_posted_) return;
+  stop_check_posted_ = true;
+  asio::post(io, [w = weak_from_this()] {
+    auto s = w.lock();
+    if (!s) return;
+    s->stop_check_posted_ = false;
+    if (s->active_ == 0) s->reactor->stop();
+  });
+}
+
+void fabric_state::schedule_flush(connection_impl* c) {
+  dirty_.push_back(c);
+  if (flush_posted_) return;
+  flush_posted_ = true;
+  asio::post(io, [w = weak_from_this()] {
+    if (auto s = w.lock()) s->flush_all();
+  });
+}
+
+void fabric_state::flush_all() noexcept {
+  flush_posted_ = false;
+  flushing_.swap(dirty_);
+  for (std::size_t i = 0; i < flushing_.size(); ++i) {
+    if (flushing_[i] != nullptr) flushing_[i]->flush();
+  }
+  flushing_.clear();
+}
+
+void fabric_state::wait_for_buffer(connection_impl* c) { buffer_waiters_.push_back(c); }
+
+void fabric_state::put_buffer(std::uint32_t index) noexcept {
+  pool->put(index);
+  if (buffer_waiters_.empty()) return;
+  std::vector<connection_impl*> waiters;
+  waiters.swap(buffer_waiters_);
+  for (connection_impl* c : waiters) c->on_buffer_available();
+}
+
+void fabric_state::forget(connection_impl* c) noexcept {
+  std::erase(dirty_, c);
+  std::erase(buffer_waiters_, c);
+  std::replace(flushing_.begin(), flushing_.end(), c, static_cast<connection_impl*>(nullptr));
+}
+
+protocol::hello fabric_state::local_hello() const noexcept {
+  const connection_options& c = options.connection;
+  protocol::hello h;
+  h.kind = protocol::hello_kind::hello;
+  h.credits = c.credits;
+  h.recv_buffer = recv_buffer;
+  h.eager_limit = c.eager_limit;
+  h.max_message = c.max_message;
+  h.token = token;
+  return h;
+}
+
+std::error_code fabric_state::check_peer(const protocol::hello& peer) const noexcept {
+  if (peer.version != protocol::kVersion) return errc::version_mismatch;
+  if (peer.token != token) return errc::authentication_failed;
+  return {};
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------- fabric
+
+fabric::fabric(asio::io_context& io, fabric_options options)
+    : state_(std::make_shared<detail::fabric_state>(io, options)) {}
+fabric::~fabric() = default;
+
+std::string_view fabric::provider() const noexcept { return state_->device->provider(); }
+transport::device& fabric::device() noexcept { return *state_->device; }
+transport::protection_domain& fabric::protection_domain() noexcept { return *state_->pd; }
+const fabric_options& fabric::options() const noexcept { return state_->options; }
+asio::io_context::executor_type fabric::get_executor() const noexcept { return state_->io.get_executor(); }
+
+fabric_stats fabric::stats() const noexcept {
+  fabric_stats s;
+  s.reactor = state_->reactor->stats();
+  s.pool = state_->pool->stats();
+  s.connections = state_->open_connections;
+  s.accepted = state_->accepted;
+  s.connected = state_->connected;
+  s.refused = state_->refused;
+  return s;
+}
+
+namespace {
+
+bool parse_address(std::string_view a, std::string& host, std::uint16_t& port) {
+  const auto colon = a.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 || colon + 1 == a.size()) return false;
+  std::string_view h = a.substr(0, colon);
+  if (h.front() == '[') {
+    if (h.size() < 3 || h.back() != ']') return false;
+    h = h.substr(1, h.size() - 2);
+  }
+  const std::string_view p = a.substr(colon + 1);
+  unsigned v = 0;
+  const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), v);
+  if (ec != std::errc{} || end != p.data() + p.size() || v == 0 || v > 65535) return false;
+  host = std::string(h);
+  port = static_cast<std::uint16_t>(v);
+  return true;
+}
+
+}  // namespace
+
+void fabric::start_connect(std::string address, detail::pending_handler* h) {
+  auto fab = state_;
+  std::string host;
+  std::uint16_t port = 0;
+  if (!parse_address(address, host, port)) {
+    log().warn("fabric: connect: '{}' is not host:port", address);
+    h->complete(true, make_error_code(errc::invalid_argument), connection{});
+    delete h;
+    return;
+  }
+  auto conn = std::make_shared<detail::connection_impl>(fab);
+  try {
+    conn->prepare();
+  } catch (const std::system_error& e) {
+    log().warn("fabric: connect to {}: {}", address, e.what());
+    h->complete(true, e.code(), connection{});
+    delete h;
+    return;
+  }
+  fab->busy();
+  const auto pdata = protocol::encode(fab->local_hello());
+  detail::connection_impl* raw = conn.get();  // kept alive by its own self reference until the result is handled
+  transport::device* dev = fab->device.get();
+  const auto timeout = fab->options.connection.connect_timeout;
+  raw->setup_thread = std::thread([raw, dev, h, host, port, pdata, timeout, &io = fab->io] {
+    transport::connect_result res = dev->connect(raw->qp(), host, port, pdata, timeout);
+    asio::post(io, [raw, h, host, port, res = std::move(res)]() mutable {
+      auto impl = raw->shared_from_this();
+      raw->setup_thread.join();
+      detail::fabric_state& f = raw->fabric();
+      f.idle();
+      std::error_code ec = res.ec;
+      protocol::hello peer;
+      if (ec == errc::connection_rejected) {
+        if (protocol::decode(res.private_data, peer) == protocol::decode_status::ok &&
+            peer.kind == protocol::hello_kind::refuse) {
+          ec = detail::reason_error(peer.reason);
+        }
+      } else if (!ec) {
+        if (protocol::decode(res.private_data, peer) != protocol::decode_status::ok ||
+            peer.kind != protocol::hello_kind::welcome) {
+          ec = errc::protocol_error;
+        } else {
+          ec = f.check_peer(peer);
+        }
+        if (ec) {
+          impl->on_connected(peer);  // so that fail() can tear it down
+          impl->abort();
+        }
+      }
+      if (ec) {
+        if (ec == errc::authentication_failed || ec == errc::version_mismatch) ++f.refused;
+        log().warn("fabric: connect to {}:{} failed: {}", host, port, ec.message());
+        if (res.ec) impl->on_setup_failed();
+        h->complete(false, ec, connection{});
+        delete h;
+        return;
+      }
+      impl->on_connected(peer);
+      ++f.connected;
+      log().info("fabric: connected to {}:{} (qp {})", host, port, impl->qp().qp_num());
+      h->complete(false, std::error_code{}, connection(std::move(impl)));
+      delete h;
+    });
+  });
+}
+
+struct acceptor::state {
+  std::shared_ptr<detail::fabric_state> fab;
+  std::unique_ptr<transport::listener> listener;
+  std::atomic<bool> closed{false};
+  std::thread worker;
+  detail::pending_handler* pending = nullptr;
+  std::shared_ptr<detail::connection_impl> candidate;
+
+  ~state() {
+    closed = true;
+    if (worker.joinable()) worker.join();
+    // Its result was posted, but nobody will take it now.
+    if (candidate != nullptr) candidate->on_setup_failed();
+    if (pending != nullptr) {
+      fab->idle();
+      pending->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
+      delete pending;
+    }
+  }
+  void finish(std::error_code ec, const protocol::hello& peer);
+};
+
+acceptor fabric::listen(const std::string& host, std::uint16_t port) {
+  auto s = std::make_shared<acceptor::state>();
+  s->fab = state_;
+  s->listener = state_->device->listen(host, port);
+  log().info("fabric: listening on {}:{}", host, s->listener->port());
+  return acceptor(std::move(s));
+}
+
+// ---------------------------------------------------------------- acceptor
+
+acceptor::acceptor() noexcept = default;
+acceptor::acceptor(std::shared_ptr<state> s) noexcept : state_(std::move(s)) {}
+acceptor::acceptor(acceptor&&) noexcept = default;
+acceptor& acceptor::operator=(acceptor&& o) noexcept {
+  if (this != &o) {
+    close();
+    state_ = std::move(o.state_);
+  }
+  return *this;
+}
+acceptor::~acceptor() { close(); }
+
+std::uint16_t acceptor::port() const noexcept { return state_ ? state_->listener->port() : 0; }
+
+asio::io_context::executor_type acceptor::executor() const {
+  if (!state_) throw std::system_error(errc::invalid_state, "acceptor: not listening");
+  return state_->fab->io.get_executor();
+}
+
+void acceptor::close() noexcept {
+  if (!state_) return;
+  state_->closed = true;
+  // The worker notices within its 100 ms poll and completes a pending accept
+  // with operation_canceled; the state lives until then.
+}
+
+void acceptor::start_accept(detail::pending_handler* h) {
+  state& s = *state_;
+  if (s.closed) {
+    h->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
+    delete h;
+    return;
+  }
+  if (s.pending != nullptr) {
+    h->complete(true, make_error_code(errc::invalid_state), connection{});
+    delete h;
+    return;
+  }
+  if (s.worker.joinable()) s.worker.join();  // the previous accept's worker has posted its result
+  s.pending = h;
+  s.fab->busy();
+  std::error_code prep;
+  s.candidate = std::make_shared<detail::connection_impl>(s.fab);
+  try {
+    s.candidate->prepare();
+  } catch (const std::system_error& e) {
+    log().warn("fabric: accept: cannot take another connection: {}", e.what());
+    prep = e.code();
+    s.candidate.reset();
+  }
+  detail::connection_impl* cand = s.candidate.get();
+  std::weak_ptr<state> weak = state_;
+  s.worker = std::thread([&s, weak, cand, prep, &io = s.fab->io] {
+    auto post_result = [&](std::error_code ec, protocol::hello peer) {
+      asio::post(io, [weak, ec, peer] {
+        if (auto st = weak.lock()) st->finish(ec, peer);
+      });
+    };
+    while (!s.closed) {
+      std::error_code ec;
+      auto req = s.listener->get_request(std::chrono::milliseconds(100), ec);
+      if (req == nullptr) {
+        if (ec == errc::timed_out) continue;
+        post_result(ec, {});
+        return;
+      }
+      protocol::hello peer;
+      const auto st = protocol::decode(req->private_data(), peer);
+      if (st != protocol::decode_status::ok || peer.kind != protocol::hello_kind::hello) {
+        ec = errc::protocol_error;
+      } else if (cand == nullptr) {
+        ec = prep;
+      } else {
+        ec = s.fab->check_peer(peer);
+      }
+      if (ec) {
+        protocol::hello refuse;
+        refuse.kind = protocol::hello_kind::refuse;
+        refuse.reason = detail::refuse_for(ec);
+        req->reject(protocol::encode(refuse));
+        post_result(ec, {});
+        return;
+      }
+      protocol::hello welcome = s.fab->local_hello();
+      welcome.kind = protocol::hello_kind::welcome;
+      ec = req->accept(cand->qp(), protocol::encode(welcome));
+      post_result(ec, peer);
+      return;
+    }
+    post_result(std::make_error_code(std::errc::operation_canceled), {});
+  });
+}
+
+void acceptor::state::finish(std::error_code ec, const protocol::hello& peer) {
+  detail::pending_handler* h = pending;
+  pending = nullptr;
+  auto cand = std::move(candidate);
+  fab->idle();
+  if (h == nullptr) return;
+  if (ec) {
+    if (ec == errc::authentication_failed || ec == errc::version_mismatch || ec == errc::protocol_error) ++fab->refused;
+    if (ec != std::errc::operation_canceled) log().warn("fabric: accept: refused or failed: {}", ec.message());
+    if (cand != nullptr) cand->on_setup_failed();
+    h->complete(false, ec, connection{});
+    delete h;
+    return;
+  }
+  cand->on_connected(peer);
+  ++fab->accepted;
+  log().info("fabric: accepted a connection (qp {})", cand->qp().qp_num());
+  h->complete(false, std::error_code{}, connection(std::move(cand)));
+  delete h;
+}
+
+}  // namespace anydoor

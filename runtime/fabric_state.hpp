@@ -1,0 +1,73 @@
+// What a fabric shares with its connections and acceptors (runtime-internal).
+#pragma once
+
+#include <anydoor/buffer_pool.hpp>
+#include <anydoor/fabric.hpp>
+#include <anydoor/reactor.hpp>
+
+#include "protocol.hpp"
+
+#include <boost/asio/io_context.hpp>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+namespace anydoor::detail {
+
+class connection_impl;
+
+class fabric_state : public std::enable_shared_from_this<fabric_state> {
+ public:
+  fabric_state(asio::io_context& io, const fabric_options& options);
+  ~fabric_state();
+
+  asio::io_context& io;
+  const fabric_options options;
+  std::unique_ptr<transport::device> device;
+  std::unique_ptr<transport::protection_domain> pd;
+  std::unique_ptr<transport::completion_queue> cq;
+  std::unique_ptr<buffer_pool> pool;
+  std::unique_ptr<anydoor::reactor> reactor;
+  std::array<std::byte, 16> token{};  // digest of options.connection.auth_token
+  std::uint32_t inline_cap = 0;       // max_inline_data of our queue pairs
+  std::uint32_t recv_buffer = 0;      // bytes per receive buffer (pool buffer size)
+
+  // Activity: the reactor polls while something is pending (user operations,
+  // signaled sends in flight, connections flushing after an error). The
+  // last idle() stops it once the current handler has finished (so a
+  // coroutine that completes one operation and starts the next keeps it on).
+  void busy() noexcept;
+  void idle() noexcept;
+  std::size_t active() const noexcept { return active_; }
+
+  // Posting: connections queue work requests during a turn and flush them,
+  // one doorbell each, from a handler posted once per turn.
+  void schedule_flush(connection_impl* c);
+  // Connections whose queued sends wait for a pool buffer.
+  void wait_for_buffer(connection_impl* c);
+  void put_buffer(std::uint32_t index) noexcept;
+  // A connection going away leaves every list.
+  void forget(connection_impl* c) noexcept;
+
+  std::uint64_t open_connections = 0;
+  std::uint64_t accepted = 0;
+  std::uint64_t connected = 0;
+  std::uint64_t refused = 0;
+
+  protocol::hello local_hello() const noexcept;
+  // Checks a peer's hello or welcome against ours; errc on refusal.
+  std::error_code check_peer(const protocol::hello& peer) const noexcept;
+
+ private:
+  void flush_all() noexcept;
+  std::size_t active_ = 0;
+  bool stop_check_posted_ = false;
+  bool flush_posted_ = false;
+  std::vector<connection_impl*> dirty_;
+  std::vector<connection_impl*> flushing_;
+  std::vector<connection_impl*> buffer_waiters_;
+};
+
+}  // namespace anydoor::detail

@@ -1,0 +1,721 @@
+// The runtime's connection on a real provider (ANYDOOR_TEST_PROVIDER): the
+// handshake, eager and rendezvous messages, credits, batching, completion
+// tokens, cancellation, close and peer death. Every test drives io.run()
+// to its natural end under a watchdog: run() must return once the work is
+// done, so a hang (or work left behind) fails the test.
+#include "../support/harness.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/deferred.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/use_future.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+using namespace anydoor::test;
+namespace asio = boost::asio;
+namespace ad = anydoor;
+using asio::awaitable;
+using asio::use_awaitable;
+
+namespace {
+
+// Runs io until it runs out of work; fails if that takes longer than limit.
+void run_to_completion(asio::io_context& io, std::chrono::seconds limit = std::chrono::seconds(60)) {
+  std::mutex m;
+  std::condition_variable cv;
+  bool finished = false;
+  bool fired = false;
+  std::thread watchdog([&] {
+    std::unique_lock lock(m);
+    if (!cv.wait_for(lock, limit, [&] { return finished; })) {
+      fired = true;
+      io.stop();
+    }
+  });
+  io.run();
+  {
+    std::lock_guard lock(m);
+    finished = true;
+  }
+  cv.notify_one();
+  watchdog.join();
+  REQUIRE_FALSE(fired);  // run() did not return by itself: something hung or leaked work
+  io.restart();
+}
+
+ad::fabric_options test_options(ad::connection_options c = {}) {
+  ad::fabric_options o;
+  o.device.provider = provider_under_test();
+  o.connection = std::move(c);
+  o.max_connections = 8;
+  o.buffers_per_slab = 64;
+  o.pool_max_bytes = std::size_t{64} << 20;
+  return o;
+}
+
+std::vector<std::byte> pattern(std::size_t n, std::uint32_t seed) {
+  std::vector<std::byte> v(n);
+  std::uint32_t x = seed * 2654435761u + 1;
+  for (auto& b : v) {
+    x = x * 1103515245u + 12345u;
+    b = static_cast<std::byte>(x >> 24);
+  }
+  return v;
+}
+
+std::string addr(const ad::acceptor& a) { return test_host() + ":" + std::to_string(a.port()); }
+
+// Rethrows a coroutine's exception in the test.
+struct failure {
+  std::exception_ptr e;
+  auto handler() {
+    return [this](std::exception_ptr p) {
+      if (p && !e) e = p;
+    };
+  }
+  void check() const {
+    if (e) std::rethrow_exception(e);
+  }
+};
+
+// Echoes every message of `conns` connections until each peer closes.
+awaitable<void> echo_server(ad::acceptor& acc, int conns, std::vector<ad::error_code>* endings = nullptr) {
+  for (int i = 0; i < conns; ++i) {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    asio::co_spawn(
+        co_await asio::this_coro::executor,
+        [](ad::connection conn, std::vector<ad::error_code>* ends) -> awaitable<void> {
+          for (;;) {
+            auto [ec, m] = co_await conn.async_receive(asio::as_tuple(use_awaitable));
+            if (ec) {
+              if (ends != nullptr) ends->push_back(ec);
+              co_return;
+            }
+            auto [sec, n] = co_await conn.async_send(m.buffer(), asio::as_tuple(use_awaitable));
+            if (sec) {
+              if (ends != nullptr) ends->push_back(sec);
+              co_return;
+            }
+          }
+        }(std::move(c), endings),
+        asio::detached);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("echo: eager, inline and rendezvous messages arrive whole and in order", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  CHECK(server.provider() == provider_under_test());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  const std::size_t eager = 8192;
+  const std::vector<std::size_t> sizes = {1, 8, 64, 200, 1000, eager - 1, eager, eager + 1, 100000, 1u << 20, 3};
+  std::size_t echoed = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    CHECK(c.is_open());
+    CHECK(c.peer().credits == 64);
+    CHECK(c.eager_limit() == eager);
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const auto out = pattern(sizes[i], static_cast<std::uint32_t>(i));
+      const std::size_t sent = co_await c.async_send(asio::buffer(out), use_awaitable);
+      CHECK(sent == sizes[i]);
+      ad::message m = co_await c.async_receive(use_awaitable);
+      REQUIRE(m.size() == sizes[i]);
+      CHECK(std::memcmp(m.data(), out.data(), out.size()) == 0);
+      ++echoed;
+    }
+    const ad::connection_stats s = c.stats();
+    CHECK(s.messages_sent == sizes.size());
+    CHECK(s.messages_received == sizes.size());
+    CHECK(s.rendezvous_sends == 3);
+    CHECK(s.inline_sends >= 4);
+    CHECK(s.bytes_sent == std::accumulate(sizes.begin(), sizes.end(), std::size_t{0}));
+    CHECK(s.rnr_naks == 0);
+    co_await c.async_close(use_awaitable);
+    CHECK_FALSE(c.is_open());
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(echoed == sizes.size());
+  const ad::fabric_stats fs = client.stats();
+  CHECK(fs.connected == 1);
+  CHECK(server.stats().accepted == 1);
+  CHECK(fs.reactor.completions > 0);
+  CHECK(fs.pool.gets > 0);
+}
+
+TEST_CASE("receive into a caller's buffer; a larger message is message_size, never truncated", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  int steps = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    std::vector<std::byte> small(100), big(300000);
+    for (const std::size_t size : {std::size_t{101}, std::size_t{200000}}) {
+      // Too large for `small`: dropped with message_size...
+      auto [ec, n] = co_await c.async_receive(asio::buffer(small), asio::as_tuple(use_awaitable));
+      CHECK(ec == ad::errc::message_size);
+      CHECK(n == 0);
+      // ...and the connection carries on with the next one.
+      const std::size_t got = co_await c.async_receive(asio::buffer(big), use_awaitable);
+      CHECK(got == size);
+      CHECK(std::memcmp(big.data(), pattern(size, 7).data(), size) == 0);
+      ++steps;
+    }
+    co_await c.async_send(asio::buffer("done", 4), use_awaitable);
+    ad::message m = co_await c.async_receive(use_awaitable);  // waits for the client's close
+  }, [&](std::exception_ptr e) {
+    // The last receive ends with connection_closed (a system_error from use_awaitable).
+    try {
+      if (e) std::rethrow_exception(e);
+      FAIL("the receive after close succeeded");
+    } catch (const boost::system::system_error& se) {
+      CHECK(se.code() == ad::errc::connection_closed);
+    }
+  });
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    for (const std::size_t size : {std::size_t{101}, std::size_t{200000}}) {
+      const auto out = pattern(size, 7);
+      // The rendezvous send of the too-large message fails too: the peer refused it.
+      auto [ec, n] = co_await c.async_send(asio::buffer(out), asio::as_tuple(use_awaitable));
+      if (size > c.eager_limit()) {
+        CHECK(ec == ad::errc::message_size);
+      } else {
+        CHECK_FALSE(ec);
+      }
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+    }
+    ad::message m = co_await c.async_receive(use_awaitable);
+    CHECK(m.size() == 4);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(steps == 2);
+}
+
+TEST_CASE("completion tokens: callback, deferred, use_future, as_tuple, use_awaitable", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  ad::connection c;
+  // callback
+  client.async_connect(addr(acc), [&](ad::error_code ec, ad::connection conn) {
+    REQUIRE_FALSE(ec);
+    c = std::move(conn);
+  });
+  while (!c) io.run_one();
+  const std::string text = "hello";
+  int callbacks = 0;
+  c.async_send(asio::buffer(text), [&](ad::error_code ec, std::size_t n) {
+    CHECK_FALSE(ec);
+    CHECK(n == text.size());
+    ++callbacks;
+  });
+  c.async_receive([&](ad::error_code ec, ad::message m) {
+    CHECK_FALSE(ec);
+    CHECK(std::string(reinterpret_cast<const char*>(m.data()), m.size()) == text);
+    ++callbacks;
+  });
+  while (callbacks < 2) io.run_one();
+  // deferred: nothing happens until the deferred operation is launched
+  auto op = c.async_send(asio::buffer(text), asio::deferred);
+  CHECK(c.stats().messages_sent == 1);
+  bool launched = false;
+  std::move(op)([&](ad::error_code ec, std::size_t) {
+    CHECK_FALSE(ec);
+    launched = true;
+  });
+  while (!launched) io.run_one();
+  CHECK(c.stats().messages_sent == 2);
+  // use_future (the io_context runs here while the future is pending)
+  std::array<char, 16> in{};
+  std::future<std::size_t> fut = c.async_receive(asio::buffer(in), asio::use_future);
+  while (fut.wait_for(std::chrono::seconds(0)) != std::future_status::ready) io.run_one();
+  CHECK(fut.get() == text.size());
+  // as_tuple + use_awaitable
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    auto [ec, n] = co_await c.async_send(asio::buffer(text), asio::as_tuple(use_awaitable));
+    CHECK_FALSE(ec);
+    CHECK(n == text.size());
+    auto [rec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    CHECK_FALSE(rec);
+    CHECK(m.size() == text.size());
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("cancellation: a cancelled receive completes with operation_canceled; the connection stays usable",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::cancellation_signal sig;
+  ad::error_code cancelled_ec;
+  bool cancelled = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    std::array<std::byte, 64> buf{};
+    c.async_receive(asio::buffer(buf), asio::bind_cancellation_slot(sig.slot(), [&](ad::error_code ec, std::size_t) {
+                      cancelled_ec = ec;
+                      cancelled = true;
+                    }));
+    asio::steady_timer t(io, std::chrono::milliseconds(20));
+    co_await t.async_wait(use_awaitable);
+    sig.emit(asio::cancellation_type::terminal);
+    while (!cancelled) co_await asio::post(io, use_awaitable);
+    co_await c.async_send(asio::buffer("go", 2), use_awaitable);  // tell the client to send now
+    const std::size_t n = co_await c.async_receive(asio::buffer(buf), use_awaitable);
+    CHECK(n == 5);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    ad::message go = co_await c.async_receive(use_awaitable);
+    co_await c.async_send(asio::buffer("after", 5), use_awaitable);
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(cancelled);
+  CHECK(cancelled_ec == std::errc::operation_canceled);
+}
+
+TEST_CASE("handshake: a wrong or missing auth token is refused on both sides; the acceptor carries on", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.auth_token = "s3cret"}));
+  ad::fabric wrong(io, test_options({.auth_token = "guess"}));
+  ad::fabric none(io, test_options());
+  ad::fabric right(io, test_options({.auth_token = "s3cret"}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  std::vector<ad::error_code> server_side;
+  std::vector<ad::error_code> client_side;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 3; ++i) {
+      auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+      server_side.push_back(ec);
+      if (!ec) {
+        ad::message m = co_await c.async_receive(use_awaitable);
+        co_await c.async_send(m.buffer(), use_awaitable);
+        auto [cec, m2] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+        CHECK(cec == ad::errc::connection_closed);
+      }
+    }
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (ad::fabric* fab : {&wrong, &none, &right}) {
+      auto [ec, c] = co_await fab->async_connect(addr(acc), asio::as_tuple(use_awaitable));
+      client_side.push_back(ec);
+      if (!ec) {
+        co_await c.async_send(asio::buffer("x", 1), use_awaitable);
+        ad::message m = co_await c.async_receive(use_awaitable);
+        CHECK(m.size() == 1);
+        co_await c.async_close(use_awaitable);
+      }
+    }
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  REQUIRE(server_side.size() == 3);
+  REQUIRE(client_side.size() == 3);
+  CHECK(server_side[0] == ad::errc::authentication_failed);
+  CHECK(client_side[0] == ad::errc::authentication_failed);
+  CHECK(server_side[1] == ad::errc::authentication_failed);
+  CHECK(client_side[1] == ad::errc::authentication_failed);
+  CHECK_FALSE(server_side[2]);
+  CHECK_FALSE(client_side[2]);
+  CHECK(server.stats().refused == 2);
+  CHECK(wrong.stats().refused == 1);
+}
+
+TEST_CASE("handshake: an unknown protocol version or a malformed hello is refused on both sides", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  std::vector<ad::error_code> server_side;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 2; ++i) {
+      auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+      server_side.push_back(ec);
+    }
+  }, f.handler());
+  // A raw provider-level client speaking "version 2", then one sending garbage.
+  std::vector<tp::connect_result> results;
+  std::thread raw([&] {
+    auto dev = open_test_device();
+    auto pd = dev->alloc_pd();
+    auto cq = dev->create_cq(64);
+    for (int i = 0; i < 2; ++i) {
+      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+      std::array<std::byte, 44> hello{};
+      const std::uint32_t magic = 0x31524441;
+      std::memcpy(hello.data(), &magic, 4);
+      hello[4] = std::byte{2};  // version 2
+      hello[6] = std::byte{1};  // kind hello
+      if (i == 1) hello[0] = std::byte{0};  // bad magic
+      results.push_back(dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10)));
+    }
+  });
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  REQUIRE(server_side.size() == 2);
+  CHECK(server_side[0] == ad::errc::version_mismatch);
+  CHECK(server_side[1] == ad::errc::protocol_error);
+  REQUIRE(results.size() == 2);
+  CHECK(results[0].ec == ad::errc::connection_rejected);
+  CHECK(results[0].private_data.size() >= 8);
+  CHECK(std::to_integer<int>(results[0].private_data[7]) == 1);  // refuse reason: version
+  CHECK(results[1].ec == ad::errc::connection_rejected);
+}
+
+TEST_CASE("connect errors: malformed address, nobody listening, too many connections", "[runtime]") {
+  asio::io_context io;
+  auto o = test_options();
+  o.max_connections = 1;
+  ad::fabric server(io, o);
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  std::vector<ad::error_code> got;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (const char* bad : {"nohost", "host:0", "host:70000", ":5", "host:12x"}) {
+      auto [ec, c] = co_await client.async_connect(bad, asio::as_tuple(use_awaitable));
+      CHECK(ec == ad::errc::invalid_argument);
+    }
+    ad::acceptor closed = client.listen(test_host(), 0);
+    const std::string dead = addr(closed);
+    closed = ad::acceptor{};
+    auto [ec, c] = co_await client.async_connect(dead, asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_refused);
+    // The server holds one connection; a second is refused for resources.
+    ad::connection first = co_await client.async_connect(addr(acc), use_awaitable);
+    auto [ec2, c2] = co_await client.async_connect(addr(acc), asio::as_tuple(use_awaitable));
+    got.push_back(ec2);
+    co_await first.async_close(use_awaitable);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection one = co_await acc.async_accept(use_awaitable);
+    auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+    got.push_back(ec);
+    auto [rec, m] = co_await one.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(rec == ad::errc::connection_closed);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  REQUIRE(got.size() == 2);
+  CHECK(got[0] == ad::errc::too_many_connections);
+  CHECK(got[1] == ad::errc::too_many_connections);
+}
+
+TEST_CASE("credits: a flood against a slow receiver waits for credits, never causes RNR, loses nothing",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.credits = 8}));
+  ad::fabric client(io, test_options({.credits = 8}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::uint32_t kMessages = 3000;
+  failure f;
+  std::uint32_t received = 0;
+  ad::connection_stats server_stats, client_stats;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    asio::steady_timer t(io, std::chrono::milliseconds(100));  // let the sender run out of credits
+    co_await t.async_wait(use_awaitable);
+    for (std::uint32_t i = 0; i < kMessages; ++i) {
+      ad::message m = co_await c.async_receive(use_awaitable);
+      std::uint32_t v = 0;
+      REQUIRE(m.size() == 300);
+      std::memcpy(&v, m.data(), 4);
+      REQUIRE(v == i);
+      ++received;
+    }
+    server_stats = c.stats();
+    co_await c.async_send(asio::buffer("ok", 2), use_awaitable);
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    std::array<std::byte, 300> out{};
+    for (std::uint32_t i = 0; i < kMessages; ++i) {
+      std::memcpy(out.data(), &i, 4);
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+    }
+    ad::message m = co_await c.async_receive(use_awaitable);
+    client_stats = c.stats();
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(received == kMessages);
+  CHECK(client_stats.credit_stalls > 0);
+  CHECK(client_stats.rnr_naks == 0);
+  CHECK(server_stats.rnr_naks == 0);
+  CHECK(server_stats.credit_messages > 0);  // the receiver returned credits while it had nothing to send
+}
+
+TEST_CASE("batching: sends issued in one turn share a doorbell; only some are signaled", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options({.signal_interval = 8}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  ad::connection_stats s;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    constexpr int kBurst = 48;
+    std::array<std::byte, 32> out{};
+    int done = 0;
+    for (int i = 0; i < kBurst; ++i) {
+      c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) {
+        CHECK_FALSE(ec);
+        ++done;
+      });
+    }
+    for (int i = 0; i < kBurst; ++i) co_await c.async_receive(use_awaitable);
+    CHECK(done == kBurst);
+    s = c.stats();
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(s.posts >= 48);
+  CHECK(s.doorbells < s.posts / 4);
+  CHECK(s.signaled < s.posts / 4);
+}
+
+TEST_CASE("gather: a buffer sequence is one message; more than 16 buffers is invalid_argument", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::string a = "alpha", b = "-beta-", d(5000, 'g');
+    std::array<asio::const_buffer, 3> seq{asio::buffer(a), asio::buffer(b), asio::buffer(d)};
+    const std::size_t n = co_await c.async_send(seq, use_awaitable);
+    CHECK(n == a.size() + b.size() + d.size());
+    ad::message m = co_await c.async_receive(use_awaitable);
+    CHECK(std::string(reinterpret_cast<const char*>(m.data()), m.size()) == a + b + d);
+    std::vector<asio::const_buffer> many(17, asio::buffer(a));
+    auto [ec, n2] = co_await c.async_send(many, asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::invalid_argument);
+    // A rendezvous message must be one buffer.
+    const std::string big(20000, 'r');
+    std::array<asio::const_buffer, 2> two{asio::buffer(big), asio::buffer(big)};
+    auto [ec3, n3] = co_await c.async_send(two, asio::as_tuple(use_awaitable));
+    CHECK(ec3 == ad::errc::invalid_argument);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("a message above the peer's maximum fails with message_size at the sender", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.eager_limit = 512, .max_message = 4096}));
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    CHECK(c.peer().max_message == 4096);
+    CHECK(c.eager_limit() <= 576);  // capped by the server's receive buffers
+    std::vector<std::byte> out(4097);
+    auto [ec, n] = co_await c.async_send(asio::buffer(out), asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::message_size);
+    co_await c.async_send(asio::buffer(out.data(), 4096), use_awaitable);  // rendezvous at the limit
+    ad::message m = co_await c.async_receive(use_awaitable);
+    CHECK(m.size() == 4096);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("peer death: pending operations fail exactly once, other connections carry on", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  std::vector<ad::error_code> endings;
+  asio::co_spawn(io, echo_server(acc, 2, &endings), f.handler());
+  int victim_failures = 0;
+  ad::error_code victim_ec;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection victim = co_await client.async_connect(addr(acc), use_awaitable);
+    ad::connection survivor = co_await client.async_connect(addr(acc), use_awaitable);
+    co_await victim.async_send(asio::buffer("v", 1), use_awaitable);
+    co_await victim.async_receive(use_awaitable);
+    // A receive pending on the victim when it dies (abort: its socket or
+    // queue pair is torn down as if the process had died).
+    std::array<std::byte, 8> buf{};
+    victim.async_receive(asio::buffer(buf), [&](ad::error_code ec, std::size_t) {
+      victim_ec = ec;
+      ++victim_failures;
+    });
+    victim.abort();
+    CHECK_FALSE(victim.is_open());
+    auto [ec, n] = co_await victim.async_send(asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_closed);
+    for (int i = 0; i < 20; ++i) {
+      co_await survivor.async_send(asio::buffer("s", 1), use_awaitable);
+      ad::message m = co_await survivor.async_receive(use_awaitable);
+      CHECK(m.size() == 1);
+    }
+    co_await survivor.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(victim_failures == 1);
+  CHECK(victim_ec == ad::errc::connection_closed);
+  // The server saw one connection die with a transport error and one close.
+  REQUIRE(endings.size() == 2);
+  int closed = 0, died = 0;
+  for (auto ec : endings) {
+    if (ec == ad::errc::connection_closed) {
+      ++closed;
+    } else if (std::error_code(ec).category() == tp::wc_category()) {  // boost wraps the std category
+      ++died;
+    }
+  }
+  CHECK(closed == 1);
+  CHECK(died == 1);
+}
+
+TEST_CASE("buffer pool: sends wait for a buffer (bounded), then proceed or fail with no_buffer_space", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.credits = 4}));
+  // 8 buffers in all: two connections' receives take every one of them.
+  auto o = test_options({.credits = 4, .buffer_wait = std::chrono::milliseconds(200)});
+  o.buffers_per_slab = 8;
+  o.pool_max_bytes = 8 * (8192 + 64);
+  o.pool_max_bytes = (o.pool_max_bytes + 4095) / 4096 * 4096;
+  ad::fabric client(io, o);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 2), f.handler());
+  ad::error_code first, second;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection a = co_await client.async_connect(addr(acc), use_awaitable);
+    ad::connection b = co_await client.async_connect(addr(acc), use_awaitable);
+    CHECK(client.stats().pool.free == 0);
+    const std::vector<std::byte> out(1000);  // above the inline limit: needs a pool buffer
+    auto [ec, n] = co_await a.async_send(asio::buffer(out), asio::as_tuple(use_awaitable));
+    first = ec;
+    CHECK(client.stats().pool.exhausted > 0);
+    // Now free b's receive buffers while a's send waits.
+    bool done = false;
+    a.async_send(asio::buffer(out), [&](ad::error_code e, std::size_t) {
+      second = e;
+      done = true;
+    });
+    b.abort();
+    while (!done) co_await asio::post(io, use_awaitable);
+    ad::message m = co_await a.async_receive(use_awaitable);
+    CHECK(m.size() == 1000);
+    co_await a.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(first == ad::errc::no_buffer_space);
+  CHECK_FALSE(second);
+}
+
+TEST_CASE("buffer_pool: free list, growth to the watermark, counters, bad options", "[runtime][unit]") {
+  auto dev = open_test_device();
+  auto pd = dev->alloc_pd();
+  ad::buffer_pool pool(*pd, {.buffer_size = 1000, .buffers_per_slab = 4, .initial_slabs = 1, .max_bytes = 3 * 4096});
+  CHECK(pool.buffer_size() == 1024);
+  CHECK(pool.capacity() == 12);
+  CHECK(pool.stats().slabs == 1);
+  std::vector<std::uint32_t> got;
+  for (int i = 0; i < 12; ++i) {
+    const std::uint32_t b = pool.try_get();
+    REQUIRE(b != ad::buffer_pool::npos);
+    CHECK(reinterpret_cast<std::uintptr_t>(pool.data(b)) % 64 == 0);
+    std::memset(pool.data(b), i, pool.buffer_size());  // every buffer is usable memory
+    got.push_back(b);
+  }
+  CHECK(pool.stats().slabs == 3);
+  CHECK(pool.try_get() == ad::buffer_pool::npos);
+  CHECK(pool.stats().exhausted == 1);
+  std::sort(got.begin(), got.end());
+  CHECK(std::adjacent_find(got.begin(), got.end()) == got.end());
+  pool.put(got[5]);
+  CHECK(pool.try_get() == got[5]);
+  CHECK(pool.stats().gets == 13);
+  CHECK(pool.stats().puts == 1);
+  using E = std::system_error;
+  CHECK_THROWS_AS(ad::buffer_pool(*pd, {.buffer_size = 0}), E);
+  CHECK_THROWS_AS(ad::buffer_pool(*pd, {.buffers_per_slab = 0}), E);
+  CHECK_THROWS_AS(ad::buffer_pool(*pd, {.buffer_size = 4096, .buffers_per_slab = 4, .max_bytes = 4096}), E);
+  CHECK_THROWS_AS(ad::buffer_pool(*pd, {.buffer_size = 64, .buffers_per_slab = 64, .initial_slabs = 3, .max_bytes = 8192}), E);
+}
+
+TEST_CASE("fabric options are checked", "[runtime][unit]") {
+  asio::io_context io;
+  auto bad = [&](auto mutate) {
+    ad::fabric_options o = test_options();
+    mutate(o);
+    try {
+      ad::fabric fab(io, o);
+    } catch (const std::system_error& e) {
+      return e.code() == ad::errc::invalid_argument;
+    }
+    return false;
+  };
+  CHECK(bad([](ad::fabric_options& o) { o.max_connections = 0; }));
+  CHECK(bad([](ad::fabric_options& o) { o.max_connections = 5000; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.credits = 3; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.credits = 5000; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.eager_limit = 0; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.eager_limit = (1u << 20) + 1; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.max_message = 0; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.max_message = (std::uint64_t{1} << 40) + 1; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.send_queue = 7; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.signal_interval = 0; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.signal_interval = 129; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.connect_timeout = std::chrono::milliseconds(0); }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.buffer_wait = std::chrono::milliseconds(-1); }));
+  CHECK(bad([](ad::fabric_options& o) { o.pool_max_bytes = 4096; }));
+  CHECK(bad([](ad::fabric_options& o) { o.reactor.batch = 8; }));
+  CHECK_FALSE(bad([](ad::fabric_options&) {}));
+}
