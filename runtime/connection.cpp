@@ -670,6 +670,7 @@ void connection_impl::on_recv_completion(const transport::completion& wc) noexce
     } else if (peer_closed_ && state_ != state::failed && state_ != state::closed) {
       state_ = state::closed;  // the peer tore the queue pair down after its close
       error_ = errc::connection_closed;
+      begin_drain();
     }
   } else {
     handle_message(buffer, wc.byte_len);
@@ -773,6 +774,7 @@ void connection_impl::on_close_acked() noexcept {
   }
   // Flush the receives: their buffers go back to the pool.
   if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+  begin_drain();
   deliver(false);
 }
 
@@ -922,6 +924,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   }
   if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
   drop_unposted();
+  begin_drain();
   fins_.clear();
   while (op_node* n = send_waiting_.pop_front()) complete(n, true, error_);
   for (op_node* n = active_.head; n != nullptr;) {
@@ -940,10 +943,20 @@ void connection_impl::fail(std::error_code ec) noexcept {
   deliver(true);
 }
 
+void connection_impl::begin_drain() noexcept {
+  if (draining_ || (sq_retired_ == sq_posted_ && rq_done_ == rq_posted_)) return;
+  draining_ = true;
+  fab_->busy();
+}
+
 void connection_impl::maybe_release_self() noexcept {
   if (self_ == nullptr) return;
   if (sq_retired_ != sq_posted_ || rq_done_ != rq_posted_) return;
   if (state_ != state::failed && state_ != state::closed) return;
+  if (draining_) {
+    draining_ = false;
+    fab_->idle();
+  }
   self_.reset();  // the caller holds a reference until it returns
 }
 

@@ -132,6 +132,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void complete(op_node* n, bool post, std::error_code ec, std::size_t size = 0) noexcept;
   void complete_message(op_node* n, bool post, message m) noexcept;
   void maybe_release_self() noexcept;
+  void begin_drain() noexcept;  // keeps the reactor polling until every flush is back
 
   std::shared_ptr<fabric_state> fab_;
   std::unique_ptr<transport::queue_pair> qp_;
@@ -140,6 +141,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::error_code error_;
   bool handle_alive_ = true;
   bool counted_ = false;  // in fabric_state::open_connections
+  bool draining_ = false;  // holds the fabric busy while flushed work requests come back
   bool peer_closed_ = false;   // the peer's close message arrived
   bool close_sent_ = false;
   op_node* close_op_ = nullptr;
