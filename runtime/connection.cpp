@@ -311,8 +311,7 @@ transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t 
   wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_queued_ & kTagMask));
   wr.sg_list = {&sq_sge_[slot], 1};
   ++sq_queued_;
-  schedule();
-  return wr;
+  return wr;  // the caller schedules the flush (after posting its completion)
 }
 
 connection_impl::start_result connection_impl::try_start(op_node* n, bool post) noexcept {
@@ -401,12 +400,20 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     if (inl) ++stats_.inline_sends;
     ++stats_.messages_sent;
     stats_.bytes_sent += n->length;
-    complete(n, post, {}, static_cast<std::size_t>(n->length));
+    if (post) {
+      ++fab_->posted_completions;  // see fabric_state::flush_all
+      n->phase = op_phase::done;
+      n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
+      release(n);
+    } else {
+      complete(n, false, {}, static_cast<std::size_t>(n->length));
+    }
   } else {
     ++stats_.rendezvous_sends;
     n->phase = op_phase::rendezvous;
     active_.push_back(n);
   }
+  schedule();
   return start_result::started;
 }
 
@@ -435,6 +442,7 @@ bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t stat
   wr.op = transport::opcode::send;
   wr.inline_data = inl;
   if (type == protocol::msg_type::credit) ++stats_.credit_messages;
+  schedule();
   return true;
 }
 
@@ -495,6 +503,7 @@ void connection_impl::on_buffer_available() noexcept {
 }
 
 void connection_impl::schedule() noexcept {
+  if (fab_->in_completion > 0) urgent = true;
   if (dirty) return;
   dirty = true;
   fab_->schedule_flush(this);
@@ -502,7 +511,12 @@ void connection_impl::schedule() noexcept {
 
 void connection_impl::flush() noexcept {
   auto keep = shared_from_this();
+  flush_now();  // what it queues itself goes out with it: no new flush is scheduled meanwhile
   dirty = false;
+  urgent = false;
+}
+
+void connection_impl::flush_now() noexcept {
   if (qp_ == nullptr) return;
   if (!send_waiting_.empty() || !fins_.empty() || (close_op_ != nullptr && !close_sent_)) progress_sends(true);
   if (!recv_batch_.empty()) {
@@ -595,6 +609,12 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
 
 void connection_impl::on_send_completion(const transport::completion& wc) noexcept {
   auto keep = shared_from_this();
+  ++fab_->in_completion;
+  on_send_completion_body(wc);
+  --fab_->in_completion;
+}
+
+void connection_impl::on_send_completion_body(const transport::completion& wc) noexcept {
   const std::uint64_t seq = full_seq(reactor::tag_of(wc.wr_id), sq_retired_);
   if (wc.status == transport::wc_status::fatal && (wc.wr_id & 0xffffffff00000000ull) == reactor::kPersistent) {
     // The reactor gave up on the completion queue: everything outstanding is lost.
@@ -646,6 +666,12 @@ void connection_impl::return_buffer(std::uint32_t index) noexcept {
 
 void connection_impl::on_recv_completion(const transport::completion& wc) noexcept {
   auto keep = shared_from_this();
+  ++fab_->in_completion;
+  on_recv_completion_body(wc);
+  --fab_->in_completion;
+}
+
+void connection_impl::on_recv_completion_body(const transport::completion& wc) noexcept {
   if (wc.status == transport::wc_status::fatal && (wc.wr_id & 0xffffffff00000000ull) == reactor::kPersistent) {
     fail(make_error_code(wc.status));
     for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
@@ -811,6 +837,7 @@ bool connection_impl::start_read(op_node* n, const inbox_entry& e) noexcept {
     wr.rkey = b.rkey;
   }
   active_.push_back(n);
+  schedule();
   return true;
 }
 

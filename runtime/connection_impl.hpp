@@ -58,7 +58,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // Flushing (fabric_state).
   void flush() noexcept;
+  void flush_now() noexcept;
+  std::size_t queued_sends() const noexcept { return batch_.size(); }
   bool dirty = false;
+  bool urgent = false;  // queued from a completion handler: flushed after the reactor's pass
   bool waiting_buffer = false;
   void on_buffer_available() noexcept;
 
@@ -99,6 +102,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   void on_send_completion(const transport::completion& wc) noexcept;
   void on_recv_completion(const transport::completion& wc) noexcept;
+  void on_send_completion_body(const transport::completion& wc) noexcept;
+  void on_recv_completion_body(const transport::completion& wc) noexcept;
   void handle_message(std::uint32_t buffer, std::uint32_t length) noexcept;
   void retire_through(std::uint64_t seq, transport::wc_status status) noexcept;
   std::uint64_t full_seq(std::uint32_t tag, std::uint64_t base) const noexcept;

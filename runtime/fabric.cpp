@@ -86,6 +86,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
       *pd, buffer_pool_options{.buffer_size = recv_buffer, .buffers_per_slab = options.buffers_per_slab,
                                .initial_slabs = 1, .max_bytes = options.pool_max_bytes});
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
+  reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   token = protocol::token_digest(c.auth_token);
   log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}",
              device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
@@ -117,17 +118,37 @@ void fabric_state::schedule_flush(connection_impl* c) {
   if (flush_posted_) return;
   flush_posted_ = true;
   asio::post(io, [w = weak_from_this()] {
-    if (auto s = w.lock()) s->flush_all();
+    if (auto s = w.lock()) s->flush_all(true);
   });
 }
 
-void fabric_state::flush_all() noexcept {
-  flush_posted_ = false;
+void fabric_state::flush_after_dispatch(void* self) noexcept {
+  auto* s = static_cast<fabric_state*>(self);
+  if (!s->dirty_.empty()) s->flush_all(false);
+}
+
+void fabric_state::flush_all(bool defer) noexcept {
+  if (defer) flush_posted_ = false;
   flushing_.swap(dirty_);
   for (std::size_t i = 0; i < flushing_.size(); ++i) {
-    if (flushing_[i] != nullptr) flushing_[i]->flush();
+    connection_impl* c = flushing_[i];
+    if (c == nullptr) continue;
+    // A coroutine whose send completion is still queued will likely send
+    // again: wait for it, so that a pipelined sender fills one doorbell.
+    const bool wait = defer ? posted_completions > 0 && c->queued_sends() < kEarlyFlush : !c->urgent;
+    if (wait) {
+      dirty_.push_back(c);
+      continue;
+    }
+    c->flush();
   }
   flushing_.clear();
+  if (!dirty_.empty() && !flush_posted_) {
+    flush_posted_ = true;
+    asio::post(io, [w = weak_from_this()] {
+      if (auto s = w.lock()) s->flush_all(true);
+    });
+  }
 }
 
 void fabric_state::wait_for_buffer(connection_impl* c) { buffer_waiters_.push_back(c); }

@@ -45,11 +45,23 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // Posting: connections queue work requests during a turn and flush them,
   // one doorbell each, from a handler posted once per turn.
   void schedule_flush(connection_impl* c);
+  // From the reactor after a pass of completions: flushes every connection
+  // now (the replies their handlers queued leave before the next poll).
+  static void flush_after_dispatch(void* self) noexcept;
   // Connections whose queued sends wait for a pool buffer.
   void wait_for_buffer(connection_impl* c);
   void put_buffer(std::uint32_t index) noexcept;
   // A connection going away leaves every list.
   void forget(connection_impl* c) noexcept;
+
+  // Send completions posted by the runtime that have not run yet: their
+  // coroutines may queue more sends, so the flush waits for them (up to a
+  // batch of kEarlyFlush work requests).
+  std::size_t posted_completions = 0;
+  // Nonzero while a connection handles a completion: what gets queued then
+  // (a reply, a credit, a fin) is flushed at the end of the reactor's pass.
+  std::uint32_t in_completion = 0;
+  static constexpr std::size_t kEarlyFlush = 32;
 
   std::uint64_t open_connections = 0;
   std::uint64_t accepted = 0;
@@ -61,7 +73,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
 
  private:
-  void flush_all() noexcept;
+  void flush_all(bool defer) noexcept;
   std::size_t active_ = 0;
   bool stop_check_posted_ = false;
   bool flush_posted_ = false;

@@ -163,6 +163,7 @@ std::size_t reactor::drain() {
     if (n == 0) ++stats_.empty_polls;
     for (std::size_t i = 0; i < n; ++i) dispatch(buf_[i]);
     total += n;
+    if (n > 0 && after_dispatch_ != nullptr) after_dispatch_(after_dispatch_ctx_);
     if (n < buf_.size()) return total;
   }
 }

@@ -91,6 +91,14 @@ class reactor {
   }
   static constexpr std::uint64_t kPersistent = std::uint64_t{1} << 63;
 
+  // Called after each poll pass that dispatched completions, before the
+  // reactor polls again: where the runtime posts what those completions'
+  // handlers queued (one doorbell per connection per pass).
+  void set_after_dispatch(void (*fn)(void* ctx) noexcept, void* ctx) noexcept {
+    after_dispatch_ = fn;
+    after_dispatch_ctx_ = ctx;
+  }
+
   void start();  // begin polling (idempotent)
   void stop();   // stop polling; io_context::run() returns once nothing else is pending
 
@@ -123,6 +131,8 @@ class reactor {
   std::uint32_t free_head_ = 0;  // index + 1; 0: none free
   std::size_t tracked_ = 0;
   std::vector<transport::completion> buf_;
+  void (*after_dispatch_)(void*) noexcept = nullptr;
+  void* after_dispatch_ctx_ = nullptr;
   bool running_ = false;
   std::uint64_t epoch_ = 0;  // bumped by start(): handlers of an earlier run retire
   bool waiting_ = false;

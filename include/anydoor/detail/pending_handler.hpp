@@ -16,6 +16,7 @@
 #include <boost/system/error_code.hpp>
 
 #include <cstddef>
+#include <memory>
 #include <new>
 #include <system_error>
 #include <tuple>
@@ -55,14 +56,28 @@ class pending_handler {
     if (on_cancel != nullptr && h->slot.is_connected()) h->slot.template emplace<canceller>(on_cancel, ctx);
   }
 
+  // Runs after a posted handler has run (the runtime counts completions it
+  // has posted but that have not run yet; see fabric_state::flush_all).
+  struct after_hook {
+    std::shared_ptr<void> keep;    // keeps *counter alive
+    std::size_t* counter = nullptr;
+    void operator()() const noexcept {
+      if (counter != nullptr) --*counter;
+    }
+  };
+
   // Completes with (ec, args...): Args must be those given to store(). With
   // post, the handler runs later even when called on its executor's thread.
   template <class... Args>
   void complete(bool post, std::error_code ec, Args&&... args) {
+    complete_then(after_hook{}, post, ec, std::forward<Args>(args)...);
+  }
+  template <class... Args>
+  void complete_then(after_hook after, bool post, std::error_code ec, Args&&... args) {
     std::tuple<boost::system::error_code, std::decay_t<Args>...> t(boost::system::error_code(ec),
                                                                    std::forward<Args>(args)...);
     auto* fn = call_;
-    fn(*this, &t, post);
+    fn(*this, &t, post, after);
   }
 
   // Destroys the handler without calling it (its work guard is released).
@@ -102,14 +117,17 @@ class pending_handler {
   }
 
   template <class Holder, class... Args>
-  static void call(pending_handler& self, void* args, bool post) {
+  static void call(pending_handler& self, void* args, bool post, after_hook& after) {
     auto* h = static_cast<Holder*>(self.obj_);
     if (h->slot.is_connected()) h->slot.clear();
     auto handler = std::move(h->handler);
     auto work = std::move(h->work);
     destroy<Holder>(self);
     auto& t = *static_cast<std::tuple<boost::system::error_code, Args...>*>(args);
-    auto fn = [handler = std::move(handler), t = std::move(t)]() mutable { std::apply(std::move(handler), std::move(t)); };
+    auto fn = [handler = std::move(handler), t = std::move(t), after = std::move(after)]() mutable {
+      std::apply(std::move(handler), std::move(t));
+      after();
+    };
     if (post) {
       asio::post(work.get_executor(), std::move(fn));
     } else {
@@ -120,7 +138,7 @@ class pending_handler {
 
   alignas(std::max_align_t) unsigned char inline_[kInline];
   void* obj_ = nullptr;
-  void (*call_)(pending_handler&, void*, bool) = nullptr;
+  void (*call_)(pending_handler&, void*, bool, after_hook&) = nullptr;
   void (*destroy_)(pending_handler&) noexcept = nullptr;
 };
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The runtime against the raw provider and UCX, side by side in one run, on
+# loopback with the tcp provider, busy polling, server on CPU 0 and client on
+# CPU 1, REPS interleaved rounds (default 5); medians of the per-run figures.
+#   64 B echo one-way latency: anydoor-runtime-perf echo (fabric + connection
+#     + coroutines: co_await send, co_await receive) vs anydoor-perf lat (the
+#     raw provider ping-pong, no runtime): the runtime's overhead
+#   64 B message rate, 64 in flight: anydoor-runtime-perf msg_rate (credits 64)
+#     vs ucx_perftest -t tag_bw -s 64 (UCX_TLS=tcp; its default window)
+#   bench/compare-runtime.sh [BUILD_DIR]   (default build/; ucx_perftest from scripts/setup --bench)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build}
+perf=$build/bin/anydoor-perf
+rperf=$build/bin/anydoor-runtime-perf
+REPS=${REPS:-5}
+ITERS=${ITERS:-20000}
+MSGS=${MSGS:-200000}
+port=$((20000 + RANDOM % 20000))
+for t in "$perf" "$rperf" ucx_perftest taskset; do
+  command -v "$t" >/dev/null || { echo "compare-runtime: $t not found (run scripts/setup --bench and build first)" >&2; exit 2; }
+done
+export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
+
+pair() {  # pair "server command" "client command": prints the client's output
+  local srv=$1 cli=$2
+  port=$((port + 1))
+  eval "taskset -c 0 ${srv//PORT/$port}" >/dev/null 2>&1 &
+  local spid=$!
+  sleep 0.4
+  local out
+  out=$(eval "timeout 120 taskset -c 1 ${cli//PORT/$port}" 2>&1) || true
+  wait "$spid" 2>/dev/null || true
+  echo "$out"
+}
+
+median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+
+declare -A results
+for ((r = 1; r <= REPS; r++)); do
+  echo "round $r/$REPS" >&2
+  out=$(pair "$perf --server --port PORT --provider tcp --test lat -n $ITERS" \
+             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test lat -n $ITERS")
+  results[raw_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "$rperf --server --port PORT --provider tcp --test echo -n $ITERS" \
+             "$rperf --connect 127.0.0.1 --port PORT --provider tcp --test echo -n $ITERS")
+  results[echo_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "$rperf --server --port PORT --provider tcp --test msg_rate -n $MSGS --window 64" \
+             "$rperf --connect 127.0.0.1 --port PORT --provider tcp --test msg_rate -n $MSGS --window 64")
+  results[ours_rate]+="$(sed -n 's/.*Mmsgs=\([0-9.]*\).*/\1/p' <<<"$out") "
+  results[ours_db]+="$(sed -n 's/.* posts=\([0-9]*\).*/\1/p' <<<"$out")/$(sed -n 's/.*doorbells=\([0-9]*\).*/\1/p' <<<"$out") "
+  out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
+             "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t tag_bw -s 64 -n $MSGS")
+  # "Final:" line: msgrate overall is the 9th field (messages per second)
+  results[ucx_rate]+="$(awk '$1 == "Final:" {printf "%.4f", $9 / 1e6}' <<<"$out") "
+done
+
+m() { tr ' ' '\n' <<<"${results[$1]}" | grep -v '^$' | median; }
+raw=$(m raw_lat); echo_=$(m echo_lat); ours=$(m ours_rate); ucx=$(m ucx_rate)
+echo
+echo "runs per tool: $REPS (latency $ITERS round trips, message rate $MSGS messages)"
+for k in raw_lat echo_lat ours_rate ucx_rate ours_db; do printf '  %-9s %s\n' "$k" "${results[$k]}"; done
+echo
+printf '64 B one-way latency (us, median of runs): runtime echo %s | raw provider ping-pong %s\n' "$echo_" "$raw"
+awk -v e="$echo_" -v r="$raw" 'BEGIN {printf "  runtime overhead = %.1f %% (target: at most 10 %%)\n", (e/r - 1) * 100}'
+printf '64 B message rate (M msg/s, median of runs): anydoor %s | UCX tcp tag_bw %s\n' "$ours" "$ucx"
+awk -v o="$ours" -v u="$ucx" 'BEGIN {printf "  ratio anydoor/UCX = %.2f (above 1: anydoor faster)\n", o/u}'
+echo "  posts/doorbells per run: ${results[ours_db]}"
