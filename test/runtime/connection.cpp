@@ -16,6 +16,10 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/use_future.hpp>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -618,6 +622,62 @@ TEST_CASE("peer death: pending operations fail exactly once, other connections c
   }
   CHECK(closed == 1);
   CHECK(died == 1);
+}
+
+// The helper next to this test binary (built with the tests).
+std::string sibling(const char* name) {
+  std::array<char, 4096> self{};
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
+  REQUIRE(n > 0);
+  std::string dir(self.data(), static_cast<std::size_t>(n));
+  return dir.substr(0, dir.rfind('/') + 1) + name;
+}
+
+TEST_CASE("peer death: a killed peer process fails the pending receive of a sleeping reactor", "[runtime]") {
+  const std::string peer = sibling("anydoor-test-peer");
+  REQUIRE(::access(peer.c_str(), X_OK) == 0);
+  asio::io_context io;
+  auto o = test_options();
+  o.reactor.mode = ad::poll_mode::event;  // asleep on the notify fd when the peer dies
+  ad::fabric server(io, o);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  const std::string where = addr(acc);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::execl(peer.c_str(), peer.c_str(), where.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  failure f;
+  int completions = 0;
+  ad::error_code pending_ec;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message ready = co_await c.async_receive(use_awaitable);
+    CHECK(ready.size() == 5);
+    acc.close();
+    std::array<std::byte, 16> buf{};
+    c.async_receive(asio::buffer(buf), [&](ad::error_code ec, std::size_t) {
+      pending_ec = ec;
+      ++completions;
+    });
+    // Let the reactor go to sleep, then kill the peer.
+    asio::steady_timer t(io, std::chrono::milliseconds(50));
+    co_await t.async_wait(use_awaitable);
+    ::kill(pid, SIGKILL);
+    while (completions == 0) {
+      asio::steady_timer w(io, std::chrono::milliseconds(5));
+      co_await w.async_wait(use_awaitable);
+    }
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(30));
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  f.check();
+  CHECK(WIFSIGNALED(status));
+  CHECK(completions == 1);
+  CHECK(pending_ec);
+  CHECK(std::error_code(pending_ec).category() == tp::wc_category());
 }
 
 TEST_CASE("buffer pool: sends wait for a buffer (bounded), then proceed or fail with no_buffer_space", "[runtime]") {

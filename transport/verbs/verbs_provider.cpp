@@ -7,6 +7,8 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <sys/epoll.h>
+#include <unistd.h>
 #include <netdb.h>
 #include <poll.h>
 
@@ -331,13 +333,34 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     ibv_destroy_comp_channel(channel_);
     throw sys_error(err, "ibv_create_cq");
   }
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (epfd_ < 0) {
+    const int err = errno;
+    ibv_destroy_cq(cq_);
+    ibv_destroy_comp_channel(channel_);
+    throw sys_error(err, "epoll_create1");
+  }
+  watch(channel_->fd);
+  watch(dev_->ctx->async_fd);
 }
 
 verbs_cq::~verbs_cq() {
   ack_events();
+  ::close(epfd_);
   if (ibv_destroy_cq(cq_) != 0) log().error("ibv_destroy_cq: {} (queue pairs still on it?)", std::strerror(errno));
   ibv_destroy_comp_channel(channel_);
 }
+
+void verbs_cq::watch(int fd) noexcept {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd;
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0 && errno != EEXIST) {
+    log().warn("verbs: epoll_ctl(add {}): {}", fd, std::strerror(errno));
+  }
+}
+
+void verbs_cq::unwatch(int fd) noexcept { ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr); }
 
 std::uint32_t verbs_cq::attach(verbs_qp* qp, std::uint32_t wrs) {
   wrs_ += wrs;
@@ -495,6 +518,8 @@ void verbs_qp::disconnect() noexcept {
     cm_id_ = nullptr;
   }
   if (rdma_event_channel* ch = cm_channel_.exchange(nullptr)) {
+    scq_->unwatch(ch->fd);
+    if (rcq_ != scq_) rcq_->unwatch(ch->fd);
     rdma_destroy_event_channel(ch);
   }
 }
@@ -579,6 +604,9 @@ void verbs_qp::adopt(rdma_cm_id* id, rdma_event_channel* channel) noexcept {
   cm_id_ = id;
   posted_state_ = qp_state::rts;
   cm_channel_.store(channel, std::memory_order_release);
+  // A disconnect wakes a reactor asleep on either completion queue.
+  scq_->watch(channel->fd);
+  if (rcq_ != scq_) rcq_->watch(channel->fd);
 }
 
 void verbs_qp::on_async_error() noexcept {

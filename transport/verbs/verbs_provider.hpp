@@ -90,7 +90,13 @@ class verbs_cq final : public completion_queue {
   ~verbs_cq() override;
   std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
   std::error_code arm() noexcept override;
-  int notify_fd() const noexcept override { return channel_->fd; }
+  // An epoll set: the completion channel, the device's async-event fd and
+  // the rdma_cm event channel of each connected queue pair on this queue, so
+  // that a reactor asleep on it wakes for a disconnect too (arm() processes
+  // those events).
+  int notify_fd() const noexcept override { return epfd_; }
+  void watch(int fd) noexcept;    // thread-safe (epoll_ctl)
+  void unwatch(int fd) noexcept;
   std::size_t ack_events() noexcept override;
   std::uint32_t depth() const noexcept override { return static_cast<std::uint32_t>(cq_->cqe); }
   cq_counters counters() const noexcept override { return counters_; }
@@ -109,6 +115,7 @@ class verbs_cq final : public completion_queue {
     std::uint8_t generation = 0;
   };
   std::shared_ptr<device_state> dev_;
+  int epfd_ = -1;
   ibv_comp_channel* channel_ = nullptr;
   ibv_cq* cq_ = nullptr;
   std::vector<qp_entry> qps_;

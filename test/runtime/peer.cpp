@@ -1,0 +1,53 @@
+// anydoor-test-peer HOST:PORT: a runtime client in its own process, for tests
+// that need a peer to die for real (kill -9). It connects (provider from
+// ANYDOOR_TEST_PROVIDER, default tcp), sends "ready", then receives until
+// the connection ends. Exit status 0 when the connection ended, 1 on error.
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace asio = boost::asio;
+namespace ad = anydoor;
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: anydoor-test-peer HOST:PORT\n");
+    return 2;
+  }
+  try {
+    asio::io_context io;
+    ad::fabric_options o;
+    const char* p = std::getenv("ANYDOOR_TEST_PROVIDER");
+    o.device.provider = p != nullptr && *p != '\0' ? p : "tcp";
+    o.max_connections = 2;
+    ad::fabric fab(io, o);
+    int status = 1;
+    asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+      ad::connection c = co_await fab.async_connect(argv[1], asio::use_awaitable);
+      co_await c.async_send(asio::buffer("ready", 5), asio::use_awaitable);
+      for (;;) {
+        auto [ec, m] = co_await c.async_receive(asio::as_tuple(asio::use_awaitable));
+        if (ec) break;
+      }
+      status = 0;
+    }, [](std::exception_ptr e) {
+      if (!e) return;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        std::fprintf(stderr, "anydoor-test-peer: %s\n", ex.what());
+      }
+    });
+    io.run();
+    return status;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "anydoor-test-peer: %s\n", e.what());
+    return 1;
+  }
+}
