@@ -718,6 +718,13 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   }
   credits_ += h.credits;
   --peer_view_;
+  if (state_ != state::setup && credits_ > static_cast<std::int64_t>(peer_.credits)) {
+    log().warn("connection qp {}: the peer returned more credits than it has receives ({} > {})", qp_->qp_num(),
+               credits_, peer_.credits);
+    fab_->put_buffer(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
   switch (h.type) {
     case protocol::msg_type::eager:
     case protocol::msg_type::rts: {

@@ -219,60 +219,127 @@ TEST_CASE("receive into a caller's buffer; a larger message is message_size, nev
   CHECK(steps == 2);
 }
 
-TEST_CASE("completion tokens: callback, deferred, use_future, as_tuple, use_awaitable", "[runtime]") {
+// A client connected to an echo server, both on one io_context.
+struct echo_pair {
   asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
+  ad::fabric server{io, test_options()};
+  ad::fabric client{io, test_options()};
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
-  asio::co_spawn(io, echo_server(acc, 1), f.handler());
   ad::connection c;
-  // callback
-  client.async_connect(addr(acc), [&](ad::error_code ec, ad::connection conn) {
-    REQUIRE_FALSE(ec);
-    c = std::move(conn);
-  });
-  while (!c) io.run_one();
   const std::string text = "hello";
+  echo_pair() {
+    asio::co_spawn(io, echo_server(acc, 1), f.handler());
+    client.async_connect(addr(acc), [&](ad::error_code ec, ad::connection conn) {
+      REQUIRE_FALSE(ec);
+      c = std::move(conn);
+    });
+    while (!c) io.run_one();
+  }
+  void finish() {
+    asio::co_spawn(io, [this]() -> awaitable<void> { co_await c.async_close(use_awaitable); }, f.handler());
+    run_to_completion(io);
+    f.check();
+  }
+};
+
+TEST_CASE("completion token: plain callbacks", "[runtime]") {
+  echo_pair p;
   int callbacks = 0;
-  c.async_send(asio::buffer(text), [&](ad::error_code ec, std::size_t n) {
+  p.c.async_send(asio::buffer(p.text), [&](ad::error_code ec, std::size_t n) {
     CHECK_FALSE(ec);
-    CHECK(n == text.size());
+    CHECK(n == p.text.size());
     ++callbacks;
   });
-  c.async_receive([&](ad::error_code ec, ad::message m) {
+  p.c.async_receive([&](ad::error_code ec, ad::message m) {
     CHECK_FALSE(ec);
-    CHECK(std::string(reinterpret_cast<const char*>(m.data()), m.size()) == text);
+    CHECK(std::string(reinterpret_cast<const char*>(m.data()), m.size()) == p.text);
     ++callbacks;
   });
-  while (callbacks < 2) io.run_one();
-  // deferred: nothing happens until the deferred operation is launched
-  auto op = c.async_send(asio::buffer(text), asio::deferred);
-  CHECK(c.stats().messages_sent == 1);
+  while (callbacks < 2) p.io.run_one();
+  p.finish();
+}
+
+TEST_CASE("completion token: deferred runs nothing until launched", "[runtime]") {
+  echo_pair p;
+  auto op = p.c.async_send(asio::buffer(p.text), asio::deferred);
+  for (int i = 0; i < 20; ++i) p.io.poll_one();  // (bounded: a busy reactor is always ready)
+  CHECK(p.c.stats().messages_sent == 0);
   bool launched = false;
   std::move(op)([&](ad::error_code ec, std::size_t) {
     CHECK_FALSE(ec);
     launched = true;
   });
-  while (!launched) io.run_one();
-  CHECK(c.stats().messages_sent == 2);
-  // use_future (the io_context runs here while the future is pending)
+  while (!launched) p.io.run_one();
+  CHECK(p.c.stats().messages_sent == 1);
   std::array<char, 16> in{};
-  std::future<std::size_t> fut = c.async_receive(asio::buffer(in), asio::use_future);
-  while (fut.wait_for(std::chrono::seconds(0)) != std::future_status::ready) io.run_one();
-  CHECK(fut.get() == text.size());
-  // as_tuple + use_awaitable
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    auto [ec, n] = co_await c.async_send(asio::buffer(text), asio::as_tuple(use_awaitable));
+  bool got = false;
+  p.c.async_receive(asio::buffer(in), asio::deferred)([&](ad::error_code ec, std::size_t n) {
     CHECK_FALSE(ec);
-    CHECK(n == text.size());
-    auto [rec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
-    CHECK_FALSE(rec);
-    CHECK(m.size() == text.size());
-    co_await c.async_close(use_awaitable);
-  }, f.handler());
-  run_to_completion(io);
-  f.check();
+    CHECK(n == p.text.size());
+    got = true;
+  });
+  while (!got) p.io.run_one();
+  p.finish();
+}
+
+TEST_CASE("completion token: use_future, and an error becomes the future's exception", "[runtime]") {
+  echo_pair p;
+  std::future<std::size_t> sent = p.c.async_send(asio::buffer(p.text), asio::use_future);
+  std::array<char, 16> in{};
+  std::future<std::size_t> got = p.c.async_receive(asio::buffer(in), asio::use_future);
+  while (got.wait_for(std::chrono::seconds(0)) != std::future_status::ready) p.io.run_one();
+  CHECK(sent.get() == p.text.size());
+  CHECK(got.get() == p.text.size());
+  // An error is thrown by get(): a message larger than the buffer.
+  const std::string big(100, 'x');
+  p.c.async_send(asio::buffer(big), asio::use_future);
+  std::future<std::size_t> small = p.c.async_receive(asio::buffer(in), asio::use_future);
+  while (small.wait_for(std::chrono::seconds(0)) != std::future_status::ready) p.io.run_one();
+  try {
+    small.get();
+    FAIL("no exception");
+  } catch (const boost::system::system_error& e) {
+    CHECK(e.code() == ad::errc::message_size);
+  }
+  p.finish();
+}
+
+TEST_CASE("completion token: as_tuple returns the error instead of throwing", "[runtime]") {
+  echo_pair p;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    auto [ec, n] = co_await p.c.async_send(asio::buffer(p.text), asio::as_tuple(use_awaitable));
+    CHECK_FALSE(ec);
+    CHECK(n == p.text.size());
+    std::array<char, 2> tiny{};
+    auto [rec, rn] = co_await p.c.async_receive(asio::buffer(tiny), asio::as_tuple(use_awaitable));
+    CHECK(rec == ad::errc::message_size);
+    CHECK(rn == 0);
+    co_await p.c.async_close(use_awaitable);
+  }, p.f.handler());
+  run_to_completion(p.io);  // returns once the echo server has seen the close
+  p.f.check();
+}
+
+TEST_CASE("completion token: use_awaitable returns values and throws errors", "[runtime]") {
+  echo_pair p;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    const std::size_t n = co_await p.c.async_send(asio::buffer(p.text), use_awaitable);
+    CHECK(n == p.text.size());
+    ad::message m = co_await p.c.async_receive(use_awaitable);
+    CHECK(m.size() == p.text.size());
+    co_await p.c.async_send(asio::buffer(p.text), use_awaitable);
+    std::array<char, 2> tiny{};
+    try {
+      co_await p.c.async_receive(asio::buffer(tiny), use_awaitable);
+      FAIL("no exception");
+    } catch (const boost::system::system_error& e) {
+      CHECK(e.code() == ad::errc::message_size);
+    }
+    co_await p.c.async_close(use_awaitable);
+  }, p.f.handler());
+  run_to_completion(p.io);  // returns once the echo server has seen the close
+  p.f.check();
 }
 
 TEST_CASE("cancellation: a cancelled receive completes with operation_canceled; the connection stays usable",
@@ -678,6 +745,94 @@ TEST_CASE("peer death: a killed peer process fails the pending receive of a slee
   CHECK(completions == 1);
   CHECK(pending_ec);
   CHECK(std::error_code(pending_ec).category() == tp::wc_category());
+}
+
+TEST_CASE("a peer's malformed messages fail its connection with protocol_error, never a crash", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  // Raw provider-level clients: a valid hello, then one bad message each.
+  struct bad {
+    const char* what;
+    std::vector<std::byte> bytes;
+  };
+  auto header = [](std::uint8_t type, std::uint8_t status, std::uint16_t credits, std::uint32_t aux) {
+    std::vector<std::byte> h(8);
+    h[0] = std::byte{type};
+    h[1] = std::byte{status};
+    std::memcpy(h.data() + 2, &credits, 2);
+    std::memcpy(h.data() + 4, &aux, 4);
+    return h;
+  };
+  std::vector<bad> cases = {
+      {"unknown type", header(9, 0, 0, 0)},
+      {"short message", std::vector<std::byte>(3)},
+      {"more credits than receives", header(4, 0, 60000, 0)},
+      {"fin for an unknown rendezvous", header(3, 0, 0, 77)},
+      {"rendezvous request of the wrong size", header(2, 0, 0, 0)},
+  };
+  std::vector<ad::error_code> got;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      ad::connection c = co_await acc.async_accept(use_awaitable);
+      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      got.push_back(ec);
+      CHECK_FALSE(c.is_open());
+    }
+  }, f.handler());
+  std::atomic<std::size_t> done{0};
+  std::thread raw([&] {
+    auto dev = open_test_device();
+    auto pd = dev->alloc_pd();
+    auto cq = dev->create_cq(256);
+    for (std::size_t ci = 0; ci < cases.size(); ++ci) {
+      const bad& b = cases[ci];
+      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+      std::array<std::byte, 44> hello{};
+      const std::uint32_t magic = 0x31524441;
+      const std::uint16_t version = 1, credits = 8;
+      const std::uint32_t recv_buffer = 8256, eager = 8192;
+      const std::uint64_t max_message = 1 << 20;
+      std::memcpy(hello.data(), &magic, 4);
+      std::memcpy(hello.data() + 4, &version, 2);
+      hello[6] = std::byte{1};  // kind hello
+      std::memcpy(hello.data() + 8, &credits, 2);
+      std::memcpy(hello.data() + 12, &recv_buffer, 4);
+      std::memcpy(hello.data() + 16, &eager, 4);
+      std::memcpy(hello.data() + 20, &max_message, 8);
+      auto res = dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10));
+      REQUIRE_FALSE(res.ec);
+      std::vector<std::byte> out = b.bytes;
+      auto mr = pd->register_memory(out.data(), out.size(), tp::access::local_write);
+      const tp::sge sg = mr->slice(0, static_cast<std::uint32_t>(out.size()));
+      REQUIRE_FALSE(qp->post_send(std::array{send_wr(1, {&sg, 1})}));
+      // Keep the queue pair until the server has judged the message.
+      std::array<tp::completion, 8> wc;
+      std::error_code ec;
+      for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10);) {
+        cq->poll(wc, ec);
+        if (done > ci) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  });
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    while (got.size() < cases.size()) {
+      done = got.size();
+      asio::steady_timer t(io, std::chrono::milliseconds(2));
+      co_await t.async_wait(use_awaitable);
+    }
+    done = got.size();
+  }, f.handler());
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  REQUIRE(got.size() == cases.size());
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    INFO(cases[i].what);
+    CHECK(got[i] == ad::errc::protocol_error);
+  }
 }
 
 TEST_CASE("buffer pool: sends wait for a buffer (bounded), then proceed or fail with no_buffer_space", "[runtime]") {
