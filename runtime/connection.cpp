@@ -135,6 +135,12 @@ void connection_impl::on_connected(const protocol::hello& peer) {
   peer_view_ += opt_.credits;
   eager_limit_ = std::min<std::uint32_t>(opt_.eager_limit, peer.recv_buffer - static_cast<std::uint32_t>(protocol::kHeaderSize));
   if (state_ == state::setup) state_ = state::open;
+  if (credits_ > static_cast<std::int64_t>(peer.credits)) {  // returned before the handshake completed here
+    log().warn("connection qp {}: the peer returned more credits than it has receives ({} > {})", qp_->qp_num(),
+               credits_, peer.credits);
+    fail(errc::protocol_error);
+    return;
+  }
   log().debug("connection qp {}: open (peer credits {}, receive buffer {}, eager limit {}, max message {})",
               qp_->qp_num(), peer.credits, peer.recv_buffer, eager_limit_, peer.max_message);
 }
@@ -400,13 +406,13 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     if (inl) ++stats_.inline_sends;
     ++stats_.messages_sent;
     stats_.bytes_sent += n->length;
-    if (post) {
-      ++fab_->posted_completions;  // see fabric_state::flush_all
+    if (post && n->handler.runs_on_io()) {
+      ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
       n->phase = op_phase::done;
       n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
       release(n);
     } else {
-      complete(n, false, {}, static_cast<std::size_t>(n->length));
+      complete(n, post, {}, static_cast<std::size_t>(n->length));
     }
   } else {
     ++stats_.rendezvous_sends;

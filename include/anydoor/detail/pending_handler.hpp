@@ -38,6 +38,9 @@ class pending_handler {
   ~pending_handler() { reset(); }
 
   bool empty() const noexcept { return call_ == nullptr; }
+  // The stored handler runs on the io_context given to store() (not, say,
+  // on the system executor use_future completes on).
+  bool runs_on_io() const noexcept { return on_io_; }
 
   // The handler's signature is void(boost::system::error_code, Args...). on_cancel(ctx,
   // type) runs when its cancellation slot is emitted.
@@ -50,6 +53,7 @@ class pending_handler {
                     : ::operator new(sizeof(holder_t));
     auto* h = new (mem) holder_t(std::forward<Handler>(handler), io_ex);
     obj_ = h;
+    on_io_ = same_context(h->work.get_executor(), io_ex);
     call_ = &call<holder_t, Args...>;
     destroy_ = &destroy<holder_t>;
     h->slot = asio::get_associated_cancellation_slot(h->handler);
@@ -86,6 +90,18 @@ class pending_handler {
   }
 
  private:
+  template <class Executor, class IoExecutor>
+  static bool same_context(const Executor& ex, const IoExecutor& io_ex) noexcept {
+    if constexpr (std::is_same_v<Executor, IoExecutor>) {
+      return &ex.context() == &io_ex.context();
+    } else if constexpr (requires { ex.template target<IoExecutor>(); }) {
+      const IoExecutor* t = ex.template target<IoExecutor>();  // any_io_executor (use_awaitable)
+      return t != nullptr && &t->context() == &io_ex.context();
+    } else {
+      return false;
+    }
+  }
+
   struct canceller {
     cancel_fn fn;
     void* ctx;
@@ -138,6 +154,7 @@ class pending_handler {
 
   alignas(std::max_align_t) unsigned char inline_[kInline];
   void* obj_ = nullptr;
+  bool on_io_ = false;
   void (*call_)(pending_handler&, void*, bool, after_hook&) = nullptr;
   void (*destroy_)(pending_handler&) noexcept = nullptr;
 };
