@@ -22,19 +22,8 @@ for t in "$perf" "$rperf" ucx_perftest taskset; do
 done
 export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
 
-pair() {  # pair "server command" "client command": prints the client's output
-  local srv=$1 cli=$2
-  port=$((port + 1))
-  eval "taskset -c 0 ${srv//PORT/$port}" >/dev/null 2>&1 &
-  local spid=$!
-  sleep 0.4
-  local out
-  out=$(eval "timeout 120 taskset -c 1 ${cli//PORT/$port}" 2>&1) || true
-  wait "$spid" 2>/dev/null || true
-  echo "$out"
-}
-
-median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+# shellcheck source=lib.sh
+source "$root/bench/lib.sh"
 
 declare -A results
 for ((r = 1; r <= REPS; r++)); do

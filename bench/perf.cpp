@@ -11,6 +11,7 @@
 // Busy-polls. The client prints one line:
 //   RESULT test=lat size=64 iters=10000 median_us=.. p99_us=.. mean_us=.. (one-way)
 //   RESULT test=write_bw size=65536 iters=10000 MBps=..
+#include "cli.hpp"
 #include "common/session.hpp"
 
 #include <cstdio>
@@ -23,61 +24,21 @@ using namespace anydoor::examples;
 
 namespace {
 
-struct options {
-  bool server = false;
-  std::string host;
-  std::uint16_t port = 18515;
-  std::string test = "lat";
-  std::uint32_t size = 0;
-  std::uint32_t iters = 10000;
-  std::uint32_t window = 32;
-  std::string provider = "auto";
-};
-
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "anydoor-perf: %s\n"
-               "usage: anydoor-perf (--server | --connect HOST) [--port P] [--test lat|write_bw|read_bw]\n"
-               "                    [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]\n",
-               why);
-  std::exit(2);
-}
-
-std::uint32_t number(const char* s) {
-  char* end = nullptr;
-  const unsigned long v = std::strtoul(s, &end, 10);
-  if (end == s || *end != '\0' || v == 0 || v > 0xffffffffUL) usage("expected a positive number");
-  return static_cast<std::uint32_t>(v);
-}
-
-options parse(int argc, char** argv) {
-  options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-      return argv[++i];
-    };
-    if (a == "--server") o.server = true;
-    else if (a == "--connect") o.host = next();
-    else if (a == "--port") o.port = static_cast<std::uint16_t>(number(next()));
-    else if (a == "--test") o.test = next();
-    else if (a == "-s") o.size = number(next());
-    else if (a == "-n") o.iters = number(next());
-    else if (a == "--window") o.window = number(next());
-    else if (a == "--provider") o.provider = next();
-    else usage(("unknown option " + a).c_str());
-  }
-  if (o.server == !o.host.empty()) usage("give exactly one of --server and --connect");
-  if (o.test != "lat" && o.test != "write_bw" && o.test != "read_bw") usage("unknown --test");
+anydoor::bench::cli_options parse(int argc, char** argv) {
+  anydoor::bench::cli_options o = anydoor::bench::parse_cli(
+      argc, argv,
+      "anydoor-perf (--server | --connect HOST) [--port P] [--test lat|write_bw|read_bw]\n"
+      "                    [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]",
+      {.port = 18515, .test = "lat", .window = 32}, {"lat", "write_bw", "read_bw"});
   if (o.size == 0) o.size = o.test == "lat" ? 64 : 65536;
+  if (o.iters == 0) o.iters = 10000;
   return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const options o = parse(argc, argv);
+  const anydoor::bench::cli_options o = parse(argc, argv);
   const bool bw = o.test != "lat";
   const session_options so{.provider = o.provider,
                            .buffer_size = std::max<std::size_t>(std::size_t{o.size} * o.window * 4, 1 << 20),

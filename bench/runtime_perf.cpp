@@ -20,6 +20,8 @@
 //   RESULT test=msg_rate size=64 iters=.. window=64 Mmsgs=.. MBps=..
 #include <anydoor/anydoor.hpp>
 
+#include "cli.hpp"
+
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
@@ -40,55 +42,20 @@ using clk = std::chrono::steady_clock;
 
 namespace {
 
-struct options {
-  bool server = false;
-  std::string host;
-  std::uint16_t port = 7473;
-  std::string test = "echo";
-  std::uint32_t size = 64;
-  std::uint32_t iters = 0;
-  std::uint32_t window = 64;
-  std::string provider = "auto";
-};
-
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "anydoor-runtime-perf: %s\n"
-               "usage: anydoor-runtime-perf (--server | --connect HOST) [--port P] [--test echo|msg_rate]\n"
-               "                            [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]\n",
-               why);
-  std::exit(2);
-}
-
-std::uint32_t number(const char* s) {
-  char* end = nullptr;
-  const unsigned long v = std::strtoul(s, &end, 10);
-  if (end == s || *end != '\0' || v == 0 || v > 0xffffffffUL) usage("expected a positive number");
-  return static_cast<std::uint32_t>(v);
-}
+using options = anydoor::bench::cli_options;
 
 options parse(int argc, char** argv) {
-  options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-      return argv[++i];
-    };
-    if (a == "--server") o.server = true;
-    else if (a == "--connect") o.host = next();
-    else if (a == "--port") o.port = static_cast<std::uint16_t>(number(next()));
-    else if (a == "--test") o.test = next();
-    else if (a == "-s") o.size = number(next());
-    else if (a == "-n") o.iters = number(next());
-    else if (a == "--window") o.window = number(next());
-    else if (a == "--provider") o.provider = next();
-    else usage(("unknown option " + a).c_str());
-  }
-  if (o.server == !o.host.empty()) usage("give exactly one of --server and --connect");
-  if (o.test != "echo" && o.test != "msg_rate") usage("unknown --test");
-  if (o.window < 4 || o.window > 4096) usage("--window must be in 4..4096");
+  options o = anydoor::bench::parse_cli(
+      argc, argv,
+      "anydoor-runtime-perf (--server | --connect HOST) [--port P] [--test echo|msg_rate]\n"
+      "                            [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]",
+      {.port = 7473, .test = "echo", .window = 64}, {"echo", "msg_rate"});
+  if (o.size == 0) o.size = 64;
   if (o.iters == 0) o.iters = o.test == "echo" ? 10000 : 1000000;
+  if (o.window < 4 || o.window > 4096) {
+    std::fprintf(stderr, "anydoor-runtime-perf: --window must be in 4..4096\n");
+    std::exit(2);
+  }
   return o;
 }
 

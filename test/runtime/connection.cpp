@@ -79,6 +79,24 @@ std::vector<std::byte> pattern(std::size_t n, std::uint32_t seed) {
   return v;
 }
 
+// A runtime hello as a raw provider-level client would send it (see
+// runtime/protocol.hpp): magic, version, kind hello, credits, receive
+// buffer, eager limit, max message, no token.
+std::array<std::byte, 44> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
+  std::array<std::byte, 44> h{};
+  const std::uint16_t credits = 8;
+  const std::uint32_t recv_buffer = 8256, eager = 8192;
+  const std::uint64_t max_message = 1 << 20;
+  std::memcpy(h.data(), &magic, 4);
+  std::memcpy(h.data() + 4, &version, 2);
+  h[6] = std::byte{1};  // kind hello
+  std::memcpy(h.data() + 8, &credits, 2);
+  std::memcpy(h.data() + 12, &recv_buffer, 4);
+  std::memcpy(h.data() + 16, &eager, 4);
+  std::memcpy(h.data() + 20, &max_message, 8);
+  return h;
+}
+
 std::string addr(const ad::acceptor& a) { return test_host() + ":" + std::to_string(a.port()); }
 
 // Rethrows a coroutine's exception in the test.
@@ -449,12 +467,8 @@ TEST_CASE("handshake: an unknown protocol version or a malformed hello is refuse
     auto cq = dev->create_cq(64);
     for (int i = 0; i < 2; ++i) {
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      std::array<std::byte, 44> hello{};
-      const std::uint32_t magic = 0x31524441;
-      std::memcpy(hello.data(), &magic, 4);
-      hello[4] = std::byte{2};  // version 2
-      hello[6] = std::byte{1};  // kind hello
-      if (i == 1) hello[0] = std::byte{0};  // bad magic
+      // version 2, then a bad magic
+      const auto hello = i == 0 ? raw_hello(2) : raw_hello(1, 0x31524400);
       results.push_back(dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10)));
     }
   });
@@ -790,19 +804,7 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
     for (std::size_t ci = 0; ci < cases.size(); ++ci) {
       const bad& b = cases[ci];
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      std::array<std::byte, 44> hello{};
-      const std::uint32_t magic = 0x31524441;
-      const std::uint16_t version = 1, credits = 8;
-      const std::uint32_t recv_buffer = 8256, eager = 8192;
-      const std::uint64_t max_message = 1 << 20;
-      std::memcpy(hello.data(), &magic, 4);
-      std::memcpy(hello.data() + 4, &version, 2);
-      hello[6] = std::byte{1};  // kind hello
-      std::memcpy(hello.data() + 8, &credits, 2);
-      std::memcpy(hello.data() + 12, &recv_buffer, 4);
-      std::memcpy(hello.data() + 16, &eager, 4);
-      std::memcpy(hello.data() + 20, &max_message, 8);
-      auto res = dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10));
+      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(1), std::chrono::seconds(10));
       std::vector<std::byte> out = b.bytes;
       auto mr = pd->register_memory(out.data(), out.size(), tp::access::local_write);
       const tp::sge sg = mr->slice(0, static_cast<std::uint32_t>(out.size()));

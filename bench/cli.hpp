@@ -1,0 +1,64 @@
+// The command line both benchmark programs share:
+//   (--server | --connect HOST) [--port P] [--test T] [-s SIZE] [-n ITERS]
+//   [--window W] [--provider auto|tcp|verbs]
+// A bad command line prints `usage` with the reason and exits with 2.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+namespace anydoor::bench {
+
+struct cli_options {
+  bool server = false;
+  std::string host;
+  std::uint16_t port = 0;
+  std::string test;
+  std::uint32_t size = 0;   // 0: the program's default for the test
+  std::uint32_t iters = 0;  // likewise
+  std::uint32_t window = 0;
+  std::string provider = "auto";
+};
+
+// `defaults` gives port, test and window; `tests` the valid --test values.
+inline cli_options parse_cli(int argc, char** argv, const char* usage, cli_options defaults,
+                             std::initializer_list<std::string_view> tests) {
+  auto fail = [&](const std::string& why) {
+    std::fprintf(stderr, "%s: %s\nusage: %s\n", argv[0], why.c_str(), usage);
+    std::exit(2);
+  };
+  auto number = [&](const char* s) {
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(s, &end, 10);
+    if (end == s || *end != '\0' || v == 0 || v > 0xffffffffUL) fail(std::string("expected a positive number: ") + s);
+    return static_cast<std::uint32_t>(v);
+  };
+  cli_options o = std::move(defaults);
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) fail("missing value after " + a);
+      return argv[++i];
+    };
+    if (a == "--server") o.server = true;
+    else if (a == "--connect") o.host = next();
+    else if (a == "--port") o.port = static_cast<std::uint16_t>(number(next()));
+    else if (a == "--test") o.test = next();
+    else if (a == "-s") o.size = number(next());
+    else if (a == "-n") o.iters = number(next());
+    else if (a == "--window") o.window = number(next());
+    else if (a == "--provider") o.provider = next();
+    else fail("unknown option " + a);
+  }
+  if (o.server == !o.host.empty()) fail("give exactly one of --server and --connect");
+  bool known = false;
+  for (std::string_view t : tests) known |= o.test == t;
+  if (!known) fail("unknown --test " + o.test);
+  return o;
+}
+
+}  // namespace anydoor::bench
