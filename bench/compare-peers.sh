@@ -18,12 +18,10 @@ REPS=${REPS:-5}
 ITERS=${ITERS:-20000}
 BW_ITERS=${BW_ITERS:-20000}
 port=$((20000 + RANDOM % 20000))
-for t in "$perf" fi_pingpong ucx_perftest taskset; do
-  command -v "$t" >/dev/null || { echo "compare-peers: $t not found (run scripts/setup --bench and build first)" >&2; exit 2; }
-done
 
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"
+require_tools compare-peers "$perf" fi_pingpong ucx_perftest taskset
 
 declare -A results
 for ((r = 1; r <= REPS; r++)); do

@@ -17,13 +17,11 @@ REPS=${REPS:-5}
 ITERS=${ITERS:-20000}
 MSGS=${MSGS:-200000}
 port=$((20000 + RANDOM % 20000))
-for t in "$perf" "$rperf" ucx_perftest taskset; do
-  command -v "$t" >/dev/null || { echo "compare-runtime: $t not found (run scripts/setup --bench and build first)" >&2; exit 2; }
-done
 export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
 
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"
+require_tools compare-runtime "$perf" "$rperf" ucx_perftest taskset
 
 declare -A results
 for ((r = 1; r <= REPS; r++)); do

@@ -1,5 +1,14 @@
 # Shared by the compare-*.sh scripts (sourced). Expects $port to be set.
 
+# require_tools NAME TOOL...: exits 2 with a hint when a tool is missing.
+require_tools() {
+  local name=$1 t
+  shift
+  for t in "$@"; do
+    command -v "$t" >/dev/null || { echo "$name: $t not found (run scripts/setup --bench and build first)" >&2; exit 2; }
+  done
+}
+
 # pair "server command" "client command": runs the server on CPU 0 and the
 # client on CPU 1 (PORT in either is replaced by a fresh port); prints the
 # client's output.

@@ -47,13 +47,6 @@ void op_list::remove(op_node* n) noexcept {
   n->next = n->prev = nullptr;
 }
 
-bool op_list::contains(const op_node* n) const noexcept {
-  for (op_node* p = head; p != nullptr; p = p->next) {
-    if (p == n) return true;
-  }
-  return false;
-}
-
 // ---------------------------------------------------------------- setup
 
 connection_impl::connection_impl(std::shared_ptr<fabric_state> fab)
@@ -182,7 +175,6 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->dest = {};
   n->cookie = 0;
   n->stalled_credit = n->stalled_buffer = false;
-  ++pending_ops_;
   fab_->busy();
   return n;
 }
@@ -192,7 +184,6 @@ void connection_impl::release(op_node* n) noexcept {
   n->large.reset();
   n->phase = op_phase::done;
   free_nodes_.push_back(n);  // capacity reserved in acquire
-  --pending_ops_;
   fab_->idle();
 }
 
@@ -259,13 +250,15 @@ void connection_impl::start_close(op_node* n) {
 
 void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
   auto keep = shared_from_this();
-  if (n->phase != op_phase::queued) return;  // on the wire: runs to completion
-  if (n->kind == op_kind::send && send_waiting_.contains(n)) {
+  // A queued operation is in its kind's waiting list; any other is on the
+  // wire (or done) and runs to completion.
+  if (n->phase != op_phase::queued) return;
+  if (n->kind == op_kind::send) {
     const bool was_head = send_waiting_.head == n;
     send_waiting_.remove(n);
     complete(n, true, kCancelled);
     if (was_head) progress_sends(true);
-  } else if ((n->kind == op_kind::receive_message || n->kind == op_kind::receive_buffer) && recv_waiting_.contains(n)) {
+  } else if (n->kind == op_kind::receive_message || n->kind == op_kind::receive_buffer) {
     recv_waiting_.remove(n);
     complete(n, true, kCancelled);
   }
@@ -279,7 +272,6 @@ void connection_impl::abort() noexcept {
 
 void connection_impl::on_handle_released() noexcept {
   auto keep = shared_from_this();
-  handle_alive_ = false;
   if (state_ == state::setup) return;  // the setup path owns it until it ends
   if (state_ != state::failed && state_ != state::closed) fail(errc::connection_closed);
   if (state_ == state::closed && qp_ != nullptr && qp_->state() != transport::qp_state::error) {
@@ -546,7 +538,6 @@ void connection_impl::flush_now() noexcept {
       since_signal_ = 0;
       s.signaled = true;
       batch_[i].signaled = true;
-      ++outstanding_signaled_;
       ++stats_.signaled;
       fab_->busy();
     } else {
@@ -572,10 +563,7 @@ void connection_impl::drop_unposted() noexcept {
     sq_slot s = sq_[i % sq_.size()];
     sq_[i % sq_.size()] = {};
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
-    if (s.signaled) {
-      --outstanding_signaled_;
-      fab_->idle();
-    }
+    if (s.signaled) fab_->idle();
     if (s.kind == slot_kind::read_last && s.op != nullptr) {
       sq_queued_ = i + 1;  // keep the ring consistent for the handler
       on_read_done(s.op, transport::wc_status::work_request_flushed);
@@ -601,10 +589,7 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     sq_[i % sq_.size()] = {};
     ++sq_retired_;
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
-    if (s.signaled) {
-      --outstanding_signaled_;
-      fab_->idle();
-    }
+    if (s.signaled) fab_->idle();
     const transport::wc_status st = i == seq ? status : transport::wc_status::success;
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
@@ -817,8 +802,7 @@ void connection_impl::on_close_acked() noexcept {
   deliver(false);
 }
 
-bool connection_impl::start_read(op_node* n, const inbox_entry& e) noexcept {
-  const protocol::rts_body b = protocol::decode_rts(fab_->pool->data(e.buffer) + protocol::kHeaderSize);
+bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexcept {
   const std::uint64_t chunks = (b.length + read_chunk_ - 1) / read_chunk_;
   if (sq_free() < chunks) return false;
   try {
@@ -938,7 +922,7 @@ void connection_impl::deliver(bool post) noexcept {
       complete(n, post, errc::message_size);
       continue;
     }
-    if (!start_read(n, e)) return;  // no room in the send queue: retried after completions
+    if (!start_read(n, b)) return;  // no room in the send queue: retried after completions
     ++inbox_head_;
     recv_waiting_.remove(n);
     repost(e.buffer);
@@ -1003,7 +987,6 @@ void connection_impl::maybe_release_self() noexcept {
 // ---------------------------------------------------------------- free functions for the templates
 
 op_node* acquire_node(connection_impl& c, op_kind kind) { return c.acquire(kind); }
-void release_node(connection_impl& c, op_node* n) noexcept { c.release(n); }
 asio::io_context::executor_type io_executor(const connection_impl& c) noexcept {
   return const_cast<connection_impl&>(c).fabric().io.get_executor();
 }

@@ -25,7 +25,6 @@ struct op_list {
   void push_back(op_node* n) noexcept;
   op_node* pop_front() noexcept;
   void remove(op_node* n) noexcept;
-  bool contains(const op_node* n) const noexcept;
 };
 
 class connection_impl : public std::enable_shared_from_this<connection_impl> {
@@ -123,7 +122,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // receiving
   void deliver(bool post) noexcept;
-  bool start_read(op_node* n, const inbox_entry& e) noexcept;  // false: no room now
+  bool start_read(op_node* n, const protocol::rts_body& b) noexcept;  // false: no room now
   void on_read_done(op_node* n, transport::wc_status status) noexcept;
   void repost(std::uint32_t buffer) noexcept;
   void queue_recv(std::uint32_t buffer) noexcept;
@@ -144,7 +143,6 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   const connection_options& opt_;
   state state_ = state::setup;
   std::error_code error_;
-  bool handle_alive_ = true;
   bool counted_ = false;  // in fabric_state::open_connections
   bool draining_ = false;  // holds the fabric busy while flushed work requests come back
   bool peer_closed_ = false;   // the peer's close message arrived
@@ -189,8 +187,6 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::vector<op_node*> free_nodes_;
   std::vector<std::unique_ptr<op_node>> all_nodes_;
   std::uint32_t next_cookie_ = 1;
-  std::size_t pending_ops_ = 0;  // started, not completed (each holds fabric busy)
-  std::uint64_t outstanding_signaled_ = 0;
 
   asio::steady_timer buffer_timer_;
   bool buffer_timer_armed_ = false;

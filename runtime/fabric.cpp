@@ -115,6 +115,10 @@ void fabric_state::idle() noexcept {
 
 void fabric_state::schedule_flush(connection_impl* c) {
   dirty_.push_back(c);
+  post_flush();
+}
+
+void fabric_state::post_flush() {
   if (flush_posted_) return;
   flush_posted_ = true;
   asio::post(io, [w = weak_from_this()] {
@@ -143,12 +147,7 @@ void fabric_state::flush_all(bool defer) noexcept {
     c->flush();
   }
   flushing_.clear();
-  if (!dirty_.empty() && !flush_posted_) {
-    flush_posted_ = true;
-    asio::post(io, [w = weak_from_this()] {
-      if (auto s = w.lock()) s->flush_all(true);
-    });
-  }
+  if (!dirty_.empty()) post_flush();
 }
 
 void fabric_state::wait_for_buffer(connection_impl* c) { buffer_waiters_.push_back(c); }

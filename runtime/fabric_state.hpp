@@ -74,6 +74,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
 
  private:
   void flush_all(bool defer) noexcept;
+  void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;
   bool stop_check_posted_ = false;
   bool flush_posted_ = false;

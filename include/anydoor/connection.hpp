@@ -67,7 +67,6 @@ class connection;
 namespace detail {
 class fabric_state;
 op_node* acquire_node(connection_impl& c, op_kind kind);
-void release_node(connection_impl& c, op_node* n) noexcept;
 asio::io_context::executor_type io_executor(const connection_impl& c) noexcept;
 void cancel_node(void* node, asio::cancellation_type type);
 void start_send(connection_impl& c, op_node* n);
