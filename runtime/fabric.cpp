@@ -87,6 +87,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
                                .initial_slabs = 1, .max_bytes = options.pool_max_bytes});
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
+  reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
   token = protocol::token_digest(c.auth_token);
   log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}",
              device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
@@ -115,6 +116,8 @@ void fabric_state::idle() noexcept {
 
 void fabric_state::schedule_flush(connection_impl* c) {
   dirty_.push_back(c);
+  // Queued while handling a completion: the reactor flushes it after its pass.
+  if (in_completion > 0) return;
   post_flush();
 }
 
@@ -124,6 +127,11 @@ void fabric_state::post_flush() {
   asio::post(io, [w = weak_from_this()] {
     if (auto s = w.lock()) s->flush_all(true);
   });
+}
+
+bool fabric_state::has_queued_handlers(const void* self) noexcept {
+  const auto* s = static_cast<const fabric_state*>(self);
+  return s->posted_completions > 0 || s->flush_posted_;
 }
 
 void fabric_state::flush_after_dispatch(void* self) noexcept {

@@ -48,6 +48,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // From the reactor after a pass of completions: flushes every connection
   // now (the replies their handlers queued leave before the next poll).
   static void flush_after_dispatch(void* self) noexcept;
+  // For the reactor's busy spin: completions or a flush this fabric posted
+  // are waiting to run.
+  static bool has_queued_handlers(const void* self) noexcept;
   // Connections whose queued sends wait for a pool buffer.
   void wait_for_buffer(connection_impl* c);
   void put_buffer(std::uint32_t index) noexcept;
@@ -59,7 +62,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // batch of kEarlyFlush work requests).
   std::size_t posted_completions = 0;
   // Nonzero while a connection handles a completion: what gets queued then
-  // (a reply, a credit, a fin) is flushed at the end of the reactor's pass.
+  // (a reply, a credit, a fin) is flushed at the end of the reactor's pass
+  // (the reactor's after-dispatch hook), without a posted flush.
   std::uint32_t in_completion = 0;
   static constexpr std::size_t kEarlyFlush = 32;
 

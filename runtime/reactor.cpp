@@ -52,6 +52,9 @@ const reactor_options& checked(const reactor_options& o) {
   if (o.max_operations == 0 || o.max_operations > (1u << 24)) {
     throw std::system_error(errc::invalid_argument, "reactor: max_operations must be in 1..2^24");
   }
+  if (o.spin_polls == 0 || o.spin_polls > 1024) {
+    throw std::system_error(errc::invalid_argument, "reactor: spin_polls must be in 1..1024");
+  }
   if (o.spin.count() < 0) throw std::system_error(errc::invalid_argument, "reactor: negative spin time");
   return o;
 }
@@ -146,6 +149,7 @@ void reactor::fail_all() noexcept {
                                                      : ((std::uint64_t{slots_[i].generation} << 32) | (i + 1));
     dispatch({.wr_id = wr_id, .status = transport::wc_status::fatal});
   }
+  if (after_dispatch_ != nullptr) after_dispatch_(after_dispatch_ctx_);
 }
 
 std::size_t reactor::drain() {
@@ -193,7 +197,16 @@ void reactor::spin_step() {
   if (!running_) return;
   const std::uint64_t epoch = epoch_;
   const auto now = std::chrono::steady_clock::now();
-  if (drain() > 0) last_activity_ = now;
+  // Empty polls repeat within this round (up to spin_polls) while the owner
+  // has none of its handlers waiting: each io_context round costs Asio an
+  // epoll_wait, which the raw provider loop does not pay.
+  for (std::uint32_t i = 0;;) {
+    if (drain() > 0) {
+      last_activity_ = now;
+      break;
+    }
+    if (!running_ || ++i >= options_.spin_polls || (yield_check_ != nullptr && yield_check_(yield_check_ctx_))) break;
+  }
   if (!running_) return;
   if (mode_ == poll_mode::busy || now - last_activity_ < options_.spin) {
     asio::post(io_, [this, alive = alive_, epoch] {

@@ -44,6 +44,7 @@ struct reactor_options {
   std::chrono::microseconds spin{50};       // adaptive: busy time after the last completion
   std::uint32_t batch = 16;                 // completions per poll call, 16..1024
   std::uint32_t max_operations = 4096;      // operation slots, 1..2^24
+  std::uint32_t spin_polls = 16;             // busy/adaptive: empty polls per io_context round, 1..1024
 };
 
 // What the reactor calls when a tracked work request completes.
@@ -99,6 +100,14 @@ class reactor {
     after_dispatch_ctx_ = ctx;
   }
 
+  // Busy and adaptive modes repeat empty polls within one io_context round
+  // (up to spin_polls) unless fn(ctx) says the owner has handlers queued
+  // that should run first.
+  void set_yield_check(bool (*fn)(const void* ctx) noexcept, const void* ctx) noexcept {
+    yield_check_ = fn;
+    yield_check_ctx_ = ctx;
+  }
+
   void start();  // begin polling (idempotent)
   void stop();   // stop polling; io_context::run() returns once nothing else is pending
 
@@ -133,6 +142,8 @@ class reactor {
   std::vector<transport::completion> buf_;
   void (*after_dispatch_)(void*) noexcept = nullptr;
   void* after_dispatch_ctx_ = nullptr;
+  bool (*yield_check_)(const void*) noexcept = nullptr;
+  const void* yield_check_ctx_ = nullptr;
   bool running_ = false;
   std::uint64_t epoch_ = 0;  // bumped by start(): handlers of an earlier run retire
   bool waiting_ = false;

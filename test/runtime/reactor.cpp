@@ -165,7 +165,26 @@ TEST_CASE("reactor: options are checked", "[runtime]") {
   CHECK(code({.batch = 2048}) == anydoor::errc::invalid_argument);
   CHECK(code({.max_operations = 0}) == anydoor::errc::invalid_argument);
   CHECK(code({.spin = std::chrono::microseconds(-1)}) == anydoor::errc::invalid_argument);
-  CHECK_FALSE(code({.spin = std::chrono::microseconds(0), .batch = 64, .max_operations = 8}));
+  CHECK(code({.spin_polls = 0}) == anydoor::errc::invalid_argument);
+  CHECK(code({.spin_polls = 1025}) == anydoor::errc::invalid_argument);
+  CHECK_FALSE(code({.spin = std::chrono::microseconds(0), .batch = 64, .max_operations = 8, .spin_polls = 1024}));
+}
+
+TEST_CASE("reactor: a busy round repeats empty polls up to spin_polls unless its owner has handlers queued",
+          "[runtime]") {
+  endpoint e;
+  for (const bool owner_queued : {false, true}) {
+    asio::io_context io;
+    anydoor::reactor r(io, *e.cq, {.mode = anydoor::poll_mode::busy, .spin_polls = 5});
+    r.set_yield_check([](const void* ctx) noexcept { return *static_cast<const bool*>(ctx); }, &owner_queued);
+    r.start();
+    for (int i = 0; i < 4; ++i) REQUIRE(io.run_one() == 1);  // one spin round each
+    INFO("owner has handlers queued: " << owner_queued);
+    CHECK(r.stats().polls == (owner_queued ? 4u : 20u));
+    CHECK(r.stats().empty_polls == r.stats().polls);
+    r.stop();
+    io.run();  // the last round sees the stop
+  }
 }
 
 TEST_CASE("reactor: operation slots are bounded and reused", "[runtime]") {

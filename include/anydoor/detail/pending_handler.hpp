@@ -1,7 +1,8 @@
 // A type-erased completion handler with inline storage, for operations that
-// wait inside the runtime. Storing one keeps the handler's executor busy
-// (outstanding work) and hooks its cancellation slot; completing it moves the
-// handler out and dispatches (or posts) it on its associated executor.
+// wait inside the runtime. Storing one hooks its cancellation slot and, when
+// the handler's executor is not the fabric's io_context, keeps that executor
+// busy (outstanding work); completing it moves the handler out and
+// dispatches (or posts) it on its associated executor.
 // Handlers up to kInline bytes are stored without allocating. Handlers see
 // boost::system::error_code (Asio's own, which wraps anydoor's std::error_code
 // categories losslessly), so use_awaitable and use_future throw on errors.
@@ -12,12 +13,14 @@
 #include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/system/error_code.hpp>
 
 #include <cstddef>
 #include <memory>
 #include <new>
+#include <optional>
 #include <system_error>
 #include <tuple>
 #include <type_traits>
@@ -44,16 +47,18 @@ class pending_handler {
 
   // The handler's signature is void(boost::system::error_code, Args...). on_cancel(ctx,
   // type) runs when its cancellation slot is emitted.
-  template <class... Args, class Handler, class IoExecutor>
-  void store(Handler&& handler, const IoExecutor& io_ex, cancel_fn on_cancel, void* ctx) {
+  using io_executor = asio::io_context::executor_type;
+  template <class... Args, class Handler>
+  void store(Handler&& handler, const io_executor& io_ex, cancel_fn on_cancel, void* ctx) {
     using handler_t = std::decay_t<Handler>;
-    using holder_t = holder<handler_t, IoExecutor>;
+    using holder_t = holder<handler_t>;
     void* mem = sizeof(holder_t) <= kInline && alignof(holder_t) <= alignof(std::max_align_t)
                     ? static_cast<void*>(inline_)
                     : ::operator new(sizeof(holder_t));
     auto* h = new (mem) holder_t(std::forward<Handler>(handler), io_ex);
     obj_ = h;
-    on_io_ = same_context(h->work.get_executor(), io_ex);
+    on_io_ = !h->work.has_value();
+    io_ = on_io_ ? &io_ex.context() : nullptr;
     call_ = &call<holder_t, Args...>;
     destroy_ = &destroy<holder_t>;
     h->slot = asio::get_associated_cancellation_slot(h->handler);
@@ -90,12 +95,12 @@ class pending_handler {
   }
 
  private:
-  template <class Executor, class IoExecutor>
-  static bool same_context(const Executor& ex, const IoExecutor& io_ex) noexcept {
-    if constexpr (std::is_same_v<Executor, IoExecutor>) {
+  template <class Executor>
+  static bool same_context(const Executor& ex, const io_executor& io_ex) noexcept {
+    if constexpr (std::is_same_v<Executor, io_executor>) {
       return &ex.context() == &io_ex.context();
-    } else if constexpr (requires { ex.template target<IoExecutor>(); }) {
-      const IoExecutor* t = ex.template target<IoExecutor>();  // any_io_executor (use_awaitable)
+    } else if constexpr (requires { ex.template target<io_executor>(); }) {
+      const io_executor* t = ex.template target<io_executor>();  // any_io_executor (use_awaitable)
       return t != nullptr && &t->context() == &io_ex.context();
     } else {
       return false;
@@ -109,15 +114,20 @@ class pending_handler {
     void operator()(asio::cancellation_type type) const { fn(ctx, type); }
   };
 
-  template <class Handler, class IoExecutor>
+  template <class Handler>
   struct holder {
-    using executor_t = asio::associated_executor_t<Handler, IoExecutor>;
-    holder(Handler&& h, const IoExecutor& io_ex)
-        : handler(std::move(h)), work(asio::get_associated_executor(handler, io_ex)) {}
-    holder(const Handler& h, const IoExecutor& io_ex)
-        : handler(h), work(asio::get_associated_executor(handler, io_ex)) {}
+    using executor_t = asio::associated_executor_t<Handler, io_executor>;
+    holder(Handler&& h, const io_executor& io_ex) : handler(std::move(h)) { track(io_ex); }
+    holder(const Handler& h, const io_executor& io_ex) : handler(h) { track(io_ex); }
+    // A handler that runs on the fabric's io_context needs no work guard:
+    // while it waits, the reactor keeps that io_context busy. Any other
+    // executor is kept busy by the guard.
+    void track(const io_executor& io_ex) {
+      executor_t ex = asio::get_associated_executor(handler, io_ex);
+      if (!same_context(ex, io_ex)) work.emplace(std::move(ex));
+    }
     Handler handler;
-    asio::executor_work_guard<executor_t> work;
+    std::optional<asio::executor_work_guard<executor_t>> work;
     asio::cancellation_slot slot;
   };
 
@@ -130,20 +140,37 @@ class pending_handler {
     self.obj_ = nullptr;
     self.call_ = nullptr;
     self.destroy_ = nullptr;
+    self.io_ = nullptr;
   }
 
   template <class Holder, class... Args>
   static void call(pending_handler& self, void* args, bool post, after_hook& after) {
     auto* h = static_cast<Holder*>(self.obj_);
     if (h->slot.is_connected()) h->slot.clear();
-    auto handler = std::move(h->handler);
-    auto work = std::move(h->work);
-    destroy<Holder>(self);
+    asio::io_context* io = self.io_;
     auto& t = *static_cast<std::tuple<boost::system::error_code, Args...>*>(args);
-    auto fn = [handler = std::move(handler), t = std::move(t), after = std::move(after)]() mutable {
+    auto fn = [handler = std::move(h->handler), t = std::move(t), after = std::move(after)]() mutable {
       std::apply(std::move(handler), std::move(t));
       after();
     };
+    if (io != nullptr) {
+      // The handler's executor is this io_context's (possibly type-erased,
+      // as use_awaitable's): run it directly when dispatching on the
+      // io_context's own thread, else post it there, without going through
+      // the type-erased executor.
+      destroy<Holder>(self);
+      if (!post && io->get_executor().running_in_this_thread()) {
+        fn();
+      } else {
+        asio::post(io->get_executor(), std::move(fn));
+      }
+      return;
+    }
+    // Another executor: kept busy until the handler is queued there. The
+    // holder goes first (a handler dispatched inline may end its operation's
+    // owner).
+    asio::executor_work_guard<typename Holder::executor_t> work(h->work->get_executor());
+    destroy<Holder>(self);
     if (post) {
       asio::post(work.get_executor(), std::move(fn));
     } else {
@@ -155,6 +182,7 @@ class pending_handler {
   alignas(std::max_align_t) unsigned char inline_[kInline];
   void* obj_ = nullptr;
   bool on_io_ = false;
+  asio::io_context* io_ = nullptr;  // set when the handler runs on this io_context
   void (*call_)(pending_handler&, void*, bool, after_hook&) = nullptr;
   void (*destroy_)(pending_handler&) noexcept = nullptr;
 };
