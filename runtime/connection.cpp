@@ -3,6 +3,7 @@
 #include <anydoor/error.hpp>
 
 #include "log.hpp"
+#include "registration_cache.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -64,6 +65,7 @@ connection_impl::~connection_impl() {
   // or the peer tore it down with nothing flushed) return to the pool.
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
   for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) fab_->pool->put(inbox_[i % inbox_.size()].buffer);
+  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) fab_->pool->put(notes_[i % notes_.size()].buffer);
   for (std::uint64_t i = sq_retired_; i < sq_queued_; ++i) {
     const sq_slot& s = sq_[i % sq_.size()];
     if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
@@ -82,7 +84,8 @@ void connection_impl::prepare() {
   a.send_cq = a.recv_cq = f.cq.get();
   a.max_send_wr = opt_.send_queue;
   a.max_recv_wr = opt_.credits;
-  a.max_send_sge = 1;
+  sge_per_wr_ = std::clamp<std::uint32_t>(f.device->caps().max_sge, 1, static_cast<std::uint32_t>(kMaxGather));
+  a.max_send_sge = sge_per_wr_;
   a.max_recv_sge = 1;
   a.max_inline_data = f.inline_cap;
   qp_ = f.pd->create_qp(a);
@@ -96,7 +99,10 @@ void connection_impl::prepare() {
   counted_ = true;
   const std::size_t q = opt_.send_queue;
   sq_.assign(q, sq_slot{});
-  sq_sge_.assign(q, transport::sge{});
+  sq_sge_.assign(q * sge_per_wr_, transport::sge{});
+  atomic_results_.assign(q, 0);
+  atomic_mr_ = f.pd->register_memory(atomic_results_.data(), q * sizeof(std::uint64_t), transport::access::local_write);
+  notes_.assign(opt_.credits, note_entry{});
   inline_stage_.assign(q * f.inline_cap, std::byte{0});
   batch_.reserve(q);
   rq_.assign(opt_.credits, buffer_pool::npos);
@@ -175,11 +181,23 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->dest = {};
   n->cookie = 0;
   n->stalled_credit = n->stalled_buffer = false;
+  n->npins = 0;
+  n->read_only = false;
+  n->remote = {};
+  n->operand = n->operand2 = n->result = 0;
+  n->value = 0;
+  n->note = {};
   fab_->busy();
   return n;
 }
 
+void connection_impl::unpin(op_node* n) noexcept {
+  for (std::uint8_t i = 0; i < n->npins; ++i) fab_->cache->unpin(*static_cast<registration_cache::entry*>(n->pins[i]));
+  n->npins = 0;
+}
+
 void connection_impl::release(op_node* n) noexcept {
+  unpin(n);
   n->mr.reset();
   n->large.reset();
   n->phase = op_phase::done;
@@ -189,11 +207,19 @@ void connection_impl::release(op_node* n) noexcept {
 
 void connection_impl::complete(op_node* n, bool post, std::error_code ec, std::size_t size) noexcept {
   n->phase = op_phase::done;
+  unpin(n);  // the operation is over for the cache before its handler runs
   switch (n->kind) {
     case op_kind::send:
-    case op_kind::receive_buffer: n->handler.complete(post, ec, size); break;
+    case op_kind::receive_buffer:
+    case op_kind::put:
+    case op_kind::get:
+    case op_kind::put_notify: n->handler.complete(post, ec, size); break;
     case op_kind::receive_message: n->handler.complete(post, ec, message{}); break;
-    case op_kind::close: n->handler.complete(post, ec); break;
+    case op_kind::close:
+    case op_kind::flush: n->handler.complete(post, ec); break;
+    case op_kind::fetch_add:
+    case op_kind::compare_swap: n->handler.complete(post, ec, ec ? std::uint64_t{0} : n->result); break;
+    case op_kind::receive_notification: n->handler.complete(post, ec, ec ? notification{} : n->note); break;
   }
   release(n);
 }
@@ -253,13 +279,16 @@ void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
   // A queued operation is in its kind's waiting list; any other is on the
   // wire (or done) and runs to completion.
   if (n->phase != op_phase::queued) return;
-  if (n->kind == op_kind::send) {
+  if (n->kind == op_kind::send || is_onesided(n->kind)) {
     const bool was_head = send_waiting_.head == n;
     send_waiting_.remove(n);
     complete(n, true, kCancelled);
     if (was_head) progress_sends(true);
   } else if (n->kind == op_kind::receive_message || n->kind == op_kind::receive_buffer) {
     recv_waiting_.remove(n);
+    complete(n, true, kCancelled);
+  } else if (n->kind == op_kind::receive_notification) {
+    note_waiting_.remove(n);
     complete(n, true, kCancelled);
   }
 }
@@ -307,12 +336,13 @@ transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t 
   sq_[slot] = {buffer, kind, op, false};
   transport::work_request& wr = batch_.emplace_back();  // capacity = send_queue >= queued
   wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_queued_ & kTagMask));
-  wr.sg_list = {&sq_sge_[slot], 1};
+  wr.sg_list = {slot_sges(slot), 1};
   ++sq_queued_;
   return wr;  // the caller schedules the flush (after posting its completion)
 }
 
 connection_impl::start_result connection_impl::try_start(op_node* n, bool post) noexcept {
+  if (is_onesided(n->kind)) return try_start_onesided(n, post);
   if (n->nbufs == 0xff) {
     send_waiting_.remove(n);
     complete(n, post, errc::invalid_argument);
@@ -340,22 +370,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   const std::size_t wire = eager ? protocol::kHeaderSize + n->length : protocol::kRtsSize;
   const bool inl = wire <= fab_->inline_cap;
   std::uint32_t buf = buffer_pool::npos;
-  if (!inl) {
-    buf = fab_->pool->try_get();
-    if (buf == buffer_pool::npos) {
-      if (!n->stalled_buffer) {
-        n->stalled_buffer = true;
-        ++stats_.buffer_stalls;
-        n->deadline = std::chrono::steady_clock::now() + opt_.buffer_wait;
-      }
-      if (!waiting_buffer) {
-        waiting_buffer = true;
-        fab_->wait_for_buffer(this);
-      }
-      arm_buffer_timer();
-      return start_result::blocked_buffer;
-    }
-  }
+  if (!inl && !take_send_buffer(n, buf)) return start_result::blocked_buffer;
   if (!eager) {
     try {
       n->mr = fab_->pd->register_memory(const_cast<void*>(n->bufs[0].data()), n->bufs[0].size(),
@@ -388,8 +403,8 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
                                         n->cookie},
                      out + protocol::kHeaderSize);
   }
-  sq_sge_[slot] = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), static_cast<std::uint32_t>(wire), 0}
-                      : fab_->pool->slice(buf, 0, static_cast<std::uint32_t>(wire));
+  *slot_sges(slot) = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), static_cast<std::uint32_t>(wire), 0}
+                         : fab_->pool->slice(buf, 0, static_cast<std::uint32_t>(wire));
   wr.op = transport::opcode::send;
   wr.inline_data = inl;
   send_waiting_.remove(n);
@@ -415,6 +430,22 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   return start_result::started;
 }
 
+bool connection_impl::take_send_buffer(op_node* n, std::uint32_t& buf) noexcept {
+  buf = fab_->pool->try_get();
+  if (buf != buffer_pool::npos) return true;
+  if (!n->stalled_buffer) {
+    n->stalled_buffer = true;
+    ++stats_.buffer_stalls;
+    n->deadline = std::chrono::steady_clock::now() + opt_.buffer_wait;
+  }
+  if (!waiting_buffer) {
+    waiting_buffer = true;
+    fab_->wait_for_buffer(this);
+  }
+  arm_buffer_timer();
+  return false;
+}
+
 bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept {
   if (credits_ < 1 || sq_free() == 0) return false;
   const bool inl = protocol::kHeaderSize <= fab_->inline_cap;
@@ -435,8 +466,8 @@ bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t stat
   std::byte* out = inl ? inline_stage_.data() + slot * fab_->inline_cap : fab_->pool->data(buf);
   --credits_;
   protocol::encode(protocol::header{type, status, take_owed(), aux}, out);
-  sq_sge_[slot] = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), protocol::kHeaderSize, 0}
-                      : fab_->pool->slice(buf, 0, protocol::kHeaderSize);
+  *slot_sges(slot) = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), protocol::kHeaderSize, 0}
+                         : fab_->pool->slice(buf, 0, protocol::kHeaderSize);
   wr.op = transport::opcode::send;
   wr.inline_data = inl;
   if (type == protocol::msg_type::credit) ++stats_.credit_messages;
@@ -568,6 +599,9 @@ void connection_impl::drop_unposted() noexcept {
       sq_queued_ = i + 1;  // keep the ring consistent for the handler
       on_read_done(s.op, transport::wc_status::work_request_flushed);
     }
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) {
+      on_onesided_done(s.op, transport::wc_status::work_request_flushed, i % sq_.size(), true);
+    }
   }
   sq_queued_ = sq_posted_;
   batch_.clear();
@@ -592,10 +626,14 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     if (s.signaled) fab_->idle();
     const transport::wc_status st = i == seq ? status : transport::wc_status::success;
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, i % sq_.size(), false);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
       if (st == transport::wc_status::success) on_close_acked();
     }
   }
+  // A flush covers the work requests before its target: those before a
+  // failed one succeeded.
+  complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(seq, sq_retired_));
 }
 
 void connection_impl::on_send_completion(const transport::completion& wc) noexcept {
@@ -614,8 +652,8 @@ void connection_impl::on_send_completion_body(const transport::completion& wc) n
     maybe_release_self();
     return;
   }
-  retire_through(seq, wc.status);
   if (wc.status != transport::wc_status::success) {
+    // Failed first: the handlers that retiring runs see a failed connection.
     const bool expected = state_ == state::failed || state_ == state::closed || peer_closed_;
     if (!expected) {
       log().warn("connection qp {}: send completion {}: failing the connection", qp_ ? qp_->qp_num() : 0,
@@ -623,9 +661,251 @@ void connection_impl::on_send_completion_body(const transport::completion& wc) n
       fail(make_error_code(wc.status));
     }
   }
+  retire_through(seq, wc.status);
   progress_sends(false);
   deliver(false);
   maybe_release_self();
+}
+
+// ---------------------------------------------------------------- one-sided
+
+void connection_impl::start_onesided(op_node* n) {
+  if (n->kind == op_kind::receive_notification) {
+    note_waiting_.push_back(n);
+    deliver(true);
+    return;
+  }
+  if (state_ == state::failed || state_ == state::closed || peer_closed_ || close_op_ != nullptr) {
+    complete(n, true, state_ == state::failed && error_ != errc::connection_closed ? error_ : errc::connection_closed);
+    return;
+  }
+  if (const std::error_code ec = prepare_onesided(n)) {
+    complete(n, true, ec);
+    return;
+  }
+  send_waiting_.push_back(n);
+  if (state_ == state::setup) return;  // started once connected
+  progress_sends(true);
+}
+
+std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
+  switch (n->kind) {
+    case op_kind::fetch_add:
+    case op_kind::compare_swap:
+      if (!fab_->device->caps().atomics) return errc::not_supported;
+      if (n->remote.length < 8 || n->remote.addr % 8 != 0) return errc::invalid_argument;
+      return {};
+    case op_kind::flush: return {};
+    default: break;
+  }
+  if (n->nbufs == 0xff) return errc::invalid_argument;
+  const bool into_local = n->kind == op_kind::get;
+  if (into_local && n->read_only) return errc::invalid_argument;
+  if (n->length > n->remote.length) return errc::out_of_range;
+  for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+    const asio::const_buffer b = n->bufs[i];
+    if (const memory_region* r = n->regions[i]) {
+      // A range of a region that has since been moved or reset is refused.
+      const auto* p = static_cast<const std::byte*>(b.data());
+      if (!*r || p < r->data() || b.size() > r->size() || p - r->data() > static_cast<std::ptrdiff_t>(r->size() - b.size())) {
+        return errc::invalid_argument;
+      }
+      if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
+      n->lkeys[i] = r->lkey();
+      continue;
+    }
+    try {
+      registration_cache::entry& e =
+          fab_->cache->pin(b.data(), b.size(), into_local ? access::local_write : access::none);
+      n->pins[n->npins++] = &e;
+      n->lkeys[i] = e.mr->lkey();
+    } catch (const std::exception& e) {
+      log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
+                 e.what());
+      return errc::registration_failed;
+    }
+  }
+  return {};
+}
+
+// A put or get goes out as work requests of at most sge_per_wr_ pieces and
+// read_chunk_ bytes each, the remote address advancing with them.
+std::size_t connection_impl::segments(const op_node& n) const noexcept {
+  std::size_t wrs = 0;
+  std::uint8_t i = 0;
+  std::uint64_t off = 0;
+  while (i < n.nbufs) {
+    std::uint64_t bytes = 0;
+    for (std::uint32_t k = 0; k < sge_per_wr_ && i < n.nbufs && bytes < read_chunk_; ++k) {
+      const std::uint64_t take = std::min<std::uint64_t>(n.bufs[i].size() - off, read_chunk_ - bytes);
+      bytes += take;
+      off += take;
+      if (off == n.bufs[i].size()) {
+        ++i;
+        off = 0;
+      }
+    }
+    ++wrs;
+  }
+  return wrs;
+}
+
+void connection_impl::emit_segments(op_node* n, bool last_completes) noexcept {
+  std::uint8_t i = 0;
+  std::uint64_t off = 0;
+  std::uint64_t remote = n->remote.addr;
+  while (i < n->nbufs) {
+    const std::size_t slot = sq_queued_ % sq_.size();
+    transport::sge* sg = slot_sges(slot);
+    std::uint64_t bytes = 0;
+    std::uint32_t k = 0;
+    for (; k < sge_per_wr_ && i < n->nbufs && bytes < read_chunk_; ++k) {
+      const std::uint64_t take = std::min<std::uint64_t>(n->bufs[i].size() - off, read_chunk_ - bytes);
+      sg[k] = {reinterpret_cast<std::uint64_t>(n->bufs[i].data()) + off, static_cast<std::uint32_t>(take), n->lkeys[i]};
+      bytes += take;
+      off += take;
+      if (off == n->bufs[i].size()) {
+        ++i;
+        off = 0;
+      }
+    }
+    const bool last = last_completes && i == n->nbufs;
+    transport::work_request& wr =
+        next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos, last ? n : nullptr);
+    wr.sg_list = {sg, k};
+    wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
+    wr.inline_data = false;
+    wr.remote_addr = remote;
+    wr.rkey = n->remote.rkey;
+    remote += bytes;
+  }
+}
+
+connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bool post) noexcept {
+  switch (n->kind) {
+    case op_kind::flush:
+      // Complete once every work request queued before it has retired
+      // (each doorbell ends with a signaled one, so they all will).
+      send_waiting_.remove(n);
+      n->operand = sq_queued_;
+      if (sq_retired_ >= sq_queued_) {
+        ++stats_.flushes;
+        complete(n, post, {});
+      } else {
+        n->phase = op_phase::rendezvous;
+        flushes_.push_back(n);
+      }
+      return start_result::started;
+    case op_kind::fetch_add:
+    case op_kind::compare_swap: {
+      if (sq_free() == 0) return start_result::blocked_queue;
+      const std::size_t slot = sq_queued_ % sq_.size();
+      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n);
+      *slot_sges(slot) = atomic_mr_->slice(slot * sizeof(std::uint64_t), sizeof(std::uint64_t));
+      wr.op = n->kind == op_kind::fetch_add ? transport::opcode::fetch_add : transport::opcode::compare_swap;
+      wr.inline_data = false;
+      wr.remote_addr = n->remote.addr;
+      wr.rkey = n->remote.rkey;
+      wr.compare_add = n->operand;
+      wr.swap = n->operand2;
+      break;
+    }
+    default: {  // put, get, put_notify
+      const bool notify = n->kind == op_kind::put_notify;
+      if (n->length == 0 && !notify) {
+        send_waiting_.remove(n);
+        complete(n, post, {}, 0);
+        return start_result::started;
+      }
+      if (notify && credits_ < 2) {
+        if (!n->stalled_credit) {
+          n->stalled_credit = true;
+          ++stats_.credit_stalls;
+        }
+        return start_result::blocked_credit;
+      }
+      const std::size_t wrs = segments(*n);
+      if (sq_free() < wrs + (notify ? 1 : 0)) return start_result::blocked_queue;
+      const bool inl = protocol::kRtsSize <= fab_->inline_cap;
+      std::uint32_t buf = buffer_pool::npos;
+      if (notify && !inl && !take_send_buffer(n, buf)) return start_result::blocked_buffer;
+      if (n->stalled_buffer && buffer_timer_armed_) buffer_timer_.cancel();
+      emit_segments(n, !notify);
+      if (notify) {
+        // RC order: the peer sees the notification after the data is in place.
+        const std::size_t slot = sq_queued_ % sq_.size();
+        transport::work_request& wr = next_wr(slot_kind::onesided_last, buf, n);
+        std::byte* out = inl ? inline_stage_.data() + slot * fab_->inline_cap : fab_->pool->data(buf);
+        --credits_;
+        protocol::encode(protocol::header{protocol::msg_type::notify, 0, take_owed(), n->value}, out);
+        protocol::encode(protocol::rts_body{n->length, n->remote.addr, n->remote.rkey, 0}, out + protocol::kHeaderSize);
+        *slot_sges(slot) = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), protocol::kRtsSize, 0}
+                               : fab_->pool->slice(buf, 0, protocol::kRtsSize);
+        wr.op = transport::opcode::send;
+        wr.inline_data = inl;
+      }
+      break;
+    }
+  }
+  send_waiting_.remove(n);
+  n->phase = op_phase::rendezvous;
+  schedule();
+  return start_result::started;
+}
+
+void connection_impl::on_onesided_done(op_node* n, transport::wc_status status, std::size_t slot, bool post) noexcept {
+  if (status != transport::wc_status::success) {
+    complete(n, post, error_ ? error_ : make_error_code(status));
+    return;
+  }
+  switch (n->kind) {
+    case op_kind::put:
+    case op_kind::put_notify:
+      ++stats_.puts;
+      stats_.bytes_put += n->length;
+      if (n->kind == op_kind::put_notify) ++stats_.notifications_sent;
+      break;
+    case op_kind::get:
+      ++stats_.gets;
+      stats_.bytes_got += n->length;
+      break;
+    default:
+      ++stats_.atomics;
+      n->result = atomic_results_[slot];
+      break;
+  }
+  complete(n, post, {}, static_cast<std::size_t>(n->length));
+}
+
+void connection_impl::complete_flushes(std::uint64_t done) noexcept {
+  while (flushes_.head != nullptr && flushes_.head->operand <= done) {
+    op_node* n = flushes_.pop_front();
+    ++stats_.flushes;
+    complete(n, false, {});
+  }
+}
+
+void connection_impl::deliver_notes(bool post) noexcept {
+  while (!note_waiting_.empty()) {
+    if (notes_head_ == notes_tail_) {
+      std::error_code ec;
+      if (peer_closed_ || state_ == state::closed) {
+        ec = errc::connection_closed;
+      } else if (state_ == state::failed) {
+        ec = error_;
+      } else {
+        return;
+      }
+      while (op_node* n = note_waiting_.pop_front()) complete(n, post, ec);
+      return;
+    }
+    const note_entry e = notes_[notes_head_++ % notes_.size()];
+    op_node* n = note_waiting_.pop_front();
+    repost(e.buffer);
+    ++stats_.notifications_received;
+    n->note = e.note;
+    complete(n, post, {});
+  }
 }
 
 // ---------------------------------------------------------------- receiving
@@ -760,6 +1040,16 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       complete(n, false, ec, ec ? 0 : static_cast<std::size_t>(n->length));
       return;
     }
+    case protocol::msg_type::notify: {
+      const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
+      if (notes_tail_ - notes_head_ >= notes_.size()) {  // cannot happen with a conforming peer
+        fab_->put_buffer(buffer);
+        fail(errc::protocol_error);
+        return;
+      }
+      notes_[notes_tail_++ % notes_.size()] = {buffer, notification{h.aux, remote_region{b.addr, b.length, b.rkey}}};
+      return;
+    }
     case protocol::msg_type::credit: repost(buffer); return;
     case protocol::msg_type::close:
       fab_->put_buffer(buffer);
@@ -827,7 +1117,7 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
     const bool last = c + 1 == chunks;
     transport::work_request& wr = next_wr(last ? slot_kind::read_last : slot_kind::none, buffer_pool::npos,
                                           last ? n : nullptr);
-    sq_sge_[(sq_queued_ - 1) % sq_.size()] = n->mr->slice(off, len);
+    *slot_sges((sq_queued_ - 1) % sq_.size()) = n->mr->slice(off, len);
     wr.op = transport::opcode::read;
     wr.inline_data = false;
     wr.remote_addr = b.addr + off;
@@ -865,6 +1155,7 @@ void connection_impl::on_read_done(op_node* n, transport::wc_status status) noex
 }
 
 void connection_impl::deliver(bool post) noexcept {
+  if (!note_waiting_.empty()) deliver_notes(post);
   while (!recv_waiting_.empty()) {
     if (inbox_head_ == inbox_tail_) {
       std::error_code ec;
@@ -964,6 +1255,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
     close_op_ = nullptr;
     complete(n, true, error_);
   }
+  while (op_node* n = flushes_.pop_front()) complete(n, true, error_);
   deliver(true);
 }
 
@@ -997,6 +1289,24 @@ void cancel_node(void* node, asio::cancellation_type type) {
 void start_send(connection_impl& c, op_node* n) { c.start_send(n); }
 void start_receive(connection_impl& c, op_node* n) { c.start_receive(n); }
 void start_close(connection_impl& c, op_node* n) { c.start_close(n); }
+void start_onesided(connection_impl& c, op_node* n) { c.start_onesided(n); }
+
+void set_local(op_node& n, std::span<const local_range> ranges) noexcept {
+  std::size_t i = 0;
+  for (const local_range& r : ranges) {
+    if (r.size() == 0) continue;
+    if (i == kMaxGather) {
+      n.nbufs = 0xff;
+      return;
+    }
+    n.bufs[i] = asio::const_buffer(r.data(), r.size());
+    n.regions[i] = r.region();
+    n.read_only = n.read_only || r.read_only();
+    n.length += r.size();
+    ++i;
+  }
+  n.nbufs = static_cast<std::uint8_t>(i);
+}
 
 }  // namespace anydoor::detail
 

@@ -48,9 +48,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Operations (connection.hpp's templates call these).
   op_node* acquire(op_kind kind);
   void release(op_node* n) noexcept;
+  void unpin(op_node* n) noexcept;  // registration-cache entries the operation held
   void start_send(op_node* n);
   void start_receive(op_node* n);
   void start_close(op_node* n);
+  void start_onesided(op_node* n);
   void cancel(op_node* n, asio::cancellation_type type);
   void abort() noexcept;
   void on_handle_released() noexcept;
@@ -82,7 +84,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     connection_impl* c = nullptr;
     void complete(const transport::completion& wc) noexcept override { c->on_recv_completion(wc); }
   };
-  enum class slot_kind : std::uint8_t { none, eager, control, rts, read_last };
+  // What a send-queue slot holds: read_last and onesided_last complete their
+  // op when they retire.
+  enum class slot_kind : std::uint8_t { none, eager, control, rts, read_last, onesided_last };
   struct sq_slot {
     std::uint32_t buffer = buffer_pool::npos;
     slot_kind kind = slot_kind::none;
@@ -93,6 +97,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     std::uint32_t buffer = 0;
     std::uint32_t length = 0;  // bytes received (header included)
     bool rts = false;
+  };
+  struct note_entry {
+    std::uint32_t buffer = 0;  // held until the notification is taken (the peer's credit)
+    notification note;
   };
   struct fin_entry {
     std::uint32_t cookie = 0;
@@ -111,6 +119,14 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool progress_sends(bool post) noexcept;  // false once nothing more can start now
   enum class start_result : std::uint8_t { started, blocked_credit, blocked_buffer, blocked_queue };
   start_result try_start(op_node* n, bool post) noexcept;
+  start_result try_start_onesided(op_node* n, bool post) noexcept;
+  std::error_code prepare_onesided(op_node* n) noexcept;  // checks and keys the local memory
+  bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool
+  std::size_t segments(const op_node& n) const noexcept;  // work requests a put or get needs
+  void emit_segments(op_node* n, bool last_completes) noexcept;
+  void on_onesided_done(op_node* n, transport::wc_status status, std::size_t slot, bool post) noexcept;
+  void complete_flushes(std::uint64_t done) noexcept;  // flushes whose target <= done
+  transport::sge* slot_sges(std::size_t slot) noexcept { return &sq_sge_[slot * sge_per_wr_]; }
   bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
   std::uint32_t sq_free() const noexcept;
   transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op) noexcept;
@@ -122,6 +138,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // receiving
   void deliver(bool post) noexcept;
+  void deliver_notes(bool post) noexcept;
   bool start_read(op_node* n, const protocol::rts_body& b) noexcept;  // false: no room now
   void on_read_done(op_node* n, transport::wc_status status) noexcept;
   void repost(std::uint32_t buffer) noexcept;
@@ -160,7 +177,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // send queue: [sq_retired_, sq_posted_) posted, [sq_posted_, sq_queued_) in batch_
   std::vector<sq_slot> sq_;
-  std::vector<transport::sge> sq_sge_;
+  std::vector<transport::sge> sq_sge_;   // sge_per_wr_ per slot
+  std::uint32_t sge_per_wr_ = 1;
+  std::vector<std::uint64_t> atomic_results_;  // one per slot, registered
+  std::unique_ptr<transport::memory_region> atomic_mr_;
   std::vector<std::byte> inline_stage_;   // per slot, inline_cap bytes
   std::vector<transport::work_request> batch_;
   std::uint64_t sq_retired_ = 0, sq_posted_ = 0, sq_queued_ = 0;
@@ -184,6 +204,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   op_list send_waiting_;   // sends not yet started, in order
   op_list recv_waiting_;   // receives without a message yet
   op_list active_;         // rendezvous sends waiting for fin, receives reading
+  op_list flushes_;        // flushes waiting for their target (in order)
+  op_list note_waiting_;   // receive_notification without a notification yet
+  std::vector<note_entry> notes_;  // ring, capacity = credits
+  std::uint64_t notes_head_ = 0, notes_tail_ = 0;
   std::vector<op_node*> free_nodes_;
   std::vector<std::unique_ptr<op_node>> all_nodes_;
   std::uint32_t next_cookie_ = 1;

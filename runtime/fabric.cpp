@@ -4,6 +4,7 @@
 #include "connection_impl.hpp"
 #include "fabric_state.hpp"
 #include "log.hpp"
+#include "registration_cache.hpp"
 
 #include <boost/asio/post.hpp>
 
@@ -34,6 +35,9 @@ const fabric_options& checked(const fabric_options& o) {
           "fabric: connection.signal_interval must be in 1..send_queue");
   require(c.connect_timeout.count() > 0, "fabric: connection.connect_timeout must be positive");
   require(c.buffer_wait.count() >= 0, "fabric: connection.buffer_wait must not be negative");
+  require(o.cache_max_entries >= 1 && o.cache_max_entries <= (std::size_t{1} << 20),
+          "fabric: cache_max_entries must be in 1..2^20");
+  require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");
   return o;
 }
 
@@ -85,6 +89,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   pool = std::make_unique<buffer_pool>(
       *pd, buffer_pool_options{.buffer_size = recv_buffer, .buffers_per_slab = options.buffers_per_slab,
                                .initial_slabs = 1, .max_bytes = options.pool_max_bytes});
+  cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries);
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
@@ -96,6 +101,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
 
 fabric_state::~fabric_state() {
   reactor.reset();
+  cache.reset();
   pool.reset();
 }
 
@@ -203,6 +209,15 @@ fabric::~fabric() = default;
 std::string_view fabric::provider() const noexcept { return state_->device->provider(); }
 transport::device& fabric::device() noexcept { return *state_->device; }
 transport::protection_domain& fabric::protection_domain() noexcept { return *state_->pd; }
+
+memory_region fabric::register_memory(std::span<std::byte> memory, access acc) {
+  if (memory.empty()) throw std::system_error(errc::invalid_argument, "fabric: registering empty memory");
+  return memory_region(state_->pd->register_memory(memory.data(), memory.size(), acc));
+}
+
+std::size_t fabric::forget_memory(const void* addr, std::size_t length) noexcept {
+  return length == 0 ? 0 : state_->cache->forget(addr, length);
+}
 const fabric_options& fabric::options() const noexcept { return state_->options; }
 asio::io_context::executor_type fabric::get_executor() const noexcept { return state_->io.get_executor(); }
 
@@ -214,6 +229,7 @@ fabric_stats fabric::stats() const noexcept {
   s.accepted = state_->accepted;
   s.connected = state_->connected;
   s.refused = state_->refused;
+  s.cache = state_->cache->stats();
   return s;
 }
 

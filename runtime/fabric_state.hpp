@@ -17,6 +17,7 @@
 namespace anydoor::detail {
 
 class connection_impl;
+class registration_cache;
 
 class fabric_state : public std::enable_shared_from_this<fabric_state> {
  public:
@@ -29,6 +30,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::unique_ptr<transport::protection_domain> pd;
   std::unique_ptr<transport::completion_queue> cq;
   std::unique_ptr<buffer_pool> pool;
+  std::unique_ptr<registration_cache> cache;
   std::unique_ptr<anydoor::reactor> reactor;
   std::array<std::byte, 16> token{};  // digest of options.connection.auth_token
   std::uint32_t inline_cap = 0;       // max_inline_data of our queue pairs

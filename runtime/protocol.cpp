@@ -102,11 +102,12 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
   h.status = get<std::uint8_t>(p);
   h.credits = get<std::uint16_t>(p);
   h.aux = get<std::uint32_t>(p);
-  if (type < 1 || type > 5) return false;
+  if (type < 1 || type > 6) return false;
   h.type = static_cast<msg_type>(type);
   switch (h.type) {
     case msg_type::eager: return true;
-    case msg_type::rts: return in.size() == kRtsSize;
+    case msg_type::rts:
+    case msg_type::notify: return in.size() == kRtsSize;
     case msg_type::fin: return in.size() == kHeaderSize && h.status <= 3;
     case msg_type::credit:
     case msg_type::close: return in.size() == kHeaderSize;

@@ -15,6 +15,10 @@
 //   fin    rendezvous done: aux = cookie, status = fin_status
 //   credit only returns credits
 //   close  graceful close: the sender sends nothing after it
+//   notify follows an RDMA WRITE (async_put_with_notify) on the same queue
+//          pair: aux = the user's value, body as rts { length, addr, rkey,
+//          0 } = the range written (RC order: the data is in place when the
+//          notify arrives)
 #pragma once
 
 #include <array>
@@ -58,7 +62,7 @@ decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 // fixed function of the token and travels in clear.
 std::array<std::byte, 16> token_digest(std::string_view token) noexcept;
 
-enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5 };
+enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6 };
 enum class fin_status : std::uint8_t { ok = 0, message_size = 1, read_failed = 2, cancelled = 3 };
 
 struct header {
@@ -78,7 +82,8 @@ struct rts_body {
 void encode(const header& h, std::byte* out) noexcept;           // kHeaderSize bytes
 void encode(const rts_body& b, std::byte* out) noexcept;         // 24 bytes
 // Validates a received message of byte_len bytes: a known type, and a length
-// that fits it (eager >= header, rts == kRtsSize, others == kHeaderSize).
+// that fits it (eager >= header, rts and notify == kRtsSize, others ==
+// kHeaderSize).
 bool decode(std::span<const std::byte> in, header& h) noexcept;
 rts_body decode_rts(const std::byte* body) noexcept;              // 24 bytes
 

@@ -188,6 +188,10 @@ void reactor::start() {
 }
 
 void reactor::stop() {
+  // Arming also sends what a provider holds back until then (the tcp
+  // provider's lone acknowledgements): the peer's requests this side has
+  // received must not wait for this side's next poll to complete there.
+  if (running_ && !failed_) (void)cq_.arm();
   running_ = false;
   boost::system::error_code ignored;
   fd_.cancel(ignored);

@@ -38,6 +38,8 @@ class anydoor_category final : public std::error_category {
       case errc::connection_closed: return "connection closed";
       case errc::no_buffer_space: return "no pool buffer became free in time";
       case errc::too_many_connections: return "too many connections on this fabric";
+      case errc::out_of_range: return "offset or length outside the region";
+      case errc::not_supported: return "operation not supported by the device";
     }
     return "unknown anydoor error " + std::to_string(ev);
   }

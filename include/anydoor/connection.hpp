@@ -40,10 +40,41 @@
 // queue-pair error (peer death) every pending operation completes exactly
 // once with the error; messages already received can still be taken.
 // Destroying an open connection aborts it (the peer sees an error).
+//
+// One-sided operations (RDMA WRITE, READ and atomics on the peer's memory,
+// described by a remote_region the peer sent; see memory.hpp) queue with
+// the sends and start in order:
+//   async_put(local, remote)       void(error_code, std::size_t): writes local into remote
+//   async_get(local, remote)       void(error_code, std::size_t): reads remote into local
+//   async_put_with_notify(local, remote, value)
+//                                  a put, then the peer's async_receive_notification()
+//                                  yields {value, the range written}
+//   async_fetch_add(remote, add)   void(error_code, std::uint64_t before)
+//   async_compare_swap(remote, expected, desired)
+//                                  void(error_code, std::uint64_t before); swapped iff before == expected
+//   async_flush()                  void(error_code): every earlier operation is complete at the peer
+// `local` is a local_range: a range of a memory_region, or any buffer (the
+// fabric's registration cache registers it); put and get also take a span
+// of up to 16 local ranges (gather / scatter; read when the operation
+// starts). The local memory must stay valid until the operation completes.
+// A put or get completes when it is complete at the peer (RC: acknowledged);
+// the transfer is split at the device's message limit. Errors on the
+// operation itself: errc::out_of_range (local data larger than the remote
+// range), errc::invalid_argument (more than 16 ranges, a const buffer as a
+// get's destination, a region without local_write as one, an atomic target
+// that is not 8 bytes aligned and long), errc::not_supported (atomics on a
+// device without them), errc::registration_failed. The peer refusing the
+// access (outside its region, an unknown or deregistered key, missing
+// access) completes that operation with wc_status::remote_access_error (or
+// remote_invalid_request) and, as RC requires, fails the connection: later
+// operations complete with the same error; a new connection works. With the
+// tcp provider the peer's process makes the progress: it must be running
+// its io_context with an operation pending (a receive, say).
 #pragma once
 
 #include <anydoor/detail/op_node.hpp>
 #include <anydoor/error.hpp>
+#include <anydoor/memory.hpp>
 
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/buffer.hpp>
@@ -72,6 +103,7 @@ void cancel_node(void* node, asio::cancellation_type type);
 void start_send(connection_impl& c, op_node* n);
 void start_receive(connection_impl& c, op_node* n);
 void start_close(connection_impl& c, op_node* n);
+void start_onesided(connection_impl& c, op_node* n);
 
 // Completes an operation started on an empty (moved-from) handle with
 // errc::not_connected.
@@ -127,6 +159,14 @@ struct connection_stats {
   std::uint64_t buffer_stalls = 0;     // sends that had to wait for a pool buffer
   std::uint64_t credit_messages = 0;   // explicit credit updates sent
   std::uint64_t rnr_naks = 0;          // from the provider: RNR NAKs sent + received (should stay 0)
+  std::uint64_t puts = 0;              // one-sided operations completed successfully
+  std::uint64_t gets = 0;
+  std::uint64_t atomics = 0;
+  std::uint64_t flushes = 0;
+  std::uint64_t bytes_put = 0;
+  std::uint64_t bytes_got = 0;
+  std::uint64_t notifications_sent = 0;
+  std::uint64_t notifications_received = 0;
 };
 
 // What the peer announced in the handshake.
@@ -218,6 +258,73 @@ class connection {
         token);
   }
 
+  // One-sided operations (see the top of this file).
+  template <class Token>
+  auto async_put(local_range src, const remote_region& dst, Token&& token) {
+    return onesided<std::size_t>(detail::op_kind::put, std::forward<Token>(token), [src, dst](detail::op_node& n) {
+      detail::set_local(n, {&src, 1});
+      n.remote = dst;
+    });
+  }
+  template <class Token>
+  auto async_put(std::span<const local_range> srcs, const remote_region& dst, Token&& token) {
+    return onesided<std::size_t>(detail::op_kind::put, std::forward<Token>(token), [srcs, dst](detail::op_node& n) {
+      detail::set_local(n, srcs);
+      n.remote = dst;
+    });
+  }
+  template <class Token>
+  auto async_get(local_range dst, const remote_region& src, Token&& token) {
+    return onesided<std::size_t>(detail::op_kind::get, std::forward<Token>(token), [dst, src](detail::op_node& n) {
+      detail::set_local(n, {&dst, 1});
+      n.remote = src;
+    });
+  }
+  template <class Token>
+  auto async_get(std::span<const local_range> dsts, const remote_region& src, Token&& token) {
+    return onesided<std::size_t>(detail::op_kind::get, std::forward<Token>(token), [dsts, src](detail::op_node& n) {
+      detail::set_local(n, dsts);
+      n.remote = src;
+    });
+  }
+  template <class Token>
+  auto async_put_with_notify(local_range src, const remote_region& dst, std::uint32_t value, Token&& token) {
+    return onesided<std::size_t>(detail::op_kind::put_notify, std::forward<Token>(token),
+                                 [src, dst, value](detail::op_node& n) {
+                                   detail::set_local(n, {&src, 1});
+                                   n.remote = dst;
+                                   n.value = value;
+                                 });
+  }
+  template <class Token>
+  auto async_fetch_add(const remote_region& target, std::uint64_t add, Token&& token) {
+    return onesided<std::uint64_t>(detail::op_kind::fetch_add, std::forward<Token>(token),
+                                   [target, add](detail::op_node& n) {
+                                     n.remote = target;
+                                     n.operand = add;
+                                   });
+  }
+  template <class Token>
+  auto async_compare_swap(const remote_region& target, std::uint64_t expected, std::uint64_t desired, Token&& token) {
+    return onesided<std::uint64_t>(detail::op_kind::compare_swap, std::forward<Token>(token),
+                                   [target, expected, desired](detail::op_node& n) {
+                                     n.remote = target;
+                                     n.operand = expected;
+                                     n.operand2 = desired;
+                                   });
+  }
+  template <class Token>
+  auto async_flush(Token&& token) {
+    return onesided<>(detail::op_kind::flush, std::forward<Token>(token), [](detail::op_node&) {});
+  }
+  // The next notification of the peer's async_put_with_notify.
+  // void(error_code, notification); errors as async_receive's.
+  template <class Token>
+  auto async_receive_notification(Token&& token) {
+    return onesided<notification>(detail::op_kind::receive_notification, std::forward<Token>(token),
+                                  [](detail::op_node&) {});
+  }
+
   // Aborts: the queue pair goes to error, pending operations complete with
   // errc::connection_closed, the peer sees an error.
   void abort() noexcept;
@@ -227,6 +334,20 @@ class connection {
   std::uint32_t eager_limit() const noexcept;  // effective: ours capped by the peer's receive buffer
 
  private:
+  template <class... Results, class Token, class Setup>
+  auto onesided(detail::op_kind kind, Token&& token, Setup setup) {
+    return asio::async_initiate<Token, void(error_code, Results...)>(
+        [this, kind](auto handler, Setup s) {
+          if (!impl_) return detail::complete_not_connected(std::move(handler), Results{}...);
+          detail::op_node* n = detail::acquire_node(*impl_, kind);
+          s(*n);
+          n->handler.template store<Results...>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node,
+                                                n);
+          detail::start_onesided(*impl_, n);
+        },
+        token, std::move(setup));
+  }
+
   std::shared_ptr<detail::connection_impl> impl_;
 };
 

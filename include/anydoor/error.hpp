@@ -26,9 +26,11 @@ enum class errc {
   connection_closed,     // the connection was closed (by either side) before the operation finished
   no_buffer_space,       // no pool buffer became free within the bounded wait
   too_many_connections,  // the fabric's connection limit (its CQ sizing) is reached
+  out_of_range,          // an offset or length falls outside a region
+  not_supported,         // the device does not support the operation (atomics)
 };
 // The last value, for tests that walk every code.
-inline constexpr errc errc_last = errc::too_many_connections;
+inline constexpr errc errc_last = errc::not_supported;
 
 const std::error_category& error_category() noexcept;
 

@@ -19,6 +19,7 @@
 
 #include <anydoor/buffer_pool.hpp>
 #include <anydoor/connection.hpp>
+#include <anydoor/memory.hpp>
 #include <anydoor/reactor.hpp>
 #include <anydoor/transport/provider.hpp>
 
@@ -51,6 +52,10 @@ struct fabric_options {
   std::uint32_t max_connections = 64;    // sizes the completion queue: 1..4096
   std::size_t buffers_per_slab = 256;    // buffer pool growth step
   std::size_t pool_max_bytes = std::size_t{256} << 20;  // buffer pool watermark
+  // The registration cache (one-sided operations on memory that is not a
+  // memory_region): registrations kept, least recently used evicted first.
+  std::size_t cache_max_entries = 1024;                  // 1..2^20
+  std::size_t cache_max_bytes = std::size_t{1} << 30;    // at least 4096
 };
 
 struct fabric_stats {
@@ -60,6 +65,7 @@ struct fabric_stats {
   std::uint64_t accepted = 0;
   std::uint64_t connected = 0;
   std::uint64_t refused = 0;             // handshakes refused (either side)
+  registration_cache_stats cache;
 };
 
 class acceptor;
@@ -79,6 +85,23 @@ class fabric {
   const fabric_options& options() const noexcept;
   fabric_stats stats() const noexcept;
   asio::io_context::executor_type get_executor() const noexcept;
+
+  // Registers [memory.data(), +size) with exactly `acc` (local reads are
+  // always allowed); the region deregisters when destroyed. Throws
+  // std::system_error: errc::invalid_argument (empty), registration_failed.
+  memory_region register_memory(std::span<std::byte> memory, access acc);
+
+  // The registration cache (one-sided operations on plain buffers):
+  // a buffer is registered on first use (whole pages, local access only,
+  // never exposed to peers) and stays registered for later operations
+  // until it is evicted (cache_max_entries, cache_max_bytes; never while an
+  // operation uses it) or forgotten. Lifetime contract: before memory that
+  // one-sided operations used is unmapped or freed back to the system
+  // (munmap, a large free()), call forget_memory for it; a registration
+  // that outlives its memory keeps the old pages and would move data to
+  // memory the program no longer sees. Returns how many registrations it
+  // dropped (those in use go when their operations end).
+  std::size_t forget_memory(const void* addr, std::size_t length) noexcept;
 
   // Listens on host:port (port 0: a free one). Throws std::system_error.
   acceptor listen(const std::string& host, std::uint16_t port);

@@ -3,7 +3,7 @@
 // tokens, cancellation, close and peer death. Every test drives io.run()
 // to its natural end under a watchdog: run() must return once the work is
 // done, so a hang (or work left behind) fails the test.
-#include "../support/harness.hpp"
+#include "../support/runtime.hpp"
 
 #include <anydoor/anydoor.hpp>
 
@@ -35,50 +35,6 @@ using asio::use_awaitable;
 
 namespace {
 
-// Runs io until it runs out of work; fails if that takes longer than limit.
-void run_to_completion(asio::io_context& io, std::chrono::seconds limit = std::chrono::seconds(60)) {
-  std::mutex m;
-  std::condition_variable cv;
-  bool finished = false;
-  bool fired = false;
-  std::thread watchdog([&] {
-    std::unique_lock lock(m);
-    if (!cv.wait_for(lock, limit, [&] { return finished; })) {
-      fired = true;
-      io.stop();
-    }
-  });
-  io.run();
-  {
-    std::lock_guard lock(m);
-    finished = true;
-  }
-  cv.notify_one();
-  watchdog.join();
-  REQUIRE_FALSE(fired);  // run() did not return by itself: something hung or leaked work
-  io.restart();
-}
-
-ad::fabric_options test_options(ad::connection_options c = {}) {
-  ad::fabric_options o;
-  o.device.provider = provider_under_test();
-  o.connection = std::move(c);
-  o.max_connections = 8;
-  o.buffers_per_slab = 64;
-  o.pool_max_bytes = std::size_t{64} << 20;
-  return o;
-}
-
-std::vector<std::byte> pattern(std::size_t n, std::uint32_t seed) {
-  std::vector<std::byte> v(n);
-  std::uint32_t x = seed * 2654435761u + 1;
-  for (auto& b : v) {
-    x = x * 1103515245u + 12345u;
-    b = static_cast<std::byte>(x >> 24);
-  }
-  return v;
-}
-
 // A runtime hello as a raw provider-level client would send it (see
 // runtime/protocol.hpp): magic, version, kind hello, credits, receive
 // buffer, eager limit, max message, no token.
@@ -96,21 +52,6 @@ std::array<std::byte, 44> raw_hello(std::uint16_t version, std::uint32_t magic =
   std::memcpy(h.data() + 20, &max_message, 8);
   return h;
 }
-
-std::string addr(const ad::acceptor& a) { return test_host() + ":" + std::to_string(a.port()); }
-
-// Rethrows a coroutine's exception in the test.
-struct failure {
-  std::exception_ptr e;
-  auto handler() {
-    return [this](std::exception_ptr p) {
-      if (p && !e) e = p;
-    };
-  }
-  void check() const {
-    if (e) std::rethrow_exception(e);
-  }
-};
 
 // Echoes every message of `conns` connections until each peer closes.
 awaitable<void> echo_server(ad::acceptor& acc, int conns, std::vector<ad::error_code>* endings = nullptr) {

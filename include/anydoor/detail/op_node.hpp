@@ -4,6 +4,7 @@
 #pragma once
 
 #include <anydoor/detail/pending_handler.hpp>
+#include <anydoor/memory.hpp>
 #include <anydoor/transport/provider.hpp>
 
 #include <boost/asio/buffer.hpp>
@@ -13,12 +14,27 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 namespace anydoor::detail {
 
 class connection_impl;
 
-enum class op_kind : std::uint8_t { send, receive_message, receive_buffer, close };
+enum class op_kind : std::uint8_t {
+  send,
+  receive_message,
+  receive_buffer,
+  close,
+  // one-sided (they queue with the sends, in order)
+  put,
+  get,
+  put_notify,
+  fetch_add,
+  compare_swap,
+  flush,
+  receive_notification,
+};
+constexpr bool is_onesided(op_kind k) noexcept { return k >= op_kind::put && k <= op_kind::flush; }
 
 // Where an operation is.
 enum class op_phase : std::uint8_t {
@@ -49,6 +65,23 @@ struct op_node {
   std::unique_ptr<std::byte[]> large;  // receive_message of a rendezvous message
   bool stalled_credit = false;  // counted once per operation
   bool stalled_buffer = false;
+  // one-sided: local pieces in bufs[0, nbufs) with their keys, the remote
+  // range, the operands and the result
+  std::array<const memory_region*, kMaxGather> regions{};
+  std::array<std::uint32_t, kMaxGather> lkeys{};
+  std::array<void*, kMaxGather> pins{};  // registration-cache entries held
+  std::uint8_t npins = 0;
+  bool read_only = false;  // a piece came from a const buffer
+  remote_region remote{};
+  std::uint64_t operand = 0;  // fetch_add: the addend; compare_swap: the expected value; flush: the target
+  std::uint64_t operand2 = 0;  // compare_swap: the new value
+  std::uint64_t result = 0;    // atomics: the value before
+  std::uint32_t value = 0;     // put_notify: the notification's value
+  notification note{};         // receive_notification
 };
+
+// Fills a one-sided operation's local pieces (empty ones are skipped);
+// more than kMaxGather marks it invalid (nbufs = 0xff).
+void set_local(op_node& n, std::span<const local_range> ranges) noexcept;
 
 }  // namespace anydoor::detail

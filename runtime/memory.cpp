@@ -1,0 +1,107 @@
+#include <anydoor/error.hpp>
+#include <anydoor/memory.hpp>
+
+#include <cstring>
+#include <string>
+
+namespace anydoor {
+
+namespace {
+
+constexpr std::array<std::byte, 4> kMagic{std::byte{'A'}, std::byte{'D'}, std::byte{'R'}, std::byte{'R'}};
+constexpr std::uint8_t kVersion = 1;
+
+template <class T>
+void put(std::byte*& p, T v) noexcept {
+  for (std::size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+
+template <class T>
+T get(const std::byte*& p) noexcept {
+  T v = 0;
+  for (std::size_t i = 0; i < sizeof(T); ++i) v = static_cast<T>(v | (static_cast<T>(std::to_integer<std::uint8_t>(*p++)) << (8 * i)));
+  return v;
+}
+
+std::uint32_t fnv1a(const std::byte* p, std::size_t n) noexcept {
+  std::uint32_t h = 2166136261u;
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= std::to_integer<std::uint32_t>(p[i]);
+    h *= 16777619u;
+  }
+  return h;
+}
+
+[[noreturn]] void out_of_range(const char* what, std::uint64_t offset, std::uint64_t len, std::uint64_t size) {
+  throw std::system_error(errc::out_of_range, std::string(what) + ": [" + std::to_string(offset) + ", +" +
+                                                  std::to_string(len) + ") outside a region of " +
+                                                  std::to_string(size) + " bytes");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- remote_region
+
+remote_region remote_region::at(std::uint64_t offset, std::uint64_t len) const {
+  if (offset > length || len > length - offset) out_of_range("remote_region::at", offset, len, length);
+  return {addr + offset, len, rkey};
+}
+
+std::array<std::byte, remote_region::packed_size> remote_region::pack() const noexcept {
+  std::array<std::byte, packed_size> out{};
+  std::memcpy(out.data(), kMagic.data(), kMagic.size());
+  out[4] = std::byte{kVersion};
+  std::byte* p = out.data() + 8;
+  put(p, addr);
+  put(p, length);
+  put(p, rkey);
+  put(p, fnv1a(out.data(), 28));
+  return out;
+}
+
+std::error_code remote_region::unpack(std::span<const std::byte> in, remote_region& out) noexcept {
+  if (in.size() != packed_size || std::memcmp(in.data(), kMagic.data(), kMagic.size()) != 0) {
+    return errc::protocol_error;
+  }
+  const std::byte* p = in.data() + 28;
+  if (get<std::uint32_t>(p) != fnv1a(in.data(), 28)) return errc::protocol_error;
+  if (std::to_integer<std::uint8_t>(in[4]) != kVersion) return errc::version_mismatch;
+  if (in[5] != std::byte{0} || in[6] != std::byte{0} || in[7] != std::byte{0}) return errc::protocol_error;
+  p = in.data() + 8;
+  remote_region r;
+  r.addr = get<std::uint64_t>(p);
+  r.length = get<std::uint64_t>(p);
+  r.rkey = get<std::uint32_t>(p);
+  if (r.length == 0 || r.addr + r.length < r.addr) return errc::protocol_error;
+  out = r;
+  return {};
+}
+
+// ---------------------------------------------------------------- memory_region
+
+memory_region::memory_region() noexcept = default;
+memory_region::memory_region(std::unique_ptr<transport::memory_region> mr) noexcept : mr_(std::move(mr)) {}
+memory_region::memory_region(memory_region&&) noexcept = default;
+memory_region& memory_region::operator=(memory_region&&) noexcept = default;
+memory_region::~memory_region() = default;
+
+std::byte* memory_region::data() const noexcept { return mr_ ? static_cast<std::byte*>(mr_->addr()) : nullptr; }
+std::size_t memory_region::size() const noexcept { return mr_ ? mr_->length() : 0; }
+access memory_region::access() const noexcept { return mr_ ? mr_->access() : access::none; }
+std::uint32_t memory_region::lkey() const noexcept { return mr_ ? mr_->lkey() : 0; }
+std::uint32_t memory_region::rkey() const noexcept { return mr_ ? mr_->rkey() : 0; }
+
+remote_region memory_region::remote() const noexcept {
+  if (!mr_) return {};
+  return {reinterpret_cast<std::uint64_t>(mr_->addr()), mr_->length(), mr_->rkey()};
+}
+
+local_range memory_region::at(std::size_t offset, std::size_t len) const {
+  const std::size_t n = size();
+  if (offset > n || len > n - offset) out_of_range("memory_region::at", offset, len, n);
+  return {data() + offset, len, this};
+}
+
+void memory_region::reset() noexcept { mr_.reset(); }
+
+}  // namespace anydoor

@@ -1,0 +1,555 @@
+// One-sided operations on a real provider (ANYDOOR_TEST_PROVIDER): memory
+// regions and their remote descriptors, put/get (through a region and
+// through the registration cache, scatter-gather), atomics, put with
+// notification, flush, the registration cache, and remote access errors
+// under RC rules. Every test drives io.run() to its natural end under a
+// watchdog.
+//
+// With the tcp provider the target's process makes the progress, so the
+// target side of each test waits in a receive while the initiator works.
+#include "../support/runtime.hpp"
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <cstring>
+
+using namespace anydoor::test;
+using asio::awaitable;
+using asio::use_awaitable;
+
+namespace {
+
+// Two fabrics on one io_context, connected: `a` initiates, `b` is the target.
+struct onesided_pair {
+  asio::io_context io;
+  ad::fabric fa;
+  ad::fabric fb;
+  ad::acceptor acc;
+  ad::connection a, b;
+
+  explicit onesided_pair(const ad::fabric_options& o = test_options())
+      : fa(io, o), fb(io, o), acc(fb.listen(test_host(), 0)) {
+    connect();
+  }
+  // A fresh connection pair on the same fabrics.
+  void connect() {
+    failure f;
+    asio::co_spawn(io, [this]() -> awaitable<void> { b = co_await acc.async_accept(use_awaitable); }, f.handler());
+    asio::co_spawn(io, [this]() -> awaitable<void> { a = co_await fa.async_connect(addr(acc), use_awaitable); },
+                   f.handler());
+    run_to_completion(io);
+    f.check();
+    REQUIRE(a.is_open());
+    REQUIRE(b.is_open());
+  }
+  // Runs `initiator` on a while b waits for its "done" message (sent after
+  // it), then returns; `target_ended` gets how b's wait ended.
+  template <class Initiator>
+  void run(Initiator initiator, ad::error_code* target_ended = nullptr) {
+    failure f;
+    asio::co_spawn(io, [this, target_ended]() -> awaitable<void> {
+      auto [ec, m] = co_await b.async_receive(asio::as_tuple(use_awaitable));
+      if (target_ended != nullptr) *target_ended = ec;
+    }, f.handler());
+    asio::co_spawn(io, [this, initiator]() -> awaitable<void> {
+      co_await initiator(a);
+      if (a.is_open()) co_await a.async_send(asio::buffer("done", 4), use_awaitable);
+    }, f.handler());
+    run_to_completion(io);
+    f.check();
+  }
+};
+
+std::uint32_t fnv1a(const std::byte* p, std::size_t n) {
+  std::uint32_t h = 2166136261u;
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= std::to_integer<std::uint32_t>(p[i]);
+    h *= 16777619u;
+  }
+  return h;
+}
+
+// Re-seals a packed region after a test changed its bytes.
+void reseal(std::array<std::byte, ad::remote_region::packed_size>& p) {
+  const std::uint32_t h = fnv1a(p.data(), 28);
+  for (int i = 0; i < 4; ++i) p[28 + static_cast<std::size_t>(i)] = static_cast<std::byte>((h >> (8 * i)) & 0xff);
+}
+
+bool atomics_supported(const ad::fabric& f) {
+  return const_cast<ad::fabric&>(f).device().caps().atomics;
+}
+
+}  // namespace
+
+TEST_CASE("remote_region: at() is bounds-checked; pack and unpack round-trip and reject garbage", "[onesided]") {
+  const ad::remote_region r{0x7f0000001000, 4096, 0x1234};
+  CHECK(r.at(0, 4096) == r);
+  CHECK(r.at(100, 10) == ad::remote_region{0x7f0000001064, 10, 0x1234});
+  CHECK(r.at(4096, 0).length == 0);
+  auto code = [&](std::uint64_t off, std::uint64_t len) {
+    try {
+      (void)r.at(off, len);
+    } catch (const std::system_error& e) {
+      return e.code();
+    }
+    return std::error_code{};
+  };
+  CHECK(code(4097, 0) == ad::errc::out_of_range);
+  CHECK(code(4000, 97) == ad::errc::out_of_range);
+  CHECK(code(1, ~std::uint64_t{0}) == ad::errc::out_of_range);  // no wrap-around
+
+  auto packed = r.pack();
+  ad::remote_region back;
+  REQUIRE_FALSE(ad::remote_region::unpack(packed, back));
+  CHECK(back == r);
+
+  ad::remote_region untouched{1, 2, 3};
+  CHECK(ad::remote_region::unpack(std::span(packed).first(31), untouched) == ad::errc::protocol_error);
+  std::vector<std::byte> longer(packed.begin(), packed.end());
+  longer.push_back(std::byte{0});
+  CHECK(ad::remote_region::unpack(longer, untouched) == ad::errc::protocol_error);
+  auto bad = packed;
+  bad[0] = std::byte{'X'};  // magic
+  CHECK(ad::remote_region::unpack(bad, untouched) == ad::errc::protocol_error);
+  bad = packed;
+  bad[9] ^= std::byte{1};  // a flipped bit in addr: the check fails
+  CHECK(ad::remote_region::unpack(bad, untouched) == ad::errc::protocol_error);
+  bad = packed;
+  bad[4] = std::byte{2};  // another version, sealed
+  reseal(bad);
+  CHECK(ad::remote_region::unpack(bad, untouched) == ad::errc::version_mismatch);
+  bad = packed;
+  bad[6] = std::byte{1};  // reserved, sealed
+  reseal(bad);
+  CHECK(ad::remote_region::unpack(bad, untouched) == ad::errc::protocol_error);
+  CHECK(ad::remote_region::unpack(ad::remote_region{0x1000, 0, 1}.pack(), untouched) == ad::errc::protocol_error);
+  CHECK(ad::remote_region::unpack(ad::remote_region{~std::uint64_t{0} - 10, 100, 1}.pack(), untouched) ==
+        ad::errc::protocol_error);
+  std::array<std::byte, 32> zeros{};
+  CHECK(ad::remote_region::unpack(zeros, untouched) == ad::errc::protocol_error);
+  CHECK(untouched == ad::remote_region{1, 2, 3});  // unchanged on every error
+}
+
+TEST_CASE("memory_region: exactly the requested access, bounds-checked ranges, deregistration", "[onesided]") {
+  asio::io_context io;
+  ad::fabric fab(io, test_options());
+  std::vector<std::byte> buf(8192);
+  for (const ad::access acc : {ad::access::none, ad::access::local_write, ad::access::remote_read,
+                               ad::access::remote_write | ad::access::local_write,
+                               ad::access::remote_atomic | ad::access::remote_write | ad::access::local_write}) {
+    ad::memory_region mr = fab.register_memory(buf, acc);
+    CHECK(mr.access() == acc);
+    CHECK(mr.data() == buf.data());
+    CHECK(mr.size() == buf.size());
+    const ad::remote_region r = mr.remote();
+    CHECK(r.addr == reinterpret_cast<std::uint64_t>(buf.data()));
+    CHECK(r.length == buf.size());
+    CHECK(r.rkey == mr.rkey());
+  }
+  ad::memory_region mr = fab.register_memory(buf, ad::access::local_write);
+  const ad::local_range part = mr.at(100, 200);
+  CHECK(part.data() == buf.data() + 100);
+  CHECK(part.size() == 200);
+  CHECK(part.region() == &mr);
+  auto code = [&](std::size_t off, std::size_t len) {
+    try {
+      (void)mr.at(off, len);
+    } catch (const std::system_error& e) {
+      return e.code();
+    }
+    return std::error_code{};
+  };
+  CHECK(code(8192, 1) == ad::errc::out_of_range);
+  CHECK(code(1, 8192) == ad::errc::out_of_range);
+  CHECK_FALSE(code(8192, 0));
+  ad::memory_region moved = std::move(mr);
+  CHECK_FALSE(mr);  // NOLINT(bugprone-use-after-move): moved-from is empty
+  CHECK(moved);
+  moved.reset();
+  CHECK_FALSE(moved);
+  CHECK(moved.size() == 0);
+  try {
+    (void)fab.register_memory({}, ad::access::local_write);
+    FAIL("registering empty memory must fail");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == ad::errc::invalid_argument);
+  }
+}
+
+TEST_CASE("put and get move data both ways, 8 B to 4 MiB, through regions and through the cache", "[onesided]") {
+  onesided_pair p;
+  const std::size_t max = std::size_t{4} << 20;
+  std::vector<std::byte> target(max + 64);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  // The target's descriptor travels as a message, as in a real program.
+  std::vector<std::byte> local(max);
+  ad::memory_region lr = p.fa.register_memory(local, ad::access::local_write);
+  const std::vector<std::size_t> sizes = {8, 64, 4096, 65536 + 3, std::size_t{1} << 20, max};
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const std::size_t n = sizes[i];
+      const auto data = pattern(n, static_cast<std::uint32_t>(i));
+      const ad::remote_region dst = tr.remote().at(i, n);  // odd offsets too
+      // put from a plain buffer (the cache), get into a region
+      const auto r1 = co_await c.async_put(asio::buffer(data), dst, use_awaitable);
+      CHECK(r1 == n);
+      CHECK(std::memcmp(target.data() + i, data.data(), n) == 0);
+      std::memset(local.data(), 0, n);
+      const auto r2 = co_await c.async_get(lr.at(0, n), dst, use_awaitable);
+      CHECK(r2 == n);
+      CHECK(std::memcmp(local.data(), data.data(), n) == 0);
+      // put from a region, get into a plain buffer (the cache)
+      const auto data2 = pattern(n, static_cast<std::uint32_t>(100 + i));
+      std::memcpy(local.data(), data2.data(), n);
+      const auto r3 = co_await c.async_put(lr.at(0, n), dst, use_awaitable);
+      CHECK(r3 == n);
+      CHECK(std::memcmp(target.data() + i, data2.data(), n) == 0);
+      std::vector<std::byte> back(n);
+      const auto r4 = co_await c.async_get(asio::buffer(back), dst, use_awaitable);
+      CHECK(r4 == n);
+      CHECK(back == data2);
+    }
+    // A zero-length put completes at once.
+    const auto r5 = co_await c.async_put(asio::buffer(local.data(), 0), tr.remote(), use_awaitable);
+    CHECK(r5 == 0);
+    const ad::connection_stats s = c.stats();
+    CHECK(s.puts == 2 * sizes.size());
+    CHECK(s.gets == 2 * sizes.size());
+    CHECK(s.bytes_put == 2 * std::accumulate(sizes.begin(), sizes.end(), std::uint64_t{0}));
+  });
+  CHECK(p.a.is_open());
+}
+
+TEST_CASE("scatter-gather: a put gathers several local ranges, a get scatters into several", "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  const auto x = pattern(100, 1), y = pattern(3000, 2), z = pattern(7, 3);
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    const std::array<ad::local_range, 4> pieces{asio::buffer(x), asio::buffer(y), asio::const_buffer(), asio::buffer(z)};
+    const auto r6 =
+        co_await c.async_put(std::span<const ad::local_range>(pieces), tr.remote().at(10, 3107), use_awaitable);
+    CHECK(r6 == 3107);
+    CHECK(std::memcmp(target.data() + 10, x.data(), 100) == 0);
+    CHECK(std::memcmp(target.data() + 110, y.data(), 3000) == 0);
+    CHECK(std::memcmp(target.data() + 3110, z.data(), 7) == 0);
+    std::vector<std::byte> u(7), v(3000), w(100);
+    const std::array<ad::local_range, 3> out{asio::buffer(u), asio::buffer(v), asio::buffer(w)};
+    const auto r7 = co_await c.async_get(std::span<const ad::local_range>(out), tr.remote().at(10, 3107), use_awaitable);
+    CHECK(r7 == 3107);
+    CHECK(std::memcmp(u.data(), x.data(), 7) == 0);
+    CHECK(std::memcmp(v.data(), x.data() + 7, 93) == 0);
+    CHECK(std::memcmp(v.data() + 93, y.data(), 2907) == 0);
+    CHECK(std::memcmp(w.data(), y.data() + 2907, 93) == 0);
+    CHECK(std::memcmp(w.data() + 93, z.data(), 7) == 0);
+    // 17 ranges: more than a work request may gather
+    std::vector<std::byte> one(17);
+    std::vector<ad::local_range> many;
+    for (std::size_t i = 0; i < 17; ++i) many.emplace_back(asio::buffer(one.data() + i, 1));
+    auto [ec, n] = co_await c.async_put(std::span<const ad::local_range>(many), tr.remote(), asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::invalid_argument);
+    CHECK(n == 0);
+  });
+  CHECK(p.a.is_open());
+}
+
+TEST_CASE("atomics: fetch_add and compare_swap return the value before and act on the peer's memory", "[onesided]") {
+  onesided_pair p;
+  alignas(8) std::array<std::uint64_t, 4> words{};
+  ad::memory_region tr = p.fb.register_memory(std::as_writable_bytes(std::span(words)),
+                                              ad::access::local_write | ad::access::remote_atomic | ad::access::remote_read);
+  const bool supported = atomics_supported(p.fa);
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    const ad::remote_region w1 = tr.remote().at(8, 8);
+    if (!supported) {
+      auto [ec, v] = co_await c.async_fetch_add(w1, 1, asio::as_tuple(use_awaitable));
+      CHECK(ec == ad::errc::not_supported);
+      co_return;
+    }
+    const auto r8 = co_await c.async_fetch_add(w1, 5, use_awaitable);
+    CHECK(r8 == 0);
+    const auto r9 = co_await c.async_fetch_add(w1, 5, use_awaitable);
+    CHECK(r9 == 5);
+    const auto r10 = co_await c.async_fetch_add(w1, ~std::uint64_t{0}, use_awaitable);  // wraps: adds -1
+    CHECK(r10 == 10);
+    CHECK(words[1] == 9);
+    const auto r11 = co_await c.async_compare_swap(w1, 9, 100, use_awaitable);  // swapped
+    CHECK(r11 == 9);
+    CHECK(words[1] == 100);
+    const auto r12 = co_await c.async_compare_swap(w1, 9, 200, use_awaitable);  // not swapped
+    CHECK(r12 == 100);
+    CHECK(words[1] == 100);
+    CHECK(words[0] == 0);
+    CHECK(words[2] == 0);
+    // misaligned or short targets fail on the operation; the connection stays
+    auto [e1, v1] = co_await c.async_fetch_add(tr.remote().at(4, 8), 1, asio::as_tuple(use_awaitable));
+    CHECK(e1 == ad::errc::invalid_argument);
+    auto [e2, v2] = co_await c.async_compare_swap(tr.remote().at(8, 4), 0, 1, asio::as_tuple(use_awaitable));
+    CHECK(e2 == ad::errc::invalid_argument);
+    CHECK(c.stats().atomics == 5);
+  });
+  CHECK(p.a.is_open());
+}
+
+TEST_CASE("put_with_notify: the peer receives the value and the written range, after the data", "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(65536);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  const auto data = pattern(5000, 7);
+  const ad::remote_region dst = tr.remote().at(1000, 5000);
+  std::vector<ad::notification> got;
+  bool data_there = false;
+  failure f;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 3; ++i) {
+      got.push_back(co_await p.b.async_receive_notification(use_awaitable));
+      if (i == 0) data_there = std::memcmp(target.data() + 1000, data.data(), data.size()) == 0;
+    }
+    CHECK(p.b.stats().notifications_received == 3);
+  }, f.handler());
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    const auto r13 = co_await p.a.async_put_with_notify(asio::buffer(data), dst, 42, use_awaitable);
+    CHECK(r13 == 5000);
+    const auto r14 = co_await p.a.async_put_with_notify(asio::buffer(data.data(), 10), tr.remote().at(0, 10), 0xffffffffu,
+                                             use_awaitable);
+    CHECK(r14 == 10);
+    // no data: only the notification
+    const auto r15 = co_await p.a.async_put_with_notify(asio::const_buffer(), tr.remote().at(7, 0), 7, use_awaitable);
+    CHECK(r15 == 0);
+    CHECK(p.a.stats().notifications_sent == 3);
+  }, f.handler());
+  run_to_completion(p.io);
+  f.check();
+  REQUIRE(got.size() == 3);
+  CHECK(data_there);
+  CHECK(got[0].value == 42);
+  CHECK(got[0].range == dst);
+  CHECK(got[1].value == 0xffffffffu);
+  CHECK(got[1].range == tr.remote().at(0, 10));
+  CHECK(got[2].value == 7);
+  CHECK(got[2].range.length == 0);
+}
+
+TEST_CASE("flush completes once every earlier operation is complete at the peer", "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(1 << 20);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  const auto data = pattern(1 << 20, 9);
+  std::vector<int> order;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    co_await c.async_flush(use_awaitable);  // nothing outstanding: completes at once
+    for (int i = 0; i < 8; ++i) {
+      const std::size_t chunk = data.size() / 8;
+      const std::size_t off = static_cast<std::size_t>(i) * chunk;
+      c.async_put(asio::buffer(data.data() + off, chunk), tr.remote().at(off, chunk),
+                  [&order, i](ad::error_code ec, std::size_t) {
+                    CHECK_FALSE(ec);
+                    order.push_back(i);
+                  });
+    }
+    co_await c.async_flush(use_awaitable);
+    order.push_back(100);
+    CHECK(target == data);
+    CHECK(c.stats().flushes == 2);
+  });
+  REQUIRE(order.size() == 9);
+  CHECK(order.back() == 100);
+}
+
+TEST_CASE("registration cache: a buffer is registered once and reused; forget_memory and eviction drop entries",
+          "[onesided]") {
+  ad::fabric_options o = test_options();
+  o.cache_max_entries = 2;
+  onesided_pair p(o);
+  std::vector<std::byte> target(1 << 16);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  std::vector<std::byte> src(3 * 8192 + 4096);
+  auto page_aligned = [&](std::size_t k) {
+    auto p0 = (reinterpret_cast<std::uintptr_t>(src.data()) + 4095) & ~std::uintptr_t{4095};
+    return reinterpret_cast<std::byte*>(p0) + k * 8192;
+  };
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    for (int i = 0; i < 10; ++i) co_await c.async_put(asio::buffer(page_aligned(0), 4096), tr.remote(), use_awaitable);
+    ad::registration_cache_stats s = p.fa.stats().cache;
+    CHECK(s.registrations == 1);
+    CHECK(s.misses == 1);
+    CHECK(s.hits == 9);
+    CHECK(s.entries == 1);
+    // a part of a cached page: still a hit
+    co_await c.async_put(asio::buffer(page_aligned(0) + 100, 50), tr.remote(), use_awaitable);
+    CHECK(p.fa.stats().cache.hits == 10);
+    // forget: the next use registers again
+    CHECK(p.fa.forget_memory(page_aligned(0), 4096) == 1);
+    CHECK(p.fa.stats().cache.entries == 0);
+    co_await c.async_put(asio::buffer(page_aligned(0), 4096), tr.remote(), use_awaitable);
+    s = p.fa.stats().cache;
+    CHECK(s.registrations == 2);
+    CHECK(s.invalidations == 1);
+    // three buffers on separate pages with room for two: the oldest goes
+    co_await c.async_put(asio::buffer(page_aligned(1), 4096), tr.remote(), use_awaitable);
+    co_await c.async_put(asio::buffer(page_aligned(2), 4096), tr.remote(), use_awaitable);
+    s = p.fa.stats().cache;
+    CHECK(s.registrations == 4);
+    CHECK(s.evictions == 1);
+    CHECK(s.entries == 2);
+    CHECK(s.deregistrations == 2);
+    CHECK(s.bytes == 2 * 4096);
+  });
+  CHECK(p.fa.forget_memory(nullptr, 0) == 0);
+}
+
+TEST_CASE("remote access errors fail that operation and, as RC requires, the connection; a new one works",
+          "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(8192);
+  ad::memory_region rw = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  std::vector<std::byte> ro_mem(4096);
+  ad::memory_region ro = p.fb.register_memory(ro_mem, ad::access::remote_read);
+  const auto data = pattern(256, 3);
+  struct bad_case {
+    const char* what;
+    ad::remote_region dst;
+  };
+  const std::vector<bad_case> cases = {
+      {"beyond the region", ad::remote_region{rw.remote().addr + 8192 - 100, 256, rw.rkey()}},
+      {"an unknown key", ad::remote_region{rw.remote().addr, 256, rw.rkey() ^ 0x5a5a5a}},
+      {"a region without remote write", ro.remote()},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    INFO(cases[i].what);
+    if (i > 0) p.connect();
+    ad::error_code target_ended;
+    p.run([&](ad::connection& c) -> awaitable<void> {
+      auto [ec, n] = co_await c.async_put(asio::buffer(data), cases[i].dst, asio::as_tuple(use_awaitable));
+      CHECK(ec == anydoor::transport::wc_status::remote_access_error);
+      CHECK(n == 0);
+      CHECK_FALSE(c.is_open());
+      auto [ec2, n2] = co_await c.async_put(asio::buffer(data), rw.remote(), asio::as_tuple(use_awaitable));
+      CHECK(ec2);  // the connection is in error
+      // the target's pending receive ends too (its queue pair follows)
+      p.b.abort();
+    }, &target_ended);
+    CHECK(target_ended);
+  }
+  p.connect();  // a new connection to the same peer works
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    const auto r16 = co_await c.async_put(asio::buffer(data), rw.remote(), use_awaitable);
+    CHECK(r16 == data.size());
+  });
+  CHECK(std::memcmp(target.data(), data.data(), data.size()) == 0);
+}
+
+TEST_CASE("a deregistered region can no longer be written or read remotely", "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  const ad::remote_region r = tr.remote();
+  const auto data = pattern(64, 5);
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    const auto r17 = co_await c.async_put(asio::buffer(data), r, use_awaitable);
+    CHECK(r17 == 64);
+    tr.reset();  // the target deregisters
+    auto [ec, n] = co_await c.async_put(asio::buffer(pattern(64, 6)), r, asio::as_tuple(use_awaitable));
+    CHECK(ec == anydoor::transport::wc_status::remote_access_error);
+    p.b.abort();
+  });
+  CHECK(std::memcmp(target.data(), data.data(), 64) == 0);  // the second put did not land
+  p.connect();
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    std::vector<std::byte> back(64);
+    auto [ec, n] = co_await c.async_get(asio::buffer(back), r, asio::as_tuple(use_awaitable));
+    CHECK(ec == anydoor::transport::wc_status::remote_access_error);
+    p.b.abort();
+  });
+}
+
+TEST_CASE("errors on the operation itself leave the connection usable", "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  std::vector<std::byte> mine(4096);
+  ad::memory_region readable = p.fa.register_memory(mine, ad::access::none);
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    const auto big = pattern(5000, 1);
+    auto [e1, n1] = co_await c.async_put(asio::buffer(big), tr.remote(), asio::as_tuple(use_awaitable));
+    CHECK(e1 == ad::errc::out_of_range);  // more local data than the remote range holds
+    const std::vector<std::byte> konst(16);
+    auto [e2, n2] = co_await c.async_get(asio::buffer(konst), tr.remote(), asio::as_tuple(use_awaitable));
+    CHECK(e2 == ad::errc::invalid_argument);  // a const buffer cannot be a destination
+    auto [e3, n3] = co_await c.async_get(readable.at(0, 16), tr.remote(), asio::as_tuple(use_awaitable));
+    CHECK(e3 == ad::errc::invalid_argument);  // a region without local_write neither
+    const ad::local_range stale = readable.at(0, 16);
+    readable.reset();
+    auto [e4, n4] = co_await c.async_put(stale, tr.remote(), asio::as_tuple(use_awaitable));
+    CHECK(e4 == ad::errc::invalid_argument);  // the region is gone
+    CHECK(c.is_open());
+    const auto r18 = co_await c.async_put(asio::buffer(big.data(), 4096), tr.remote(), use_awaitable);
+    CHECK(r18 == 4096);
+  });
+  CHECK(p.a.is_open());
+}
+
+TEST_CASE("one-sided operations: cancellation, closed connections, empty handles", "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  asio::cancellation_signal sig;
+  ad::error_code note_ec;
+  failure f;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    auto [ec, n] = co_await p.b.async_receive_notification(
+        asio::bind_cancellation_slot(sig.slot(), asio::as_tuple(use_awaitable)));
+    note_ec = ec;
+  }, f.handler());
+  asio::post(p.io, [&] { sig.emit(asio::cancellation_type::terminal); });
+  run_to_completion(p.io);
+  f.check();
+  CHECK(note_ec == std::errc::operation_canceled);
+
+  // after a close, operations fail with connection_closed on both sides
+  asio::co_spawn(p.io, [&]() -> awaitable<void> { co_await p.a.async_close(use_awaitable); }, f.handler());
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    auto [ec, m] = co_await p.b.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_closed);
+    auto [e2, v] = co_await p.b.async_receive_notification(asio::as_tuple(use_awaitable));
+    CHECK(e2 == ad::errc::connection_closed);
+  }, f.handler());
+  run_to_completion(p.io);
+  f.check();
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    auto [e1, n1] = co_await p.a.async_put(asio::buffer(target.data(), 8), tr.remote(), asio::as_tuple(use_awaitable));
+    CHECK(e1 == ad::errc::connection_closed);
+    auto [e2] = co_await p.a.async_flush(asio::as_tuple(use_awaitable));
+    CHECK(e2 == ad::errc::connection_closed);
+    ad::connection none;
+    auto [e3, v3] = co_await none.async_fetch_add(tr.remote(), 1, asio::as_tuple(use_awaitable));
+    CHECK(e3 == ad::errc::not_connected);
+  }, f.handler());
+  run_to_completion(p.io);
+  f.check();
+}
+
+TEST_CASE("fabric options of the registration cache are checked", "[onesided]") {
+  asio::io_context io;
+  auto code = [&](ad::fabric_options o) {
+    try {
+      ad::fabric f(io, o);
+    } catch (const std::system_error& e) {
+      return e.code();
+    }
+    return std::error_code{};
+  };
+  ad::fabric_options o = test_options();
+  o.cache_max_entries = 0;
+  CHECK(code(o) == ad::errc::invalid_argument);
+  o.cache_max_entries = (std::size_t{1} << 20) + 1;
+  CHECK(code(o) == ad::errc::invalid_argument);
+  o.cache_max_entries = 1;
+  o.cache_max_bytes = 4095;
+  CHECK(code(o) == ad::errc::invalid_argument);
+  o.cache_max_bytes = 4096;
+  CHECK_FALSE(code(o));
+}

@@ -1,0 +1,87 @@
+// Test support for the runtime (fabric, connection): run io to its natural
+// end under a watchdog, fabric options sized for tests, data patterns, and
+// coroutine failures rethrown in the test.
+#pragma once
+
+#include "harness.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/io_context.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace anydoor::test {
+
+namespace asio = boost::asio;
+namespace ad = anydoor;
+
+// Runs io until it runs out of work; fails if that takes longer than limit.
+inline void run_to_completion(asio::io_context& io, std::chrono::seconds limit = std::chrono::seconds(60)) {
+  std::mutex m;
+  std::condition_variable cv;
+  bool finished = false;
+  bool fired = false;
+  std::thread watchdog([&] {
+    std::unique_lock lock(m);
+    if (!cv.wait_for(lock, limit, [&] { return finished; })) {
+      fired = true;
+      io.stop();
+    }
+  });
+  io.run();
+  {
+    std::lock_guard lock(m);
+    finished = true;
+  }
+  cv.notify_one();
+  watchdog.join();
+  REQUIRE_FALSE(fired);  // run() did not return by itself: something hung or leaked work
+  io.restart();
+}
+
+inline ad::fabric_options test_options(ad::connection_options c = {}) {
+  ad::fabric_options o;
+  o.device.provider = provider_under_test();
+  o.connection = std::move(c);
+  o.max_connections = 8;
+  o.buffers_per_slab = 64;
+  o.pool_max_bytes = std::size_t{64} << 20;
+  return o;
+}
+
+inline std::vector<std::byte> pattern(std::size_t n, std::uint32_t seed) {
+  std::vector<std::byte> v(n);
+  std::uint32_t x = seed * 2654435761u + 1;
+  for (auto& b : v) {
+    x = x * 1103515245u + 12345u;
+    b = static_cast<std::byte>(x >> 24);
+  }
+  return v;
+}
+
+inline std::string addr(const ad::acceptor& a) { return test_host() + ":" + std::to_string(a.port()); }
+
+// Rethrows a coroutine's exception in the test.
+struct failure {
+  std::exception_ptr e;
+  auto handler() {
+    return [this](std::exception_ptr p) {
+      if (p && !e) e = p;
+    };
+  }
+  void check() const {
+    if (e) std::rethrow_exception(e);
+  }
+};
+
+
+}  // namespace anydoor::test
