@@ -4,12 +4,24 @@
 //
 //   anydoor-runtime-perf --server [--port P] [options]
 //   anydoor-runtime-perf --connect HOST [--port P] [options]
-// options (the server must be given the same --test):
-//   --test echo|msg_rate   echo: co_await send + co_await receive round trips
-//                          (one-way latency = half the round trip);
-//                          msg_rate: the client streams messages (at most
-//                          --window in flight: the connection's credits), the
-//                          server receives them all and answers once
+// options (the server must be given the same --test and -s):
+//   --test echo|msg_rate|put_lat|get_lat|put_bw
+//     echo:     co_await send + co_await receive round trips (one-way
+//               latency = half the round trip)
+//     msg_rate: the client streams messages (at most --window in flight: the
+//               connection's credits), the server receives them all and
+//               answers once
+//     put_lat:  put ping-pong, as ucp_put_lat and ib_write_lat: each side
+//               puts SIZE bytes into the other's region and spins on its own
+//               memory until the peer's put has landed (one-way = half the
+//               round trip); the reactor polls once per io_context round
+//               (spin_polls 1) so that the spinning coroutine runs often
+//     get_lat:  the client gets SIZE bytes from the server's region, one at
+//               a time (latency = the whole get, as ib_read_lat)
+//     put_bw:   the client streams puts of SIZE bytes, --window in flight
+//               (default 16), as ucp_put_bw and ib_write_bw
+//   The one-sided tests exchange memory regions as messages first (packed
+//   remote_region); the server then waits for the client's "done".
 //   -s SIZE     message size in bytes (default 64)
 //   -n ITERS    round trips or messages (default 10000 / 1000000)
 //   --window W  msg_rate: credits per connection (default 64)
@@ -18,6 +30,8 @@
 // ping-pong does). Prints one line:
 //   RESULT test=echo size=64 iters=.. median_us=.. p99_us=.. mean_us=.. (one-way)
 //   RESULT test=msg_rate size=64 iters=.. window=64 Mmsgs=.. MBps=..
+//   RESULT test=put_lat|get_lat size=.. iters=.. median_us=.. p99_us=.. mean_us=..
+//   RESULT test=put_bw size=.. iters=.. window=.. MBps=.. (10^6 bytes per second)
 #include <anydoor/anydoor.hpp>
 
 #include "cli.hpp"
@@ -25,13 +39,16 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace asio = boost::asio;
@@ -47,11 +64,13 @@ using options = anydoor::bench::cli_options;
 options parse(int argc, char** argv) {
   options o = anydoor::bench::parse_cli(
       argc, argv,
-      "anydoor-runtime-perf (--server | --connect HOST) [--port P] [--test echo|msg_rate]\n"
+      "anydoor-runtime-perf (--server | --connect HOST) [--port P]\n"
+      "                            [--test echo|msg_rate|put_lat|get_lat|put_bw]\n"
       "                            [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]",
-      {.port = 7473, .test = "echo", .window = 64}, {"echo", "msg_rate"});
+      {.port = 7473, .test = "echo", .window = 0}, {"echo", "msg_rate", "put_lat", "get_lat", "put_bw"});
   if (o.size == 0) o.size = 64;
-  if (o.iters == 0) o.iters = o.test == "echo" ? 10000 : 1000000;
+  if (o.window == 0) o.window = o.test == "put_bw" ? 16 : 64;
+  if (o.iters == 0) o.iters = o.test == "msg_rate" ? 1000000 : o.test == "put_bw" ? 20000 : 10000;
   if (o.window < 4 || o.window > 4096) {
     std::fprintf(stderr, "anydoor-runtime-perf: --window must be in 4..4096\n");
     std::exit(2);
@@ -59,9 +78,126 @@ options parse(int argc, char** argv) {
   return o;
 }
 
+bool onesided(const options& o) { return o.test == "put_lat" || o.test == "get_lat" || o.test == "put_bw"; }
+
+struct summary {
+  double median = 0, p99 = 0, mean = 0;
+};
+summary summarize(std::vector<double>& ns) {
+  std::sort(ns.begin(), ns.end());
+  double sum = 0;
+  for (double v : ns) sum += v;
+  return {ns[ns.size() / 2], ns[ns.size() * 99 / 100], sum / static_cast<double>(ns.size())};
+}
+
+// Sends our region, receives the peer's (the server sends first).
+awaitable<ad::remote_region> swap_regions(ad::connection& c, const ad::memory_region& mine, bool first) {
+  const auto packed = mine.remote().pack();
+  if (first) co_await c.async_send(asio::buffer(packed), use_awaitable);
+  ad::message m = co_await c.async_receive(use_awaitable);
+  if (!first) co_await c.async_send(asio::buffer(packed), use_awaitable);
+  ad::remote_region peer;
+  if (auto ec = ad::remote_region::unpack(m.bytes(), peer)) throw std::system_error(ec, "the peer's region");
+  co_return peer;
+}
+
+// Waits (yielding to the io_context) until the last byte of `buf` is `tag`.
+awaitable<void> wait_for(const volatile std::byte* last, std::byte tag) {
+  auto ex = co_await asio::this_coro::executor;
+  while (*last != tag) co_await asio::post(ex, use_awaitable);
+}
+
+awaitable<void> onesided_side(ad::fabric& fab, ad::connection& c, const options& o, bool server) {
+  const std::size_t size = o.size;
+  std::vector<std::byte> recv_mem(size), send_mem(size, std::byte{0x5a});
+  ad::memory_region recv_mr = fab.register_memory(
+      recv_mem, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  ad::memory_region send_mr = fab.register_memory(send_mem, ad::access::local_write);
+  const ad::remote_region peer = co_await swap_regions(c, recv_mr, server);
+  const ad::remote_region dst = peer.at(0, size);
+  // Each side's receive of the other's "done" stays pending throughout: with
+  // the tcp provider the peer's puts land only while this side progresses.
+  bool peer_done = false;
+  c.async_receive([&peer_done](ad::error_code, ad::message) { peer_done = true; });
+  const std::uint32_t warm = std::min<std::uint32_t>(1000, o.iters);
+  if (o.test == "put_lat") {
+    std::vector<double> ns;
+    ns.reserve(o.iters);
+    bool failed = false;
+    auto done = [&failed](ad::error_code ec, std::size_t) { failed |= static_cast<bool>(ec); };
+    for (std::uint32_t i = 0; i < warm + o.iters; ++i) {
+      const auto tag = static_cast<std::byte>(i % 255 + 1);
+      if (server) {
+        co_await wait_for(&recv_mem[size - 1], tag);
+        send_mem[size - 1] = tag;
+        c.async_put(send_mr, dst, done);
+      } else {
+        const auto t0 = clk::now();
+        send_mem[size - 1] = tag;
+        c.async_put(send_mr, dst, done);
+        co_await wait_for(&recv_mem[size - 1], tag);
+        if (i >= warm) ns.push_back(std::chrono::duration<double, std::nano>(clk::now() - t0).count());
+      }
+      if (failed) throw std::runtime_error("a put failed");
+    }
+    co_await c.async_flush(use_awaitable);
+    if (!server) {
+      const summary r = summarize(ns);
+      std::printf("RESULT test=put_lat size=%u iters=%u median_us=%.3f p99_us=%.3f mean_us=%.3f\n", o.size, o.iters,
+                  r.median / 2000, r.p99 / 2000, r.mean / 2000);
+    }
+  } else if (!server && o.test == "get_lat") {
+    std::vector<double> ns;
+    ns.reserve(o.iters);
+    for (std::uint32_t i = 0; i < warm + o.iters; ++i) {
+      const auto t0 = clk::now();
+      co_await c.async_get(recv_mr, dst, use_awaitable);
+      if (i >= warm) ns.push_back(std::chrono::duration<double, std::nano>(clk::now() - t0).count());
+    }
+    const summary r = summarize(ns);
+    std::printf("RESULT test=get_lat size=%u iters=%u median_us=%.3f p99_us=%.3f mean_us=%.3f\n", o.size, o.iters,
+                r.median / 1000, r.p99 / 1000, r.mean / 1000);
+  } else if (!server && o.test == "put_bw") {
+    std::uint32_t in_flight = 0, completed = 0;
+    bool failed = false;
+    auto bw_ex = co_await asio::this_coro::executor;
+    auto stream = [&](std::uint32_t count) -> awaitable<void> {
+      completed = 0;
+      for (std::uint32_t posted = 0; posted < count;) {
+        while (in_flight < o.window && posted < count) {
+          ++in_flight;
+          ++posted;
+          c.async_put(send_mr, dst, [&](ad::error_code ec, std::size_t) {
+            failed |= static_cast<bool>(ec);
+            --in_flight;
+            ++completed;
+          });
+        }
+        co_await asio::post(bw_ex, use_awaitable);
+        if (failed) throw std::runtime_error("a put failed");
+      }
+      co_await c.async_flush(use_awaitable);
+    };
+    co_await stream(std::min<std::uint32_t>(1000, o.iters));  // warm-up
+    const auto t0 = clk::now();
+    co_await stream(o.iters);
+    const double secs = std::chrono::duration<double>(clk::now() - t0).count();
+    std::printf("RESULT test=put_bw size=%u iters=%u window=%u MBps=%.1f\n", o.size, o.iters, o.window,
+                static_cast<double>(o.size) * o.iters / secs / 1e6);
+  }
+  co_await c.async_send(asio::buffer("done", 4), use_awaitable);
+  auto ex = co_await asio::this_coro::executor;
+  while (!peer_done) co_await asio::post(ex, use_awaitable);
+  co_await c.async_close(use_awaitable);
+}
+
 awaitable<void> serve(ad::fabric& fab, const options& o) {
   ad::acceptor acc = fab.listen("0.0.0.0", o.port);
   ad::connection c = co_await acc.async_accept(use_awaitable);
+  if (onesided(o)) {
+    co_await onesided_side(fab, c, o, true);
+    co_return;
+  }
   if (o.test == "echo") {
     for (;;) {
       auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
@@ -76,6 +212,10 @@ awaitable<void> serve(ad::fabric& fab, const options& o) {
 
 awaitable<void> run_client(ad::fabric& fab, const options& o) {
   ad::connection c = co_await fab.async_connect(o.host + ":" + std::to_string(o.port), use_awaitable);
+  if (onesided(o)) {
+    co_await onesided_side(fab, c, o, false);
+    co_return;
+  }
   std::vector<std::byte> out(o.size, std::byte{0x5a});
   if (o.test == "echo") {
     const std::uint32_t warm = std::min<std::uint32_t>(1000, o.iters);
@@ -117,7 +257,8 @@ int main(int argc, char** argv) {
     asio::io_context io;
     ad::fabric_options fo;
     fo.device.provider = o.provider;
-    fo.connection.credits = static_cast<std::uint16_t>(o.window);
+    fo.connection.credits = static_cast<std::uint16_t>(o.test == "msg_rate" ? o.window : 64);
+    if (o.test == "put_lat") fo.reactor.spin_polls = 1;  // the spinning coroutine checks memory every round
     fo.max_connections = 4;
     ad::fabric fab(io, fo);
     std::exception_ptr failure;

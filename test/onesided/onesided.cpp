@@ -34,6 +34,15 @@ struct onesided_pair {
       : fa(io, o), fb(io, o), acc(fb.listen(test_host(), 0)) {
     connect();
   }
+  // Open connections are aborted; their teardown finishes in io.run().
+  ~onesided_pair() {
+    a = {};
+    b = {};
+    io.restart();
+    io.run_for(std::chrono::seconds(10));
+  }
+  onesided_pair(const onesided_pair&) = delete;
+  onesided_pair& operator=(const onesided_pair&) = delete;
   // A fresh connection pair on the same fabrics.
   void connect() {
     failure f;

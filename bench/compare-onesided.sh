@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One-sided operations against UCX, side by side in one run, on loopback with
+# the tcp provider and UCX_TLS=tcp, busy polling, server on CPU 0 and client
+# on CPU 1, REPS interleaved rounds (default 3) per size; medians of the
+# per-run figures and their ratios.
+#   put latency  (one-way, ping-pong of puts spinning on memory):
+#                anydoor-runtime-perf --test put_lat  vs ucx_perftest -t ucp_put_lat
+#   get latency  (one get, waited for):
+#                anydoor-runtime-perf --test get_lat  vs ucx_perftest -t ucp_get
+#   put bandwidth (a window of puts in flight):
+#                anydoor-runtime-perf --test put_bw   vs ucx_perftest -t ucp_put_bw
+# Sizes 8 B to 4 MiB (SIZES overrides); ucx_perftest's MB/s (2^20) is
+# converted to 10^6 bytes per second like ours.
+#   bench/compare-onesided.sh [BUILD_DIR]   (ucx_perftest from scripts/setup --bench)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build}
+rperf=$build/bin/anydoor-runtime-perf
+REPS=${REPS:-3}
+SIZES=${SIZES:-"8 64 4096 65536 1048576 4194304"}
+port=$((20000 + RANDOM % 20000))
+export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
+
+# shellcheck source=lib.sh
+source "$root/bench/lib.sh"
+require_tools compare-onesided "$rperf" ucx_perftest taskset
+
+iters() {  # fewer iterations for large transfers
+  local s=$1 base=$2
+  if ((s >= 1048576)); then echo $((base / 20)); elif ((s >= 65536)); then echo $((base / 4)); else echo "$base"; fi
+}
+ours() {  # ours TEST SIZE N -> the client's RESULT line
+  pair "$rperf --server --port PORT --provider tcp --test $1 -s $2 -n $3" \
+       "$rperf --connect 127.0.0.1 --port PORT --provider tcp --test $1 -s $2 -n $3"
+}
+ucx() {  # ucx TEST SIZE N -> the client's Final line
+  pair "env UCX_TLS=tcp ucx_perftest -p PORT" "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t $1 -s $2 -n $3" |
+    awk '$1 == "Final:"'
+}
+
+declare -A r
+for s in $SIZES; do
+  for ((k = 1; k <= REPS; k++)); do
+    echo "size $s round $k/$REPS" >&2
+    n=$(iters "$s" 5000)
+    r[put_lat_$s]+="$(ours put_lat "$s" "$n" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') "
+    r[ucx_put_lat_$s]+="$(ucx ucp_put_lat "$s" "$n" | awk '{print $3}') "
+    n=$(iters "$s" 2000)
+    r[get_lat_$s]+="$(ours get_lat "$s" "$n" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') "
+    r[ucx_get_lat_$s]+="$(ucx ucp_get "$s" "$n" | awk '{print $3}') "
+    n=$(iters "$s" 20000)
+    r[put_bw_$s]+="$(ours put_bw "$s" "$n" | sed -n 's/.*MBps=\([0-9.]*\).*/\1/p') "
+    r[ucx_put_bw_$s]+="$(ucx ucp_put_bw "$s" "$n" | awk '{printf "%.1f", $7 * 1.048576}') "
+  done
+done
+
+m() { tr ' ' '\n' <<<"${r[$1]}" | grep -v '^$' | median; }
+echo
+echo "runs per tool and size: $REPS (tcp provider vs UCX_TLS=tcp, loopback)"
+printf '%-9s | %-28s | %-28s | %-28s\n' size "put latency us (ours/ucx)" "get latency us (ours/ucx)" "put MB/s (ours/ucx)"
+for s in $SIZES; do
+  pl=$(m "put_lat_$s"); upl=$(m "ucx_put_lat_$s"); gl=$(m "get_lat_$s"); ugl=$(m "ucx_get_lat_$s")
+  pb=$(m "put_bw_$s"); upb=$(m "ucx_put_bw_$s")
+  ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b + 0 == 0) print "nan"; else printf "%.2f", a / b}'; }
+  printf '%-9s | %8s %8s ratio %5s | %8s %8s ratio %5s | %8s %8s ratio %5s\n' "$s" \
+    "$pl" "$upl" "$(ratio "$pl" "$upl")" "$gl" "$ugl" "$(ratio "$gl" "$ugl")" "$pb" "$upb" "$(ratio "$pb" "$upb")"
+done
+echo "(latency ratio below 1 and bandwidth ratio above 1: anydoor faster)"
