@@ -5,5 +5,6 @@
 #include <anydoor/connection.hpp>
 #include <anydoor/error.hpp>
 #include <anydoor/fabric.hpp>
+#include <anydoor/memory.hpp>
 #include <anydoor/reactor.hpp>
 #include <anydoor/transport/provider.hpp>
