@@ -885,17 +885,17 @@ void connection_impl::complete_flushes(std::uint64_t done) noexcept {
   }
 }
 
+std::error_code connection_impl::receive_ending() const noexcept {
+  if (peer_closed_ || state_ == state::closed) return errc::connection_closed;
+  if (state_ == state::failed) return error_;
+  return {};
+}
+
 void connection_impl::deliver_notes(bool post) noexcept {
   while (!note_waiting_.empty()) {
     if (notes_head_ == notes_tail_) {
-      std::error_code ec;
-      if (peer_closed_ || state_ == state::closed) {
-        ec = errc::connection_closed;
-      } else if (state_ == state::failed) {
-        ec = error_;
-      } else {
-        return;
-      }
+      const std::error_code ec = receive_ending();
+      if (!ec) return;
       while (op_node* n = note_waiting_.pop_front()) complete(n, post, ec);
       return;
     }
@@ -1158,14 +1158,8 @@ void connection_impl::deliver(bool post) noexcept {
   if (!note_waiting_.empty()) deliver_notes(post);
   while (!recv_waiting_.empty()) {
     if (inbox_head_ == inbox_tail_) {
-      std::error_code ec;
-      if (peer_closed_ || state_ == state::closed) {
-        ec = errc::connection_closed;
-      } else if (state_ == state::failed) {
-        ec = error_;
-      } else {
-        return;
-      }
+      const std::error_code ec = receive_ending();
+      if (!ec) return;
       while (op_node* n = recv_waiting_.pop_front()) complete(n, post, ec);
       return;
     }

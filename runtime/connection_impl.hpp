@@ -139,6 +139,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // receiving
   void deliver(bool post) noexcept;
   void deliver_notes(bool post) noexcept;
+  // Why nothing more will arrive (closed, failed); empty while open.
+  std::error_code receive_ending() const noexcept;
   bool start_read(op_node* n, const protocol::rts_body& b) noexcept;  // false: no room now
   void on_read_done(op_node* n, transport::wc_status status) noexcept;
   void repost(std::uint32_t buffer) noexcept;

@@ -48,11 +48,15 @@
 //   async_get(local, remote)       void(error_code, std::size_t): reads remote into local
 //   async_put_with_notify(local, remote, value)
 //                                  a put, then the peer's async_receive_notification()
-//                                  yields {value, the range written}
+//                                  yields {value, the range written}; like a message, a
+//                                  notification holds one of the peer's receive credits
+//                                  until it is taken
 //   async_fetch_add(remote, add)   void(error_code, std::uint64_t before)
 //   async_compare_swap(remote, expected, desired)
 //                                  void(error_code, std::uint64_t before); swapped iff before == expected
-//   async_flush()                  void(error_code): every earlier operation is complete at the peer
+//   async_flush()                  void(error_code): every earlier one-sided operation and
+//                                  eager message is complete at the peer (a rendezvous
+//                                  message is complete when its async_send completes)
 // `local` is a local_range: a range of a memory_region, or any buffer (the
 // fabric's registration cache registers it); put and get also take a span
 // of up to 16 local ranges (gather / scatter; read when the operation

@@ -277,6 +277,34 @@ TEST_CASE("a burst larger than one progress pass completes on a queue shared by 
   for (std::uint32_t i = 0; i < kMsgs; ++i) CHECK(dst[i] == i);
 }
 
+TEST_CASE("a target that armed its queue before a write landed acknowledges it, though no completion wakes it",
+          "[conformance]") {
+  connected_pair p;
+  std::vector<char> src(4096, 'w'), dst(4096, 0);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write | access::remote_write);
+  tp::completion buf[4];
+  std::error_code ec;
+  REQUIRE(p.b.cq->poll(buf, ec) == 0);
+  REQUIRE_FALSE(p.b.cq->arm());  // the target's consumer arms, then drains (arm-then-drain) ...
+  const tp::sge sg = smr->slice(0, 4096);
+  tp::work_request wr{.wr_id = 7, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                      .remote_addr = reinterpret_cast<std::uint64_t>(dst.data()), .rkey = dmr->rkey()};
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  // ... and its draining polls place the write, which yields no completion there.
+  const auto deadline = std::chrono::steady_clock::now() + 3s;
+  while (dst != src && std::chrono::steady_clock::now() < deadline) {
+    CHECK(p.b.cq->poll(buf, ec) == 0);
+  }
+  REQUIRE(dst == src);
+  // The target sleeps now: only the initiator is driven. Its write completes.
+  driver tx{p.a.cq.get()};
+  auto c = tx.wait(p.a.cq.get(), 1, 3s);
+  REQUIRE(c.size() == 1);
+  CHECK(c[0].wr_id == 7);
+  CHECK(c[0].status == tp::wc_status::success);
+}
+
 TEST_CASE("a receiver that arms its queue and sleeps still acknowledges what it received", "[conformance]") {
   one_message m;
   auto& p = m.p;

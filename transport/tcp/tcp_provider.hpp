@@ -91,9 +91,13 @@ class tcp_cq final : public completion_queue {
   void unwatch(int fd) noexcept;
   void schedule(std::chrono::steady_clock::time_point when) noexcept;
   void progress() noexcept;
+  // The consumer armed the queue and may sleep until it notifies.
+  bool armed() const noexcept { return armed_; }
+  // Makes the notify fd readable (any thread): a queue pair that went live
+  // after the reactor's last poll must not wait for data that already came.
+  void signal() noexcept;
 
  private:
-  void signal() noexcept;
 
   std::uint32_t depth_;
   std::vector<completion> ring_;

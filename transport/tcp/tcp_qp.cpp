@@ -148,6 +148,11 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
   static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, false);
   if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, false);
   live_.store(true, std::memory_order_release);  // the completion queues may drive it from now on
+  // The socket is watched before it is live: a reactor woken by data that
+  // arrived in between polled, skipped this not-yet-live queue pair and went
+  // back to sleep, and that data brings no new wake-up. Wake it again.
+  static_cast<tcp_cq*>(attr_.send_cq)->signal();
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->signal();
   return {};
 }
 
@@ -456,8 +461,12 @@ void tcp_qp::progress() noexcept {
   receive();
   // A lone ACK waits for company: it leaves with the next request posted
   // (one segment instead of two in request/reply traffic), or at the start
-  // of the next progress pass, or when the completion queue is armed.
-  if (!only_ack_pending()) flush();
+  // of the next progress pass, or when the completion queue is armed — and
+  // at once if it already is: a consumer that armed and then drained (the
+  // arm-then-drain rule) sleeps after this pass, and one-sided requests
+  // produce no completion here to wake it.
+  const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
+  if (!only_ack_pending() || (cq != nullptr && cq->armed())) flush();
   check_local_error();
 }
 
