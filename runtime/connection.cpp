@@ -133,7 +133,16 @@ void connection_impl::on_connected(const protocol::hello& peer) {
   credits_ += peer.credits;
   peer_view_ += opt_.credits;
   eager_limit_ = std::min<std::uint32_t>(opt_.eager_limit, peer.recv_buffer - static_cast<std::uint32_t>(protocol::kHeaderSize));
+  if (state_ == state::failed) {
+    // It failed while the setup thread still held the queue pair (a
+    // malformed early message): the queue pair goes to error only now.
+    if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+    return;
+  }
   if (state_ == state::setup) state_ = state::open;
+  // What early messages queued (re-posted receives, credits) waited for the
+  // setup thread to let go of the queue pair.
+  if (!recv_batch_.empty() || !batch_.empty()) schedule();
   if (credits_ > static_cast<std::int64_t>(peer.credits)) {  // returned before the handshake completed here
     log().warn("connection qp {}: the peer returned more credits than it has receives ({} > {})", qp_->qp_num(),
                credits_, peer.credits);
@@ -546,7 +555,9 @@ void connection_impl::flush() noexcept {
 }
 
 void connection_impl::flush_now() noexcept {
-  if (qp_ == nullptr) return;
+  // During setup the connect/accept thread owns the queue pair: what is
+  // queued waits for on_connected.
+  if (qp_ == nullptr || state_ == state::setup) return;
   if (!send_waiting_.empty() || !fins_.empty() || (close_op_ != nullptr && !close_sent_)) progress_sends(true);
   if (!recv_batch_.empty()) {
     std::size_t bad = 0;
@@ -1231,7 +1242,9 @@ void connection_impl::fail(std::error_code ec) noexcept {
     log().warn("connection qp {}: failed in state {}: {}", qp_ ? qp_->qp_num() : 0, static_cast<int>(was),
                ec.message());
   }
-  if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+  // During setup the connect/accept thread owns the queue pair (provider
+  // contract): on_connected moves it to error.
+  if (qp_ != nullptr && was != state::setup) (void)qp_->modify(transport::qp_state::error);
   drop_unposted();
   begin_drain();
   fins_.clear();

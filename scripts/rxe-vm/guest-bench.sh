@@ -4,7 +4,9 @@
 #   64 B send latency:   anydoor-perf --test lat -s 64   vs ib_send_lat -s 64 (N round trips)
 #   64 KiB write bandwidth: anydoor-perf --test write_bw vs ib_write_bw -s 65536
 # and, when bin/anydoor-runtime-perf is there, the runtime's one-sided
-# operations at 64 B and 64 KiB (RT_SIZES):
+# operations at 64 B and 64 KiB (RT_SIZES), RT_REPS rounds (default 3) of
+# RT_N iterations (default 2000; emulated rxe is slow), each figure printed
+# as it comes:
 #   put latency (one-way, ping-pong on memory): --test put_lat vs ib_write_lat
 #   get latency (the whole read):               --test get_lat vs ib_read_lat
 #   put bandwidth (16 in flight):               --test put_bw  vs ib_write_bw
@@ -59,19 +61,20 @@ if [ -x bin/anydoor-runtime-perf ]; then
   }
   for s in ${RT_SIZES:-64 65536}; do
     pl="" ipl="" gl="" igl="" pb="" ipb=""
-    n=$N; [ "$s" -ge 65536 ] && n=$((N / 5))
-    for r in $(seq 1 "$REPS"); do
+    n=${RT_N:-2000}; [ "$s" -ge 65536 ] && n=$((n / 5))
+    for r in $(seq 1 "${RT_REPS:-3}"); do
+      echo "=== one-sided $s B round $r: put_lat [$pl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
       pl+="$(rt put_lat "$s" "$n" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') "
       out=$(pair "ib_write_lat -d rxe0 -s $s -n $n -p PORT" "ib_write_lat -d rxe0 -s $s -n $n -p PORT $IP")
       ipl+="$(awk -v s="$s" '$1 == s && NF >= 5 {print $5}' <<<"$out") "
       gl+="$(rt get_lat "$s" "$n" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') "
       out=$(pair "ib_read_lat -d rxe0 -s $s -n $n -p PORT" "ib_read_lat -d rxe0 -s $s -n $n -p PORT $IP")
       igl+="$(awk -v s="$s" '$1 == s && NF >= 5 {print $5}' <<<"$out") "
-      pb+="$(rt put_bw "$s" 2000 | sed -n 's/.*MBps=\([0-9.]*\).*/\1/p') "
-      out=$(pair "ib_write_bw -d rxe0 -s $s -n 2000 -p PORT" "ib_write_bw -d rxe0 -s $s -n 2000 -p PORT $IP")
+      pb+="$(rt put_bw "$s" "$n" | sed -n 's/.*MBps=\([0-9.]*\).*/\1/p') "
+      out=$(pair "ib_write_bw -d rxe0 -s $s -n $n -p PORT" "ib_write_bw -d rxe0 -s $s -n $n -p PORT $IP")
       ipb+="$(awk -v s="$s" '$1 == s && NF >= 4 {printf "%.1f", $4 * 1.048576}' <<<"$out") "
     done
-    echo "=== one-sided $s B ($REPS rounds): put_lat [$pl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
+    echo "=== one-sided $s B (${RT_REPS:-3} rounds): put_lat [$pl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
     echo "=== one-sided $s B medians: put latency us $(m "$pl") vs $(m "$ipl") (ratio $(ratios "$pl" "$ipl")), get latency us $(m "$gl") vs $(m "$igl") (ratio $(ratios "$gl" "$igl")), put MB/s $(m "$pb") vs $(m "$ipb") (ratio $(ratios "$pb" "$ipb"))"
     [ "$(m "$pl")" != nan ] && [ "$(m "$gl")" != nan ] && [ "$(m "$pb")" != nan ] || ok=0
   done
