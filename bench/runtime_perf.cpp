@@ -188,7 +188,12 @@ awaitable<void> onesided_side(ad::fabric& fab, ad::connection& c, const options&
   co_await c.async_send(asio::buffer("done", 4), use_awaitable);
   auto ex = co_await asio::this_coro::executor;
   while (!peer_done) co_await asio::post(ex, use_awaitable);
-  co_await c.async_close(use_awaitable);
+  // The client closes; the server waits for that (as in the echo test).
+  if (server) {
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+  } else {
+    co_await c.async_close(use_awaitable);
+  }
 }
 
 awaitable<void> serve(ad::fabric& fab, const options& o) {

@@ -20,7 +20,7 @@ N=${N:-5000}
 port=19000
 pair() {  # pair SERVER_CMD CLIENT_CMD -> client output
   port=$((port + 1))
-  ${1//PORT/$port} > /dev/null 2>&1 &
+  timeout 150 ${1//PORT/$port} > /dev/null 2>&1 &   # a server that never ends must not stall the run
   local spid=$!
   sleep 1
   timeout 120 ${2//PORT/$port} 2>&1
