@@ -88,7 +88,8 @@ class fabric {
 
   // Registers [memory.data(), +size) with exactly `acc` (local reads are
   // always allowed); the region deregisters when destroyed. Throws
-  // std::system_error: errc::invalid_argument (empty), registration_failed.
+  // std::system_error: errc::invalid_argument (empty memory; remote write or
+  // atomics without local_write, as verbs requires), registration_failed.
   memory_region register_memory(std::span<std::byte> memory, access acc);
 
   // The registration cache (one-sided operations on plain buffers):
