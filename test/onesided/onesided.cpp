@@ -87,6 +87,17 @@ void reseal(std::array<std::byte, ad::remote_region::packed_size>& p) {
   for (int i = 0; i < 4; ++i) p[28 + static_cast<std::size_t>(i)] = static_cast<std::byte>((h >> (8 * i)) & 0xff);
 }
 
+// The error code f() throws (std::system_error), or none.
+template <class F>
+std::error_code thrown(F f) {
+  try {
+    f();
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+  return {};
+}
+
 bool atomics_supported(const ad::fabric& f) {
   return const_cast<ad::fabric&>(f).device().caps().atomics;
 }
@@ -98,14 +109,7 @@ TEST_CASE("remote_region: at() is bounds-checked; pack and unpack round-trip and
   CHECK(r.at(0, 4096) == r);
   CHECK(r.at(100, 10) == ad::remote_region{0x7f0000001064, 10, 0x1234});
   CHECK(r.at(4096, 0).length == 0);
-  auto code = [&](std::uint64_t off, std::uint64_t len) {
-    try {
-      (void)r.at(off, len);
-    } catch (const std::system_error& e) {
-      return e.code();
-    }
-    return std::error_code{};
-  };
+  auto code = [&](std::uint64_t off, std::uint64_t len) { return thrown([&] { (void)r.at(off, len); }); };
   CHECK(code(4097, 0) == ad::errc::out_of_range);
   CHECK(code(4000, 97) == ad::errc::out_of_range);
   CHECK(code(1, ~std::uint64_t{0}) == ad::errc::out_of_range);  // no wrap-around
@@ -163,14 +167,7 @@ TEST_CASE("memory_region: exactly the requested access, bounds-checked ranges, d
   CHECK(part.data() == buf.data() + 100);
   CHECK(part.size() == 200);
   CHECK(part.region() == &mr);
-  auto code = [&](std::size_t off, std::size_t len) {
-    try {
-      (void)mr.at(off, len);
-    } catch (const std::system_error& e) {
-      return e.code();
-    }
-    return std::error_code{};
-  };
+  auto code = [&](std::size_t off, std::size_t len) { return thrown([&] { (void)mr.at(off, len); }); };
   CHECK(code(8192, 1) == ad::errc::out_of_range);
   CHECK(code(1, 8192) == ad::errc::out_of_range);
   CHECK_FALSE(code(8192, 0));
@@ -180,12 +177,7 @@ TEST_CASE("memory_region: exactly the requested access, bounds-checked ranges, d
   moved.reset();
   CHECK_FALSE(moved);
   CHECK(moved.size() == 0);
-  try {
-    (void)fab.register_memory({}, ad::access::local_write);
-    FAIL("registering empty memory must fail");
-  } catch (const std::system_error& e) {
-    CHECK(e.code() == ad::errc::invalid_argument);
-  }
+  CHECK(thrown([&] { (void)fab.register_memory({}, ad::access::local_write); }) == ad::errc::invalid_argument);
 }
 
 TEST_CASE("put and get move data both ways, 8 B to 4 MiB, through regions and through the cache", "[onesided]") {
@@ -543,14 +535,7 @@ TEST_CASE("one-sided operations: cancellation, closed connections, empty handles
 
 TEST_CASE("fabric options of the registration cache are checked", "[onesided]") {
   asio::io_context io;
-  auto code = [&](ad::fabric_options o) {
-    try {
-      ad::fabric f(io, o);
-    } catch (const std::system_error& e) {
-      return e.code();
-    }
-    return std::error_code{};
-  };
+  auto code = [&](const ad::fabric_options& o) { return thrown([&] { ad::fabric f(io, o); }); };
   ad::fabric_options o = test_options();
   o.cache_max_entries = 0;
   CHECK(code(o) == ad::errc::invalid_argument);
