@@ -58,6 +58,8 @@ connection_impl::connection_impl(std::shared_ptr<fabric_state> fab)
 
 connection_impl::~connection_impl() {
   buffer_timer_.cancel();
+  // Normally empty: flush() or fail() completes them within the pass.
+  while (op_node* n = at_doorbell_.pop_front()) complete(n, true, errc::connection_closed);
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   fab_->forget(this);
@@ -239,8 +241,9 @@ void connection_impl::complete_message(op_node* n, bool post, message m) noexcep
   release(n);
 }
 
+// start_send and start_receive run no handler inline (completions are
+// posted): the caller's connection handle keeps *this alive throughout.
 void connection_impl::start_send(op_node* n) {
-  auto keep = shared_from_this();
   if (state_ == state::failed || state_ == state::closed || peer_closed_ || close_op_ != nullptr) {
     complete(n, true, state_ == state::failed && error_ != errc::connection_closed ? error_ : errc::connection_closed);
     return;
@@ -251,7 +254,6 @@ void connection_impl::start_send(op_node* n) {
 }
 
 void connection_impl::start_receive(op_node* n) {
-  auto keep = shared_from_this();
   recv_waiting_.push_back(n);
   deliver(true);
 }
@@ -422,7 +424,13 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     if (inl) ++stats_.inline_sends;
     ++stats_.messages_sent;
     stats_.bytes_sent += n->length;
-    if (post && n->handler.runs_on_io()) {
+    if (post && n->handler.runs_on_io() && fab_->in_completion > 0) {
+      // Started by a handler of a completion (a reply): completes right
+      // after its doorbell, at the end of the reactor's pass, with no
+      // handler posted and no io_context round in between.
+      n->phase = op_phase::done;
+      at_doorbell_.push_back(n);
+    } else if (post && n->handler.runs_on_io()) {
       ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
       n->phase = op_phase::done;
       n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
@@ -548,10 +556,16 @@ void connection_impl::schedule() noexcept {
 }
 
 void connection_impl::flush() noexcept {
-  auto keep = shared_from_this();
+  // Handlers completed below may drop the last handle to this connection.
+  std::shared_ptr<connection_impl> keep;
+  if (!at_doorbell_.empty()) keep = shared_from_this();
   flush_now();  // what it queues itself goes out with it: no new flush is scheduled meanwhile
   dirty = false;
   urgent = false;
+  // Their work requests are posted (or the connection failed, which
+  // completed them with its error): what their handlers queue starts a
+  // new flush.
+  while (op_node* n = at_doorbell_.pop_front()) complete(n, false, {}, static_cast<std::size_t>(n->length));
 }
 
 void connection_impl::flush_now() noexcept {
@@ -941,7 +955,7 @@ void connection_impl::repost(std::uint32_t buffer) noexcept {
 }
 
 void connection_impl::return_buffer(std::uint32_t index) noexcept {
-  auto keep = shared_from_this();
+  // The message holds a reference until this returns.
   repost(index);
   maybe_release_self();
 }
@@ -1249,6 +1263,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   begin_drain();
   fins_.clear();
   while (op_node* n = send_waiting_.pop_front()) complete(n, true, error_);
+  while (op_node* n = at_doorbell_.pop_front()) complete(n, true, error_);  // dropped unposted
   for (op_node* n = active_.head; n != nullptr;) {
     op_node* next = n->next;
     if (n->kind == op_kind::send) {  // rendezvous sends: the fin will never come

@@ -204,6 +204,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::vector<fin_entry> fins_;     // fins waiting for a credit
 
   op_list send_waiting_;   // sends not yet started, in order
+  op_list at_doorbell_;    // eager sends queued by completion handlers: complete once posted (flush)
   op_list recv_waiting_;   // receives without a message yet
   op_list active_;         // rendezvous sends waiting for fin, receives reading
   op_list flushes_;        // flushes waiting for their target (in order)

@@ -93,6 +93,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
+  reactor->set_before_poll(&fabric_state::flush_before_poll, this);
   token = protocol::token_digest(c.auth_token);
   log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}",
              device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
@@ -128,10 +129,14 @@ void fabric_state::schedule_flush(connection_impl* c) {
 }
 
 void fabric_state::post_flush() {
-  if (flush_posted_) return;
+  // A spinning reactor flushes before its next poll (flush_before_poll).
+  if (flush_posted_ || reactor->spinning()) return;
   flush_posted_ = true;
   asio::post(io, [w = weak_from_this()] {
-    if (auto s = w.lock()) s->flush_all(true);
+    auto s = w.lock();
+    if (!s) return;
+    s->flush_posted_ = false;
+    s->flush_all(true);
   });
 }
 
@@ -145,8 +150,12 @@ void fabric_state::flush_after_dispatch(void* self) noexcept {
   if (!s->dirty_.empty()) s->flush_all(false);
 }
 
+void fabric_state::flush_before_poll(void* self) noexcept {
+  auto* s = static_cast<fabric_state*>(self);
+  if (!s->dirty_.empty()) s->flush_all(true);
+}
+
 void fabric_state::flush_all(bool defer) noexcept {
-  if (defer) flush_posted_ = false;
   flushing_.swap(dirty_);
   for (std::size_t i = 0; i < flushing_.size(); ++i) {
     connection_impl* c = flushing_[i];

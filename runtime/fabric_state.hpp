@@ -45,11 +45,15 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::size_t active() const noexcept { return active_; }
 
   // Posting: connections queue work requests during a turn and flush them,
-  // one doorbell each, from a handler posted once per turn.
+  // one doorbell each, from a handler posted once per turn (or, while the
+  // reactor spins, before its next poll).
   void schedule_flush(connection_impl* c);
   // From the reactor after a pass of completions: flushes every connection
   // now (the replies their handlers queued leave before the next poll).
   static void flush_after_dispatch(void* self) noexcept;
+  // From a spinning reactor before each poll: flushes what was queued
+  // outside a completion pass (no posted flush while it spins).
+  static void flush_before_poll(void* self) noexcept;
   // For the reactor's busy spin: completions or a flush this fabric posted
   // are waiting to run.
   static bool has_queued_handlers(const void* self) noexcept;

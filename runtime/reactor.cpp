@@ -69,7 +69,7 @@ int dup_fd(int fd) {
 
 reactor::reactor(asio::io_context& io, transport::completion_queue& cq, reactor_options options)
     : io_(io), cq_(cq), options_(checked(options)), mode_(effective_mode(options_)),
-      fd_(io, dup_fd(cq.notify_fd())), slots_(options_.max_operations), buf_(options_.batch) {
+      notify_fd_(dup_fd(cq.notify_fd())), fd_(io), slots_(options_.max_operations), buf_(options_.batch) {
   for (std::uint32_t i = 0; i < options_.max_operations; ++i) slots_[i].next_free = i + 2;
   slots_.back().next_free = 0;
   free_head_ = 1;
@@ -82,6 +82,21 @@ reactor::~reactor() {
   running_ = false;
   boost::system::error_code ignored;
   fd_.cancel(ignored);
+  if (notify_fd_ >= 0) ::close(notify_fd_);
+}
+
+bool reactor::watch_notify_fd() {
+  if (notify_fd_ < 0) return true;
+  boost::system::error_code ec;
+  fd_.assign(notify_fd_, ec);
+  if (ec) {
+    log().error("reactor: watching the completion queue's notify fd failed: {}; failing {} pending operations",
+                ec.message(), tracked_);
+    fail_all();
+    return false;
+  }
+  notify_fd_ = -1;
+  return true;
 }
 
 std::uint32_t reactor::take_slot(operation& op, bool persistent) noexcept {
@@ -201,16 +216,20 @@ void reactor::spin_step() {
   if (!running_) return;
   const std::uint64_t epoch = epoch_;
   const auto now = std::chrono::steady_clock::now();
-  // Empty polls repeat within this round (up to spin_polls) while the owner
-  // has none of its handlers waiting: each io_context round costs Asio an
-  // epoll_wait, which the raw provider loop does not pay.
-  for (std::uint32_t i = 0;;) {
-    if (drain() > 0) {
-      last_activity_ = now;
-      break;
-    }
-    if (!running_ || ++i >= options_.spin_polls || (yield_check_ != nullptr && yield_check_(yield_check_ctx_))) break;
+  // Polls repeat within this round (up to spin_polls) while the owner has
+  // none of its handlers waiting: each io_context round costs Asio an
+  // epoll_wait, a system call the raw provider loop does not make, and the
+  // handlers of a ping-pong (a receive resuming a coroutine that sends and
+  // receives again) run inside the poll.
+  spinning_ = true;
+  for (std::uint32_t i = 0; i < options_.spin_polls && running_; ++i) {
+    if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
+    if (!running_) break;
+    if (drain() > 0) last_activity_ = now;
+    if (yield_check_ != nullptr && yield_check_(yield_check_ctx_)) break;
   }
+  spinning_ = false;
+  if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
   if (!running_) return;
   if (mode_ == poll_mode::busy || now - last_activity_ < options_.spin) {
     asio::post(io_, [this, alive = alive_, epoch] {
@@ -246,6 +265,7 @@ void reactor::arm_and_wait() {
 
 void reactor::wait_readable() {
   if (waiting_) return;
+  if (!watch_notify_fd()) return;
   waiting_ = true;
   fd_.async_wait(asio::posix::stream_descriptor::wait_read,
                  [this, alive = alive_](const boost::system::error_code& ec) {

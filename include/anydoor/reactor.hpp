@@ -5,8 +5,12 @@
 // when it is readable the reactor acknowledges the events, polls in batches
 // until the queue is empty, arms, and polls again before waiting (the
 // arm-then-drain rule: no lost wake-ups). Busy mode: it polls from a handler
-// that re-posts itself. Adaptive mode: busy for `spin` after the last
-// completion, then event mode.
+// that re-posts itself, spin_polls polls per io_context round; the notify fd
+// is never handed to the io_context (every readiness change of a descriptor
+// in its epoll set costs the kernel work on the data path, on the sending
+// side's system call). Adaptive mode: busy for `spin` after the last
+// completion, then event mode (the notify fd joins the io_context the first
+// time the reactor sleeps).
 //
 // Operations are owned by the caller (pooled there); the reactor keeps a
 // fixed table of slots mapping wr_id to operation, so nothing is allocated
@@ -44,7 +48,7 @@ struct reactor_options {
   std::chrono::microseconds spin{50};       // adaptive: busy time after the last completion
   std::uint32_t batch = 16;                 // completions per poll call, 16..1024
   std::uint32_t max_operations = 4096;      // operation slots, 1..2^24
-  std::uint32_t spin_polls = 16;             // busy/adaptive: empty polls per io_context round, 1..1024
+  std::uint32_t spin_polls = 16;            // busy/adaptive: polls per io_context round, 1..1024
 };
 
 // What the reactor calls when a tracked work request completes.
@@ -100,18 +104,33 @@ class reactor {
     after_dispatch_ctx_ = ctx;
   }
 
-  // Busy and adaptive modes repeat empty polls within one io_context round
-  // (up to spin_polls) unless fn(ctx) says the owner has handlers queued
-  // that should run first.
+  // Busy and adaptive modes poll up to spin_polls times within one
+  // io_context round (other handlers, timers and sockets of the io_context
+  // wait at most that long) unless fn(ctx) says the owner has handlers
+  // queued that should run first.
   void set_yield_check(bool (*fn)(const void* ctx) noexcept, const void* ctx) noexcept {
     yield_check_ = fn;
     yield_check_ctx_ = ctx;
   }
 
+  // Busy and adaptive modes call fn(ctx) before each poll of a round and
+  // once as the round ends: where the runtime posts what was queued outside
+  // a completion pass (re-posted receives, sends of resumed coroutines)
+  // without a handler of its own. While spinning() the owner may rely on it.
+  void set_before_poll(void (*fn)(void* ctx) noexcept, void* ctx) noexcept {
+    before_poll_ = fn;
+    before_poll_ctx_ = ctx;
+  }
+  // True inside a busy or adaptive round, until its last before-poll call.
+  bool spinning() const noexcept { return spinning_; }
+
   void start();  // begin polling (idempotent)
   void stop();   // stop polling; io_context::run() returns once nothing else is pending
 
   poll_mode mode() const noexcept { return mode_; }
+  // Whether the notify fd is in the io_context's descriptor set (event mode
+  // after its first wait; adaptive mode once it slept; busy mode never).
+  bool watches_notify_fd() const noexcept { return fd_.is_open(); }
   const reactor_stats& stats() const noexcept { return stats_; }
   std::size_t tracked() const noexcept { return tracked_; }
 
@@ -130,11 +149,13 @@ class reactor {
   void on_readable();
   void arm_and_wait();
   void spin_step();
+  bool watch_notify_fd();  // the notify fd joins the io_context (first sleep); false: failed
 
   asio::io_context& io_;
   transport::completion_queue& cq_;
   reactor_options options_;
   poll_mode mode_;
+  int notify_fd_ = -1;  // our dup of the CQ's notify fd, until fd_ takes it
   asio::posix::stream_descriptor fd_;
   std::vector<slot> slots_;
   std::uint32_t free_head_ = 0;  // index + 1; 0: none free
@@ -144,6 +165,9 @@ class reactor {
   void* after_dispatch_ctx_ = nullptr;
   bool (*yield_check_)(const void*) noexcept = nullptr;
   const void* yield_check_ctx_ = nullptr;
+  void (*before_poll_)(void*) noexcept = nullptr;
+  void* before_poll_ctx_ = nullptr;
+  bool spinning_ = false;
   bool running_ = false;
   std::uint64_t epoch_ = 0;  // bumped by start(): handlers of an earlier run retire
   bool waiting_ = false;

@@ -124,7 +124,24 @@ TEST_CASE("reactor: every poll mode dispatches completions to their operations",
     CHECK(pp.ra.stats().wakeups > 0);
     CHECK(pp.ra.stats().arms > 0);
   }
-  if (mode == anydoor::poll_mode::busy) CHECK(pp.ra.stats().wakeups == 0);
+  if (mode == anydoor::poll_mode::busy) {
+    CHECK(pp.ra.stats().wakeups == 0);
+    CHECK_FALSE(pp.ra.watches_notify_fd());  // never in the io_context's epoll set
+  }
+  if (mode == anydoor::poll_mode::event) CHECK(pp.ra.watches_notify_fd());
+}
+
+TEST_CASE("reactor: adaptive mode hands its notify fd to the io_context when it first sleeps", "[runtime]") {
+  endpoint e;
+  asio::io_context io;
+  anydoor::reactor r(io, *e.cq, {.mode = anydoor::poll_mode::adaptive, .spin = std::chrono::microseconds(0)});
+  CHECK_FALSE(r.watches_notify_fd());
+  r.start();
+  for (int i = 0; i < 100 && r.stats().arms == 0; ++i) REQUIRE(io.run_one() == 1);
+  CHECK(r.stats().arms > 0);
+  CHECK(r.watches_notify_fd());
+  r.stop();
+  io.run();
 }
 
 TEST_CASE("reactor: ANYDOOR_POLL overrides the option, and is checked", "[runtime]") {
@@ -170,21 +187,63 @@ TEST_CASE("reactor: options are checked", "[runtime]") {
   CHECK_FALSE(code({.spin = std::chrono::microseconds(0), .batch = 64, .max_operations = 8, .spin_polls = 1024}));
 }
 
-TEST_CASE("reactor: a busy round repeats empty polls up to spin_polls unless its owner has handlers queued",
+TEST_CASE("reactor: a busy round polls up to spin_polls times unless its owner has handlers queued",
           "[runtime]") {
   endpoint e;
   for (const bool owner_queued : {false, true}) {
     asio::io_context io;
     anydoor::reactor r(io, *e.cq, {.mode = anydoor::poll_mode::busy, .spin_polls = 5});
     r.set_yield_check([](const void* ctx) noexcept { return *static_cast<const bool*>(ctx); }, &owner_queued);
+    int hooks = 0;
+    r.set_before_poll([](void* ctx) noexcept { ++*static_cast<int*>(ctx); }, &hooks);
     r.start();
     for (int i = 0; i < 4; ++i) REQUIRE(io.run_one() == 1);  // one spin round each
     INFO("owner has handlers queued: " << owner_queued);
     CHECK(r.stats().polls == (owner_queued ? 4u : 20u));
     CHECK(r.stats().empty_polls == r.stats().polls);
+    CHECK(hooks == static_cast<int>(r.stats().polls) + 4);  // before each poll, and as each round ends
+    CHECK_FALSE(r.spinning());
     r.stop();
     io.run();  // the last round sees the stop
   }
+}
+
+TEST_CASE("reactor: a busy round goes on polling after it dispatched completions", "[runtime]") {
+  connected_pair p;
+  asio::io_context io;
+  anydoor::reactor r(io, *p.a.cq, {.mode = anydoor::poll_mode::busy, .spin_polls = 5});
+  struct recorder : anydoor::operation {
+    anydoor::reactor* r = nullptr;
+    bool spinning = false;
+    int calls = 0;
+    void complete(const tp::completion& c) noexcept override {
+      CHECK(c.status == tp::wc_status::success);
+      spinning = r->spinning();
+      ++calls;
+    }
+  } op;
+  op.r = &r;
+  std::uint32_t in = 0, out = 7;
+  auto inmr = p.a.pd->register_memory(&in, 4, access::local_write);
+  auto outmr = p.b.pd->register_memory(&out, 4, access::none);
+  const tp::sge rsg = inmr->slice(0, 4), ssg = outmr->slice(0, 4);
+  const tp::recv_request rr{.wr_id = r.track(op), .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.a.qp->post_recv({&rr, 1}));
+  const tp::work_request wr{.wr_id = 1, .sg_list = {&ssg, 1}, .signaled = false, .inline_data = true};
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  r.start();
+  int rounds = 0;
+  while (op.calls == 0 && rounds < 1000) {
+    REQUIRE(io.run_one() == 1);
+    ++rounds;
+  }
+  REQUIRE(op.calls == 1);
+  CHECK(op.spinning);  // dispatched inside the round
+  CHECK(in == 7);
+  CHECK(r.stats().completions == 1);
+  CHECK(r.stats().polls == 5u * static_cast<std::uint64_t>(rounds));  // the last round did not stop at it
+  r.stop();
+  io.run();
 }
 
 TEST_CASE("reactor: operation slots are bounded and reused", "[runtime]") {

@@ -83,8 +83,9 @@ class pending_handler {
   }
   template <class... Args>
   void complete_then(after_hook after, bool post, std::error_code ec, Args&&... args) {
-    std::tuple<boost::system::error_code, std::decay_t<Args>...> t(boost::system::error_code(ec),
-                                                                   std::forward<Args>(args)...);
+    // (Converting a std::error_code costs a dynamic_cast even when it is 0.)
+    std::tuple<boost::system::error_code, std::decay_t<Args>...> t(
+        ec ? boost::system::error_code(ec) : boost::system::error_code(), std::forward<Args>(args)...);
     auto* fn = call_;
     fn(*this, &t, post, after);
   }
