@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 namespace anydoor::detail {
 
@@ -556,16 +557,16 @@ void connection_impl::schedule() noexcept {
 }
 
 void connection_impl::flush() noexcept {
-  // Handlers completed below may drop the last handle to this connection.
-  std::shared_ptr<connection_impl> keep;
-  if (!at_doorbell_.empty()) keep = shared_from_this();
   flush_now();  // what it queues itself goes out with it: no new flush is scheduled meanwhile
   dirty = false;
   urgent = false;
-  // Their work requests are posted (or the connection failed, which
-  // completed them with its error): what their handlers queue starts a
-  // new flush.
-  while (op_node* n = at_doorbell_.pop_front()) complete(n, false, {}, static_cast<std::size_t>(n->length));
+  // Their work requests are posted now (had the post failed, fail() would
+  // have completed them with its error), so they are outstanding and self_
+  // keeps this connection alive even if a handler drops its last handle.
+  // What the handlers queue starts a new flush; one that aborts the
+  // connection does not turn the others' posted sends into failures.
+  op_list posted = std::exchange(at_doorbell_, op_list{});
+  while (op_node* n = posted.pop_front()) complete(n, false, {}, static_cast<std::size_t>(n->length));
 }
 
 void connection_impl::flush_now() noexcept {

@@ -45,26 +45,27 @@ enum class op_phase : std::uint8_t {
 
 inline constexpr std::size_t kMaxGather = 16;  // buffers in one async_send
 
+// What every operation touches comes first (a few cache lines), the rarer
+// and larger parts after the handler.
 struct op_node {
   op_node* next = nullptr;
   op_node* prev = nullptr;
   connection_impl* owner = nullptr;
   op_kind kind = op_kind::send;
   op_phase phase = op_phase::queued;
+  std::uint8_t nbufs = 0;
+  bool stalled_credit = false;  // counted once per operation
+  bool stalled_buffer = false;
+  std::uint32_t cookie = 0;  // rendezvous (either side)
+  std::uint64_t length = 0;  // send: total bytes; receive: bytes of the message being read
+  asio::mutable_buffer dest{};  // receive_buffer
   pending_handler handler;
   // send
   std::array<asio::const_buffer, kMaxGather> bufs{};
-  std::uint8_t nbufs = 0;
-  std::uint64_t length = 0;  // send: total bytes; receive: bytes of the message being read
   std::chrono::steady_clock::time_point deadline{};  // send waiting for a pool buffer
-  // receive_buffer
-  asio::mutable_buffer dest{};
   // rendezvous (either side)
-  std::uint32_t cookie = 0;
   std::unique_ptr<transport::memory_region> mr;
   std::unique_ptr<std::byte[]> large;  // receive_message of a rendezvous message
-  bool stalled_credit = false;  // counted once per operation
-  bool stalled_buffer = false;
   // one-sided: local pieces in bufs[0, nbufs) with their keys, the remote
   // range, the operands and the result
   std::array<const memory_region*, kMaxGather> regions{};

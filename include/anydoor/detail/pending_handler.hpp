@@ -180,12 +180,14 @@ class pending_handler {
     work.reset();
   }
 
-  alignas(std::max_align_t) unsigned char inline_[kInline];
+  // The bookkeeping first, next to the head of the storage (one cache line
+  // for a small handler).
   void* obj_ = nullptr;
-  bool on_io_ = false;
   asio::io_context* io_ = nullptr;  // set when the handler runs on this io_context
   void (*call_)(pending_handler&, void*, bool, after_hook&) = nullptr;
   void (*destroy_)(pending_handler&) noexcept = nullptr;
+  bool on_io_ = false;
+  alignas(std::max_align_t) unsigned char inline_[kInline];
 };
 
 }  // namespace anydoor::detail
