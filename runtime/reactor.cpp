@@ -216,16 +216,20 @@ void reactor::spin_step() {
   if (!running_) return;
   const std::uint64_t epoch = epoch_;
   const auto now = std::chrono::steady_clock::now();
-  // Polls repeat within this round (up to spin_polls) while the owner has
-  // none of its handlers waiting: each io_context round costs Asio an
-  // epoll_wait, a system call the raw provider loop does not make, and the
-  // handlers of a ping-pong (a receive resuming a coroutine that sends and
-  // receives again) run inside the poll.
+  // Empty polls repeat within this round (up to spin_polls) while the owner
+  // has none of its handlers waiting: each io_context round costs Asio an
+  // epoll_wait, a system call the raw provider loop does not make. A pass
+  // that dispatched completions ends the round: handlers the runtime does
+  // not know of (a coroutine that yields with asio::post, timers) may be
+  // waiting on what those completions did.
   spinning_ = true;
   for (std::uint32_t i = 0; i < options_.spin_polls && running_; ++i) {
     if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
     if (!running_) break;
-    if (drain() > 0) last_activity_ = now;
+    if (drain() > 0) {
+      last_activity_ = now;
+      break;
+    }
     if (yield_check_ != nullptr && yield_check_(yield_check_ctx_)) break;
   }
   spinning_ = false;

@@ -5,7 +5,7 @@
 // when it is readable the reactor acknowledges the events, polls in batches
 // until the queue is empty, arms, and polls again before waiting (the
 // arm-then-drain rule: no lost wake-ups). Busy mode: it polls from a handler
-// that re-posts itself, spin_polls polls per io_context round; the notify fd
+// that re-posts itself, up to spin_polls empty polls per round; the notify fd
 // is never handed to the io_context (every readiness change of a descriptor
 // in its epoll set costs the kernel work on the data path, on the sending
 // side's system call). Adaptive mode: busy for `spin` after the last
@@ -48,7 +48,7 @@ struct reactor_options {
   std::chrono::microseconds spin{50};       // adaptive: busy time after the last completion
   std::uint32_t batch = 16;                 // completions per poll call, 16..1024
   std::uint32_t max_operations = 4096;      // operation slots, 1..2^24
-  std::uint32_t spin_polls = 16;            // busy/adaptive: polls per io_context round, 1..1024
+  std::uint32_t spin_polls = 16;            // busy/adaptive: empty polls per io_context round, 1..1024
 };
 
 // What the reactor calls when a tracked work request completes.
@@ -104,10 +104,11 @@ class reactor {
     after_dispatch_ctx_ = ctx;
   }
 
-  // Busy and adaptive modes poll up to spin_polls times within one
-  // io_context round (other handlers, timers and sockets of the io_context
+  // Busy and adaptive modes repeat empty polls within one io_context round
+  // (up to spin_polls; other handlers, timers and sockets of the io_context
   // wait at most that long) unless fn(ctx) says the owner has handlers
-  // queued that should run first.
+  // queued that should run first. A pass that dispatched completions ends
+  // the round.
   void set_yield_check(bool (*fn)(const void* ctx) noexcept, const void* ctx) noexcept {
     yield_check_ = fn;
     yield_check_ctx_ = ctx;

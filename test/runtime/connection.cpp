@@ -597,9 +597,10 @@ TEST_CASE("a send started by a completion's handler fails if its connection fail
 
 TEST_CASE("busy polling: a coroutine ping-pong needs about one io_context handler per message and side",
           "[runtime]") {
-  // Each reactor round polls spin_polls times; completions resume the
-  // coroutines inside it, their sends complete at the doorbell and what they
-  // queue is flushed before the next poll: no handler is posted per message.
+  // Completions resume the coroutines inside the reactor's pass, their
+  // sends complete at the doorbell and what they queue is flushed before the
+  // next poll: no handler is posted per message, only the reactor's own
+  // next round.
   asio::io_context io;
   ad::fabric_options o = test_options();
   o.reactor.mode = ad::poll_mode::busy;

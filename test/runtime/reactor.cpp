@@ -208,7 +208,7 @@ TEST_CASE("reactor: a busy round polls up to spin_polls times unless its owner h
   }
 }
 
-TEST_CASE("reactor: a busy round goes on polling after it dispatched completions", "[runtime]") {
+TEST_CASE("reactor: a busy round ends with the pass that dispatched completions", "[runtime]") {
   connected_pair p;
   asio::io_context io;
   anydoor::reactor r(io, *p.a.cq, {.mode = anydoor::poll_mode::busy, .spin_polls = 5});
@@ -241,7 +241,11 @@ TEST_CASE("reactor: a busy round goes on polling after it dispatched completions
   CHECK(op.spinning);  // dispatched inside the round
   CHECK(in == 7);
   CHECK(r.stats().completions == 1);
-  CHECK(r.stats().polls == 5u * static_cast<std::uint64_t>(rounds));  // the last round did not stop at it
+  // The message was in a's socket before the reactor started (loopback
+  // delivers within b's send): the first poll found it, and that pass ended
+  // the round (handlers may be waiting on what it did).
+  CHECK(rounds == 1);
+  CHECK(r.stats().polls == 1);
   r.stop();
   io.run();
 }

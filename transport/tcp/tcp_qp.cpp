@@ -508,24 +508,17 @@ void tcp_qp::receive() noexcept {
     if (fd_ >= 0) discard_input();
     return;
   }
-  // A read into the staging buffer that came back short emptied the socket:
-  // the pass ends when what it brought is used up, without a read that
-  // would only say EAGAIN (a system call on the path of every reply).
-  bool drained = false;
   for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error;) {
     if (phase_ == rx_phase::header) {
       if (rx_end_ - rx_begin_ < kHeaderSize) {
-        if (drained) return;
         if (rx_begin_ > 0) {
           std::memmove(rx_buf_.data(), rx_buf_.data() + rx_begin_, rx_end_ - rx_begin_);
           rx_end_ -= rx_begin_;
           rx_begin_ = 0;
         }
-        const std::size_t room = rx_buf_.size() - rx_end_;
-        const ssize_t n = ::recv(fd_, rx_buf_.data() + rx_end_, room, MSG_DONTWAIT);
+        const ssize_t n = ::recv(fd_, rx_buf_.data() + rx_end_, rx_buf_.size() - rx_end_, MSG_DONTWAIT);
         ++counters_.rx_syscalls;
         if (n > 0) {
-          drained = static_cast<std::size_t>(n) < room;
           rx_end_ += static_cast<std::size_t>(n);
           counters_.bytes_received += static_cast<std::uint64_t>(n);
           continue;
@@ -567,7 +560,6 @@ void tcp_qp::receive() noexcept {
       } else {
         rx_begin_ = rx_end_ = 0;
         const bool direct = s != nullptr && s->ptr != nullptr && want >= kDirectReadMin;
-        if (drained && !direct) return;
         const ssize_t n = direct ? ::recv(fd_, s->ptr, static_cast<std::size_t>(want), MSG_DONTWAIT)
                                  : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
         ++counters_.rx_syscalls;
@@ -579,7 +571,6 @@ void tcp_qp::receive() noexcept {
         counters_.bytes_received += static_cast<std::uint64_t>(n);
         if (!direct) {
           rx_end_ = static_cast<std::size_t>(n);
-          drained = rx_end_ < rx_buf_.size();
           continue;
         }
         got = static_cast<std::size_t>(n);
