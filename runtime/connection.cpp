@@ -654,7 +654,10 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
     if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, i % sq_.size(), false);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
-      if (st == transport::wc_status::success) on_close_acked();
+      // Acknowledged; or flushed because both sides closed at once and the
+      // peer, its own close acknowledged, tore the queue pair down first:
+      // its close arrived, so it has closed too.
+      if (st == transport::wc_status::success || peer_closed_) on_close_acked();
     }
   }
   // A flush covers the work requests before its target: those before a

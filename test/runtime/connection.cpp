@@ -642,6 +642,33 @@ TEST_CASE("busy polling: a coroutine ping-pong needs about one io_context handle
   CHECK(closed);
 }
 
+TEST_CASE("close: both sides closing at once both complete, and run() returns", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  int closed = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message m = co_await c.async_receive(use_awaitable);
+    co_await c.async_send(m.buffer(), use_awaitable);
+    co_await c.async_close(use_awaitable);  // while the client closes too
+    ++closed;
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::string text = "bye";
+    co_await c.async_send(asio::buffer(text), use_awaitable);
+    ad::message m = co_await c.async_receive(use_awaitable);
+    co_await c.async_close(use_awaitable);
+    ++closed;
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(30));
+  f.check();
+  CHECK(closed == 2);
+}
+
 TEST_CASE("gather: a buffer sequence is one message; more than 16 buffers is invalid_argument", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
