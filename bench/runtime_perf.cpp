@@ -35,6 +35,7 @@
 #include <anydoor/anydoor.hpp>
 
 #include "cli.hpp"
+#include "common/session.hpp"
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -49,6 +50,7 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace asio = boost::asio;
@@ -80,15 +82,8 @@ options parse(int argc, char** argv) {
 
 bool onesided(const options& o) { return o.test == "put_lat" || o.test == "get_lat" || o.test == "put_bw"; }
 
-struct summary {
-  double median = 0, p99 = 0, mean = 0;
-};
-summary summarize(std::vector<double>& ns) {
-  std::sort(ns.begin(), ns.end());
-  double sum = 0;
-  for (double v : ns) sum += v;
-  return {ns[ns.size() / 2], ns[ns.size() * 99 / 100], sum / static_cast<double>(ns.size())};
-}
+using anydoor::examples::summarize;
+using anydoor::examples::summary;
 
 // Sends our region, receives the peer's (the server sends first).
 awaitable<ad::remote_region> swap_regions(ad::connection& c, const ad::memory_region& mine, bool first) {
@@ -236,11 +231,9 @@ awaitable<void> run_client(ad::fabric& fab, const options& o) {
       if (i >= warm) ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
       t0 = t1;
     }
-    std::sort(ns.begin(), ns.end());
-    double sum = 0;
-    for (double v : ns) sum += v;
+    const summary r = summarize(std::move(ns));
     std::printf("RESULT test=echo size=%u iters=%u median_us=%.3f p99_us=%.3f mean_us=%.3f\n", o.size, o.iters,
-                ns[ns.size() / 2] / 2000, ns[ns.size() * 99 / 100] / 2000, sum / static_cast<double>(ns.size()) / 2000);
+                r.median / 2000, r.p99 / 2000, r.mean / 2000);
   } else {
     const auto t0 = clk::now();
     for (std::uint64_t i = 0; i < o.iters; ++i) co_await c.async_send(asio::buffer(out), use_awaitable);
