@@ -425,17 +425,18 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     if (inl) ++stats_.inline_sends;
     ++stats_.messages_sent;
     stats_.bytes_sent += n->length;
-    if (post && n->handler.runs_on_io() && fab_->in_completion > 0) {
-      // Started by a handler of a completion (a reply): completes right
-      // after its doorbell, at the end of the reactor's pass, with no
-      // handler posted and no io_context round in between.
+    if (post && n->handler.runs_on_io()) {
       n->phase = op_phase::done;
-      at_doorbell_.push_back(n);
-    } else if (post && n->handler.runs_on_io()) {
-      ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
-      n->phase = op_phase::done;
-      n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
-      release(n);
+      if (fab_->in_completion > 0) {
+        // Started by a handler of a completion (a reply): completes right
+        // after its doorbell, at the end of the reactor's pass, with no
+        // handler posted and no io_context round in between.
+        at_doorbell_.push_back(n);
+      } else {
+        ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
+        n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
+        release(n);
+      }
     } else {
       complete(n, post, {}, static_cast<std::size_t>(n->length));
     }
