@@ -2,6 +2,7 @@
 // wire protocol by hand. Every case must end with the queue pair in error,
 // a log line, no crash, and no memory touched outside a registration.
 #include "../support/harness.hpp"
+#include "tcp/tcp_provider.hpp"
 #include "tcp/wire.hpp"
 
 #include <arpa/inet.h>
@@ -19,8 +20,9 @@ using tp::access;
 
 namespace {
 
-int raw_connect(std::uint16_t port) {
+int raw_connect(std::uint16_t port, int rcvbuf = 0) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (rcvbuf > 0) ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
@@ -63,13 +65,13 @@ struct raw_peer {
   std::unique_ptr<tp::memory_region> mr;
   int fd = -1;
 
-  raw_peer() {
+  explicit raw_peer(int rcvbuf = 0) {
     ep.qp = ep.pd->create_qp(ep.attrs());
     mr = ep.pd->register_memory(mem.data() + 64, 4096,
                                 access::local_write | access::remote_write | access::remote_read |
                                     access::remote_atomic);
     auto lis = ep.dev->listen("127.0.0.1", 0);
-    fd = raw_connect(lis->port());
+    fd = raw_connect(lis->port(), rcvbuf);
     send_hello(fd);
     std::error_code ec;
     auto req = lis->get_request(5s, ec);
@@ -103,14 +105,14 @@ struct raw_peer {
     while (ep.qp->state() != tp::qp_state::error && std::chrono::steady_clock::now() < deadline) d.step();
     return ep.qp->state() == tp::qp_state::error;
   }
-  // Reads the provider's next frame and checks it is a NAK with `status`.
-  void expect_nak(tp::wc_status status) {
+  // Reads the provider's next frame and checks it is a NAK with `code`.
+  void expect_nak(nak_code code) {
     auto nak = raw_read(fd, kHeaderSize);
     REQUIRE(nak.size() == kHeaderSize);
     frame_header h;
     REQUIRE(decode(std::span<const std::byte, kHeaderSize>(nak.data(), kHeaderSize), h) == decode_error::none);
     CHECK(h.type == frame_type::nak);
-    CHECK(h.imm == static_cast<std::uint32_t>(status));
+    CHECK(h.imm == static_cast<std::uint32_t>(code));
   }
   bool closed_by_provider() {
     for (int i = 0; i < 100; ++i) {
@@ -188,7 +190,7 @@ TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit]
                   .rkey = p.mr->rkey()},
                  data.data(), data.size());
     REQUIRE(p.reaches_error());
-    p.expect_nak(tp::wc_status::remote_access_error);
+    p.expect_nak(nak_code::remote_access);
   }
   SECTION("read beyond the registration") {
     p.send_frame({.type = frame_type::read_request, .psn = 1, .remote_addr = p.base() + 1,
@@ -198,7 +200,7 @@ TEST_CASE("tcp provider: malformed frames move the queue pair to error", "[unit]
     p.send_frame({.type = frame_type::fetch_add, .psn = 1, .remote_addr = p.base() + 4, .rkey = p.mr->rkey(),
                   .compare_add = 1});
     REQUIRE(p.reaches_error());
-    p.expect_nak(tp::wc_status::remote_invalid_request);
+    p.expect_nak(nak_code::invalid_request);
   }
   SECTION("address arithmetic that wraps around") {
     p.send_frame({.type = frame_type::write, .psn = 1, .length = 16, .remote_addr = ~std::uint64_t{0} - 7,
@@ -220,12 +222,18 @@ TEST_CASE("tcp provider: a response that does not match the request is a bad res
   auto req = raw_read(p.fd, kHeaderSize);  // the read request
   REQUIRE(req.size() == kHeaderSize);
   SECTION("an atomic response to a read") { p.send_frame({.type = frame_type::atomic_response, .psn = 1}); }
-  SECTION("a read response of the wrong length") {
-    p.send_frame({.type = frame_type::read_response, .psn = 1, .length = 4}, "abcd", 4);
+  SECTION("a read response longer than the read") {
+    p.send_frame({.type = frame_type::read_response, .psn = 1, .length = 12}, "abcdefghijkl", 12);
+  }
+  SECTION("the last frame of a read before all of its data") {
+    p.send_frame({.type = frame_type::read_response, .flags = kFlagLast, .psn = 1, .length = 4}, "abcd", 4);
+  }
+  SECTION("a read fragment at the wrong offset") {
+    p.send_frame({.type = frame_type::read_response, .psn = 1, .length = 4, .remote_addr = 4}, "abcd", 4);
   }
   SECTION("an ACK in place of the read response") { p.send_frame({.type = frame_type::ack, .psn = 1}); }
-  SECTION("a NAK with a status a responder cannot send") {
-    p.send_frame({.type = frame_type::nak, .psn = 1, .imm = static_cast<std::uint32_t>(tp::wc_status::fatal)});
+  SECTION("a NAK with a code a responder cannot send") {
+    p.send_frame({.type = frame_type::nak, .psn = 1, .imm = 99});
   }
   driver d{p.ep.cq.get()};
   auto c = d.wait_one(p.ep.cq.get());
@@ -273,7 +281,7 @@ TEST_CASE("tcp provider: connection handshake errors", "[unit][tcp]") {
       raw_read(fd, kHandshakeSize);
       std::array<std::byte, kHandshakeSize> b{};
       encode(handshake{.kind = handshake_kind::accept, .max_send_wr = 16}, b);
-      if (mode == 0) b[4] = std::byte{2};
+      if (mode == 0) b[4] = std::byte{kWireVersion + 1};
       if (mode == 1) b[0] = std::byte{'Z'};
       if (mode != 2) ::send(fd, b.data(), b.size(), MSG_NOSIGNAL);
       raw_read(fd, 1, 1500);  // hold the connection until the client gives up
@@ -287,4 +295,171 @@ TEST_CASE("tcp provider: connection handshake errors", "[unit][tcp]") {
     if (mode == 2) CHECK(r.ec == anydoor::errc::timed_out);
     CHECK(qp->state() == tp::qp_state::reset);
   }
+}
+
+// --- memory after deregistration, stale keys, bounded work per pass ----------
+
+TEST_CASE("tcp provider: a write whose region is deregistered while its payload trickles in stops there",
+          "[unit][tcp]") {
+  // The peer announces a large write and sends half of it; the target then
+  // deregisters the region. A NIC never touches a region after
+  // ibv_dereg_mr returns: the rest of the payload is dropped and the write
+  // is NAKed with a remote access error.
+  raw_peer p;
+  constexpr std::size_t kLen = 1 << 20;
+  std::vector<std::uint8_t> region(kLen, 0);
+  auto mr = p.ep.pd->register_memory(region.data(), kLen, access::local_write | access::remote_write);
+  std::vector<std::uint8_t> first(kLen / 2, 0x11);
+  p.send_frame({.type = frame_type::write, .psn = 1, .length = kLen,
+                .remote_addr = reinterpret_cast<std::uint64_t>(region.data()), .rkey = mr->rkey()},
+               first.data(), first.size());
+  driver d{p.ep.cq.get()};
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (region[kLen / 2 - 1] != 0x11 && std::chrono::steady_clock::now() < deadline) d.step();
+  REQUIRE(region[kLen / 2 - 1] == 0x11);  // the first half landed
+  mr.reset();                              // deregistered: from now on the memory is the program's again
+  std::fill(region.begin(), region.end(), std::uint8_t{0xee});
+  std::vector<std::uint8_t> second(kLen / 2, 0x22);
+  raw_send(p.fd, second.data(), second.size());
+  REQUIRE(p.reaches_error());
+  CHECK(std::all_of(region.begin(), region.end(), [](auto b) { return b == 0xee; }));
+  p.expect_nak(nak_code::remote_access);
+  CHECK(p.closed_by_provider());
+}
+
+TEST_CASE("tcp provider: a read response whose source is deregistered mid-way sends nothing more from it",
+          "[unit][tcp]") {
+  // The peer asks for more than the sockets can hold and reads slowly; the
+  // target deregisters the source meanwhile and reuses the memory. What
+  // leaves afterwards must not come from it: zeros fill the fragment in
+  // flight and a NAK (remote access error) ends the read instead of its
+  // last frame.
+  raw_peer p(64 * 1024);
+  constexpr std::size_t kLen = std::size_t{48} << 20;
+  std::vector<std::uint8_t> source(kLen, 0x5a);
+  auto mr = p.ep.pd->register_memory(source.data(), kLen, access::remote_read);
+  p.send_frame({.type = frame_type::read_request, .psn = 1,
+                .remote_addr = reinterpret_cast<std::uint64_t>(source.data()), .rkey = mr->rkey(),
+                .read_length = static_cast<std::uint32_t>(kLen)});
+  driver d{p.ep.cq.get()};
+  const auto sent = [&] { return p.ep.qp->counters().bytes_sent; };
+  auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (sent() < (std::size_t{1} << 20) && std::chrono::steady_clock::now() < deadline) d.step();
+  REQUIRE(sent() >= (std::size_t{1} << 20));
+  REQUIRE(sent() < kLen);  // still in flight
+  mr.reset();
+  std::fill(source.begin(), source.end(), std::uint8_t{0xee});
+  // Read every frame: fragments (whose bytes may be 0x5a or zeros, never
+  // 0xee), then a NAK.
+  std::uint64_t offset = 0;
+  bool nak = false, last = false, reused = false;
+  std::vector<std::byte> payload;
+  deadline = std::chrono::steady_clock::now() + 20s;
+  while (!nak && !last && std::chrono::steady_clock::now() < deadline) {
+    d.step();
+    auto hb = raw_read(p.fd, kHeaderSize, 5);
+    if (hb.empty()) continue;
+    while (hb.size() < kHeaderSize) {
+      d.step();
+      auto more = raw_read(p.fd, kHeaderSize - hb.size(), 5);
+      hb.insert(hb.end(), more.begin(), more.end());
+    }
+    frame_header h;
+    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(hb.data(), kHeaderSize), h) == decode_error::none);
+    if (h.type == frame_type::nak) {
+      CHECK(h.imm == static_cast<std::uint32_t>(nak_code::remote_access));
+      nak = true;
+      break;
+    }
+    REQUIRE(h.type == frame_type::read_response);
+    CHECK(h.remote_addr == offset);
+    last = (h.flags & kFlagLast) != 0;
+    payload.clear();
+    while (payload.size() < h.length) {
+      d.step();
+      auto more = raw_read(p.fd, h.length - payload.size(), 5);
+      payload.insert(payload.end(), more.begin(), more.end());
+    }
+    reused = reused || std::any_of(payload.begin(), payload.end(), [](auto b) { return b == std::byte{0xee}; });
+    offset += h.length;
+  }
+  CHECK(nak);
+  CHECK_FALSE(last);
+  CHECK_FALSE(reused);
+  CHECK(offset < kLen);
+  CHECK(p.reaches_error());
+}
+
+TEST_CASE("tcp provider: keys of deregistered regions do not come back", "[unit][tcp]") {
+  // Rendezvous registers per message: an old rkey must not become valid
+  // again after a few hundred (or thousand) registrations.
+  registration_table t;
+  std::vector<std::byte> mem(64);
+  const auto addr = reinterpret_cast<std::uint64_t>(mem.data());
+  const std::uint32_t stale = t.add(mem.data(), mem.size(), access::remote_write);
+  REQUIRE(stale != 0);
+  REQUIRE(t.check(stale, addr, 8, access::remote_write) != nullptr);
+  t.remove(stale);
+  bool reused = false;
+  for (std::uint32_t i = 0; i < 3 * registration_table::kCapacity; ++i) {
+    const std::uint32_t k = t.add(mem.data(), mem.size(), access::remote_write);
+    REQUIRE(k != 0);
+    reused = reused || k == stale || t.check(stale, addr, 8, access::remote_write) != nullptr;
+    t.remove(k);
+  }
+  CHECK_FALSE(reused);
+  // pin() holds a registration; a pin of a stale key fails
+  const std::uint32_t k = t.add(mem.data(), mem.size(), access::remote_read);
+  REQUIRE(t.pin(k, addr, 64, access::remote_read) != nullptr);
+  CHECK(t.pin(k, addr, 65, access::remote_read) == nullptr);  // out of bounds
+  CHECK(t.pin(k, addr, 8, access::remote_write) == nullptr);  // access not granted
+  t.unpin(k);
+  t.remove(k);
+  CHECK(t.pin(k, addr, 8, access::remote_read) == nullptr);
+}
+
+TEST_CASE("tcp provider: a stale rkey is refused after many registrations", "[unit][tcp]") {
+  raw_peer p;
+  std::vector<std::uint8_t> mem(4096, 0);
+  auto mr = p.ep.pd->register_memory(mem.data(), mem.size(), access::local_write | access::remote_write);
+  const std::uint32_t stale = mr->rkey();
+  mr.reset();
+  for (int i = 0; i < 600; ++i) {
+    auto again = p.ep.pd->register_memory(mem.data(), mem.size(), access::local_write | access::remote_write);
+    CHECK(again->rkey() != stale);
+  }
+  p.send_frame({.type = frame_type::write, .psn = 1, .length = 4,
+                .remote_addr = reinterpret_cast<std::uint64_t>(mem.data()), .rkey = stale},
+               "evil", 4);
+  REQUIRE(p.reaches_error());
+  p.expect_nak(nak_code::remote_access);
+  CHECK(mem[0] == 0);
+}
+
+TEST_CASE("tcp provider: a queue pair in error drops what the peer keeps sending, a bounded amount per pass",
+          "[unit][tcp]") {
+  // The NAK that failed the queue pair cannot leave (the peer does not
+  // read), so the socket stays open and everything the peer sends is
+  // dropped; one poll must not read it all (a peer that keeps sending would
+  // hold the completion queue's thread).
+  raw_peer p(16 * 1024);
+  std::vector<std::uint8_t> source(std::size_t{32} << 20, 1);
+  auto mr = p.ep.pd->register_memory(source.data(), source.size(), access::remote_read);
+  p.send_frame({.type = frame_type::read_request, .psn = 1,
+                .remote_addr = reinterpret_cast<std::uint64_t>(source.data()), .rkey = mr->rkey(),
+                .read_length = static_cast<std::uint32_t>(source.size())});
+  driver d{p.ep.cq.get()};
+  for (int i = 0; i < 50; ++i) d.step();  // the response fills both sockets' buffers
+  // a bad write: fatal NAK, queued behind the response that cannot leave
+  p.send_frame({.type = frame_type::write, .psn = 2, .length = 4, .remote_addr = 8, .rkey = 12345}, "abcd", 4);
+  REQUIRE(p.reaches_error());
+  std::vector<std::uint8_t> junk(std::size_t{2} << 20, 0x77);
+  raw_send(p.fd, junk.data(), junk.size());
+  std::this_thread::sleep_for(100ms);
+  const std::uint64_t before = p.ep.qp->counters().rx_syscalls;
+  d.step();
+  const std::uint64_t calls = p.ep.qp->counters().rx_syscalls - before;
+  INFO(calls << " recv calls in one poll");
+  CHECK(calls >= 1);
+  CHECK(calls <= 5);
 }

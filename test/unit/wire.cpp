@@ -37,7 +37,7 @@ TEST_CASE("the frame decoder rejects every kind of malformed header", "[unit]") 
   frame_header d;
   SECTION("version") {
     auto b = encoded({.type = frame_type::send});
-    b[0] = std::byte{2};
+    b[0] = std::byte{kWireVersion + 1};
     CHECK(decode(b, d) == decode_error::bad_version);
   }
   SECTION("type") {
@@ -50,12 +50,19 @@ TEST_CASE("the frame decoder rejects every kind of malformed header", "[unit]") 
   SECTION("flags") {
     CHECK(decode(encoded({.type = frame_type::send, .flags = 0x8000}), d) == decode_error::bad_flags);
     CHECK(decode(encoded({.type = frame_type::read_request, .flags = kFlagImm}), d) == decode_error::bad_flags);
+    // "last" belongs to read responses only
+    CHECK(decode(encoded({.type = frame_type::send, .flags = kFlagLast}), d) == decode_error::bad_flags);
+    CHECK(decode(encoded({.type = frame_type::read_response, .flags = kFlagLast}), d) == decode_error::none);
   }
   SECTION("oversized") {
     CHECK(decode(encoded({.type = frame_type::send, .length = kMaxPayload + 1}), d) == decode_error::oversized);
     CHECK(decode(encoded({.type = frame_type::read_request, .read_length = kMaxPayload + 1}), d) ==
           decode_error::oversized);
     CHECK(decode(encoded({.type = frame_type::send, .length = kMaxPayload}), d) == decode_error::none);
+    // a read's data comes in fragments
+    CHECK(decode(encoded({.type = frame_type::read_response, .length = kReadFragment + 1}), d) ==
+          decode_error::oversized);
+    CHECK(decode(encoded({.type = frame_type::read_response, .length = kReadFragment}), d) == decode_error::none);
   }
   SECTION("payload on a frame that carries none") {
     CHECK(decode(encoded({.type = frame_type::ack, .length = 1}), d) == decode_error::unexpected_payload);
@@ -100,4 +107,18 @@ TEST_CASE("handshakes round-trip and reject garbage", "[unit]") {
   h.max_send_wr = 0;
   encode(h, bad);
   CHECK(decode(bad, d) == handshake_error::bad_length);
+  // a peer's queue sizes above the provider's own limit (32768) are refused
+  h.max_send_wr = (1u << 15) + 1;
+  encode(h, bad);
+  CHECK(decode(bad, d) == handshake_error::bad_length);
+  h.max_send_wr = 1u << 15;
+  h.max_recv_wr = (1u << 15) + 1;
+  encode(h, bad);
+  CHECK(decode(bad, d) == handshake_error::bad_length);
+  h.max_recv_wr = 0;
+  encode(h, bad);
+  CHECK(decode(bad, d) == handshake_error::bad_length);
+  h.max_recv_wr = 1u << 15;
+  encode(h, bad);
+  CHECK(decode(bad, d) == handshake_error::none);
 }

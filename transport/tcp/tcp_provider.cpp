@@ -19,25 +19,35 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <random>
 #include <system_error>
+#include <thread>
 
 namespace anydoor::transport::tcp {
 
 // ---------------------------------------------------------------- registrations
 
-registration_table::registration_table() : entries_(new entry[kCapacity]) {
-  free_.reserve(kCapacity - 1);
-  for (std::uint32_t i = kCapacity - 1; i >= 1; --i) free_.push_back(i);
+registration_table::registration_table() : entries_(new entry[kCapacity]), free_(kCapacity - 1) {
+  std::random_device rd;
+  std::mt19937 rng(rd());
+  constexpr std::uint32_t mask = (1u << kGenerationBits) - 1;
+  for (std::uint32_t i = 1; i < kCapacity; ++i) {
+    entries_[i].generation = static_cast<std::uint32_t>(rng()) & mask;
+    free_[i - 1] = i;
+  }
+  free_count_ = kCapacity - 1;
 }
 
 std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, access acc) {
   std::lock_guard lock(mutex_);
-  if (free_.empty()) return 0;
-  const std::uint32_t index = free_.back();
-  free_.pop_back();
+  if (free_count_ == 0) return 0;
+  const std::uint32_t index = free_[free_head_];
+  free_head_ = (free_head_ + 1) % free_.size();
+  --free_count_;
   entry& e = entries_[index];
-  e.generation = static_cast<std::uint8_t>(e.generation == 0xff ? 1 : e.generation + 1);
-  const std::uint32_t key = (index << 8) | e.generation;
+  constexpr std::uint32_t mask = (1u << kGenerationBits) - 1;
+  e.generation = (e.generation + 1) & mask;
+  const std::uint32_t key = (index << kGenerationBits) | e.generation;  // never 0: index >= 1
   e.addr.store(reinterpret_cast<std::uint64_t>(addr), std::memory_order_relaxed);
   e.length.store(length, std::memory_order_relaxed);
   e.acc.store(static_cast<std::uint32_t>(acc), std::memory_order_relaxed);
@@ -47,20 +57,23 @@ std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, acc
 
 void registration_table::remove(std::uint32_t key) noexcept {
   std::lock_guard lock(mutex_);
-  const std::uint32_t index = key >> 8;
+  const std::uint32_t index = index_of(key);
   if (index == 0 || index >= kCapacity) return;
   entry& e = entries_[index];
   if (e.key.load(std::memory_order_relaxed) != key) return;
-  e.key.store(0, std::memory_order_release);
-  free_.push_back(index);
+  // Invalidate first, then wait for the accesses that pinned the slot
+  // before (each is one memcpy, recv or sendmsg). seq_cst on both sides:
+  // either pin() sees the cleared key or this sees its pin.
+  e.key.store(0, std::memory_order_seq_cst);
+  for (unsigned spins = 0; e.pins.load(std::memory_order_seq_cst) != 0; ++spins) {
+    if (spins > 64) std::this_thread::yield();
+  }
+  free_[(free_head_ + free_count_) % free_.size()] = index;
+  ++free_count_;
 }
 
-std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std::uint64_t len,
-                                     access need) const noexcept {
-  const std::uint32_t index = key >> 8;
-  if (index == 0 || index >= kCapacity || key == 0) return nullptr;
-  const entry& e = entries_[index];
-  if (e.key.load(std::memory_order_acquire) != key) return nullptr;
+std::byte* registration_table::lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len,
+                                      access need) const noexcept {
   const std::uint64_t base = e.addr.load(std::memory_order_relaxed);
   const std::uint64_t length = e.length.load(std::memory_order_relaxed);
   const auto acc = static_cast<access>(e.acc.load(std::memory_order_relaxed));
@@ -69,6 +82,30 @@ std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std:
   if (!has(acc, need)) return nullptr;
   if (addr < base || len > length || addr - base > length - len) return nullptr;
   return reinterpret_cast<std::byte*>(addr);
+}
+
+std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std::uint64_t len,
+                                     access need) const noexcept {
+  const std::uint32_t index = index_of(key);
+  if (index == 0 || index >= kCapacity) return nullptr;
+  const entry& e = entries_[index];
+  if (e.key.load(std::memory_order_acquire) != key) return nullptr;
+  return lookup(e, key, addr, len, need);
+}
+
+std::byte* registration_table::pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len,
+                                   access need) const noexcept {
+  const std::uint32_t index = index_of(key);
+  if (index == 0 || index >= kCapacity) return nullptr;
+  const entry& e = entries_[index];
+  e.pins.fetch_add(1, std::memory_order_seq_cst);
+  std::byte* p = e.key.load(std::memory_order_seq_cst) == key ? lookup(e, key, addr, len, need) : nullptr;
+  if (p == nullptr) e.pins.fetch_sub(1, std::memory_order_release);
+  return p;
+}
+
+void registration_table::unpin(std::uint32_t key) const noexcept {
+  entries_[index_of(key)].pins.fetch_sub(1, std::memory_order_release);
 }
 
 tcp_mr::tcp_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length,
@@ -332,7 +369,7 @@ class tcp_request final : public connection_request {
     if (fd_ < 0) return;
     handshake reply{.kind = handshake_kind::reject,
                     .private_data_len = static_cast<std::uint16_t>(std::min(pdata.size(), kMaxPrivateData)),
-                    .max_send_wr = 1};
+                    .max_send_wr = 1, .max_recv_wr = 1};
     (void)send_handshake(fd_, reply, pdata.first(reply.private_data_len), clock::now() + std::chrono::seconds(1));
     ::close(fd_);
     fd_ = -1;
@@ -378,7 +415,7 @@ class tcp_listener final : public listener {
       if (ec) {
         if (ec == errc::version_mismatch) {
           // Tell the peer which version we speak; its connect reports the mismatch.
-          handshake reply{.kind = handshake_kind::reject, .max_send_wr = 1};
+          handshake reply{.kind = handshake_kind::reject, .max_send_wr = 1, .max_recv_wr = 1};
           (void)send_handshake(fd, reply, {}, clock::now() + std::chrono::seconds(1));
         }
         log().warn("tcp listener: refused a connection: {}", ec.message());

@@ -27,16 +27,33 @@ class tcp_qp;
 // Keys and lookups of a protection domain's registrations. Lookups are
 // lock-free (they run on the data path of every completion queue's thread);
 // register/deregister take a mutex.
+//
+// A key is (slot index << 18) | generation: 14 bits of index, 18 bits of a
+// per-slot generation that starts at a random value and advances on every
+// reuse, and freed slots are reused least recently freed first, so a stale
+// key comes back only after 16383 x 2^18 (about 4 * 10^9) registrations and
+// a peer cannot predict a key from the ones it saw.
+//
+// Like a NIC, the provider never touches a region after deregistration
+// returns: every access to registered memory goes through pin(), which
+// holds the slot while the bytes move (one memcpy, recv or sendmsg), and
+// remove() invalidates the key and then waits for the slot's pins to drop.
 class registration_table {
  public:
   static constexpr std::uint32_t kCapacity = 1u << 14;
+  static constexpr unsigned kGenerationBits = 18;
 
   registration_table();
   std::uint32_t add(std::byte* addr, std::uint64_t length, access acc);  // 0 when full
   void remove(std::uint32_t key) noexcept;
   // The registration behind key when [addr, addr+len) lies inside it and it
-  // grants `need`; nullptr otherwise.
+  // grants `need`; nullptr otherwise. Only for checks: the memory may go
+  // away right after it returns.
   std::byte* check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need) const noexcept;
+  // As check(), and on success the registration stays until unpin(key):
+  // the caller may read or write [addr, addr+len) meanwhile.
+  std::byte* pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need) const noexcept;
+  void unpin(std::uint32_t key) const noexcept;
 
  private:
   struct entry {
@@ -44,11 +61,16 @@ class registration_table {
     std::atomic<std::uint64_t> addr{0};
     std::atomic<std::uint64_t> length{0};
     std::atomic<std::uint32_t> acc{0};
-    std::uint8_t generation = 0;
+    mutable std::atomic<std::uint32_t> pins{0};
+    std::uint32_t generation = 0;
   };
+  static std::uint32_t index_of(std::uint32_t key) noexcept { return key >> kGenerationBits; }
+  std::byte* lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len,
+                    access need) const noexcept;
   std::mutex mutex_;
   std::unique_ptr<entry[]> entries_;
-  std::vector<std::uint32_t> free_;
+  std::vector<std::uint32_t> free_;  // a ring of free slot indices, oldest first
+  std::size_t free_head_ = 0, free_count_ = 0;
 };
 
 class tcp_mr final : public memory_region {
@@ -165,24 +187,52 @@ class tcp_qp final : public queue_pair {
     std::uint64_t wr_id = 0;
     std::uint32_t num_sge = 0;
   };
+  // A response to a peer's request. A read's data leaves in fragments of
+  // at most kReadFragment bytes, then a zero-length frame flagged last: the
+  // source is looked up (pinned) again for every sendmsg, and a source
+  // deregistered meanwhile ends the response with a NAK instead.
   struct response {
-    frame_header h;
-    const std::byte* payload = nullptr;
+    frame_header h;              // ack, nak, atomic response; reads: type and psn
+    std::uint32_t key = 0;       // read: the source's rkey
+    std::uint64_t addr = 0;      // read: next byte to frame
+    std::uint64_t left = 0;      // read: bytes not framed yet
+    std::uint64_t offset = 0;    // read: offset of the next fragment
+    bool poisoned = false;       // read: the source went away
     std::array<std::byte, kHeaderSize> header{};
   };
-  // Where an inbound payload goes.
+  // Where an inbound payload goes: registered memory, looked up (pinned)
+  // again for every piece that moves, so that a region deregistered while
+  // its payload trickles in is never written after deregistration.
   struct segment {
-    std::byte* ptr = nullptr;  // nullptr: discard
+    std::uint32_t key = 0;       // 0: discard
+    access need = access::none;
+    std::uint64_t addr = 0;
     std::uint64_t len = 0;
   };
+  // What an iovec of the transmit batch points into.
+  enum class iov_kind : std::uint8_t { plain, request_payload, read_payload, read_end };
+  struct iov_ref {
+    iov_kind kind = iov_kind::plain;
+    std::uint32_t key = 0;       // request_payload (lkey), read_payload (rkey)
+    std::uint64_t resp = 0;      // read_payload, read_end: the response's ring position
+  };
   enum class rx_phase : std::uint8_t { header, payload };
-  enum class after_payload : std::uint8_t { none, ack_only, recv_done, write_imm_done, read_done };
+  enum class after_payload : std::uint8_t {
+    none, ack_only, recv_done, write_imm_done, read_fragment, read_done
+  };
 
   // sending
   void flush() noexcept;
   bool fill_iov() noexcept;
   void build_request_header(sq_entry& e) noexcept;
-  void queue_response(const frame_header& h, const std::byte* payload) noexcept;
+  void queue_response(const frame_header& h) noexcept;
+  void queue_read_response(const frame_header& request) noexcept;
+  bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
+  bool pin_iov() noexcept;                                  // false: the stream must be cut
+  void unpin_iov() noexcept;
+  void poison_read(std::uint64_t pos) noexcept;
+  bool iov_holds_requests() const noexcept;
+  void check_fatal() noexcept;
   void update_write_interest() noexcept;
   bool only_ack_pending() const noexcept;
   // receiving
@@ -193,7 +243,10 @@ class tcp_qp final : public queue_pair {
   bool handle_request(const frame_header& h) noexcept;
   bool handle_response(const frame_header& h) noexcept;
   bool take_recv(std::uint32_t length, bool& rnr) noexcept;
-  void nak(std::uint32_t psn, wc_status status, bool fatal) noexcept;
+  void nak(std::uint32_t psn, nak_code code, bool fatal) noexcept;
+  void lose_payload() noexcept;
+  bool rnr_nak(std::uint32_t psn) noexcept;
+  bool read_segments(const sq_entry& head, std::uint64_t bytes) noexcept;
   void complete_head(wc_status status, std::uint32_t byte_len) noexcept;
   void check_local_error() noexcept;
   // errors
@@ -242,10 +295,16 @@ class tcp_qp final : public queue_pair {
   bool rnr_discard_ = false;  // after an RNR NAK: drop requests until expected_psn_ comes again
   std::vector<response> resp_;
   std::uint64_t resp_head_ = 0, resp_queued_ = 0, resp_tail_ = 0;  // [head, queued) in iov_
+  bool fatal_pending_ = false;  // a NAK that ends a read response is queued: error once it is out
 
   // transmit: iovecs of whole frames; [iov_pos_, iov_count_) still to send
   static constexpr std::size_t kMaxIov = 64;
   std::array<iovec, kMaxIov> iov_{};
+  std::array<iov_ref, kMaxIov> iov_ref_{};
+  std::array<std::array<std::byte, kHeaderSize>, kMaxIov> frag_hdr_{};  // read fragment headers
+  std::size_t frag_used_ = 0;
+  std::array<std::uint32_t, kMaxIov> pinned_{};  // keys pinned for the sendmsg in progress
+  std::size_t npinned_ = 0;
   std::size_t iov_count_ = 0, iov_pos_ = 0;
   bool want_write_ = false;
 
@@ -258,8 +317,12 @@ class tcp_qp final : public queue_pair {
   std::size_t seg_count_ = 0, seg_index_ = 0;
   std::uint64_t payload_left_ = 0;
   after_payload after_ = after_payload::none;
-  wc_status payload_status_ = wc_status::success;
+  bool payload_lost_ = false;    // a destination went away: the rest of the payload was dropped
   std::uint64_t recv_wr_id_ = 0;
+  // the read at the head of the send queue: bytes placed, and where the next go
+  std::uint64_t rd_done_ = 0;
+  std::size_t rd_sge_ = 0;
+  std::uint64_t rd_off_ = 0;
 };
 
 }  // namespace anydoor::transport::tcp

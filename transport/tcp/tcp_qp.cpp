@@ -36,6 +36,14 @@ std::atomic<std::uint32_t> g_next_qpn{1};
 constexpr std::size_t kRxBufferSize = 64 * 1024;
 constexpr std::size_t kDirectReadMin = 16 * 1024;
 constexpr int kMaxFramesPerProgress = 256;
+// What one progress pass of a queue pair in error reads and drops.
+constexpr std::size_t kMaxDiscardPerPass = 4 * kRxBufferSize;
+// Responses queued per connection: enough to keep the link busy; a peer
+// with more requests outstanding waits (its frames stay in the socket).
+constexpr std::size_t kMaxResponseSlots = 1024;
+// Sent in place of read-response data whose source was deregistered while
+// its fragment was on its way (the response then ends with a NAK).
+std::byte g_zeros[kReadFragment];
 
 bool psn_le(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(b - a) >= 0; }
 
@@ -109,6 +117,8 @@ std::error_code tcp_qp::modify(qp_state next) noexcept {
       next_psn_ = expected_psn_ = 1;
       rnr_left_ = attr_.rnr_retry;
       rnr_waiting_ = rewind_pending_ = rnr_discard_ = tx_blocked_ = false;
+      rd_done_ = rd_off_ = 0;
+      rd_sge_ = 0;
       state_ = qp_state::reset;
       break;
     case qp_state::init:
@@ -135,8 +145,11 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
     return errc::invalid_state;
   }
   fd_ = fd;
-  // Each request of the peer yields at most one response, plus room for NAKs.
-  resp_.assign(std::size_t{peer_max_send_wr} * 2 + 8, response{});
+  // Each request of the peer yields at most one response; the ring bounds
+  // what a peer can make us hold (the handshake checked the value too).
+  resp_.assign(std::min<std::size_t>(std::max<std::uint32_t>(peer_max_send_wr, 1), kMaxResponseSlots) * 2 + 8,
+               response{});
+  fatal_pending_ = false;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   iov_count_ = iov_pos_ = 0;
   rx_begin_ = rx_end_ = 0;
@@ -195,9 +208,15 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
   }
   rq_head_ = rq_tail_;
   rnr_waiting_ = rewind_pending_ = tx_blocked_ = false;
+  rd_done_ = rd_off_ = 0;
+  rd_sge_ = 0;
+  // The requests just completed (flushed) may still have payload in the
+  // transmit batch: their memory is the caller's again, so nothing more of
+  // the batch may be sent; the stream is cut.
+  if (fd_ >= 0 && iov_holds_requests()) close_when_flushed_ = false;
   // Acknowledgements already generated (a NIC would have sent them at once;
   // this one may hold a lone ACK back) still reach the peer before the close.
-  if (fd_ >= 0 && resp_queued_ < resp_tail_) close_when_flushed_ = true;
+  else if (fd_ >= 0 && resp_queued_ < resp_tail_) close_when_flushed_ = true;
   if (close_when_flushed_ && fd_ >= 0) {
     // A NAK still has to reach the peer; flush() closes once it is out.
     flush();
@@ -294,6 +313,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
     build_request_header(e);
   }
   flush();
+  check_fatal();
   check_local_error();
   return {};
 }
@@ -338,19 +358,25 @@ void tcp_qp::build_request_header(sq_entry& e) noexcept {
 // ---------------------------------------------------------------- transmit
 
 bool tcp_qp::fill_iov() noexcept {
-  auto add = [this](const void* p, std::size_t n) {
+  auto add = [this](const void* p, std::size_t n, iov_ref ref) {
+    iov_ref_[iov_count_] = ref;
     iov_[iov_count_++] = {const_cast<void*>(p), n};
   };
+  frag_used_ = 0;
   const std::size_t cap = resp_.size();
   while (resp_queued_ < resp_tail_) {
     response& r = resp_[resp_queued_ % cap];
-    const std::size_t need = r.h.length > 0 ? 2 : 1;
-    if (iov_count_ + need > kMaxIov) return iov_count_ > 0;
-    add(r.header.data(), kHeaderSize);
-    if (r.h.length > 0) add(r.payload, r.h.length);
+    if (r.h.type == frame_type::read_response) {
+      if (!fill_read(r, resp_queued_)) return true;
+    } else {
+      if (iov_count_ + 1 > kMaxIov) return iov_count_ > 0;
+      add(r.header.data(), kHeaderSize, {});
+    }
     ++resp_queued_;
   }
-  if (state_ != qp_state::rts || rnr_waiting_ || rewind_pending_ || tx_blocked_) return iov_count_ > 0;
+  if (state_ != qp_state::rts || rnr_waiting_ || rewind_pending_ || tx_blocked_ || fatal_pending_) {
+    return iov_count_ > 0;
+  }
   while (sq_tx_ < sq_tail_) {
     sq_entry& e = sq_[sq_tx_ % attr_.max_send_wr];
     if (e.local_error != wc_status::success) {
@@ -362,15 +388,139 @@ bool tcp_qp::fill_iov() noexcept {
       for (const sge& s : e.wr.sg_list) need += s.length > 0 ? 1 : 0;
     }
     if (iov_count_ + need > kMaxIov) break;
-    add(e.header.data(), kHeaderSize);
+    add(e.header.data(), kHeaderSize, {});
     if (carries_data(e.wr.op)) {
       for (const sge& s : e.wr.sg_list) {
-        if (s.length > 0) add(reinterpret_cast<const void*>(s.addr), s.length);
+        if (s.length == 0) continue;
+        // Inline data lives in the provider (lkey 0); the rest is pinned per sendmsg.
+        add(reinterpret_cast<const void*>(s.addr), s.length,
+            {e.wr.inline_data ? iov_kind::plain : iov_kind::request_payload, s.lkey, 0});
       }
     }
     ++sq_tx_;
   }
   return iov_count_ > 0;
+}
+
+// Frames what fits of a read response: data fragments, then the last
+// frame. A source that is no longer registered turns the rest into a NAK.
+bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
+  auto add = [this](const void* p, std::size_t n, iov_ref ref) {
+    iov_ref_[iov_count_] = ref;
+    iov_[iov_count_++] = {const_cast<void*>(p), n};
+  };
+  if (!r.poisoned && r.left > 0 &&
+      table_.check(r.key, r.addr, std::min<std::uint64_t>(r.left, kReadFragment), access::remote_read) == nullptr) {
+    r.poisoned = true;
+  }
+  if (r.poisoned) {
+    if (iov_count_ + 1 > kMaxIov) return false;
+    frame_header n;
+    n.type = frame_type::nak;
+    n.psn = r.h.psn;
+    n.imm = static_cast<std::uint32_t>(nak_code::remote_access);
+    encode(n, r.header);
+    add(r.header.data(), kHeaderSize, {});
+    log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
+    fatal_pending_ = true;
+    return true;
+  }
+  while (r.left > 0) {
+    if (iov_count_ + 2 > kMaxIov || frag_used_ == frag_hdr_.size()) return false;
+    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(r.left, kReadFragment));
+    frame_header f;
+    f.type = frame_type::read_response;
+    f.psn = r.h.psn;
+    f.length = n;
+    f.remote_addr = r.offset;
+    auto& hdr = frag_hdr_[frag_used_++];
+    encode(f, hdr);
+    add(hdr.data(), kHeaderSize, {});
+    add(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, r.key, pos});
+    r.addr += n;
+    r.offset += n;
+    r.left -= n;
+  }
+  if (iov_count_ + 1 > kMaxIov || frag_used_ == frag_hdr_.size()) return false;
+  frame_header last;
+  last.type = frame_type::read_response;
+  last.flags = kFlagLast;
+  last.psn = r.h.psn;
+  last.remote_addr = r.offset;
+  auto& hdr = frag_hdr_[frag_used_++];
+  encode(last, hdr);
+  add(hdr.data(), kHeaderSize, {iov_kind::read_end, 0, pos});
+  return true;
+}
+
+bool tcp_qp::iov_holds_requests() const noexcept {
+  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+    if (iov_ref_[i].kind == iov_kind::request_payload) return true;
+  }
+  return false;
+}
+
+// Pins every registration the unsent part of the batch points into, for
+// the sendmsg that follows. A read source that is gone is replaced by
+// zeros and its response ends with a NAK; a request's own memory that is
+// gone cuts the stream (false).
+bool tcp_qp::pin_iov() noexcept {
+  npinned_ = 0;
+  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+    iov_ref& ref = iov_ref_[i];
+    if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
+    const access need = ref.kind == iov_kind::read_payload ? access::remote_read : access::none;
+    const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base);
+    if (table_.pin(ref.key, addr, iov_[i].iov_len, need) != nullptr) {
+      pinned_[npinned_++] = ref.key;
+      continue;
+    }
+    if (ref.kind == iov_kind::request_payload) {
+      unpin_iov();
+      return false;
+    }
+    iov_[i].iov_base = g_zeros;  // the rest of this fragment (at most kReadFragment bytes)
+    ref.kind = iov_kind::plain;
+    poison_read(ref.resp);
+  }
+  return true;
+}
+
+void tcp_qp::unpin_iov() noexcept {
+  for (std::size_t i = 0; i < npinned_; ++i) table_.unpin(pinned_[i]);
+  npinned_ = 0;
+}
+
+// A read response whose source went away: no more of its data, and its
+// last frame becomes a NAK (remote access error), so the requester fails
+// the read instead of completing it with zeros.
+void tcp_qp::poison_read(std::uint64_t pos) noexcept {
+  response& r = resp_[pos % resp_.size()];
+  if (r.poisoned) return;
+  r.poisoned = true;
+  r.left = 0;
+  fatal_pending_ = true;
+  log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
+  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+    if (iov_ref_[i].kind != iov_kind::read_end || iov_ref_[i].resp != pos) continue;
+    frame_header n;
+    n.type = frame_type::nak;
+    n.psn = r.h.psn;
+    n.imm = static_cast<std::uint32_t>(nak_code::remote_access);
+    encode(n, std::span<std::byte, kHeaderSize>(static_cast<std::byte*>(iov_[i].iov_base), kHeaderSize));
+    iov_ref_[i].kind = iov_kind::plain;
+    return;
+  }
+  // Its last frame is not in the batch yet: fill_read sends the NAK.
+}
+
+// A NAK that ended a read response is queued: the queue pair goes to
+// error, sending what is queued first (as after any fatal NAK).
+void tcp_qp::check_fatal() noexcept {
+  if (!fatal_pending_ || state_ == qp_state::error) return;
+  fatal_pending_ = false;
+  close_when_flushed_ = true;
+  enter_error(wc_status::work_request_flushed);
 }
 
 void tcp_qp::flush() noexcept {
@@ -389,10 +539,18 @@ void tcp_qp::flush() noexcept {
       }
       if (!fill_iov()) break;
     }
+    if (!pin_iov()) {
+      log().warn("qp {}: memory of a request in flight was deregistered; the connection is cut", qpn_);
+      close_when_flushed_ = false;
+      close_socket();
+      enter_error(wc_status::local_protection_error);
+      return;
+    }
     msghdr msg{};
     msg.msg_iov = &iov_[iov_pos_];
     msg.msg_iovlen = iov_count_ - iov_pos_;
     const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    unpin_iov();
     ++counters_.tx_syscalls;
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -423,7 +581,7 @@ void tcp_qp::update_write_interest() noexcept {
   if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want);
 }
 
-void tcp_qp::queue_response(const frame_header& h, const std::byte* payload) noexcept {
+void tcp_qp::queue_response(const frame_header& h) noexcept {
   const std::size_t cap = resp_.size();
   if (h.type == frame_type::ack && resp_tail_ > resp_queued_) {
     response& last = resp_[(resp_tail_ - 1) % cap];
@@ -434,20 +592,32 @@ void tcp_qp::queue_response(const frame_header& h, const std::byte* payload) noe
     }
   }
   response& r = resp_[resp_tail_++ % cap];
+  r = response{};
   r.h = h;
-  r.payload = payload;
   encode(r.h, r.header);
 }
 
-void tcp_qp::nak(std::uint32_t psn, wc_status status, bool fatal) noexcept {
+// The data of a checked read request: framed by fill_read as the
+// transmitter gets to it, the source looked up again each time.
+void tcp_qp::queue_read_response(const frame_header& request) noexcept {
+  response& r = resp_[resp_tail_++ % resp_.size()];
+  r = response{};
+  r.h.type = frame_type::read_response;
+  r.h.psn = request.psn;
+  r.key = request.rkey;
+  r.addr = request.remote_addr;
+  r.left = request.read_length;
+}
+
+void tcp_qp::nak(std::uint32_t psn, nak_code code, bool fatal) noexcept {
   frame_header h;
   h.type = frame_type::nak;
   h.psn = psn;
-  h.imm = static_cast<std::uint32_t>(status);
-  queue_response(h, nullptr);
+  h.imm = static_cast<std::uint32_t>(code);
+  queue_response(h);
   if (fatal) {
-    log().warn("qp {}: request {} from peer failed: {}; moving the queue pair to error", qpn_, psn,
-               to_string(status));
+    log().warn("qp {}: request {} from peer failed (NAK code {}); moving the queue pair to error", qpn_, psn,
+               static_cast<std::uint32_t>(code));
     close_when_flushed_ = true;
     enter_error(wc_status::work_request_flushed);
   }
@@ -467,6 +637,7 @@ void tcp_qp::progress() noexcept {
   // produce no completion here to wake it.
   const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
   if (!only_ack_pending() || (cq != nullptr && cq->armed())) flush();
+  check_fatal();
   check_local_error();
 }
 
@@ -476,7 +647,9 @@ bool tcp_qp::only_ack_pending() const noexcept {
 }
 
 void tcp_qp::flush_acks() noexcept {
-  if (wants_progress() && resp_queued_ < resp_tail_) flush();
+  if (!wants_progress() || resp_queued_ == resp_tail_) return;
+  flush();
+  check_fatal();
 }
 
 void tcp_qp::on_events(std::uint32_t /*events*/) noexcept { progress(); }
@@ -489,15 +662,21 @@ void tcp_qp::on_timer(std::chrono::steady_clock::time_point now) noexcept {
   }
   rnr_waiting_ = false;
   flush();
+  check_fatal();
 }
 
 // In error, with a NAK still to send: whatever the peer sends is dropped, so
 // that a level-triggered notify fd does not stay readable.
+// At most kMaxDiscardPerPass bytes per pass: a peer that keeps sending
+// cannot hold the completion queue's thread here.
 void tcp_qp::discard_input() noexcept {
-  for (;;) {
+  for (std::size_t dropped = 0; dropped < kMaxDiscardPerPass;) {
     const ssize_t n = ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
     ++counters_.rx_syscalls;
-    if (n > 0) continue;
+    if (n > 0) {
+      dropped += static_cast<std::size_t>(n);
+      continue;
+    }
     if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) close_socket();
     return;
   }
@@ -540,6 +719,7 @@ void tcp_qp::receive() noexcept {
       seg_count_ = seg_index_ = 0;
       payload_left_ = cur_.length;
       after_ = after_payload::none;
+      payload_lost_ = false;
       const bool ok = is_request(cur_.type) ? handle_request(cur_) : handle_response(cur_);
       if (!ok || fd_ < 0 || state_ == qp_state::error) return;
       if (payload_left_ == 0) {
@@ -548,20 +728,33 @@ void tcp_qp::receive() noexcept {
       }
       phase_ = rx_phase::payload;
     }
-    // payload: staging buffer first, then straight from the socket when large
+    // payload: staging buffer first, then straight from the socket when
+    // large; each piece pins its destination while it moves
     while (payload_left_ > 0) {
       segment* s = seg_index_ < seg_count_ ? &seg_[seg_index_] : nullptr;
       const std::uint64_t want = s != nullptr ? std::min(s->len, payload_left_) : payload_left_;
       std::size_t got = 0;
       if (rx_begin_ < rx_end_) {
         got = static_cast<std::size_t>(std::min<std::uint64_t>(want, rx_end_ - rx_begin_));
-        if (s != nullptr && s->ptr != nullptr) std::memcpy(s->ptr, rx_buf_.data() + rx_begin_, got);
+        if (s != nullptr && s->key != 0) {
+          if (std::byte* p = table_.pin(s->key, s->addr, got, s->need)) {
+            std::memcpy(p, rx_buf_.data() + rx_begin_, got);
+            table_.unpin(s->key);
+          } else {
+            lose_payload();
+          }
+        }
         rx_begin_ += got;
       } else {
         rx_begin_ = rx_end_ = 0;
-        const bool direct = s != nullptr && s->ptr != nullptr && want >= kDirectReadMin;
-        const ssize_t n = direct ? ::recv(fd_, s->ptr, static_cast<std::size_t>(want), MSG_DONTWAIT)
-                                 : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+        std::byte* direct = nullptr;
+        if (s != nullptr && s->key != 0 && want >= kDirectReadMin) {
+          direct = table_.pin(s->key, s->addr, want, s->need);
+          if (direct == nullptr) lose_payload();
+        }
+        const ssize_t n = direct != nullptr ? ::recv(fd_, direct, static_cast<std::size_t>(want), MSG_DONTWAIT)
+                                            : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+        if (direct != nullptr) table_.unpin(s->key);
         ++counters_.rx_syscalls;
         if (n <= 0) {
           if (n == 0) peer_gone("peer closed the connection");
@@ -569,7 +762,7 @@ void tcp_qp::receive() noexcept {
           return;
         }
         counters_.bytes_received += static_cast<std::uint64_t>(n);
-        if (!direct) {
+        if (direct == nullptr) {
           rx_end_ = static_cast<std::size_t>(n);
           continue;
         }
@@ -577,7 +770,7 @@ void tcp_qp::receive() noexcept {
       }
       payload_left_ -= got;
       if (s != nullptr) {
-        if (s->ptr != nullptr) s->ptr += got;
+        s->addr += got;
         s->len -= got;
         if (s->len == 0) ++seg_index_;
       }
@@ -585,6 +778,14 @@ void tcp_qp::receive() noexcept {
     phase_ = rx_phase::header;
     finish_payload();
   }
+}
+
+// A destination was deregistered while its payload arrived: the rest of
+// the payload is read and dropped, and finish_payload fails the frame.
+void tcp_qp::lose_payload() noexcept {
+  if (!payload_lost_) log().warn("qp {}: the destination of an arriving payload was deregistered", qpn_);
+  payload_lost_ = true;
+  for (std::size_t i = seg_index_; i < seg_count_; ++i) seg_[i].key = 0;
 }
 
 bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
@@ -602,20 +803,19 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
     push_recv({.wr_id = r.wr_id, .status = wc_status::local_length_error, .opcode = wc_opcode::recv,
                .qp_num = qpn_});
     log().warn("qp {}: {}-byte message does not fit the {}-byte receive buffer", qpn_, length, room);
-    nak(cur_.psn, wc_status::remote_invalid_request, true);
+    nak(cur_.psn, nak_code::invalid_request, true);
     return false;
   }
   std::uint64_t left = length;
   for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
     const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
-    std::byte* p = table_.check(sges[i].lkey, sges[i].addr, n, access::local_write);
-    if (p == nullptr) {
+    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write) == nullptr) {
       push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
                  .qp_num = qpn_});
-      nak(cur_.psn, wc_status::remote_operation_error, true);
+      nak(cur_.psn, nak_code::remote_operation, true);
       return false;
     }
-    seg_[seg_count_++] = {p, n};
+    seg_[seg_count_++] = {sges[i].lkey, access::local_write, sges[i].addr, n};
     left -= n;
   }
   recv_wr_id_ = r.wr_id;
@@ -640,54 +840,41 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
     case frame_type::send:
       if (!take_recv(h.length, rnr)) {
         if (!rnr) return false;
-        ++counters_.rnr_naks_sent;
-        rnr_discard_ = true;
-        nak(h.psn, wc_status::rnr_retry_exceeded, false);
-        return discard();
+        return rnr_nak(h.psn) && discard();
       }
       after_ = after_payload::recv_done;
       break;
     case frame_type::write: {
-      std::byte* dst = h.length == 0 ? nullptr : table_.check(h.rkey, h.remote_addr, h.length, access::remote_write);
-      if (h.length != 0 && dst == nullptr) {
-        nak(h.psn, wc_status::remote_access_error, true);
+      if (h.length != 0 && table_.check(h.rkey, h.remote_addr, h.length, access::remote_write) == nullptr) {
+        nak(h.psn, nak_code::remote_access, true);
         return false;
       }
       if (imm && !take_recv(0, rnr)) {
         if (!rnr) return false;
-        ++counters_.rnr_naks_sent;
-        rnr_discard_ = true;
-        nak(h.psn, wc_status::rnr_retry_exceeded, false);
-        return discard();
+        return rnr_nak(h.psn) && discard();
       }
       seg_count_ = 0;
-      if (dst != nullptr) seg_[seg_count_++] = {dst, h.length};
+      if (h.length != 0) seg_[seg_count_++] = {h.rkey, access::remote_write, h.remote_addr, h.length};
       after_ = imm ? after_payload::write_imm_done : after_payload::ack_only;
       break;
     }
-    case frame_type::read_request: {
-      const std::byte* src =
-          h.read_length == 0 ? nullptr : table_.check(h.rkey, h.remote_addr, h.read_length, access::remote_read);
-      if (h.read_length != 0 && src == nullptr) {
-        nak(h.psn, wc_status::remote_access_error, true);
+    case frame_type::read_request:
+      if (h.read_length != 0 &&
+          table_.check(h.rkey, h.remote_addr, h.read_length, access::remote_read) == nullptr) {
+        nak(h.psn, nak_code::remote_access, true);
         return false;
       }
-      frame_header r;
-      r.type = frame_type::read_response;
-      r.psn = h.psn;
-      r.length = h.read_length;
-      queue_response(r, src);
+      queue_read_response(h);
       break;
-    }
     case frame_type::fetch_add:
     case frame_type::compare_swap: {
       if (h.remote_addr % 8 != 0) {
-        nak(h.psn, wc_status::remote_invalid_request, true);
+        nak(h.psn, nak_code::invalid_request, true);
         return false;
       }
-      std::byte* p = table_.check(h.rkey, h.remote_addr, 8, access::remote_atomic);
+      std::byte* p = table_.pin(h.rkey, h.remote_addr, 8, access::remote_atomic);
       if (p == nullptr) {
-        nak(h.psn, wc_status::remote_access_error, true);
+        nak(h.psn, nak_code::remote_access, true);
         return false;
       }
       std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
@@ -698,11 +885,12 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
         old = h.compare_add;
         word.compare_exchange_strong(old, h.swap, std::memory_order_acq_rel);
       }
+      table_.unpin(h.rkey);
       frame_header r;
       r.type = frame_type::atomic_response;
       r.psn = h.psn;
       r.compare_add = old;
-      queue_response(r, nullptr);
+      queue_response(r);
       break;
     }
     default:
@@ -713,15 +901,52 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
   return true;
 }
 
+// No receive for a send (or a write with immediate): an RNR NAK, and the
+// requests after it are dropped until the requester sends it again.
+bool tcp_qp::rnr_nak(std::uint32_t psn) noexcept {
+  ++counters_.rnr_naks_sent;
+  rnr_discard_ = true;
+  nak(psn, nak_code::rnr, false);
+  return true;
+}
+
 void tcp_qp::finish_payload() noexcept {
-  switch (after_) {
+  const after_payload after = std::exchange(after_, after_payload::none);
+  if (payload_lost_) {
+    // A destination was deregistered while the payload arrived.
+    payload_lost_ = false;
+    switch (after) {
+      case after_payload::none: return;
+      case after_payload::recv_done:
+        push_recv({.wr_id = recv_wr_id_, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
+                   .qp_num = qpn_});
+        nak(cur_.psn, nak_code::remote_operation, true);
+        return;
+      case after_payload::write_imm_done:
+        push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
+                   .opcode = wc_opcode::recv_rdma_with_imm, .qp_num = qpn_});
+        nak(cur_.psn, nak_code::remote_access, true);
+        return;
+      case after_payload::ack_only:
+        nak(cur_.psn, nak_code::remote_access, true);
+        return;
+      case after_payload::read_fragment:
+      case after_payload::read_done:
+        log().warn("qp {}: the destination of read {} was deregistered", qpn_, cur_.psn);
+        close_when_flushed_ = false;
+        enter_error(wc_status::local_protection_error);
+        return;
+    }
+    return;
+  }
+  switch (after) {
     case after_payload::none:
       return;
     case after_payload::recv_done:
     case after_payload::write_imm_done: {
       const bool imm = (cur_.flags & kFlagImm) != 0;
       push_recv({.wr_id = recv_wr_id_, .status = wc_status::success,
-                 .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
+                 .opcode = after == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
                  .byte_len = cur_.length, .imm = imm ? cur_.imm : 0, .has_imm = imm, .qp_num = qpn_});
       [[fallthrough]];
     }
@@ -729,14 +954,15 @@ void tcp_qp::finish_payload() noexcept {
       frame_header a;
       a.type = frame_type::ack;
       a.psn = cur_.psn;
-      queue_response(a, nullptr);
+      queue_response(a);
       break;
     }
+    case after_payload::read_fragment:
+      break;
     case after_payload::read_done:
-      complete_head(wc_status::success, cur_.length);
+      complete_head(wc_status::success, static_cast<std::uint32_t>(rd_done_));
       break;
   }
-  after_ = after_payload::none;
 }
 
 void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
@@ -746,6 +972,8 @@ void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
   }
   const std::uint64_t idx = sq_ack_++;
   const sq_entry& e = sq_[idx % attr_.max_send_wr];
+  rd_done_ = rd_off_ = 0;
+  rd_sge_ = 0;
   if (e.wr.signaled) {
     push_send({.wr_id = e.wr.wr_id, .status = wc_status::success, .opcode = completion_opcode(e.wr.op),
                .byte_len = byte_len, .qp_num = qpn_});
@@ -762,6 +990,26 @@ void tcp_qp::check_local_error() noexcept {
     close_when_flushed_ = false;
     enter_error(s);
   }
+}
+
+// Where the next `bytes` of the head read go: its scatter list from the
+// read cursor on. Moves the cursor.
+bool tcp_qp::read_segments(const sq_entry& head, std::uint64_t bytes) noexcept {
+  seg_count_ = seg_index_ = 0;
+  while (bytes > 0) {
+    if (rd_sge_ >= head.wr.sg_list.size() || seg_count_ == seg_.size()) return false;
+    const sge& s = head.wr.sg_list[rd_sge_];
+    const std::uint64_t take = std::min<std::uint64_t>(s.length - rd_off_, bytes);
+    if (take > 0) seg_[seg_count_++] = {s.lkey, access::local_write, s.addr + rd_off_, take};
+    bytes -= take;
+    rd_off_ += take;
+    rd_done_ += take;
+    if (rd_off_ == s.length) {
+      ++rd_sge_;
+      rd_off_ = 0;
+    }
+  }
+  return true;
 }
 
 bool tcp_qp::handle_response(const frame_header& h) noexcept {
@@ -792,8 +1040,8 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         protocol_error("NAK for a request that is not the oldest outstanding");
         return false;
       }
-      const auto status = static_cast<wc_status>(h.imm);
-      if (status == wc_status::rnr_retry_exceeded) {
+      const auto code = static_cast<nak_code>(h.imm);
+      if (code == nak_code::rnr) {
         ++counters_.rnr_naks_received;
         if (attr_.rnr_retry != 7) {
           if (rnr_left_ == 0) {
@@ -811,10 +1059,14 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         rewind_pending_ = true;
         return true;
       }
-      if (status != wc_status::remote_access_error && status != wc_status::remote_invalid_request &&
-          status != wc_status::remote_operation_error) {
-        protocol_error("NAK with an unknown status");
-        return false;
+      wc_status status;
+      switch (code) {
+        case nak_code::remote_access: status = wc_status::remote_access_error; break;
+        case nak_code::invalid_request: status = wc_status::remote_invalid_request; break;
+        case nak_code::remote_operation: status = wc_status::remote_operation_error; break;
+        default:
+          protocol_error("NAK with an unknown code");
+          return false;
       }
       log().warn("qp {}: work request {} failed at the peer: {}", qpn_, head.wr.wr_id, to_string(status));
       close_when_flushed_ = false;
@@ -822,15 +1074,18 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
       return false;
     }
     case frame_type::read_response: {
-      if (head.wr.op != opcode::read || h.psn != head.psn || h.length != head.length) {
+      // Fragments in order (offset = bytes already placed), then the last frame.
+      const bool last = (h.flags & kFlagLast) != 0;
+      if (head.wr.op != opcode::read || h.psn != head.psn || h.remote_addr != rd_done_ ||
+          h.length > head.length - rd_done_ || (last && rd_done_ + h.length != head.length)) {
         protocol_error("read response does not match the oldest outstanding request");
         return false;
       }
-      seg_count_ = 0;
-      for (const sge& s : head.wr.sg_list) {
-        if (s.length > 0) seg_[seg_count_++] = {reinterpret_cast<std::byte*>(s.addr), s.length};
+      if (!read_segments(head, h.length)) {
+        protocol_error("read response larger than the read's buffers");
+        return false;
       }
-      after_ = after_payload::read_done;
+      after_ = last ? after_payload::read_done : after_payload::read_fragment;
       return true;
     }
     case frame_type::atomic_response: {
@@ -838,7 +1093,16 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         protocol_error("atomic response does not match the oldest outstanding request");
         return false;
       }
-      std::memcpy(reinterpret_cast<void*>(head.wr.sg_list[0].addr), &h.compare_add, 8);
+      const sge& dst = head.wr.sg_list[0];
+      std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write);
+      if (p == nullptr) {
+        log().warn("qp {}: the destination of atomic {} was deregistered", qpn_, h.psn);
+        close_when_flushed_ = false;
+        enter_error(wc_status::local_protection_error);
+        return false;
+      }
+      std::memcpy(p, &h.compare_add, 8);
+      table_.unpin(dst.lkey);
       complete_head(wc_status::success, 8);
       return true;
     }

@@ -94,6 +94,8 @@ decode_error decode(std::span<const std::byte, kHeaderSize> in, frame_header& h)
   if ((h.flags & kFlagImm) != 0 && h.type != frame_type::send && h.type != frame_type::write) {
     return decode_error::bad_flags;
   }
+  if ((h.flags & kFlagLast) != 0 && h.type != frame_type::read_response) return decode_error::bad_flags;
+  if (h.type == frame_type::read_response && h.length > kReadFragment) return decode_error::oversized;
   if (h.length > kMaxPayload) return decode_error::oversized;
   if (!carries_payload(h.type) && h.length != 0) return decode_error::unexpected_payload;
   if (h.type == frame_type::read_request) {
@@ -131,7 +133,9 @@ handshake_error decode(std::span<const std::byte, kHandshakeSize> in, handshake&
   // can report which version the peer speaks.
   if (h.version != kWireVersion) return handshake_error::bad_version;
   if (h.private_data_len > kMaxPrivateData) return handshake_error::bad_length;
-  if (h.max_send_wr == 0 || h.max_send_wr > (1u << 16)) return handshake_error::bad_length;
+  // A peer's queue sizes are clamped to the provider's own limit (max_qp_wr).
+  if (h.max_send_wr == 0 || h.max_send_wr > (1u << 15)) return handshake_error::bad_length;
+  if (h.max_recv_wr == 0 || h.max_recv_wr > (1u << 15)) return handshake_error::bad_length;
   return handshake_error::none;
 }
 

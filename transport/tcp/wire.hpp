@@ -5,15 +5,15 @@
 // a fixed 48-byte little-endian header, followed by `length` payload bytes.
 //
 //   off size field
-//    0   1   version (kWireVersion)
+//    0   1   version (kWireVersion, 2)
 //    1   1   type (frame_type)
-//    2   2   flags (kFlagImm)
+//    2   2   flags (kFlagImm; kFlagLast on read responses)
 //    4   4   psn: requests: the request's sequence number; responses: the
 //            sequence number of the request they answer (ACK: the newest
 //            request acknowledged, cumulative)
 //    8   4   length: payload bytes that follow the header
-//   12   4   imm (send/write with immediate) or status (NAK: a wc_status)
-//   16   8   remote_addr (write, read, atomics)
+//   12   4   imm (send/write with immediate) or the NAK's nak_code
+//   16   8   remote_addr (write, read, atomics; read responses: the offset)
 //   24   4   rkey (write, read, atomics)
 //   28   4   read_length (read request)
 //   32   8   compare_add (atomics) or the original value (atomic response)
@@ -28,10 +28,13 @@
 
 namespace anydoor::transport::tcp {
 
-inline constexpr std::uint8_t kWireVersion = 1;
+inline constexpr std::uint8_t kWireVersion = 2;
 inline constexpr std::size_t kHeaderSize = 48;
 inline constexpr std::uint16_t kFlagImm = 1u << 0;
-inline constexpr std::uint16_t kKnownFlags = kFlagImm;
+inline constexpr std::uint16_t kFlagLast = 1u << 1;  // read_response: the read is complete
+inline constexpr std::uint16_t kKnownFlags = kFlagImm | kFlagLast;
+// A read's data leaves in fragments of at most this many bytes.
+inline constexpr std::uint32_t kReadFragment = 256 * 1024;
 // Largest payload one frame may carry (the provider's max_msg_size).
 inline constexpr std::uint32_t kMaxPayload = 1u << 30;
 
@@ -42,9 +45,18 @@ enum class frame_type : std::uint8_t {
   fetch_add = 4,    // no payload
   compare_swap = 5, // no payload
   ack = 16,         // no payload; every request up to psn succeeded
-  nak = 17,         // no payload; status says why the request psn failed
-  read_response = 18,   // payload: the data read
+  nak = 17,         // no payload; imm holds a nak_code: why the request psn failed
+  read_response = 18,   // payload: a fragment of the data read, at offset remote_addr;
+                        // the last frame of a read has kFlagLast and no payload
   atomic_response = 19, // no payload; compare_add holds the original value
+};
+
+// Why a responder refused a request (a NAK's imm field).
+enum class nak_code : std::uint32_t {
+  rnr = 1,               // no receive posted: retry later (receiver not ready)
+  remote_access = 2,     // bad key, bounds or access rights (remote_access_error)
+  invalid_request = 3,   // e.g. a message larger than the receive (remote_invalid_request)
+  remote_operation = 4,  // the responder failed locally (remote_operation_error)
 };
 
 struct frame_header {
