@@ -114,7 +114,8 @@ void connection_impl::prepare() {
   inbox_.assign(opt_.credits, inbox_entry{});
   fins_.reserve(opt_.credits);
   const std::uint64_t max_msg = f.device->caps().max_msg_size;
-  read_chunk_ = max_msg == 0 ? (std::uint64_t{1} << 30) : std::min<std::uint64_t>(max_msg, std::uint64_t{1} << 30);
+  fragment_ = max_msg == 0 ? (std::uint64_t{1} << 30) : std::min<std::uint64_t>(max_msg, std::uint64_t{1} << 30);
+  if (opt_.fragment_size != 0) fragment_ = std::min<std::uint64_t>(fragment_, opt_.fragment_size);
   eager_limit_ = opt_.eager_limit;
   for (std::uint32_t i = 0; i < opt_.credits; ++i) {
     const std::uint32_t b = f.pool->try_get();
@@ -195,6 +196,9 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->stalled_credit = n->stalled_buffer = false;
   n->npins = 0;
   n->read_only = false;
+  n->cur_buf = 0;
+  n->cur_off = 0;
+  n->issued = 0;
   n->remote = {};
   n->operand = n->operand2 = n->result = 0;
   n->value = 0;
@@ -371,13 +375,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     complete(n, post, errc::invalid_argument);
     return start_result::started;
   }
-  if (credits_ < 2) {
-    if (!n->stalled_credit) {
-      n->stalled_credit = true;
-      ++stats_.credit_stalls;
-    }
-    return start_result::blocked_credit;
-  }
+  if (credits_ < 2) return credit_stall(n);
   if (sq_free() == 0) return start_result::blocked_queue;
   const std::size_t wire = eager ? protocol::kHeaderSize + n->length : protocol::kRtsSize;
   const bool inl = wire <= fab_->inline_cap;
@@ -396,7 +394,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     }
   }
   if (n->stalled_buffer && buffer_timer_armed_) buffer_timer_.cancel();
-  transport::work_request& wr = next_wr(eager ? slot_kind::eager : slot_kind::rts, buf, nullptr);
+  transport::work_request& wr = next_wr(slot_kind::message, buf, nullptr);
   const std::size_t slot = (sq_queued_ - 1) % sq_.size();
   std::byte* out = inl ? inline_stage_.data() + slot * fab_->inline_cap : fab_->pool->data(buf);
   --credits_;
@@ -442,11 +440,21 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     }
   } else {
     ++stats_.rendezvous_sends;
-    n->phase = op_phase::rendezvous;
+    n->phase = op_phase::posted;
     active_.push_back(n);
   }
   schedule();
   return start_result::started;
+}
+
+// A message (or notification) waits for the peer's credits; the last one
+// is kept for control messages.
+connection_impl::start_result connection_impl::credit_stall(op_node* n) noexcept {
+  if (!n->stalled_credit) {
+    n->stalled_credit = true;
+    ++stats_.credit_stalls;
+  }
+  return start_result::blocked_credit;
 }
 
 bool connection_impl::take_send_buffer(op_node* n, std::uint32_t& buf) noexcept {
@@ -506,6 +514,7 @@ void connection_impl::post_fins() noexcept {
 bool connection_impl::progress_sends(bool post) noexcept {
   if (state_ != state::open && state_ != state::closing) return false;
   if (!fins_.empty()) post_fins();
+  continue_reads();
   while (!send_waiting_.empty()) {
     if (try_start(send_waiting_.head, post) != start_result::started) return false;
   }
@@ -759,56 +768,37 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
 }
 
 // A put or get goes out as work requests of at most sge_per_wr_ pieces and
-// read_chunk_ bytes each, the remote address advancing with them.
-std::size_t connection_impl::segments(const op_node& n) const noexcept {
-  std::size_t wrs = 0;
-  std::uint8_t i = 0;
-  std::uint64_t off = 0;
-  while (i < n.nbufs) {
-    std::uint64_t bytes = 0;
-    for (std::uint32_t k = 0; k < sge_per_wr_ && i < n.nbufs && bytes < read_chunk_; ++k) {
-      const std::uint64_t take = std::min<std::uint64_t>(n.bufs[i].size() - off, read_chunk_ - bytes);
-      bytes += take;
-      off += take;
-      if (off == n.bufs[i].size()) {
-        ++i;
-        off = 0;
-      }
-    }
-    ++wrs;
-  }
-  return wrs;
-}
-
-void connection_impl::emit_segments(op_node* n, bool last_completes) noexcept {
-  std::uint8_t i = 0;
-  std::uint64_t off = 0;
-  std::uint64_t remote = n->remote.addr;
-  while (i < n->nbufs) {
+// fragment_ bytes each, the remote address advancing with them; a transfer
+// larger than the send queue can hold is queued in parts as it drains.
+bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept {
+  for (std::size_t wrs = 0; n->cur_buf < n->nbufs && wrs < max_wrs; ++wrs) {
     const std::size_t slot = sq_queued_ % sq_.size();
     transport::sge* sg = slot_sges(slot);
     std::uint64_t bytes = 0;
     std::uint32_t k = 0;
-    for (; k < sge_per_wr_ && i < n->nbufs && bytes < read_chunk_; ++k) {
-      const std::uint64_t take = std::min<std::uint64_t>(n->bufs[i].size() - off, read_chunk_ - bytes);
-      sg[k] = {reinterpret_cast<std::uint64_t>(n->bufs[i].data()) + off, static_cast<std::uint32_t>(take), n->lkeys[i]};
+    for (; k < sge_per_wr_ && n->cur_buf < n->nbufs && bytes < fragment_; ++k) {
+      const asio::const_buffer& b = n->bufs[n->cur_buf];
+      const std::uint64_t take = std::min<std::uint64_t>(b.size() - n->cur_off, fragment_ - bytes);
+      sg[k] = {reinterpret_cast<std::uint64_t>(b.data()) + n->cur_off, static_cast<std::uint32_t>(take),
+               n->lkeys[n->cur_buf]};
       bytes += take;
-      off += take;
-      if (off == n->bufs[i].size()) {
-        ++i;
-        off = 0;
+      n->cur_off += take;
+      if (n->cur_off == b.size()) {
+        ++n->cur_buf;
+        n->cur_off = 0;
       }
     }
-    const bool last = last_completes && i == n->nbufs;
+    const bool last = last_completes && n->cur_buf == n->nbufs;
     transport::work_request& wr =
         next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos, last ? n : nullptr);
     wr.sg_list = {sg, k};
     wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
     wr.inline_data = false;
-    wr.remote_addr = remote;
+    wr.remote_addr = n->remote.addr + n->issued;
     wr.rkey = n->remote.rkey;
-    remote += bytes;
+    n->issued += bytes;
   }
+  return n->cur_buf == n->nbufs;
 }
 
 connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bool post) noexcept {
@@ -822,7 +812,7 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
         ++stats_.flushes;
         complete(n, post, {});
       } else {
-        n->phase = op_phase::rendezvous;
+        n->phase = op_phase::posted;
         flushes_.push_back(n);
       }
       return start_result::started;
@@ -847,21 +837,34 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
         complete(n, post, {}, 0);
         return start_result::started;
       }
-      if (notify && credits_ < 2) {
-        if (!n->stalled_credit) {
-          n->stalled_credit = true;
-          ++stats_.credit_stalls;
+      // The data first, in parts while the send queue is short of room (the
+      // operation stays at the head, so nothing behind it overtakes it).
+      if (n->cur_buf < n->nbufs) {
+        if (sq_free() == 0) return start_result::blocked_queue;
+        n->phase = op_phase::posted;  // on the wire from here: no longer cancellable
+        if (!emit_segments(n, !notify, sq_free())) {
+          schedule();
+          return start_result::blocked_queue;
         }
-        return start_result::blocked_credit;
+        if (!notify) break;
       }
-      const std::size_t wrs = segments(*n);
-      if (sq_free() < wrs + (notify ? 1 : 0)) return start_result::blocked_queue;
+      // put_with_notify: then the notify message, which needs a credit.
+      if (credits_ < 2) {
+        schedule();
+        return credit_stall(n);
+      }
+      if (sq_free() == 0) {
+        schedule();
+        return start_result::blocked_queue;
+      }
       const bool inl = protocol::kRtsSize <= fab_->inline_cap;
       std::uint32_t buf = buffer_pool::npos;
-      if (notify && !inl && !take_send_buffer(n, buf)) return start_result::blocked_buffer;
+      if (!inl && !take_send_buffer(n, buf)) {
+        schedule();
+        return start_result::blocked_buffer;
+      }
       if (n->stalled_buffer && buffer_timer_armed_) buffer_timer_.cancel();
-      emit_segments(n, !notify);
-      if (notify) {
+      {
         // RC order: the peer sees the notification after the data is in place.
         const std::size_t slot = sq_queued_ % sq_.size();
         transport::work_request& wr = next_wr(slot_kind::onesided_last, buf, n);
@@ -878,7 +881,7 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
     }
   }
   send_waiting_.remove(n);
-  n->phase = op_phase::rendezvous;
+  n->phase = op_phase::posted;
   schedule();
   return start_result::started;
 }
@@ -910,6 +913,11 @@ void connection_impl::on_onesided_done(op_node* n, transport::wc_status status, 
 void connection_impl::complete_flushes(std::uint64_t done) noexcept {
   while (flushes_.head != nullptr && flushes_.head->operand <= done) {
     op_node* n = flushes_.pop_front();
+    if (n->kind != op_kind::flush) {
+      // A transfer the peer's close cut short: its parts are back now.
+      complete(n, false, errc::connection_closed);
+      continue;
+    }
     ++stats_.flushes;
     complete(n, false, {});
   }
@@ -1058,11 +1066,19 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       }
       active_.remove(n);
       n->mr.reset();
-      const auto st = static_cast<protocol::fin_status>(h.status);
       std::error_code ec;
-      if (st == protocol::fin_status::message_size) ec = errc::message_size;
-      if (st == protocol::fin_status::read_failed) ec = errc::protocol_error;
-      if (st == protocol::fin_status::cancelled) ec = kCancelled;
+      switch (static_cast<protocol::fin_status>(h.status)) {
+        case protocol::fin_status::ok: break;
+        case protocol::fin_status::message_size: ec = errc::message_size; break;
+        case protocol::fin_status::no_memory: ec = errc::peer_out_of_memory; break;
+        case protocol::fin_status::read_failed: ec = errc::protocol_error; break;
+        default:
+          log().warn("connection qp {}: fin with unknown status {}", qp_->qp_num(), h.status);
+          n->mr.reset();
+          complete(n, false, errc::protocol_error);
+          fail(errc::protocol_error);
+          return;
+      }
       if (!ec) {
         ++stats_.messages_sent;
         stats_.bytes_sent += n->length;
@@ -1091,7 +1107,16 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
 void connection_impl::on_peer_close() noexcept {
   peer_closed_ = true;
   log().debug("connection qp {}: the peer closed", qp_->qp_num());
-  while (op_node* n = send_waiting_.pop_front()) complete(n, true, errc::connection_closed);
+  while (op_node* n = send_waiting_.pop_front()) {
+    if (n->phase == op_phase::posted && sq_retired_ < sq_queued_) {
+      // Started in part: its memory is in use until the parts it queued are
+      // back, so it ends with them (in order with the flushes).
+      n->operand = sq_queued_;
+      flushes_.push_back(n);
+      continue;
+    }
+    complete(n, true, errc::connection_closed);
+  }
   for (op_node* n = active_.head; n != nullptr;) {
     op_node* next = n->next;
     if (n->kind == op_kind::send) {
@@ -1122,12 +1147,18 @@ void connection_impl::on_close_acked() noexcept {
   deliver(false);
 }
 
+// Starts reading a rendezvous message: its destination is registered (and,
+// for async_receive(), allocated within the rendezvous_memory budget), then
+// the READs go out in fragments as the send queue has room.
 bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexcept {
-  const std::uint64_t chunks = (b.length + read_chunk_ - 1) / read_chunk_;
-  if (sq_free() < chunks) return false;
+  if (sq_free() == 0) return false;
+  const bool allocate = n->kind == op_kind::receive_message;
+  if (allocate && rendezvous_held_ + b.length > opt_.rendezvous_memory) return false;  // after earlier reads
+  // Off the waiting list before it joins another (the lists share the node's links).
+  recv_waiting_.remove(n);
   try {
     std::byte* dst;
-    if (n->kind == op_kind::receive_buffer) {
+    if (!allocate) {
       dst = static_cast<std::byte*>(n->dest.data());
     } else {
       n->large.reset(new std::byte[b.length]);
@@ -1136,30 +1167,48 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
     n->mr = fab_->pd->register_memory(dst, b.length, transport::access::local_write);
   } catch (const std::exception& e2) {
     log().warn("connection: cannot receive a {}-byte message: {}", b.length, e2.what());
+    n->large.reset();
     return true;  // the caller sees no mr and fails the operation
   }
+  if (allocate) rendezvous_held_ += b.length;
   n->cookie = b.cookie;
   n->length = b.length;
-  n->phase = op_phase::rendezvous;
-  for (std::uint64_t c = 0; c < chunks; ++c) {
-    const std::uint64_t off = c * read_chunk_;
-    const auto len = static_cast<std::uint32_t>(std::min(read_chunk_, b.length - off));
-    const bool last = c + 1 == chunks;
+  n->remote = remote_region{b.addr, b.length, b.rkey};
+  n->issued = 0;
+  n->phase = op_phase::posted;
+  active_.push_back(n);
+  issue_reads(n);
+  return true;
+}
+
+void connection_impl::issue_reads(op_node* n) noexcept {
+  bool queued = false;
+  while (n->issued < n->length && sq_free() > 0) {
+    const std::uint64_t off = n->issued;
+    const auto len = static_cast<std::uint32_t>(std::min(fragment_, n->length - off));
+    const bool last = off + len == n->length;
     transport::work_request& wr = next_wr(last ? slot_kind::read_last : slot_kind::none, buffer_pool::npos,
                                           last ? n : nullptr);
     *slot_sges((sq_queued_ - 1) % sq_.size()) = n->mr->slice(off, len);
     wr.op = transport::opcode::read;
     wr.inline_data = false;
-    wr.remote_addr = b.addr + off;
-    wr.rkey = b.rkey;
+    wr.remote_addr = n->remote.addr + off;
+    wr.rkey = n->remote.rkey;
+    n->issued += len;
+    queued = true;
   }
-  active_.push_back(n);
-  schedule();
-  return true;
+  if (queued) schedule();
+}
+
+void connection_impl::continue_reads() noexcept {
+  for (op_node* p = active_.head; p != nullptr && sq_free() > 0; p = p->next) {
+    if (p->kind != op_kind::send && p->issued < p->length) issue_reads(p);
+  }
 }
 
 void connection_impl::on_read_done(op_node* n, transport::wc_status status) noexcept {
   active_.remove(n);
+  if (n->kind == op_kind::receive_message) rendezvous_held_ -= n->length;
   if (status != transport::wc_status::success || state_ == state::failed) {
     fins_.push_back({n->cookie, protocol::fin_status::read_failed});
     complete(n, false, error_ ? error_ : make_error_code(status));
@@ -1229,7 +1278,14 @@ void connection_impl::deliver(bool post) noexcept {
       complete(n, post, state_ == state::failed ? error_ : std::error_code(errc::connection_closed));
       continue;
     }
-    if (n->kind == op_kind::receive_buffer && b.length > n->dest.size()) {
+    // Larger than the caller's buffer, or than what this connection may
+    // allocate for it: refused on both sides, never truncated.
+    if ((n->kind == op_kind::receive_buffer && b.length > n->dest.size()) ||
+        (n->kind == op_kind::receive_message && b.length > opt_.rendezvous_memory)) {
+      if (n->kind == op_kind::receive_message) {
+        log().warn("connection qp {}: a {}-byte message exceeds rendezvous_memory ({} bytes); refused",
+                   qp_->qp_num(), b.length, opt_.rendezvous_memory);
+      }
       ++inbox_head_;
       recv_waiting_.remove(n);
       fins_.push_back({b.cookie, protocol::fin_status::message_size});
@@ -1237,12 +1293,11 @@ void connection_impl::deliver(bool post) noexcept {
       complete(n, post, errc::message_size);
       continue;
     }
-    if (!start_read(n, b)) return;  // no room in the send queue: retried after completions
+    if (!start_read(n, b)) return;  // no room now: retried after completions (start_read took n off the list)
     ++inbox_head_;
-    recv_waiting_.remove(n);
     repost(e.buffer);
     if (n->mr == nullptr) {
-      fins_.push_back({b.cookie, protocol::fin_status::read_failed});
+      fins_.push_back({b.cookie, protocol::fin_status::no_memory});
       complete(n, post, errc::registration_failed);
     }
   }
@@ -1271,8 +1326,11 @@ void connection_impl::fail(std::error_code ec) noexcept {
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, error_);  // dropped unposted
   for (op_node* n = active_.head; n != nullptr;) {
     op_node* next = n->next;
-    if (n->kind == op_kind::send) {  // rendezvous sends: the fin will never come
+    // Rendezvous sends: the fin will never come. Reads issued in part: their
+    // last fragment (which would complete them) will never be posted.
+    if (n->kind == op_kind::send || n->issued < n->length) {
       active_.remove(n);
+      if (n->kind == op_kind::receive_message) rendezvous_held_ -= n->length;
       complete(n, true, error_);
     }
     n = next;

@@ -85,8 +85,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     void complete(const transport::completion& wc) noexcept override { c->on_recv_completion(wc); }
   };
   // What a send-queue slot holds: read_last and onesided_last complete their
-  // op when they retire.
-  enum class slot_kind : std::uint8_t { none, eager, control, rts, read_last, onesided_last };
+  // op when they retire; a control slot may carry the close.
+  enum class slot_kind : std::uint8_t { none, message, control, read_last, onesided_last };
   struct sq_slot {
     std::uint32_t buffer = buffer_pool::npos;
     slot_kind kind = slot_kind::none;
@@ -122,8 +122,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   start_result try_start_onesided(op_node* n, bool post) noexcept;
   std::error_code prepare_onesided(op_node* n) noexcept;  // checks and keys the local memory
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool
-  std::size_t segments(const op_node& n) const noexcept;  // work requests a put or get needs
-  void emit_segments(op_node* n, bool last_completes) noexcept;
+  start_result credit_stall(op_node* n) noexcept;
+  // Queues up to max_wrs work requests of a put or get from its cursor;
+  // true once all of it is queued.
+  bool emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept;
   void on_onesided_done(op_node* n, transport::wc_status status, std::size_t slot, bool post) noexcept;
   void complete_flushes(std::uint64_t done) noexcept;  // flushes whose target <= done
   transport::sge* slot_sges(std::size_t slot) noexcept { return &sq_sge_[slot * sge_per_wr_]; }
@@ -142,6 +144,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Why nothing more will arrive (closed, failed); empty while open.
   std::error_code receive_ending() const noexcept;
   bool start_read(op_node* n, const protocol::rts_body& b) noexcept;  // false: no room now
+  void issue_reads(op_node* n) noexcept;  // queues what fits of a rendezvous read
+  void continue_reads() noexcept;         // reads started in part go on as the queue drains
   void on_read_done(op_node* n, transport::wc_status status) noexcept;
   void repost(std::uint32_t buffer) noexcept;
   void queue_recv(std::uint32_t buffer) noexcept;
@@ -169,7 +173,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   op_node* close_op_ = nullptr;
   peer_parameters peer_;
   std::uint32_t eager_limit_ = 0;
-  std::uint64_t read_chunk_ = 0;
+  std::uint64_t fragment_ = 0;  // largest piece of a put, get or rendezvous read per work request
+  std::uint64_t rendezvous_held_ = 0;  // bytes allocated for rendezvous messages being read
   std::shared_ptr<connection_impl> self_;  // while work requests are outstanding
 
   send_op send_op_;

@@ -35,6 +35,10 @@ const fabric_options& checked(const fabric_options& o) {
           "fabric: connection.signal_interval must be in 1..send_queue");
   require(c.connect_timeout.count() > 0, "fabric: connection.connect_timeout must be positive");
   require(c.buffer_wait.count() >= 0, "fabric: connection.buffer_wait must not be negative");
+  require(c.rendezvous_memory >= 4096 && c.rendezvous_memory <= (std::uint64_t{1} << 40),
+          "fabric: connection.rendezvous_memory must be in 4096..2^40");
+  require(c.fragment_size == 0 || (c.fragment_size >= 4096 && c.fragment_size <= (1u << 30)),
+          "fabric: connection.fragment_size must be 0 or in 4096..2^30");
   require(o.cache_max_entries >= 1 && o.cache_max_entries <= (std::size_t{1} << 20),
           "fabric: cache_max_entries must be in 1..2^20");
   require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");

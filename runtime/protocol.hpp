@@ -63,7 +63,10 @@ decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 std::array<std::byte, 16> token_digest(std::string_view token) noexcept;
 
 enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6 };
-enum class fin_status : std::uint8_t { ok = 0, message_size = 1, read_failed = 2, cancelled = 3 };
+// ok; message_size: larger than the receiver's buffer or its rendezvous
+// memory budget; read_failed: the RDMA READ failed; no_memory: the receiver
+// could not allocate or register the destination.
+enum class fin_status : std::uint8_t { ok = 0, message_size = 1, read_failed = 2, no_memory = 3 };
 
 struct header {
   msg_type type = msg_type::eager;

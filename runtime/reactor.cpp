@@ -278,7 +278,14 @@ void reactor::wait_readable() {
     if (!running_) return;
     // Cancelled by a stop() that a start() has since undone: wait again.
     if (ec == asio::error::operation_aborted) return wait_readable();
-    if (ec) return;
+    if (ec) {
+      // The notify fd cannot be waited on (e.g. a descriptor epoll refuses):
+      // no wake-up would ever come, so pending operations would hang.
+      log().error("reactor: waiting on the completion queue's notify fd failed: {}; failing {} pending operations",
+                  ec.message(), tracked_);
+      fail_all();
+      return;
+    }
     on_readable();
   });
 }

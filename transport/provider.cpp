@@ -40,6 +40,7 @@ class anydoor_category final : public std::error_category {
       case errc::too_many_connections: return "too many connections on this fabric";
       case errc::out_of_range: return "offset or length outside the region";
       case errc::not_supported: return "operation not supported by the device";
+      case errc::peer_out_of_memory: return "the receiver could not allocate or register memory for the message";
     }
     return "unknown anydoor error " + std::to_string(ev);
   }

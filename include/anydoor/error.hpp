@@ -28,9 +28,10 @@ enum class errc {
   too_many_connections,  // the fabric's connection limit (its CQ sizing) is reached
   out_of_range,          // an offset or length falls outside a region
   not_supported,         // the device does not support the operation (atomics)
+  peer_out_of_memory,    // the receiver could not allocate or register memory for the message
 };
 // The last value, for tests that walk every code.
-inline constexpr errc errc_last = errc::not_supported;
+inline constexpr errc errc_last = errc::peer_out_of_memory;
 
 const std::error_category& error_category() noexcept;
 

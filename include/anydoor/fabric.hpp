@@ -43,6 +43,14 @@ struct connection_options {
   std::string auth_token;                // shared secret; both sides must agree (empty: none)
   std::chrono::milliseconds connect_timeout{10000};
   std::chrono::milliseconds buffer_wait{5000};  // a send waits this long for a pool buffer
+  // Memory the runtime allocates for rendezvous messages being received on
+  // one connection (async_receive() without a buffer): a message larger
+  // than this fails with message_size on both sides, and reads wait while
+  // earlier ones hold the budget. 16 MiB: 4 GiB for 256 connections.
+  std::uint64_t rendezvous_memory = std::uint64_t{16} << 20;  // 4 KiB..2^40
+  // Largest piece one work request of a put, get or rendezvous read
+  // carries; 0: the device's message limit (at most 1 GiB). 0 or 4 KiB..1 GiB.
+  std::uint32_t fragment_size = 0;
 };
 
 struct fabric_options {

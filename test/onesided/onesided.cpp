@@ -7,7 +7,7 @@
 //
 // With the tcp provider the target's process makes the progress, so the
 // target side of each test waits in a receive while the initiator works.
-#include "../support/runtime.hpp"
+#include "../support/onesided.hpp"
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
@@ -21,56 +21,6 @@ using asio::awaitable;
 using asio::use_awaitable;
 
 namespace {
-
-// Two fabrics on one io_context, connected: `a` initiates, `b` is the target.
-struct onesided_pair {
-  asio::io_context io;
-  ad::fabric fa;
-  ad::fabric fb;
-  ad::acceptor acc;
-  ad::connection a, b;
-
-  explicit onesided_pair(const ad::fabric_options& o = test_options())
-      : fa(io, o), fb(io, o), acc(fb.listen(test_host(), 0)) {
-    connect();
-  }
-  // Open connections are aborted; their teardown finishes in io.run().
-  ~onesided_pair() {
-    a = {};
-    b = {};
-    io.restart();
-    io.run_for(std::chrono::seconds(10));
-  }
-  onesided_pair(const onesided_pair&) = delete;
-  onesided_pair& operator=(const onesided_pair&) = delete;
-  // A fresh connection pair on the same fabrics.
-  void connect() {
-    failure f;
-    asio::co_spawn(io, [this]() -> awaitable<void> { b = co_await acc.async_accept(use_awaitable); }, f.handler());
-    asio::co_spawn(io, [this]() -> awaitable<void> { a = co_await fa.async_connect(addr(acc), use_awaitable); },
-                   f.handler());
-    run_to_completion(io);
-    f.check();
-    REQUIRE(a.is_open());
-    REQUIRE(b.is_open());
-  }
-  // Runs `initiator` on a while b waits for its "done" message (sent after
-  // it), then returns; `target_ended` gets how b's wait ended.
-  template <class Initiator>
-  void run(Initiator initiator, ad::error_code* target_ended = nullptr) {
-    failure f;
-    asio::co_spawn(io, [this, target_ended]() -> awaitable<void> {
-      auto [ec, m] = co_await b.async_receive(asio::as_tuple(use_awaitable));
-      if (target_ended != nullptr) *target_ended = ec;
-    }, f.handler());
-    asio::co_spawn(io, [this, initiator]() -> awaitable<void> {
-      co_await initiator(a);
-      if (a.is_open()) co_await a.async_send(asio::buffer("done", 4), use_awaitable);
-    }, f.handler());
-    run_to_completion(io);
-    f.check();
-  }
-};
 
 std::uint32_t fnv1a(const std::byte* p, std::size_t n) {
   std::uint32_t h = 2166136261u;
@@ -104,7 +54,7 @@ bool atomics_supported(const ad::fabric& f) {
 
 }  // namespace
 
-TEST_CASE("remote_region: at() is bounds-checked; pack and unpack round-trip and reject garbage", "[onesided]") {
+TEST_CASE("remote_region: at() is bounds-checked: pack and unpack round-trip and reject garbage", "[onesided]") {
   const ad::remote_region r{0x7f0000001000, 4096, 0x1234};
   CHECK(r.at(0, 4096) == r);
   CHECK(r.at(100, 10) == ad::remote_region{0x7f0000001064, 10, 0x1234});
@@ -360,7 +310,7 @@ TEST_CASE("flush completes once every earlier operation is complete at the peer"
   CHECK(order.back() == 100);
 }
 
-TEST_CASE("registration cache: a buffer is registered once and reused; forget_memory and eviction drop entries",
+TEST_CASE("registration cache: a buffer is registered once and reused: forget_memory and eviction drop entries",
           "[onesided]") {
   ad::fabric_options o = test_options();
   o.cache_max_entries = 2;
@@ -402,7 +352,7 @@ TEST_CASE("registration cache: a buffer is registered once and reused; forget_me
   CHECK(p.fa.forget_memory(nullptr, 0) == 0);
 }
 
-TEST_CASE("remote access errors fail that operation and, as RC requires, the connection; a new one works",
+TEST_CASE("remote access errors fail that operation and, as RC requires, the connection: a new one works",
           "[onesided]") {
   onesided_pair p;
   std::vector<std::byte> target(8192);
@@ -546,4 +496,37 @@ TEST_CASE("fabric options of the registration cache are checked", "[onesided]") 
   CHECK(code(o) == ad::errc::invalid_argument);
   o.cache_max_bytes = 4096;
   CHECK_FALSE(code(o));
+}
+
+TEST_CASE("put, get and put_with_notify many times the send queue's reach start in pieces and complete",
+          "[onesided]") {
+  // send_queue 8 and 4 KiB fragments: the queue reaches 32 KiB; each
+  // transfer needs 256 work requests. Before, such a transfer never started
+  // and blocked everything behind it.
+  ad::fabric_options o = test_options();
+  o.connection.send_queue = 8;
+  o.connection.signal_interval = 4;
+  o.connection.fragment_size = 4096;
+  onesided_pair p(o);
+  constexpr std::size_t kLen = std::size_t{1} << 20;
+  std::vector<std::byte> target(kLen);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write |
+                                                          ad::access::remote_read);
+  const auto src = pattern(kLen, 42);
+  std::vector<std::byte> back(kLen);
+  std::vector<std::byte> halves(kLen);
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    // gather from two ranges, many fragments
+    const std::array<ad::local_range, 2> two{ad::local_range(asio::buffer(src.data(), kLen / 2)),
+                                             ad::local_range(asio::buffer(src.data() + kLen / 2, kLen / 2))};
+    const std::size_t put = co_await c.async_put(std::span<const ad::local_range>(two), tr.remote(), use_awaitable);
+    CHECK(put == kLen);
+    const std::size_t got = co_await c.async_get(asio::buffer(back), tr.remote(), use_awaitable);
+    CHECK(got == kLen);
+    const std::size_t put2 = co_await c.async_put_with_notify(asio::buffer(src), tr.remote(), 77, use_awaitable);
+    CHECK(put2 == kLen);
+    co_await c.async_flush(use_awaitable);
+  });
+  CHECK(target == src);
+  CHECK(back == src);
 }

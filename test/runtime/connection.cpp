@@ -11,6 +11,7 @@
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/deferred.hpp>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -124,7 +125,7 @@ TEST_CASE("echo: eager, inline and rendezvous messages arrive whole and in order
   CHECK(fs.pool.gets > 0);
 }
 
-TEST_CASE("receive into a caller's buffer; a larger message is message_size, never truncated", "[runtime]") {
+TEST_CASE("receive into a caller's buffer: a larger message is message_size, never truncated", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::fabric client(io, test_options());
@@ -301,7 +302,7 @@ TEST_CASE("completion token: use_awaitable returns values and throws errors", "[
   p.f.check();
 }
 
-TEST_CASE("cancellation: a cancelled receive completes with operation_canceled; the connection stays usable",
+TEST_CASE("cancellation: a cancelled receive completes with operation_canceled: the connection stays usable",
           "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
@@ -340,7 +341,7 @@ TEST_CASE("cancellation: a cancelled receive completes with operation_canceled; 
   CHECK(cancelled_ec == std::errc::operation_canceled);
 }
 
-TEST_CASE("handshake: a wrong or missing auth token is refused on both sides; the acceptor carries on", "[runtime]") {
+TEST_CASE("handshake: a wrong or missing auth token is refused on both sides: the acceptor carries on", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options({.auth_token = "s3cret"}));
   ad::fabric wrong(io, test_options({.auth_token = "guess"}));
@@ -512,7 +513,7 @@ TEST_CASE("credits: a flood against a slow receiver waits for credits, never cau
   CHECK(server_stats.credit_messages > 0);  // the receiver returned credits while it had nothing to send
 }
 
-TEST_CASE("batching: sends issued in one turn share a doorbell; only some are signaled", "[runtime]") {
+TEST_CASE("batching: sends issued in one turn share a doorbell: only some are signaled", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::fabric client(io, test_options({.signal_interval = 8}));
@@ -601,14 +602,32 @@ TEST_CASE("busy polling: a coroutine ping-pong needs about one io_context handle
   // sends complete at the doorbell and what they queue is flushed before the
   // next poll: no handler is posted per message, only the reactor's own
   // next round.
+  // ANYDOOR_POLL overrides reactor_options::mode: pin it to busy for this
+  // test (a run with ANYDOOR_POLL=event must still check), then restore it.
+  struct poll_env {
+    std::string saved;
+    bool had = false;
+    poll_env() {
+      if (const char* v = std::getenv("ANYDOOR_POLL")) {
+        saved = v;
+        had = true;
+      }
+      ::setenv("ANYDOOR_POLL", "busy", 1);
+    }
+    ~poll_env() {
+      if (had) {
+        ::setenv("ANYDOOR_POLL", saved.c_str(), 1);
+      } else {
+        ::unsetenv("ANYDOOR_POLL");
+      }
+    }
+    poll_env(const poll_env&) = delete;
+    poll_env& operator=(const poll_env&) = delete;
+  } busy_env;
   asio::io_context io;
   ad::fabric_options o = test_options();
   o.reactor.mode = ad::poll_mode::busy;
   o.reactor.spin_polls = 4;
-  if (const char* env = std::getenv("ANYDOOR_POLL"); env != nullptr && std::string(env) != "busy") {
-    WARN("not run: ANYDOOR_POLL=" << env << " overrides busy mode");
-    return;
-  }
   ad::fabric server(io, o);
   ad::fabric client(io, o);
   ad::acceptor acc = server.listen(test_host(), 0);
@@ -669,7 +688,7 @@ TEST_CASE("close: both sides closing at once both complete, and run() returns", 
   CHECK(closed == 2);
 }
 
-TEST_CASE("gather: a buffer sequence is one message; more than 16 buffers is invalid_argument", "[runtime]") {
+TEST_CASE("gather: a buffer sequence is one message: more than 16 buffers is invalid_argument", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::fabric client(io, test_options());
@@ -1005,5 +1024,199 @@ TEST_CASE("fabric options are checked", "[runtime][unit]") {
   CHECK(bad([](ad::fabric_options& o) { o.connection.buffer_wait = std::chrono::milliseconds(-1); }));
   CHECK(bad([](ad::fabric_options& o) { o.pool_max_bytes = 4096; }));
   CHECK(bad([](ad::fabric_options& o) { o.reactor.batch = 8; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.rendezvous_memory = 4095; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.rendezvous_memory = (std::uint64_t{1} << 40) + 1; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4095; }));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = (1u << 30) + 1; }));
+  CHECK_FALSE(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4096; }));
   CHECK_FALSE(bad([](ad::fabric_options&) {}));
+}
+
+TEST_CASE("a rendezvous message many times the send queue's reach is read in pieces: messages behind it follow",
+          "[runtime]") {
+  // send_queue 8 and 4 KiB fragments: a READ covers 4 KiB, the queue 32 KiB;
+  // a 1 MiB message needs 256 of them and used to never start.
+  ad::connection_options co;
+  co.send_queue = 8;
+  co.signal_interval = 4;
+  co.fragment_size = 4096;
+  asio::io_context io;
+  ad::fabric server(io, test_options(co));
+  ad::fabric client(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  const auto big = pattern(std::size_t{1} << 20, 7);
+  const auto small = pattern(100, 8);
+  bool checked = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message m = co_await c.async_receive(use_awaitable);
+    CHECK(std::equal(m.bytes().begin(), m.bytes().end(), big.begin(), big.end()));
+    std::vector<std::byte> into(big.size());
+    const std::size_t n = co_await c.async_receive(asio::buffer(into), use_awaitable);
+    CHECK(n == big.size());
+    CHECK(into == big);
+    ad::message tail = co_await c.async_receive(use_awaitable);
+    CHECK(std::equal(tail.bytes().begin(), tail.bytes().end(), small.begin(), small.end()));
+    checked = true;
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    co_await c.async_send(asio::buffer(big), use_awaitable);
+    co_await c.async_send(asio::buffer(big), use_awaitable);
+    co_await c.async_send(asio::buffer(small), use_awaitable);
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // the server's close
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(checked);
+}
+
+TEST_CASE("rendezvous memory: a message above the receiver's budget is refused on both sides: reads wait for it",
+          "[runtime]") {
+  // The receiver allocates rendezvous messages for async_receive(): at most
+  // rendezvous_memory bytes per connection. Larger messages fail with
+  // message_size at both ends (the connection carries on); messages that
+  // fit wait for earlier reads to finish.
+  ad::connection_options sco;
+  sco.rendezvous_memory = 64 * 1024;
+  asio::io_context io;
+  ad::fabric server(io, test_options(sco));
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  const auto huge = pattern(128 * 1024, 1);
+  std::vector<std::vector<std::byte>> fits;
+  for (std::uint32_t i = 0; i < 4; ++i) fits.push_back(pattern(48 * 1024, 10 + i));
+  ad::error_code server_ec, client_ec;
+  int received = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    server_ec = ec;
+    // four receives at once: 4 x 48 KiB do not fit 64 KiB together
+    std::vector<ad::message> got(fits.size());
+    int pending = static_cast<int>(fits.size());
+    for (std::size_t i = 0; i < fits.size(); ++i) {
+      c.async_receive([&, i](ad::error_code e, ad::message msg) {
+        CHECK_FALSE(e);
+        got[i] = std::move(msg);
+        --pending;
+      });
+    }
+    asio::steady_timer t(co_await asio::this_coro::executor);
+    while (pending > 0) {
+      t.expires_after(std::chrono::milliseconds(1));
+      co_await t.async_wait(use_awaitable);
+    }
+    for (const auto& msg : got) {
+      const bool match = std::any_of(fits.begin(), fits.end(), [&](const auto& v) {
+        return std::equal(msg.bytes().begin(), msg.bytes().end(), v.begin(), v.end());
+      });
+      CHECK(match);
+      received += match ? 1 : 0;
+    }
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    auto [ec, n] = co_await c.async_send(asio::buffer(huge), asio::as_tuple(use_awaitable));
+    client_ec = ec;
+    int sent = 0;
+    for (const auto& v : fits) {
+      c.async_send(asio::buffer(v), [&](ad::error_code e, std::size_t) {
+        CHECK_FALSE(e);
+        ++sent;
+      });
+    }
+    auto [cec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // the server's close
+    CHECK(cec == ad::errc::connection_closed);
+    CHECK(sent == 4);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(server_ec == ad::errc::message_size);
+  CHECK(client_ec == ad::errc::message_size);
+  CHECK(received == 4);
+}
+
+TEST_CASE("a rendezvous send torn down while the peer reads it: its buffer is never read after the send completes",
+          "[runtime]") {
+  // The sender aborts while the receiver's READ response is still being
+  // sent from the sender's buffer; the send completes and its buffer is
+  // freed. The provider must not send from it afterwards (ASan watches the
+  // sendmsg; a NIC never reads a deregistered region).
+  asio::io_context sio, cio;
+  ad::fabric_options o = test_options();
+  o.reactor.mode = ad::poll_mode::event;
+  o.connection.rendezvous_memory = std::uint64_t{128} << 20;
+  ad::fabric server(sio, o);
+  ad::fabric client(cio, o);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  // poll_one() on an io_context without work stops it: keep both going.
+  auto sguard = asio::make_work_guard(sio);
+  auto cguard = asio::make_work_guard(cio);
+  ad::connection sc, cc;
+  acc.async_accept([&](ad::error_code ec, ad::connection c) {
+    REQUIRE_FALSE(ec);
+    sc = std::move(c);
+  });
+  client.async_connect(addr(acc), [&](ad::error_code ec, ad::connection c) {
+    REQUIRE_FALSE(ec);
+    cc = std::move(c);
+  });
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while ((!sc || !cc) && std::chrono::steady_clock::now() < deadline) {
+    sio.poll();
+    cio.poll();
+  }
+  REQUIRE(sc);
+  REQUIRE(cc);
+  auto buf = std::make_unique<std::vector<std::byte>>(pattern(std::size_t{64} << 20, 3));
+  bool sent = false, received = false;
+  ad::error_code send_ec, recv_ec;
+  cc.async_send(asio::buffer(*buf), [&](ad::error_code ec, std::size_t) {
+    send_ec = ec;
+    sent = true;
+    buf.reset();  // the caller's buffer is free once the send completed
+  });
+  sc.async_receive([&](ad::error_code ec, ad::message) {
+    recv_ec = ec;
+    received = true;
+  });
+  // The rendezvous request leaves; the server posts its READ; the client's
+  // provider gets it and sends what the sockets hold (a few MiB of 64) while
+  // the server does not poll.
+  for (int i = 0; i < 1000 && cc.stats().rendezvous_sends == 0; ++i) cio.poll_one();
+  REQUIRE(cc.stats().rendezvous_sends == 1);
+  for (int i = 0; i < 1000 && cc.stats().doorbells == 0; ++i) cio.poll_one();
+  REQUIRE(cc.stats().doorbells >= 1);  // the request is on the wire
+  for (int i = 0; i < 1000 && sc.stats().posts == 0; ++i) {
+    sio.poll_one();
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(sc.stats().posts >= 1);
+  for (int i = 0; i < 50; ++i) {
+    cio.poll_one();
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE_FALSE(sent);
+  cc.abort();
+  deadline = std::chrono::steady_clock::now() + 20s;
+  while ((!sent || !received) && std::chrono::steady_clock::now() < deadline) {
+    sio.poll_one();
+    cio.poll_one();
+  }
+  CHECK(sent);
+  CHECK(received);
+  CHECK(send_ec);
+  CHECK(recv_ec);
+  sc = {};
+  cc = {};
+  sguard.reset();
+  cguard.reset();
+  sio.run_for(2s);
+  cio.run_for(2s);
 }

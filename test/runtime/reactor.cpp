@@ -7,6 +7,9 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -414,4 +417,60 @@ TEST_CASE("reactor: a completion that lands between the last poll and the arm is
   CHECK(dst == 42);
   r.stop();
   io.run();
+}
+
+namespace {
+// A completion queue whose notify fd is a regular file: epoll refuses it
+// (EPERM), Asio accepts the descriptor anyway and completes every wait on it
+// with operation_not_supported. No wake-up can ever come through it; the
+// queue itself is empty and healthy.
+class unwaitable_cq final : public tp::completion_queue {
+ public:
+  unwaitable_cq() : fd_(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC)) {}
+  ~unwaitable_cq() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  std::size_t poll(std::span<tp::completion>, std::error_code&) noexcept override { return 0; }
+  std::error_code arm() noexcept override {
+    ++arms_;
+    return {};
+  }
+  int notify_fd() const noexcept override { return fd_; }
+  std::size_t ack_events() noexcept override { return 0; }
+  std::uint32_t depth() const noexcept override { return 16; }
+  tp::cq_counters counters() const noexcept override { return {}; }
+  int fd() const noexcept { return fd_; }
+  int arms() const noexcept { return arms_; }
+
+ private:
+  int fd_;
+  int arms_ = 0;
+};
+}  // namespace
+
+TEST_CASE("reactor: a notify fd that cannot be waited on fails every pending operation, once", "[runtime]") {
+  unwaitable_cq cq;
+  REQUIRE(cq.fd() >= 0);
+  asio::io_context io;
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::event});
+  struct counter : anydoor::operation {
+    int ok = 0, failed = 0;
+    tp::wc_status last = tp::wc_status::success;
+    void complete(const tp::completion& c) noexcept override {
+      (c.status == tp::wc_status::success ? ok : failed) += 1;
+      last = c.status;
+    }
+  } op;
+  REQUIRE(r.track(op) != 0);
+  r.start();
+  // Bounded: without the failure the reactor would have nothing to wake it
+  // (run() returns with the operation still pending, or hangs if it waited).
+  io.run_for(5s);
+  CHECK(cq.arms() > 0);  // it did go to sleep on the fd
+  CHECK(r.watches_notify_fd());
+  CHECK(op.ok == 0);
+  CHECK(op.failed == 1);  // exactly one completion, with an error
+  CHECK(op.last == tp::wc_status::fatal);
+  CHECK(r.tracked() == 0);
+  CHECK(io.stopped());  // run_for returned because the work ran out, not at the limit
 }

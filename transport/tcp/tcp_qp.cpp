@@ -412,6 +412,7 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   if (!r.poisoned && r.left > 0 &&
       table_.check(r.key, r.addr, std::min<std::uint64_t>(r.left, kReadFragment), access::remote_read) == nullptr) {
     r.poisoned = true;
+    log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
   }
   if (r.poisoned) {
     if (iov_count_ + 1 > kMaxIov) return false;
@@ -421,7 +422,6 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
     n.imm = static_cast<std::uint32_t>(nak_code::remote_access);
     encode(n, r.header);
     add(r.header.data(), kHeaderSize, {});
-    log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
     fatal_pending_ = true;
     return true;
   }

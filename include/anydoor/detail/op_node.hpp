@@ -39,7 +39,8 @@ constexpr bool is_onesided(op_kind k) noexcept { return k >= op_kind::put && k <
 // Where an operation is.
 enum class op_phase : std::uint8_t {
   queued,       // waits for credits, a buffer, a send slot (send) or for a message (receive)
-  rendezvous,   // send: request sent, waits for the peer's fin; receive: reading
+  posted,       // on the wire (in part or whole): a rendezvous send waits for the peer's fin, a
+                // receive reads, a one-sided operation or flush waits for its completion
   done,
 };
 
@@ -73,6 +74,11 @@ struct op_node {
   std::array<void*, kMaxGather> pins{};  // registration-cache entries held
   std::uint8_t npins = 0;
   bool read_only = false;  // a piece came from a const buffer
+  // Large transfers start in pieces as the send queue drains: the next
+  // local piece (bufs[cur_buf] at cur_off) and the bytes already issued.
+  std::uint8_t cur_buf = 0;
+  std::uint64_t cur_off = 0;
+  std::uint64_t issued = 0;
   remote_region remote{};
   std::uint64_t operand = 0;  // fetch_add: the addend; compare_swap: the expected value; flush: the target
   std::uint64_t operand2 = 0;  // compare_swap: the new value
