@@ -11,6 +11,9 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <condition_variable>
+#include <mutex>
+#include <stop_token>
 #include <thread>
 
 namespace anydoor {
@@ -34,6 +37,8 @@ const fabric_options& checked(const fabric_options& o) {
   require(c.signal_interval >= 1 && c.signal_interval <= c.send_queue,
           "fabric: connection.signal_interval must be in 1..send_queue");
   require(c.connect_timeout.count() > 0, "fabric: connection.connect_timeout must be positive");
+  require(c.handshake_timeout.count() > 0 && c.handshake_timeout <= std::chrono::minutes(10),
+          "fabric: connection.handshake_timeout must be in 1 ms..10 min");
   require(c.buffer_wait.count() >= 0, "fabric: connection.buffer_wait must not be negative");
   require(c.rendezvous_memory >= 4096 && c.rendezvous_memory <= (std::uint64_t{1} << 40),
           "fabric: connection.rendezvous_memory must be in 4096..2^40");
@@ -241,7 +246,7 @@ fabric_stats fabric::stats() const noexcept {
   s.connections = state_->open_connections;
   s.accepted = state_->accepted;
   s.connected = state_->connected;
-  s.refused = state_->refused;
+  s.refused = state_->refused.load(std::memory_order_relaxed);
   s.cache = state_->cache->stats();
   return s;
 }
@@ -334,34 +339,192 @@ void fabric::start_connect(std::string address, detail::pending_handler* h) {
   });
 }
 
-struct acceptor::state {
+// The acceptor: a listener thread takes connection requests from the
+// provider (which runs the handshakes of many attempts at once, each with
+// its own deadline), refuses bad ones itself (counted, logged; they never
+// reach the user), and for a good one asks the io thread for a candidate
+// connection (queue pair and receives are made there), accepts on it and
+// posts the result. The user's async_accept completes only with a
+// connection, or when the listener fails or is closed.
+struct acceptor::state : std::enable_shared_from_this<state> {
   std::shared_ptr<detail::fabric_state> fab;
   std::unique_ptr<transport::listener> listener;
-  std::atomic<bool> closed{false};
-  std::thread worker;
+  std::jthread worker;
+  std::uint64_t listener_refused = 0;  // worker only: the listener's count already added to fab
+
+  // io thread
   detail::pending_handler* pending = nullptr;
-  std::shared_ptr<detail::connection_impl> candidate;
+  bool closed = false;
+  std::error_code failed;  // the listener's own failure
+  std::shared_ptr<detail::connection_impl> in_use;  // the candidate the worker holds
+
+  // shared by the worker and the io thread
+  std::mutex m;
+  std::condition_variable_any cv;
+  bool wants = false;        // the worker holds a good request and waits for a candidate
+  bool offered = false;      // the io thread answered
+  detail::connection_impl* offer = nullptr;
+  std::error_code offer_ec;  // no candidate: why (the request is refused)
 
   ~state() {
-    closed = true;
+    worker.request_stop();
     if (worker.joinable()) worker.join();
-    // Its result was posted, but nobody will take it now.
-    if (candidate != nullptr) candidate->on_setup_failed();
+    if (in_use != nullptr) in_use->on_setup_failed();
     if (pending != nullptr) {
       fab->idle();
       pending->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
       delete pending;
     }
   }
+  void run(std::stop_token stop);
+  void offer_candidate();
   void finish(std::error_code ec, const protocol::hello& peer);
+  void on_failed(std::error_code ec);
+  void count_listener_refusals();
 };
 
 acceptor fabric::listen(const std::string& host, std::uint16_t port) {
   auto s = std::make_shared<acceptor::state>();
   s->fab = state_;
-  s->listener = state_->device->listen(host, port);
+  const connection_options& c = state_->options.connection;
+  s->listener = state_->device->listen(host, port, {.handshake_timeout = c.handshake_timeout});
   log().info("fabric: listening on {}:{}", host, s->listener->port());
+  s->worker = std::jthread([raw = s.get()](std::stop_token stop) { raw->run(stop); });
   return acceptor(std::move(s));
+}
+
+void acceptor::state::count_listener_refusals() {
+  const std::uint64_t now = listener->refused();
+  fab->refused.fetch_add(now - listener_refused, std::memory_order_relaxed);
+  listener_refused = now;
+}
+
+// The listener thread. It touches the io thread's state only through
+// posted handlers (weak references: the state may be gone) and m/cv.
+void acceptor::state::run(std::stop_token stop) {
+  asio::io_context& io = fab->io;
+  std::weak_ptr<state> weak = weak_from_this();
+  while (!stop.stop_requested()) {
+    std::error_code ec;
+    auto req = listener->get_request(std::chrono::milliseconds(100), ec);
+    count_listener_refusals();
+    if (req == nullptr) {
+      if (ec == errc::timed_out || stop.stop_requested()) continue;
+      log().error("fabric: the listener failed: {}", ec.message());
+      asio::post(io, [weak, ec] {
+        if (auto s = weak.lock()) s->on_failed(ec);
+      });
+      return;
+    }
+    protocol::hello peer;
+    if (protocol::decode(req->private_data(), peer) != protocol::decode_status::ok ||
+        peer.kind != protocol::hello_kind::hello) {
+      ec = errc::protocol_error;
+    } else {
+      ec = fab->check_peer(peer);
+    }
+    auto refuse = [&](std::error_code why) {
+      protocol::hello r;
+      r.kind = protocol::hello_kind::refuse;
+      r.reason = detail::refuse_for(why);
+      req->reject(protocol::encode(r));
+      fab->refused.fetch_add(1, std::memory_order_relaxed);
+      log().warn("fabric: accept: refused a connection attempt: {}", why.message());
+    };
+    if (ec) {
+      refuse(ec);
+      continue;
+    }
+    // A good request: a candidate connection from the io thread (made when
+    // the user accepts), then accept on it here.
+    {
+      std::lock_guard lock(m);
+      wants = true;
+      offered = false;
+    }
+    asio::post(io, [weak] {
+      if (auto s = weak.lock()) s->offer_candidate();
+    });
+    detail::connection_impl* cand = nullptr;
+    {
+      std::unique_lock lock(m);
+      if (!cv.wait(lock, stop, [this] { return offered; })) return;  // closed meanwhile
+      wants = offered = false;
+      cand = std::exchange(offer, nullptr);
+      ec = offer_ec;
+    }
+    if (cand == nullptr) {
+      refuse(ec);
+      continue;
+    }
+    protocol::hello welcome = fab->local_hello();
+    welcome.kind = protocol::hello_kind::welcome;
+    ec = req->accept(cand->qp(), protocol::encode(welcome));
+    asio::post(io, [weak, ec, peer] {
+      if (auto s = weak.lock()) s->finish(ec, peer);
+    });
+  }
+}
+
+// io thread: the worker waits for a candidate; make one if the user is
+// accepting (else async_accept does when it is called).
+void acceptor::state::offer_candidate() {
+  if (pending == nullptr || in_use != nullptr || closed) return;
+  {
+    std::lock_guard lock(m);
+    if (!wants || offered) return;
+  }
+  std::error_code ec;
+  auto cand = std::make_shared<detail::connection_impl>(fab);
+  try {
+    cand->prepare();
+  } catch (const std::system_error& e) {
+    log().warn("fabric: accept: cannot take another connection: {}", e.what());
+    ec = e.code();
+    cand.reset();
+  }
+  in_use = cand;
+  {
+    std::lock_guard lock(m);
+    offer = cand.get();
+    offer_ec = ec;
+    offered = true;
+  }
+  cv.notify_one();
+}
+
+void acceptor::state::finish(std::error_code ec, const protocol::hello& peer) {
+  auto cand = std::move(in_use);
+  if (cand == nullptr) return;
+  if (ec) {
+    // The attempt failed after all (the peer went away during accept): the
+    // user's accept waits for the next one.
+    fab->refused.fetch_add(1, std::memory_order_relaxed);
+    log().warn("fabric: accept: a connection attempt failed: {}", ec.message());
+    cand->on_setup_failed();
+    offer_candidate();
+    return;
+  }
+  cand->on_connected(peer);
+  if (pending == nullptr) {  // closed meanwhile: nobody takes it
+    cand->abort();
+    return;
+  }
+  detail::pending_handler* h = std::exchange(pending, nullptr);
+  fab->idle();
+  ++fab->accepted;
+  log().info("fabric: accepted a connection (qp {})", cand->qp().qp_num());
+  h->complete(false, std::error_code{}, connection(std::move(cand)));
+  delete h;
+}
+
+void acceptor::state::on_failed(std::error_code ec) {
+  failed = ec;
+  if (pending == nullptr) return;
+  detail::pending_handler* h = std::exchange(pending, nullptr);
+  fab->idle();
+  h->complete(false, ec, connection{});
+  delete h;
 }
 
 // ---------------------------------------------------------------- acceptor
@@ -387,97 +550,31 @@ asio::io_context::executor_type acceptor::executor() const {
 
 void acceptor::close() noexcept {
   if (!state_) return;
-  state_->closed = true;
-  // The worker notices within its 100 ms poll and completes a pending accept
-  // with operation_canceled; the state lives until then.
+  state& s = *state_;
+  s.closed = true;
+  s.worker.request_stop();  // the listener thread ends within its 100 ms wait; ~state joins it
+  if (s.pending != nullptr) {
+    detail::pending_handler* h = std::exchange(s.pending, nullptr);
+    s.fab->idle();
+    h->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
+    delete h;
+  }
 }
 
 void acceptor::start_accept(detail::pending_handler* h) {
   state& s = *state_;
-  if (s.closed) {
-    h->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
+  std::error_code ec;
+  if (s.closed) ec = std::make_error_code(std::errc::operation_canceled);
+  else if (s.failed) ec = s.failed;
+  else if (s.pending != nullptr) ec = errc::invalid_state;
+  if (ec) {
+    h->complete(true, ec, connection{});
     delete h;
     return;
   }
-  if (s.pending != nullptr) {
-    h->complete(true, make_error_code(errc::invalid_state), connection{});
-    delete h;
-    return;
-  }
-  if (s.worker.joinable()) s.worker.join();  // the previous accept's worker has posted its result
   s.pending = h;
   s.fab->busy();
-  std::error_code prep;
-  s.candidate = std::make_shared<detail::connection_impl>(s.fab);
-  try {
-    s.candidate->prepare();
-  } catch (const std::system_error& e) {
-    log().warn("fabric: accept: cannot take another connection: {}", e.what());
-    prep = e.code();
-    s.candidate.reset();
-  }
-  detail::connection_impl* cand = s.candidate.get();
-  std::weak_ptr<state> weak = state_;
-  s.worker = std::thread([&s, weak, cand, prep, &io = s.fab->io] {
-    auto post_result = [&](std::error_code ec, protocol::hello peer) {
-      asio::post(io, [weak, ec, peer] {
-        if (auto st = weak.lock()) st->finish(ec, peer);
-      });
-    };
-    while (!s.closed) {
-      std::error_code ec;
-      auto req = s.listener->get_request(std::chrono::milliseconds(100), ec);
-      if (req == nullptr) {
-        if (ec == errc::timed_out) continue;
-        post_result(ec, {});
-        return;
-      }
-      protocol::hello peer;
-      const auto st = protocol::decode(req->private_data(), peer);
-      if (st != protocol::decode_status::ok || peer.kind != protocol::hello_kind::hello) {
-        ec = errc::protocol_error;
-      } else if (cand == nullptr) {
-        ec = prep;
-      } else {
-        ec = s.fab->check_peer(peer);
-      }
-      if (ec) {
-        protocol::hello refuse;
-        refuse.kind = protocol::hello_kind::refuse;
-        refuse.reason = detail::refuse_for(ec);
-        req->reject(protocol::encode(refuse));
-        post_result(ec, {});
-        return;
-      }
-      protocol::hello welcome = s.fab->local_hello();
-      welcome.kind = protocol::hello_kind::welcome;
-      ec = req->accept(cand->qp(), protocol::encode(welcome));
-      post_result(ec, peer);
-      return;
-    }
-    post_result(std::make_error_code(std::errc::operation_canceled), {});
-  });
-}
-
-void acceptor::state::finish(std::error_code ec, const protocol::hello& peer) {
-  detail::pending_handler* h = pending;
-  pending = nullptr;
-  auto cand = std::move(candidate);
-  fab->idle();
-  if (h == nullptr) return;
-  if (ec) {
-    if (ec == errc::authentication_failed || ec == errc::version_mismatch || ec == errc::protocol_error) ++fab->refused;
-    if (ec != std::errc::operation_canceled) log().warn("fabric: accept: refused or failed: {}", ec.message());
-    if (cand != nullptr) cand->on_setup_failed();
-    h->complete(false, ec, connection{});
-    delete h;
-    return;
-  }
-  cand->on_connected(peer);
-  ++fab->accepted;
-  log().info("fabric: accepted a connection (qp {})", cand->qp().qp_num());
-  h->complete(false, std::error_code{}, connection(std::move(cand)));
-  delete h;
+  s.offer_candidate();
 }
 
 }  // namespace anydoor

@@ -10,6 +10,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -76,7 +77,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::uint64_t open_connections = 0;
   std::uint64_t accepted = 0;
   std::uint64_t connected = 0;
-  std::uint64_t refused = 0;
+  std::atomic<std::uint64_t> refused{0};  // also counted by acceptors' listener threads
 
   protocol::hello local_hello() const noexcept;
   // Checks a peer's hello or welcome against ours; errc on refusal.

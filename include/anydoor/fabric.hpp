@@ -42,6 +42,9 @@ struct connection_options {
   std::uint32_t signal_interval = 16;    // signal every k-th send (and the last of each doorbell): 1..send_queue
   std::string auth_token;                // shared secret; both sides must agree (empty: none)
   std::chrono::milliseconds connect_timeout{10000};
+  // An accepted connection attempt must complete its handshake within this
+  // (listen side); attempts in progress never delay each other.
+  std::chrono::milliseconds handshake_timeout{2000};
   std::chrono::milliseconds buffer_wait{5000};  // a send waits this long for a pool buffer
   // Memory the runtime allocates for rendezvous messages being received on
   // one connection (async_receive() without a buffer): a message larger
@@ -72,7 +75,8 @@ struct fabric_stats {
   std::uint64_t connections = 0;         // open now
   std::uint64_t accepted = 0;
   std::uint64_t connected = 0;
-  std::uint64_t refused = 0;             // handshakes refused (either side)
+  std::uint64_t refused = 0;             // connection attempts refused: handshakes that failed (either
+                                         // side: auth, version, garbage, too slow) or found the fabric full
   registration_cache_stats cache;
 };
 
@@ -144,10 +148,13 @@ class acceptor {
 
   std::uint16_t port() const noexcept;
 
-  // The next connection. void(error_code, connection). A request that
-  // fails the handshake (errc::authentication_failed, version_mismatch,
-  // protocol_error) is refused and completes this operation with that error;
-  // the acceptor stays usable. One accept at a time (else errc::invalid_state).
+  // The next connection. void(error_code, connection). Connection attempts
+  // that fail (a wrong auth token, another version, garbage, a client too
+  // slow to finish its handshake, a fabric at max_connections) are refused
+  // (the client gets the reason), logged and counted in
+  // fabric_stats::refused; they never complete this operation, so an accept
+  // loop keeps serving. Errors: operation_canceled (closed), the listener's
+  // own failure. One accept at a time (else errc::invalid_state).
   template <class Token>
   auto async_accept(Token&& token) {
     return asio::async_initiate<Token, void(error_code, connection)>(

@@ -253,9 +253,10 @@ TEST_CASE("tcp provider: connection handshake errors", "[unit][tcp]") {
     const int fd = raw_connect(lis->port());
     send_hello(fd, 9);
     std::error_code ec;
-    auto req = lis->get_request(5s, ec);
+    auto req = lis->get_request(300ms, ec);  // refused by the listener: no request, the wait goes on
     CHECK(req == nullptr);
-    CHECK(ec == anydoor::errc::version_mismatch);
+    CHECK(ec == anydoor::errc::timed_out);
+    CHECK(lis->refused() == 1);
     auto reply = raw_read(fd, kHandshakeSize);
     REQUIRE(reply.size() == kHandshakeSize);
     handshake h;
@@ -462,4 +463,53 @@ TEST_CASE("tcp provider: a queue pair in error drops what the peer keeps sending
   INFO(calls << " recv calls in one poll");
   CHECK(calls >= 1);
   CHECK(calls <= 5);
+}
+
+TEST_CASE("tcp provider: a listener runs handshakes concurrently: idle and garbage sockets delay nobody",
+          "[unit][tcp]") {
+  // 100 sockets that never send a hello and 20 that send garbage, then a
+  // real client: its request comes back within milliseconds, and the idle
+  // ones are dropped (counted) when their handshake timeout passes.
+  one_qp e;
+  auto lis = e.dev->listen("127.0.0.1", 0, {.handshake_timeout = 700ms});
+  std::vector<int> idle;
+  for (int i = 0; i < 100; ++i) idle.push_back(raw_connect(lis->port()));
+  for (int i = 0; i < 20; ++i) {
+    idle.push_back(raw_connect(lis->port()));
+    raw_send(idle.back(), "GET / HTTP/1.0\r\n\r\n", 18);  // not a hello: refused when 24 bytes came
+    raw_send(idle.back(), "xxxxxx", 6);
+  }
+  std::error_code ec;
+  CHECK(lis->get_request(50ms, ec) == nullptr);  // takes the idle sockets in
+  const auto start = std::chrono::steady_clock::now();
+  auto qp = e.pd->create_qp({.send_cq = e.cq.get(), .recv_cq = e.cq.get()});
+  tp::connect_result r;
+  std::thread client([&] { r = e.dev->connect(*qp, "127.0.0.1", lis->port(), {}, 5s); });
+  auto req = lis->get_request(5s, ec);
+  const auto took = std::chrono::steady_clock::now() - start;
+  REQUIRE(req != nullptr);
+  CHECK_FALSE(req->accept(*e.qp, {}));
+  client.join();
+  CHECK_FALSE(r.ec);
+  INFO("the real client waited " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+  CHECK(took < 300ms);
+  CHECK(lis->refused() == 20);  // the garbage so far
+  // The idle ones go when their handshake timeout passes.
+  CHECK(lis->get_request(1500ms, ec) == nullptr);
+  CHECK(ec == anydoor::errc::timed_out);
+  CHECK(lis->refused() == 120);
+  for (int fd : idle) ::close(fd);
+}
+
+TEST_CASE("tcp provider: a listener drops the oldest handshake beyond max_pending", "[unit][tcp]") {
+  one_qp e;
+  auto lis = e.dev->listen("127.0.0.1", 0, {.handshake_timeout = 10s, .max_pending = 4});
+  std::vector<int> idle;
+  for (int i = 0; i < 6; ++i) idle.push_back(raw_connect(lis->port()));
+  std::error_code ec;
+  CHECK(lis->get_request(100ms, ec) == nullptr);
+  CHECK(lis->refused() == 2);
+  CHECK(raw_read(idle[0], 1, 500).empty());  // closed by the listener
+  for (int fd : idle) ::close(fd);
+  CHECK_THROWS_AS(e.dev->listen("127.0.0.1", 0, {.handshake_timeout = 0ms}), std::system_error);
 }

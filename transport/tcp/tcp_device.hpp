@@ -15,7 +15,8 @@ class tcp_device final : public device {
   const capabilities& caps() const noexcept override { return caps_; }
   std::unique_ptr<protection_domain> alloc_pd() override;
   std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
-  std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port) override;
+  std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
+                                   const listen_options& options) override;
   connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
                          std::span<const std::byte> private_data,
                          std::chrono::milliseconds timeout) noexcept override;

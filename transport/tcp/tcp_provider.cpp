@@ -302,7 +302,7 @@ std::error_code io_all(int fd, std::byte* data, std::size_t len, bool write, clo
       done += static_cast<std::size_t>(n);
       continue;
     }
-    if (n == 0) return errc::connection_refused;  // peer closed during the handshake
+    if (n == 0) return errc::connection_closed;  // the peer closed during the handshake
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) return {errno, std::system_category()};
     pollfd p{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
@@ -342,13 +342,15 @@ std::error_code recv_handshake(int fd, handshake& h, std::vector<std::byte>& pda
 
 class tcp_request final : public connection_request {
  public:
-  tcp_request(int fd, handshake hello, std::vector<std::byte> pdata)
-      : fd_(fd), hello_(hello), pdata_(std::move(pdata)) {}
+  tcp_request(int fd, handshake hello, std::vector<std::byte> pdata, std::chrono::milliseconds timeout)
+      : fd_(fd), hello_(hello), pdata_(std::move(pdata)), timeout_(timeout) {}
   ~tcp_request() override {
     if (fd_ >= 0) ::close(fd_);
   }
   std::span<const std::byte> private_data() const noexcept override { return pdata_; }
 
+  // Sends the accept reply (a fresh socket's buffer takes it at once) and
+  // adopts the socket: nothing here waits for the peer.
   std::error_code accept(queue_pair& qp, std::span<const std::byte> pdata) noexcept override {
     auto* tqp = dynamic_cast<tcp_qp*>(&qp);
     if (tqp == nullptr) return errc::invalid_argument;
@@ -359,7 +361,7 @@ class tcp_request final : public connection_request {
                     .qp_num = tqp->qp_num(),
                     .max_send_wr = tqp->attributes().max_send_wr,
                     .max_recv_wr = tqp->attributes().max_recv_wr};
-    if (auto ec = send_handshake(fd_, reply, pdata, clock::now() + std::chrono::seconds(10))) return ec;
+    if (auto ec = send_handshake(fd_, reply, pdata, clock::now() + timeout_)) return ec;
     const int fd = fd_;
     fd_ = -1;
     return tqp->attach_socket(fd, hello_.max_send_wr);
@@ -370,7 +372,7 @@ class tcp_request final : public connection_request {
     handshake reply{.kind = handshake_kind::reject,
                     .private_data_len = static_cast<std::uint16_t>(std::min(pdata.size(), kMaxPrivateData)),
                     .max_send_wr = 1, .max_recv_wr = 1};
-    (void)send_handshake(fd_, reply, pdata.first(reply.private_data_len), clock::now() + std::chrono::seconds(1));
+    (void)send_handshake(fd_, reply, pdata.first(reply.private_data_len), clock::now() + timeout_);
     ::close(fd_);
     fd_ = -1;
   }
@@ -379,56 +381,156 @@ class tcp_request final : public connection_request {
   int fd_;
   handshake hello_;
   std::vector<std::byte> pdata_;
+  std::chrono::milliseconds timeout_;
 };
 
+// Accepts TCP connections and reads their hellos concurrently, each within
+// its own deadline (listen_options::handshake_timeout): an idle or slow
+// socket delays nobody, a flood of them evicts the oldest beyond
+// max_pending. get_request returns the first complete hello.
 class tcp_listener final : public listener {
  public:
-  tcp_listener(int fd, std::uint16_t port) : fd_(fd), port_(port) {}
-  ~tcp_listener() override { ::close(fd_); }
+  tcp_listener(int fd, std::uint16_t port, const listen_options& o) : fd_(fd), port_(port), opt_(o) {}
+  ~tcp_listener() override {
+    for (const pending& p : pending_) ::close(p.fd);
+    ::close(fd_);
+  }
   int fd() const noexcept override { return fd_; }
   std::uint16_t port() const noexcept override { return port_; }
+  std::uint64_t refused() const noexcept override { return refused_.load(std::memory_order_relaxed); }
 
   std::unique_ptr<connection_request> get_request(std::chrono::milliseconds timeout,
                                                   std::error_code& ec) noexcept override {
     const auto deadline = clock::now() + timeout;
+    std::vector<pollfd> fds;
     for (;;) {
-      const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-          ec = {errno, std::system_category()};
-          return nullptr;
-        }
-        pollfd p{fd_, POLLIN, 0};
-        const int r = ::poll(&p, 1, remaining_ms(deadline));
-        if (r == 0) {
-          ec = errc::timed_out;
-          return nullptr;
-        }
-        continue;
-      }
-      tune_socket(fd);
-      handshake hello{};
-      std::vector<std::byte> pdata;
-      ec = recv_handshake(fd, hello, pdata, clock::now() + std::chrono::seconds(10));
-      if (!ec && hello.kind != handshake_kind::hello) ec = errc::protocol_error;
-      if (ec) {
-        if (ec == errc::version_mismatch) {
-          // Tell the peer which version we speak; its connect reports the mismatch.
-          handshake reply{.kind = handshake_kind::reject, .max_send_wr = 1, .max_recv_wr = 1};
-          (void)send_handshake(fd, reply, {}, clock::now() + std::chrono::seconds(1));
-        }
-        log().warn("tcp listener: refused a connection: {}", ec.message());
-        ::close(fd);
+      if (auto e = accept_new()) {
+        ec = e;
         return nullptr;
       }
-      return std::make_unique<tcp_request>(fd, hello, std::move(pdata));
+      const auto now = clock::now();
+      auto earliest = deadline;
+      for (std::size_t i = 0; i < pending_.size();) {
+        pending& p = pending_[i];
+        if (std::unique_ptr<connection_request> req = read_hello(p)) {
+          pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+          ec.clear();
+          return req;
+        }
+        if (p.fd < 0 || now >= p.deadline) {
+          if (p.fd >= 0) {
+            refuse(p, "no complete hello within the handshake timeout");
+          }
+          pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+          continue;
+        }
+        earliest = std::min(earliest, p.deadline);
+        ++i;
+      }
+      if (now >= deadline) {
+        ec = errc::timed_out;
+        return nullptr;
+      }
+      fds.clear();
+      fds.push_back({fd_, POLLIN, 0});
+      for (const pending& p : pending_) fds.push_back({p.fd, POLLIN, 0});
+      const int r = ::poll(fds.data(), fds.size(), std::max(1, remaining_ms(earliest)));
+      if (r < 0 && errno != EINTR) {
+        ec = {errno, std::system_category()};
+        return nullptr;
+      }
     }
   }
 
  private:
+  struct pending {
+    int fd = -1;
+    clock::time_point deadline{};
+    std::array<std::byte, kHandshakeSize + kMaxPrivateData> buf{};
+    std::size_t got = 0;
+  };
+
+  // Takes every connection the kernel has queued.
+  std::error_code accept_new() {
+    for (;;) {
+      const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return {};
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of descriptors: drop the oldest attempt to make room; the
+          // listener itself is fine.
+          log().warn("tcp listener: cannot accept: {}", std::strerror(errno));
+          if (!pending_.empty()) {
+            refuse(pending_.front(), "dropped to make room (out of descriptors)");
+            pending_.erase(pending_.begin());
+            continue;
+          }
+          return {};
+        }
+        return {errno, std::system_category()};
+      }
+      if (pending_.size() >= opt_.max_pending) {
+        refuse(pending_.front(), "too many handshakes in progress; dropped the oldest");
+        pending_.erase(pending_.begin());
+      }
+      tune_socket(fd);
+      pending p;
+      p.fd = fd;
+      p.deadline = clock::now() + opt_.handshake_timeout;
+      pending_.push_back(p);
+    }
+  }
+
+  // Reads what the socket has; the request once the hello is complete.
+  // A hello that can never complete closes the socket (p.fd = -1).
+  std::unique_ptr<connection_request> read_hello(pending& p) {
+    for (;;) {
+      std::size_t need = kHandshakeSize;
+      handshake hello{};
+      if (p.got >= kHandshakeSize) {
+        const auto err = decode(std::span<const std::byte, kHandshakeSize>(p.buf.data(), kHandshakeSize), hello);
+        if (err != handshake_error::none || hello.kind != handshake_kind::hello) {
+          if (err == handshake_error::bad_version) {
+            // Tell the peer which version we speak; its connect reports the mismatch.
+            handshake reply{.kind = handshake_kind::reject, .max_send_wr = 1, .max_recv_wr = 1};
+            std::array<std::byte, kHandshakeSize> b{};
+            encode(reply, b);
+            [[maybe_unused]] const auto n = ::send(p.fd, b.data(), b.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+          }
+          refuse(p, err != handshake_error::none ? to_string(err) : "not a hello");
+          return nullptr;
+        }
+        need = kHandshakeSize + hello.private_data_len;
+        if (p.got == need) {
+          std::vector<std::byte> pdata(p.buf.begin() + kHandshakeSize, p.buf.begin() + static_cast<std::ptrdiff_t>(need));
+          const int fd = std::exchange(p.fd, -1);
+          return std::make_unique<tcp_request>(fd, hello, std::move(pdata), opt_.handshake_timeout);
+        }
+      }
+      const ssize_t n = ::recv(p.fd, p.buf.data() + p.got, need - p.got, MSG_DONTWAIT);
+      if (n > 0) {
+        p.got += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return nullptr;
+      refuse(p, n == 0 ? "closed during the handshake" : std::strerror(errno));
+      return nullptr;
+    }
+  }
+
+  void refuse(pending& p, std::string_view why) {
+    log().warn("tcp listener: refused a connection attempt: {}", why);
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    ::close(p.fd);
+    p.fd = -1;
+  }
+
   int fd_;
   std::uint16_t port_;
+  listen_options opt_;
+  std::vector<pending> pending_;
+  std::atomic<std::uint64_t> refused_{0};
 };
 
 addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive, std::error_code& ec) {
@@ -472,7 +574,11 @@ std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth) {
   return std::make_unique<tcp_cq>(depth);
 }
 
-std::unique_ptr<listener> tcp_device::listen(const std::string& host, std::uint16_t port) {
+std::unique_ptr<listener> tcp_device::listen(const std::string& host, std::uint16_t port,
+                                             const listen_options& options) {
+  if (options.handshake_timeout.count() <= 0 || options.max_pending == 0) {
+    throw std::system_error(errc::invalid_argument, "listen: handshake_timeout and max_pending must be positive");
+  }
   std::error_code ec;
   addrinfo* res = resolve(host, port, true, ec);
   if (res == nullptr) throw std::system_error(ec, "listen: cannot resolve '" + host + "'");
@@ -483,7 +589,7 @@ std::unique_ptr<listener> tcp_device::listen(const std::string& host, std::uint1
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) break;
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) break;
     last_errno = errno;
     ::close(fd);
     fd = -1;
@@ -500,7 +606,7 @@ std::unique_ptr<listener> tcp_device::listen(const std::string& host, std::uint1
                                   ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
                                   : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   log().debug("tcp: listening on {}:{}", host, bound);
-  return std::make_unique<tcp_listener>(fd, bound);
+  return std::make_unique<tcp_listener>(fd, bound, options);
 }
 
 connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std::uint16_t port,

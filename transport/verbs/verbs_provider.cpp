@@ -735,7 +735,8 @@ namespace {
 
 class verbs_request final : public connection_request {
  public:
-  verbs_request(rdma_cm_id* id, std::vector<std::byte> pdata) : id_(id), pdata_(std::move(pdata)) {}
+  verbs_request(rdma_cm_id* id, std::vector<std::byte> pdata, std::chrono::milliseconds timeout)
+      : id_(id), pdata_(std::move(pdata)), timeout_(timeout) {}
   ~verbs_request() override {
     if (id_ != nullptr) {
       rdma_reject(id_, nullptr, 0);
@@ -774,7 +775,8 @@ class verbs_request final : public connection_request {
     rdma_conn_param p = conn_param(*vqp, wrapped, attr);
     if (rdma_accept(id_, &p) != 0) return fail(ch, {errno, std::system_category()});
     rdma_cm_event* ev = nullptr;
-    if (auto ec = next_event(ch, clock::now() + std::chrono::seconds(10), &ev)) return fail(ch, ec);
+    // The peer's establishment, within the listener's handshake timeout.
+    if (auto ec = next_event(ch, clock::now() + timeout_, &ev)) return fail(ch, ec);
     const rdma_cm_event_type type = ev->event;
     rdma_ack_cm_event(ev);
     if (type != RDMA_CM_EVENT_ESTABLISHED) {
@@ -807,17 +809,20 @@ class verbs_request final : public connection_request {
   }
   rdma_cm_id* id_;
   std::vector<std::byte> pdata_;
+  std::chrono::milliseconds timeout_;
 };
 
 class verbs_listener final : public listener {
  public:
-  verbs_listener(rdma_event_channel* ch, rdma_cm_id* id) : ch_(ch), id_(id) {}
+  verbs_listener(rdma_event_channel* ch, rdma_cm_id* id, const listen_options& o) : ch_(ch), id_(id), opt_(o) {}
   ~verbs_listener() override {
     rdma_destroy_id(id_);
     rdma_destroy_event_channel(ch_);
   }
   int fd() const noexcept override { return ch_->fd; }
   std::uint16_t port() const noexcept override { return ntohs(rdma_get_src_port(id_)); }
+  // rdma_cm refuses malformed requests itself; the runtime counts its own refusals.
+  std::uint64_t refused() const noexcept override { return 0; }
 
   std::unique_ptr<connection_request> get_request(std::chrono::milliseconds timeout,
                                                   std::error_code& ec) noexcept override {
@@ -830,7 +835,7 @@ class verbs_listener final : public listener {
         rdma_cm_id* id = ev->id;
         auto pdata = user_private_data(ev->param.conn);
         rdma_ack_cm_event(ev);
-        return std::make_unique<verbs_request>(id, std::move(pdata));
+        return std::make_unique<verbs_request>(id, std::move(pdata), opt_.handshake_timeout);
       }
       log().debug("verbs listener: ignoring {}", rdma_event_str(ev->event));
       rdma_ack_cm_event(ev);
@@ -840,6 +845,7 @@ class verbs_listener final : public listener {
  private:
   rdma_event_channel* ch_;
   rdma_cm_id* id_;
+  listen_options opt_;
 };
 
 // Resolves host:port for rdma_cm; nullptr with ec set on failure.
@@ -859,7 +865,11 @@ rdma_addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive
 
 }  // namespace
 
-std::unique_ptr<listener> verbs_device::listen(const std::string& host, std::uint16_t port) {
+std::unique_ptr<listener> verbs_device::listen(const std::string& host, std::uint16_t port,
+                                               const listen_options& options) {
+  if (options.handshake_timeout.count() <= 0 || options.max_pending == 0) {
+    throw std::system_error(errc::invalid_argument, "listen: handshake_timeout and max_pending must be positive");
+  }
   std::error_code ec;
   rdma_addrinfo* res = resolve(host, port, true, ec);
   if (res == nullptr) throw std::system_error(ec, "listen: cannot resolve '" + host + "'");
@@ -880,7 +890,7 @@ std::unique_ptr<listener> verbs_device::listen(const std::string& host, std::uin
     rdma_destroy_event_channel(ch);
     throw sys_error(rc != 0 ? err : errno, "listen: cannot bind " + host + ":" + std::to_string(port));
   }
-  return std::make_unique<verbs_listener>(ch, id);
+  return std::make_unique<verbs_listener>(ch, id, options);
 }
 
 connect_result verbs_device::connect(queue_pair& qp, const std::string& host, std::uint16_t port,

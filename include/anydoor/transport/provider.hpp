@@ -143,16 +143,29 @@ class connection_request {
   virtual void reject(std::span<const std::byte> private_data) noexcept = 0;
 };
 
+struct listen_options {
+  // A connection attempt must complete its part of the handshake (tcp: the
+  // hello; verbs: rdma_cm's establishment after accept) within this, or it
+  // is dropped; attempts in progress do not delay each other.
+  std::chrono::milliseconds handshake_timeout{2000};
+  // Handshakes in progress at once; a new one beyond this drops the oldest.
+  std::uint32_t max_pending = 256;
+};
+
 class listener {
  public:
   virtual ~listener() = default;
   // Readable when a request may be waiting (for a reactor).
   virtual int fd() const noexcept = 0;
   virtual std::uint16_t port() const noexcept = 0;
-  // Waits up to timeout for the next request; nullptr with ec set on failure
-  // (errc::timed_out when none came).
+  // Waits up to timeout for the next complete request; nullptr with ec set
+  // on failure (errc::timed_out when none came). Attempts that fail their
+  // handshake (garbage, another wire version, too slow) are refused,
+  // logged and counted in refused(); they never end the wait.
   virtual std::unique_ptr<connection_request> get_request(std::chrono::milliseconds timeout,
                                                           std::error_code& ec) noexcept = 0;
+  // Connection attempts this listener refused itself (any thread).
+  virtual std::uint64_t refused() const noexcept = 0;
 };
 
 struct connect_result {
@@ -173,7 +186,8 @@ class device {
   virtual std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) = 0;
 
   // Listens on host:port (port 0: any free port). Throws std::system_error.
-  virtual std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port) = 0;
+  virtual std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
+                                           const listen_options& options = {}) = 0;
 
   // Connects qp (state reset or init) to a listener and moves it to rts.
   virtual connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
