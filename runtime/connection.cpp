@@ -61,6 +61,7 @@ connection_impl::~connection_impl() {
   buffer_timer_.cancel();
   // Normally empty: flush() or fail() completes them within the pass.
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, errc::connection_closed);
+  while (op_node* n = parked_.pop_front()) complete(n, true, errc::connection_closed);
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   fab_->forget(this);
@@ -542,7 +543,9 @@ void connection_impl::arm_buffer_timer() noexcept {
     self->buffer_timer_armed_ = false;
     if (ec) return;
     op_node* head = self->send_waiting_.head;
-    if (head == nullptr || !head->stalled_buffer) return;
+    // A put_with_notify whose data is posted waits for its buffer: its
+    // memory is in use until the data is back.
+    if (head == nullptr || !head->stalled_buffer || head->phase == op_phase::posted) return;
     if (std::chrono::steady_clock::now() >= head->deadline) {
       log().warn("connection: no pool buffer for {} ms; failing a {}-byte send", self->opt_.buffer_wait.count(),
                  head->length);
@@ -631,16 +634,17 @@ void connection_impl::drop_unposted() noexcept {
     sq_[i % sq_.size()] = {};
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
+    // Its last part never goes out; earlier parts may be posted and use its
+    // memory: it ends once they are back.
     if (s.kind == slot_kind::read_last && s.op != nullptr) {
-      sq_queued_ = i + 1;  // keep the ring consistent for the handler
-      on_read_done(s.op, transport::wc_status::work_request_flushed);
+      active_.remove(s.op);
+      park(s.op);
     }
-    if (s.kind == slot_kind::onesided_last && s.op != nullptr) {
-      on_onesided_done(s.op, transport::wc_status::work_request_flushed, i % sq_.size(), true);
-    }
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) park(s.op);
   }
   sq_queued_ = sq_posted_;
   batch_.clear();
+  for (op_node* p = parked_.head; p != nullptr; p = p->next) p->operand = std::min(p->operand, sq_posted_);
   for (std::uint64_t i = rq_posted_; i < rq_queued_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
   rq_queued_ = rq_posted_;
   recv_batch_.clear();
@@ -673,6 +677,43 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
   // A flush covers the work requests before its target: those before a
   // failed one succeeded.
   complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(seq, sq_retired_));
+  complete_parked(false);
+}
+
+// An operation that ended early (the connection failed or the peer closed)
+// while parts of it were posted: it completes with the error once those
+// parts are back, never while the device may still use its memory.
+void connection_impl::park(op_node* n) noexcept {
+  n->operand = sq_queued_;
+  n->phase = op_phase::posted;
+  parked_.push_back(n);
+}
+
+void connection_impl::complete_parked(bool post) noexcept {
+  while (parked_.head != nullptr && parked_.head->operand <= sq_retired_) {
+    op_node* n = parked_.pop_front();
+    if (n->kind == op_kind::receive_message && n->mr != nullptr) rendezvous_held_ -= n->length;
+    complete(n, post, error_ ? error_ : std::error_code(errc::connection_closed));
+  }
+}
+
+// Rendezvous reads started in part whose last fragment can no longer be
+// issued (the connection is failed or closed).
+void connection_impl::park_partial_reads() noexcept {
+  for (op_node* n = active_.head; n != nullptr;) {
+    op_node* next = n->next;
+    if (n->kind != op_kind::send && n->issued < n->length) {
+      active_.remove(n);
+      if (n->issued == 0) {
+        if (n->kind == op_kind::receive_message) rendezvous_held_ -= n->length;
+        complete(n, true, error_ ? error_ : std::error_code(errc::connection_closed));
+      } else {
+        park(n);
+      }
+    }
+    n = next;
+  }
+  complete_parked(true);
 }
 
 void connection_impl::on_send_completion(const transport::completion& wc) noexcept {
@@ -913,11 +954,6 @@ void connection_impl::on_onesided_done(op_node* n, transport::wc_status status, 
 void connection_impl::complete_flushes(std::uint64_t done) noexcept {
   while (flushes_.head != nullptr && flushes_.head->operand <= done) {
     op_node* n = flushes_.pop_front();
-    if (n->kind != op_kind::flush) {
-      // A transfer the peer's close cut short: its parts are back now.
-      complete(n, false, errc::connection_closed);
-      continue;
-    }
     ++stats_.flushes;
     complete(n, false, {});
   }
@@ -1005,6 +1041,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
     } else if (peer_closed_ && state_ != state::failed && state_ != state::closed) {
       state_ = state::closed;  // the peer tore the queue pair down after its close
       error_ = errc::connection_closed;
+      park_partial_reads();
       begin_drain();
     }
   } else {
@@ -1108,15 +1145,13 @@ void connection_impl::on_peer_close() noexcept {
   peer_closed_ = true;
   log().debug("connection qp {}: the peer closed", qp_->qp_num());
   while (op_node* n = send_waiting_.pop_front()) {
-    if (n->phase == op_phase::posted && sq_retired_ < sq_queued_) {
-      // Started in part: its memory is in use until the parts it queued are
-      // back, so it ends with them (in order with the flushes).
-      n->operand = sq_queued_;
-      flushes_.push_back(n);
+    if (n->phase == op_phase::posted) {
+      park(n);  // started in part: it ends when its parts are back
       continue;
     }
     complete(n, true, errc::connection_closed);
   }
+  complete_parked(true);
   for (op_node* n = active_.head; n != nullptr;) {
     op_node* next = n->next;
     if (n->kind == op_kind::send) {
@@ -1143,6 +1178,7 @@ void connection_impl::on_close_acked() noexcept {
   }
   // Flush the receives: their buffers go back to the pool.
   if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+  park_partial_reads();
   begin_drain();
   deliver(false);
 }
@@ -1322,19 +1358,23 @@ void connection_impl::fail(std::error_code ec) noexcept {
   drop_unposted();
   begin_drain();
   fins_.clear();
-  while (op_node* n = send_waiting_.pop_front()) complete(n, true, error_);
+  while (op_node* n = send_waiting_.pop_front()) {
+    if (n->phase == op_phase::posted) {
+      park(n);  // started in part: it ends when its posted parts are back
+      continue;
+    }
+    complete(n, true, error_);
+  }
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, error_);  // dropped unposted
   for (op_node* n = active_.head; n != nullptr;) {
     op_node* next = n->next;
-    // Rendezvous sends: the fin will never come. Reads issued in part: their
-    // last fragment (which would complete them) will never be posted.
-    if (n->kind == op_kind::send || n->issued < n->length) {
+    if (n->kind == op_kind::send) {  // rendezvous sends: the fin will never come
       active_.remove(n);
-      if (n->kind == op_kind::receive_message) rendezvous_held_ -= n->length;
       complete(n, true, error_);
     }
     n = next;
   }
+  park_partial_reads();  // their last fragment will never be posted
   if (close_op_ != nullptr) {
     op_node* n = close_op_;
     close_op_ = nullptr;

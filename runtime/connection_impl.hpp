@@ -128,6 +128,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept;
   void on_onesided_done(op_node* n, transport::wc_status status, std::size_t slot, bool post) noexcept;
   void complete_flushes(std::uint64_t done) noexcept;  // flushes whose target <= done
+  void park(op_node* n) noexcept;      // ended early: completes when its posted parts are back
+  void complete_parked(bool post) noexcept;
+  void park_partial_reads() noexcept;
   transport::sge* slot_sges(std::size_t slot) noexcept { return &sq_sge_[slot * sge_per_wr_]; }
   bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
   std::uint32_t sq_free() const noexcept;
@@ -213,6 +216,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   op_list recv_waiting_;   // receives without a message yet
   op_list active_;         // rendezvous sends waiting for fin, receives reading
   op_list flushes_;        // flushes waiting for their target (in order)
+  op_list parked_;         // ended early, waiting for their posted parts (target in operand, in order)
   op_list note_waiting_;   // receive_notification without a notification yet
   std::vector<note_entry> notes_;  // ring, capacity = credits
   std::uint64_t notes_head_ = 0, notes_tail_ = 0;

@@ -272,8 +272,8 @@ bool parse_address(std::string_view a, std::string& host, std::uint16_t& port) {
 
 }  // namespace
 
-void fabric::start_connect(std::string address, detail::pending_handler* h) {
-  auto fab = state_;
+void fabric::start_connect(std::shared_ptr<detail::fabric_state> fab, std::string address,
+                           detail::pending_handler* h) {
   std::string host;
   std::uint16_t port = 0;
   if (!parse_address(address, host, port)) {
@@ -561,8 +561,8 @@ void acceptor::close() noexcept {
   }
 }
 
-void acceptor::start_accept(detail::pending_handler* h) {
-  state& s = *state_;
+void acceptor::start_accept(const std::shared_ptr<state>& sp, detail::pending_handler* h) {
+  state& s = *sp;
   std::error_code ec;
   if (s.closed) ec = std::make_error_code(std::errc::operation_canceled);
   else if (s.failed) ec = s.failed;

@@ -30,7 +30,7 @@
 namespace anydoor::protocol {
 
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
-inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::uint16_t kVersion = 2;  // 2: fin status 3 is no_memory
 inline constexpr std::size_t kHelloSize = 44;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;

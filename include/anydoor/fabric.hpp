@@ -24,6 +24,7 @@
 #include <anydoor/transport/provider.hpp>
 
 #include <boost/asio/async_result.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/io_context.hpp>
 
 #include <chrono>
@@ -129,13 +130,18 @@ class fabric {
         [this](auto handler, std::string addr) {
           auto* n = new detail::pending_handler;  // setup path: one allocation per connect
           n->template store<connection>(std::move(handler), get_executor(), nullptr, nullptr);
-          start_connect(std::move(addr), n);
+          // Setup runs on the fabric's thread (a call from another thread is
+          // posted there, not raced with run()).
+          asio::dispatch(get_executor(), [fab = state_, n, a = std::move(addr)]() mutable {
+            start_connect(std::move(fab), std::move(a), n);
+          });
         },
         token, std::string(address));
   }
 
  private:
-  void start_connect(std::string address, detail::pending_handler* h);
+  static void start_connect(std::shared_ptr<detail::fabric_state> fab, std::string address,
+                            detail::pending_handler* h);
   std::shared_ptr<detail::fabric_state> state_;
 };
 
@@ -161,7 +167,7 @@ class acceptor {
         [this](auto handler) {
           auto* n = new detail::pending_handler;  // setup path: one allocation per accept
           n->template store<connection>(std::move(handler), executor(), nullptr, nullptr);
-          start_accept(n);
+          asio::dispatch(executor(), [s = state_, n] { start_accept(s, n); });
         },
         token);
   }
@@ -174,7 +180,7 @@ class acceptor {
   struct state;
   explicit acceptor(std::shared_ptr<state> s) noexcept;
   asio::io_context::executor_type executor() const;  // throws when not listening
-  void start_accept(detail::pending_handler* h);
+  static void start_accept(const std::shared_ptr<state>& s, detail::pending_handler* h);
   std::shared_ptr<state> state_;
 };
 

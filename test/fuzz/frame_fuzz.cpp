@@ -27,7 +27,8 @@ constexpr std::size_t kRegion = 4 * kPage;
 
 struct world {
   std::unique_ptr<tp::device> dev = tp::open_device({.provider = "tcp"});
-  std::unique_ptr<tp::protection_domain> pd = dev->alloc_pd();
+  // Deterministic keys: the seeds aim at the first registration's rkey.
+  std::unique_ptr<tp::protection_domain> pd = std::make_unique<anydoor::transport::tcp::tcp_pd>(0u);
   std::unique_ptr<tp::completion_queue> cq = dev->create_cq(4096);
   std::byte* region = nullptr;
   std::unique_ptr<tp::memory_region> mr;      // remote read/write/atomic
@@ -42,7 +43,7 @@ struct world {
     }
     region = static_cast<std::byte*>(p) + kPage;
     ::mprotect(region, kRegion, PROT_READ | PROT_WRITE);
-    // key (1 << 8) | 1 = 257: the first registration of a fresh domain
+    // key (1 << 18) | 1 = 262145: the first registration of a domain whose generations start at 0
     mr = pd->register_memory(region, kRegion / 2,
                              tp::access::local_write | tp::access::remote_write | tp::access::remote_read |
                                  tp::access::remote_atomic);

@@ -12,6 +12,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <cstring>
@@ -529,4 +530,51 @@ TEST_CASE("put, get and put_with_notify many times the send queue's reach start 
   });
   CHECK(target == src);
   CHECK(back == src);
+}
+
+TEST_CASE("a transfer started in parts ends exactly once when the peer closes or the connection aborts",
+          "[onesided]") {
+  // 4 MiB in 4 KiB pieces through an 8-deep send queue: it is partly on the
+  // wire when the target closes (or the initiator aborts). It must complete
+  // once, with an error unless it finished first, and only after its posted
+  // pieces are back (its memory is in use until then), and run() returns.
+  ad::fabric_options o = test_options();
+  o.connection.send_queue = 8;
+  o.connection.signal_interval = 4;
+  o.connection.fragment_size = 4096;
+  const bool abort_self = GENERATE(false, true);
+  const bool get = GENERATE(false, true);
+  onesided_pair p(o);
+  constexpr std::size_t kLen = std::size_t{4} << 20;
+  std::vector<std::byte> target(kLen);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write |
+                                                          ad::access::remote_read);
+  auto local = pattern(kLen, 5);
+  int completions = 0;
+  ad::error_code op_ec;
+  auto done = [&](ad::error_code ec, std::size_t) {
+    ++completions;
+    op_ec = ec;
+  };
+  if (get) {
+    p.a.async_get(asio::buffer(local), tr.remote(), done);
+  } else {
+    p.a.async_put(asio::buffer(local), tr.remote(), done);
+  }
+  failure f;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::milliseconds(3));
+    co_await t.async_wait(use_awaitable);
+    if (abort_self) {
+      p.a.abort();
+    } else {
+      auto [ec] = co_await p.b.async_close(asio::as_tuple(use_awaitable));
+      (void)ec;
+    }
+  }, f.handler());
+  run_to_completion(p.io);
+  f.check();
+  INFO("abort " << abort_self << ", get " << get << ": " << op_ec.message());
+  CHECK(completions == 1);
+  if (op_ec) CHECK((op_ec == ad::errc::connection_closed || abort_self));
 }

@@ -409,7 +409,7 @@ TEST_CASE("handshake: an unknown protocol version or a malformed hello is refuse
     for (int i = 0; i < 2; ++i) {
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
       // version 2, then a bad magic
-      const auto hello = i == 0 ? raw_hello(2) : raw_hello(1, 0x31524400);
+      const auto hello = i == 0 ? raw_hello(9) : raw_hello(2, 0x31524400);
       results.push_back(dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10)));
     }
     asio::post(io, [&] { acc.close(); });  // both refused: the accept was still waiting
@@ -893,7 +893,7 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
     for (std::size_t ci = 0; ci < cases.size(); ++ci) {
       const bad& b = cases[ci];
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(1), std::chrono::seconds(10));
+      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(2), std::chrono::seconds(10));
       std::vector<std::byte> out = b.bytes;
       auto mr = pd->register_memory(out.data(), out.size(), tp::access::local_write);
       const tp::sge sg = mr->slice(0, static_cast<std::uint32_t>(out.size()));
@@ -1306,4 +1306,30 @@ TEST_CASE("accept: idle and garbage sockets delay a real client by milliseconds 
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(500));
   for (int fd : socks) ::close(fd);
   (void)late;
+}
+
+TEST_CASE("async_connect and async_accept called from another thread run on the fabric's thread", "[runtime]") {
+  // The setup touches the fabric's state (queue pairs, pool, reactor):
+  // calls from a thread other than the one running io are posted there,
+  // not raced with run() (ThreadSanitizer checks this build).
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  auto guard = asio::make_work_guard(io);
+  std::thread runner([&] { io.run(); });
+  auto accepted = acc.async_accept(asio::use_future);
+  auto connected = client.async_connect(addr(acc), asio::use_future);
+  ad::connection a = accepted.get();
+  ad::connection c = connected.get();
+  CHECK(a.is_open());
+  CHECK(c.is_open());
+  asio::post(io, [&] {  // connections belong to io's thread: let them go there
+    a = ad::connection{};
+    c = ad::connection{};
+    guard.reset();
+  });
+  runner.join();
+  io.restart();
+  io.run_for(1s);
 }

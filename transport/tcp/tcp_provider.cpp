@@ -27,12 +27,17 @@ namespace anydoor::transport::tcp {
 
 // ---------------------------------------------------------------- registrations
 
-registration_table::registration_table() : entries_(new entry[kCapacity]), free_(kCapacity - 1) {
+registration_table::registration_table() : registration_table(0) {
   std::random_device rd;
   std::mt19937 rng(rd());
   constexpr std::uint32_t mask = (1u << kGenerationBits) - 1;
+  for (std::uint32_t i = 1; i < kCapacity; ++i) entries_[i].generation = static_cast<std::uint32_t>(rng()) & mask;
+}
+
+registration_table::registration_table(std::uint32_t generation)
+    : entries_(new entry[kCapacity]), free_(kCapacity - 1) {
   for (std::uint32_t i = 1; i < kCapacity; ++i) {
-    entries_[i].generation = static_cast<std::uint32_t>(rng()) & mask;
+    entries_[i].generation = generation & ((1u << kGenerationBits) - 1);
     free_[i - 1] = i;
   }
   free_count_ = kCapacity - 1;
@@ -173,9 +178,9 @@ void tcp_cq::detach(tcp_qp* qp, std::uint32_t wrs) noexcept {
   wrs_ -= wrs;
 }
 
-void tcp_cq::watch(int fd, tcp_qp* qp, bool want_write) noexcept {
+void tcp_cq::watch(int fd, tcp_qp* qp, bool want_write, bool want_read) noexcept {
   epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | (want_write ? EPOLLOUT : 0u);
+  ev.events = (want_read ? EPOLLIN | EPOLLRDHUP : 0u) | (want_write ? EPOLLOUT : 0u);
   ev.data.ptr = qp;
   if (::epoll_ctl(epfd_, EPOLL_CTL_MOD, fd, &ev) != 0) ::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev);
 }
@@ -432,9 +437,12 @@ class tcp_listener final : public listener {
         return nullptr;
       }
       fds.clear();
-      fds.push_back({fd_, POLLIN, 0});
+      // (not while accepting is paused: the listener would stay readable)
+      fds.push_back({clock::now() < accept_paused_until_ ? -1 : fd_, POLLIN, 0});
       for (const pending& p : pending_) fds.push_back({p.fd, POLLIN, 0});
-      const int r = ::poll(fds.data(), fds.size(), std::max(1, remaining_ms(earliest)));
+      auto wake = earliest;
+      if (accept_paused_until_ > now) wake = std::min(wake, accept_paused_until_);
+      const int r = ::poll(fds.data(), fds.size(), std::max(1, remaining_ms(wake)));
       if (r < 0 && errno != EINTR) {
         ec = {errno, std::system_category()};
         return nullptr;
@@ -450,36 +458,51 @@ class tcp_listener final : public listener {
     std::size_t got = 0;
   };
 
-  // Takes every connection the kernel has queued.
+  // Takes the connections the kernel has queued (a bounded number per call,
+  // so that a flood cannot keep get_request from its other work).
   std::error_code accept_new() {
-    for (;;) {
+    if (clock::now() < accept_paused_until_) return {};
+    for (int taken = 0; taken < 64; ++taken) {
       const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return {};
-        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-          // Out of descriptors: drop the oldest attempt to make room; the
-          // listener itself is fine.
-          log().warn("tcp listener: cannot accept: {}", std::strerror(errno));
-          if (!pending_.empty()) {
-            refuse(pending_.front(), "dropped to make room (out of descriptors)");
-            pending_.erase(pending_.begin());
+        switch (errno) {
+          case EAGAIN:
+#if EAGAIN != EWOULDBLOCK
+          case EWOULDBLOCK:
+#endif
+            return {};
+          // accept(2): errors of the new connection, not of the listener
+          case EINTR: case ECONNABORTED: case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET:
+          case EHOSTUNREACH: case EOPNOTSUPP: case ENETUNREACH: case ENETDOWN: case EPERM:
             continue;
-          }
-          return {};
+          case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
+            // Out of descriptors or memory: stop accepting for a while (the
+            // kernel keeps the rest queued) rather than spin on a listener
+            // that stays readable.
+            log().warn("tcp listener: cannot accept: {}; pausing 100 ms", std::strerror(errno));
+            accept_paused_until_ = clock::now() + std::chrono::milliseconds(100);
+            return {};
+          default:
+            return {errno, std::system_category()};
         }
-        return {errno, std::system_category()};
       }
-      if (pending_.size() >= opt_.max_pending) {
-        refuse(pending_.front(), "too many handshakes in progress; dropped the oldest");
-        pending_.erase(pending_.begin());
-      }
+      if (pending_.size() >= opt_.max_pending) evict();
       tune_socket(fd);
       pending p;
       p.fd = fd;
       p.deadline = clock::now() + opt_.handshake_timeout;
       pending_.push_back(p);
     }
+    return {};
+  }
+
+  // Room for one more: the oldest attempt that has sent nothing, else the
+  // oldest (a client that already sent its whole hello is served first).
+  void evict() {
+    auto victim = std::find_if(pending_.begin(), pending_.end(), [](const pending& p) { return p.got == 0; });
+    if (victim == pending_.end()) victim = pending_.begin();
+    refuse(*victim, "too many handshakes in progress; dropped one");
+    pending_.erase(victim);
   }
 
   // Reads what the socket has; the request once the hello is complete.
@@ -531,6 +554,7 @@ class tcp_listener final : public listener {
   listen_options opt_;
   std::vector<pending> pending_;
   std::atomic<std::uint64_t> refused_{0};
+  clock::time_point accept_paused_until_{};
 };
 
 addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive, std::error_code& ec) {

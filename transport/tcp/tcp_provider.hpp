@@ -44,6 +44,9 @@ class registration_table {
   static constexpr unsigned kGenerationBits = 18;
 
   registration_table();
+  // Every generation starts at `generation` instead of a random value:
+  // deterministic keys, for the fuzz target's fixed inputs only.
+  explicit registration_table(std::uint32_t generation);
   std::uint32_t add(std::byte* addr, std::uint64_t length, access acc);  // 0 when full
   void remove(std::uint32_t key) noexcept;
   // The registration behind key when [addr, addr+len) lies inside it and it
@@ -85,6 +88,9 @@ class tcp_mr final : public memory_region {
 
 class tcp_pd final : public protection_domain {
  public:
+  tcp_pd() = default;
+  // Deterministic keys (see registration_table); for fuzzing only.
+  explicit tcp_pd(std::uint32_t generation) : table_(std::make_shared<registration_table>(generation)) {}
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
 
@@ -109,7 +115,9 @@ class tcp_cq final : public completion_queue {
   // wrs: the work requests the queue pair can have outstanding on this CQ.
   void attach(tcp_qp* qp, std::uint32_t wrs);
   void detach(tcp_qp* qp, std::uint32_t wrs) noexcept;
-  void watch(int fd, tcp_qp* qp, bool want_write) noexcept;
+  // want_read false: the queue pair does not read now (its response ring
+  // is full), so its socket must not keep a sleeping consumer awake.
+  void watch(int fd, tcp_qp* qp, bool want_write, bool want_read = true) noexcept;
   void unwatch(int fd) noexcept;
   void schedule(std::chrono::steady_clock::time_point when) noexcept;
   void progress() noexcept;
@@ -233,7 +241,7 @@ class tcp_qp final : public queue_pair {
   void poison_read(std::uint64_t pos) noexcept;
   bool iov_holds_requests() const noexcept;
   void check_fatal() noexcept;
-  void update_write_interest() noexcept;
+  void update_interest() noexcept;
   bool only_ack_pending() const noexcept;
   // receiving
   void receive() noexcept;
@@ -296,6 +304,8 @@ class tcp_qp final : public queue_pair {
   std::vector<response> resp_;
   std::uint64_t resp_head_ = 0, resp_queued_ = 0, resp_tail_ = 0;  // [head, queued) in iov_
   bool fatal_pending_ = false;  // a NAK that ends a read response is queued: error once it is out
+  bool rx_paused_ = false;      // the response ring is full: the socket is not read until it drains
+  std::uint32_t rd_atomic_out_ = 0;  // reads and atomics sent and not yet answered
 
   // transmit: iovecs of whole frames; [iov_pos_, iov_count_) still to send
   static constexpr std::size_t kMaxIov = 64;

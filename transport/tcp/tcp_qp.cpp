@@ -41,6 +41,12 @@ constexpr std::size_t kMaxDiscardPerPass = 4 * kRxBufferSize;
 // Responses queued per connection: enough to keep the link busy; a peer
 // with more requests outstanding waits (its frames stay in the socket).
 constexpr std::size_t kMaxResponseSlots = 1024;
+// Reads and atomics a requester has outstanding at most (like verbs'
+// max_rd_atomic): each needs a response slot at the peer, whose ring holds
+// 2 x kMaxResponseSlots + 8, so conforming peers never fill it.
+constexpr std::uint32_t kMaxReadAtomic = kMaxResponseSlots;
+
+bool needs_response(opcode op) noexcept { return op == opcode::read || is_atomic(op); }
 // Sent in place of read-response data whose source was deregistered while
 // its fragment was on its way (the response then ends with a NAK).
 std::byte g_zeros[kReadFragment];
@@ -119,6 +125,7 @@ std::error_code tcp_qp::modify(qp_state next) noexcept {
       rnr_waiting_ = rewind_pending_ = rnr_discard_ = tx_blocked_ = false;
       rd_done_ = rd_off_ = 0;
       rd_sge_ = 0;
+      rd_atomic_out_ = 0;
       state_ = qp_state::reset;
       break;
     case qp_state::init:
@@ -150,6 +157,7 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
   resp_.assign(std::min<std::size_t>(std::max<std::uint32_t>(peer_max_send_wr, 1), kMaxResponseSlots) * 2 + 8,
                response{});
   fatal_pending_ = false;
+  rx_paused_ = false;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   iov_count_ = iov_pos_ = 0;
   rx_begin_ = rx_end_ = 0;
@@ -181,6 +189,7 @@ void tcp_qp::close_socket() noexcept {
   rx_begin_ = rx_end_ = 0;
   phase_ = rx_phase::header;
   close_when_flushed_ = false;
+  rx_paused_ = false;
 }
 
 void tcp_qp::push_send(const completion& c) noexcept {
@@ -210,6 +219,7 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
   rnr_waiting_ = rewind_pending_ = tx_blocked_ = false;
   rd_done_ = rd_off_ = 0;
   rd_sge_ = 0;
+  rd_atomic_out_ = 0;
   // The requests just completed (flushed) may still have payload in the
   // transmit batch: their memory is the caller's again, so nothing more of
   // the batch may be sent; the stream is cut.
@@ -388,6 +398,10 @@ bool tcp_qp::fill_iov() noexcept {
       for (const sge& s : e.wr.sg_list) need += s.length > 0 ? 1 : 0;
     }
     if (iov_count_ + need > kMaxIov) break;
+    if (needs_response(e.wr.op)) {
+      if (rd_atomic_out_ >= kMaxReadAtomic) break;  // sent when earlier ones are answered
+      ++rd_atomic_out_;
+    }
     add(e.header.data(), kHeaderSize, {});
     if (carries_data(e.wr.op)) {
       for (const sge& s : e.wr.sg_list) {
@@ -531,7 +545,12 @@ void tcp_qp::flush() noexcept {
       if (rewind_pending_) {
         rewind_pending_ = false;
         counters_.retransmits += sq_tx_ - rewind_to_;
+        for (std::uint64_t i = rewind_to_; i < sq_tx_; ++i) {
+          if (needs_response(sq_[i % attr_.max_send_wr].wr.op)) --rd_atomic_out_;
+        }
         sq_tx_ = rewind_to_;
+        rd_done_ = rd_off_ = 0;
+        rd_sge_ = 0;
       }
       if (close_when_flushed_ && resp_head_ == resp_tail_) {
         close_socket();
@@ -569,16 +588,20 @@ void tcp_qp::flush() noexcept {
       if (v.iov_len == 0) ++iov_pos_;
     }
   }
-  update_write_interest();
+  if (rx_paused_ && resp_tail_ - resp_head_ < resp_.size()) {
+    rx_paused_ = false;  // room again: read on (what arrived meanwhile waits in the socket)
+    want_write_ = !want_write_;  // force the update below
+  }
+  update_interest();
 }
 
-void tcp_qp::update_write_interest() noexcept {
+void tcp_qp::update_interest() noexcept {
   if (fd_ < 0) return;
   const bool want = iov_pos_ < iov_count_;
-  if (want == want_write_) return;
+  if (want == want_write_ && !rx_paused_) return;
   want_write_ = want;
-  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want);
-  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want);
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want, !rx_paused_);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want, !rx_paused_);
 }
 
 void tcp_qp::queue_response(const frame_header& h) noexcept {
@@ -687,7 +710,9 @@ void tcp_qp::receive() noexcept {
     if (fd_ >= 0) discard_input();
     return;
   }
-  for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error;) {
+  // A NAK that ends a poisoned read is on its way: the queue pair goes to
+  // error once it is out, so no later request may execute meanwhile.
+  for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;) {
     if (phase_ == rx_phase::header) {
       if (rx_end_ - rx_begin_ < kHeaderSize) {
         if (rx_begin_ > 0) {
@@ -707,7 +732,15 @@ void tcp_qp::receive() noexcept {
         return;
       }
       // A request needs room for its response; wait for the transmitter to drain.
-      if (resp_tail_ - resp_head_ >= resp_.size()) return;
+      if (resp_tail_ - resp_head_ >= resp_.size()) {
+        // Only a peer over its read/atomic limit gets here: stop reading
+        // (and watching) the socket until responses drain.
+        if (!rx_paused_) {
+          rx_paused_ = true;
+          update_interest();
+        }
+        return;
+      }
       const decode_error err =
           decode(std::span<const std::byte, kHeaderSize>(rx_buf_.data() + rx_begin_, kHeaderSize), cur_);
       if (err != decode_error::none) {
@@ -974,6 +1007,7 @@ void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
   const sq_entry& e = sq_[idx % attr_.max_send_wr];
   rd_done_ = rd_off_ = 0;
   rd_sge_ = 0;
+  if (needs_response(e.wr.op)) --rd_atomic_out_;
   if (e.wr.signaled) {
     push_send({.wr_id = e.wr.wr_id, .status = wc_status::success, .opcode = completion_opcode(e.wr.op),
                .byte_len = byte_len, .qp_num = qpn_});

@@ -176,7 +176,9 @@ class verbs_qp final : public queue_pair {
   // The state this provider last set. Posting checks it instead of asking
   // the device (ibv_query_qp is a system call); the device may move the QP
   // to error on its own, where posting is allowed too (requests flush).
-  qp_state posted_state_ = qp_state::reset;
+  // Atomic: asynchronous events (the CQ's thread) may move it to error while
+  // a connecting thread is inside cm_transition/adopt.
+  std::atomic<qp_state> posted_state_{qp_state::reset};
   rdma_cm_id* cm_id_ = nullptr;
   // Stored last by adopt(), which may run on a connecting thread while the
   // completion queue's thread polls it for cm events.
