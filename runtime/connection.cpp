@@ -1166,6 +1166,13 @@ void connection_impl::on_peer_close() noexcept {
     on_close_acked();
     complete(n, true, {});
   }
+  if (!parked_.empty() && state_ != state::failed && state_ != state::closed) {
+    // Transfers cut short by the close wait for their posted parts. The peer
+    // sends nothing more and its queue pair goes to error once its close is
+    // acknowledged, so ours does now: the parts come back at once (flushed)
+    // instead of waiting for a transport timeout.
+    on_close_acked();
+  }
 }
 
 void connection_impl::on_close_acked() noexcept {
