@@ -499,15 +499,23 @@ TEST_CASE("fabric options of the registration cache are checked", "[onesided]") 
   CHECK_FALSE(code(o));
 }
 
+namespace {
+// An 8-deep send queue and 4 KiB fragments: the queue reaches 32 KiB.
+ad::fabric_options short_queue_options() {
+  ad::fabric_options o = test_options();
+  o.connection.send_queue = 8;
+  o.connection.signal_interval = 4;
+  o.connection.fragment_size = 4096;
+  return o;
+}
+}  // namespace
+
 TEST_CASE("put, get and put_with_notify many times the send queue's reach start in pieces and complete",
           "[onesided]") {
   // send_queue 8 and 4 KiB fragments: the queue reaches 32 KiB; each
   // transfer needs 256 work requests. Before, such a transfer never started
   // and blocked everything behind it.
-  ad::fabric_options o = test_options();
-  o.connection.send_queue = 8;
-  o.connection.signal_interval = 4;
-  o.connection.fragment_size = 4096;
+  const ad::fabric_options o = short_queue_options();
   onesided_pair p(o);
   constexpr std::size_t kLen = std::size_t{1} << 20;
   std::vector<std::byte> target(kLen);
@@ -538,10 +546,7 @@ TEST_CASE("a transfer started in parts ends exactly once when the peer closes or
   // wire when the target closes (or the initiator aborts). It must complete
   // once, with an error unless it finished first, and only after its posted
   // pieces are back (its memory is in use until then), and run() returns.
-  ad::fabric_options o = test_options();
-  o.connection.send_queue = 8;
-  o.connection.signal_interval = 4;
-  o.connection.fragment_size = 4096;
+  const ad::fabric_options o = short_queue_options();
   const bool abort_self = GENERATE(false, true);
   const bool get = GENERATE(false, true);
   onesided_pair p(o);

@@ -235,6 +235,7 @@ class tcp_qp final : public queue_pair {
   void build_request_header(sq_entry& e) noexcept;
   void queue_response(const frame_header& h) noexcept;
   void queue_read_response(const frame_header& request) noexcept;
+  void add_iov(const void* p, std::size_t n, iov_ref ref) noexcept;
   bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
   bool pin_iov() noexcept;                                  // false: the stream must be cut
   void unpin_iov() noexcept;

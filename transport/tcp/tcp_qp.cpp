@@ -47,6 +47,14 @@ constexpr std::size_t kMaxResponseSlots = 1024;
 constexpr std::uint32_t kMaxReadAtomic = kMaxResponseSlots;
 
 bool needs_response(opcode op) noexcept { return op == opcode::read || is_atomic(op); }
+
+frame_header nak_header(std::uint32_t psn, nak_code code) noexcept {
+  frame_header h;
+  h.type = frame_type::nak;
+  h.psn = psn;
+  h.imm = static_cast<std::uint32_t>(code);
+  return h;
+}
 // Sent in place of read-response data whose source was deregistered while
 // its fragment was on its way (the response then ends with a NAK).
 std::byte g_zeros[kReadFragment];
@@ -367,11 +375,12 @@ void tcp_qp::build_request_header(sq_entry& e) noexcept {
 
 // ---------------------------------------------------------------- transmit
 
+void tcp_qp::add_iov(const void* p, std::size_t n, iov_ref ref) noexcept {
+  iov_ref_[iov_count_] = ref;
+  iov_[iov_count_++] = {const_cast<void*>(p), n};
+}
+
 bool tcp_qp::fill_iov() noexcept {
-  auto add = [this](const void* p, std::size_t n, iov_ref ref) {
-    iov_ref_[iov_count_] = ref;
-    iov_[iov_count_++] = {const_cast<void*>(p), n};
-  };
   frag_used_ = 0;
   const std::size_t cap = resp_.size();
   while (resp_queued_ < resp_tail_) {
@@ -380,7 +389,7 @@ bool tcp_qp::fill_iov() noexcept {
       if (!fill_read(r, resp_queued_)) return true;
     } else {
       if (iov_count_ + 1 > kMaxIov) return iov_count_ > 0;
-      add(r.header.data(), kHeaderSize, {});
+      add_iov(r.header.data(), kHeaderSize, {});
     }
     ++resp_queued_;
   }
@@ -402,12 +411,12 @@ bool tcp_qp::fill_iov() noexcept {
       if (rd_atomic_out_ >= kMaxReadAtomic) break;  // sent when earlier ones are answered
       ++rd_atomic_out_;
     }
-    add(e.header.data(), kHeaderSize, {});
+    add_iov(e.header.data(), kHeaderSize, {});
     if (carries_data(e.wr.op)) {
       for (const sge& s : e.wr.sg_list) {
         if (s.length == 0) continue;
         // Inline data lives in the provider (lkey 0); the rest is pinned per sendmsg.
-        add(reinterpret_cast<const void*>(s.addr), s.length,
+        add_iov(reinterpret_cast<const void*>(s.addr), s.length,
             {e.wr.inline_data ? iov_kind::plain : iov_kind::request_payload, s.lkey, 0});
       }
     }
@@ -419,10 +428,6 @@ bool tcp_qp::fill_iov() noexcept {
 // Frames what fits of a read response: data fragments, then the last
 // frame. A source that is no longer registered turns the rest into a NAK.
 bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
-  auto add = [this](const void* p, std::size_t n, iov_ref ref) {
-    iov_ref_[iov_count_] = ref;
-    iov_[iov_count_++] = {const_cast<void*>(p), n};
-  };
   if (!r.poisoned && r.left > 0 &&
       table_.check(r.key, r.addr, std::min<std::uint64_t>(r.left, kReadFragment), access::remote_read) == nullptr) {
     r.poisoned = true;
@@ -430,12 +435,8 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   }
   if (r.poisoned) {
     if (iov_count_ + 1 > kMaxIov) return false;
-    frame_header n;
-    n.type = frame_type::nak;
-    n.psn = r.h.psn;
-    n.imm = static_cast<std::uint32_t>(nak_code::remote_access);
-    encode(n, r.header);
-    add(r.header.data(), kHeaderSize, {});
+    encode(nak_header(r.h.psn, nak_code::remote_access), r.header);
+    add_iov(r.header.data(), kHeaderSize, {});
     fatal_pending_ = true;
     return true;
   }
@@ -449,8 +450,8 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
     f.remote_addr = r.offset;
     auto& hdr = frag_hdr_[frag_used_++];
     encode(f, hdr);
-    add(hdr.data(), kHeaderSize, {});
-    add(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, r.key, pos});
+    add_iov(hdr.data(), kHeaderSize, {});
+    add_iov(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, r.key, pos});
     r.addr += n;
     r.offset += n;
     r.left -= n;
@@ -463,7 +464,7 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   last.remote_addr = r.offset;
   auto& hdr = frag_hdr_[frag_used_++];
   encode(last, hdr);
-  add(hdr.data(), kHeaderSize, {iov_kind::read_end, 0, pos});
+  add_iov(hdr.data(), kHeaderSize, {iov_kind::read_end, 0, pos});
   return true;
 }
 
@@ -517,11 +518,8 @@ void tcp_qp::poison_read(std::uint64_t pos) noexcept {
   log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
   for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
     if (iov_ref_[i].kind != iov_kind::read_end || iov_ref_[i].resp != pos) continue;
-    frame_header n;
-    n.type = frame_type::nak;
-    n.psn = r.h.psn;
-    n.imm = static_cast<std::uint32_t>(nak_code::remote_access);
-    encode(n, std::span<std::byte, kHeaderSize>(static_cast<std::byte*>(iov_[i].iov_base), kHeaderSize));
+    encode(nak_header(r.h.psn, nak_code::remote_access),
+           std::span<std::byte, kHeaderSize>(static_cast<std::byte*>(iov_[i].iov_base), kHeaderSize));
     iov_ref_[i].kind = iov_kind::plain;
     return;
   }
@@ -633,11 +631,7 @@ void tcp_qp::queue_read_response(const frame_header& request) noexcept {
 }
 
 void tcp_qp::nak(std::uint32_t psn, nak_code code, bool fatal) noexcept {
-  frame_header h;
-  h.type = frame_type::nak;
-  h.psn = psn;
-  h.imm = static_cast<std::uint32_t>(code);
-  queue_response(h);
+  queue_response(nak_header(psn, code));
   if (fatal) {
     log().warn("qp {}: request {} from peer failed (NAK code {}); moving the queue pair to error", qpn_, psn,
                static_cast<std::uint32_t>(code));
