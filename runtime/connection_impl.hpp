@@ -12,7 +12,6 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include <memory>
-#include <thread>
 #include <vector>
 
 namespace anydoor::detail {
@@ -43,7 +42,6 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // The handshake is done: the peer's parameters are known.
   void on_connected(const protocol::hello& peer);
   void on_setup_failed() noexcept;  // the queue pair never connected
-  std::thread setup_thread;         // the connect helper, joined on the io thread
 
   // Operations (connection.hpp's templates call these).
   op_node* acquire(op_kind kind);

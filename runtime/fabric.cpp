@@ -110,6 +110,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
 }
 
 fabric_state::~fabric_state() {
+  helpers.stop_all();
   reactor.reset();
   cache.reset();
   pool.reset();
@@ -222,7 +223,9 @@ std::error_code fabric_state::check_peer(const protocol::hello& peer) const noex
 
 fabric::fabric(asio::io_context& io, fabric_options options)
     : state_(std::make_shared<detail::fabric_state>(io, options)) {}
-fabric::~fabric() = default;
+// Connection attempts in progress end now (their handlers complete with
+// operation_canceled); connections and acceptors must be gone already.
+fabric::~fabric() { state_->helpers.stop_all(); }
 
 std::string_view fabric::provider() const noexcept { return state_->device->provider(); }
 transport::device& fabric::device() noexcept { return *state_->device; }
@@ -270,6 +273,51 @@ bool parse_address(std::string_view a, std::string& host, std::uint16_t& port) {
   return true;
 }
 
+// The io thread, with a connect helper's result (or aborted: the fabric is
+// going away).
+void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pending_handler> h,
+                            const std::string& host, std::uint16_t port, bool aborted,
+                            const transport::connect_result& res) {
+  auto impl = conn.shared_from_this();
+  detail::fabric_state& f = conn.fabric();
+  f.idle();
+  if (aborted) {  // the fabric is going away
+    impl->on_setup_failed();
+    h->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
+    return;
+  }
+  std::error_code ec = res.ec;
+  protocol::hello peer;
+  if (ec == errc::connection_rejected) {
+    if (protocol::decode(res.private_data, peer) == protocol::decode_status::ok &&
+        peer.kind == protocol::hello_kind::refuse) {
+      ec = detail::reason_error(peer.reason);
+    }
+  } else if (!ec) {
+    if (protocol::decode(res.private_data, peer) != protocol::decode_status::ok ||
+        peer.kind != protocol::hello_kind::welcome) {
+      ec = errc::protocol_error;
+    } else {
+      ec = f.check_peer(peer);
+    }
+    if (ec) {
+      impl->on_connected(peer);  // so that fail() can tear it down
+      impl->abort();
+    }
+  }
+  if (ec) {
+    if (ec == errc::authentication_failed || ec == errc::version_mismatch) ++f.refused;
+    log().warn("fabric: connect to {}:{} failed: {}", host, port, ec.message());
+    if (res.ec) impl->on_setup_failed();
+    h->complete(false, ec, connection{});
+    return;
+  }
+  impl->on_connected(peer);
+  ++f.connected;
+  log().info("fabric: connected to {}:{} (qp {})", host, port, impl->qp().qp_num());
+  h->complete(false, std::error_code{}, connection(std::move(impl)));
+}
+
 }  // namespace
 
 void fabric::start_connect(std::shared_ptr<detail::fabric_state> fab, std::string address,
@@ -292,51 +340,31 @@ void fabric::start_connect(std::shared_ptr<detail::fabric_state> fab, std::strin
     return;
   }
   fab->busy();
-  const auto pdata = protocol::encode(fab->local_hello());
-  detail::connection_impl* raw = conn.get();  // kept alive by its own self reference until the result is handled
-  transport::device* dev = fab->device.get();
-  const auto timeout = fab->options.connection.connect_timeout;
-  raw->setup_thread = std::thread([raw, dev, h, host, port, pdata, timeout, &io = fab->io] {
-    transport::connect_result res = dev->connect(raw->qp(), host, port, pdata, timeout);
-    asio::post(io, [raw, h, host, port, res = std::move(res)]() mutable {
-      auto impl = raw->shared_from_this();
-      raw->setup_thread.join();
-      detail::fabric_state& f = raw->fabric();
-      f.idle();
-      std::error_code ec = res.ec;
-      protocol::hello peer;
-      if (ec == errc::connection_rejected) {
-        if (protocol::decode(res.private_data, peer) == protocol::decode_status::ok &&
-            peer.kind == protocol::hello_kind::refuse) {
-          ec = detail::reason_error(peer.reason);
-        }
-      } else if (!ec) {
-        if (protocol::decode(res.private_data, peer) != protocol::decode_status::ok ||
-            peer.kind != protocol::hello_kind::welcome) {
-          ec = errc::protocol_error;
-        } else {
-          ec = f.check_peer(peer);
-        }
-        if (ec) {
-          impl->on_connected(peer);  // so that fail() can tear it down
-          impl->abort();
-        }
-      }
-      if (ec) {
-        if (ec == errc::authentication_failed || ec == errc::version_mismatch) ++f.refused;
-        log().warn("fabric: connect to {}:{} failed: {}", host, port, ec.message());
-        if (res.ec) impl->on_setup_failed();
-        h->complete(false, ec, connection{});
-        delete h;
-        return;
-      }
-      impl->on_connected(peer);
-      ++f.connected;
-      log().info("fabric: connected to {}:{} (qp {})", host, port, impl->qp().qp_num());
-      h->complete(false, std::error_code{}, connection(std::move(impl)));
-      delete h;
-    });
-  });
+  // Shared by the helper (which fills res) and the io thread.
+  struct attempt {
+    std::shared_ptr<detail::connection_impl> conn;
+    std::unique_ptr<detail::pending_handler> handler;
+    std::string host;
+    std::uint16_t port;
+    transport::connect_result res;
+  };
+  auto at = std::make_shared<attempt>(attempt{std::move(conn), std::unique_ptr<detail::pending_handler>(h),
+                                              std::move(host), port, {}});
+  auto work = [at, dev = fab->device.get(), pdata = protocol::encode(fab->local_hello()),
+               timeout = fab->options.connection.connect_timeout](std::stop_token stop) {
+    at->res = dev->connect(at->conn->qp(), at->host, at->port, pdata, timeout, stop);
+  };
+  auto finish = [at](bool aborted) {
+    finish_connect(*at->conn, std::move(at->handler), at->host, at->port, aborted, at->res);
+  };
+  try {
+    fab->helpers.start(std::move(work), std::move(finish));
+  } catch (const std::system_error& e) {  // no thread: the attempt never started
+    log().warn("fabric: connect to {}: {}", address, e.what());
+    at->conn->on_setup_failed();
+    fab->idle();
+    at->handler->complete(true, e.code(), connection{});
+  }
 }
 
 // The acceptor: a listener thread takes connection requests from the
@@ -348,7 +376,8 @@ void fabric::start_connect(std::shared_ptr<detail::fabric_state> fab, std::strin
 // connection, or when the listener fails or is closed.
 struct acceptor::state : std::enable_shared_from_this<state> {
   std::shared_ptr<detail::fabric_state> fab;
-  std::unique_ptr<transport::listener> listener;
+  std::unique_ptr<transport::listener> listener;  // the worker's; closed when it ends
+  std::uint16_t port = 0;
   std::jthread worker;
   std::uint64_t listener_refused = 0;  // worker only: the listener's count already added to fab
 
@@ -377,6 +406,7 @@ struct acceptor::state : std::enable_shared_from_this<state> {
     }
   }
   void run(std::stop_token stop);
+  void serve(const std::stop_token& stop);
   void offer_candidate();
   void finish(std::error_code ec, const protocol::hello& peer);
   void on_failed(std::error_code ec);
@@ -388,7 +418,8 @@ acceptor fabric::listen(const std::string& host, std::uint16_t port) {
   s->fab = state_;
   const connection_options& c = state_->options.connection;
   s->listener = state_->device->listen(host, port, {.handshake_timeout = c.handshake_timeout});
-  log().info("fabric: listening on {}:{}", host, s->listener->port());
+  s->port = s->listener->port();
+  log().info("fabric: listening on {}:{}", host, s->port);
   s->worker = std::jthread([raw = s.get()](std::stop_token stop) { raw->run(stop); });
   return acceptor(std::move(s));
 }
@@ -400,8 +431,15 @@ void acceptor::state::count_listener_refusals() {
 }
 
 // The listener thread. It touches the io thread's state only through
-// posted handlers (weak references: the state may be gone) and m/cv.
+// posted handlers (weak references: the state may be gone) and m/cv. When it
+// ends (close, destruction, failure) it closes the listening socket: later
+// attempts are refused by the system, not left waiting.
 void acceptor::state::run(std::stop_token stop) {
+  serve(stop);
+  listener.reset();
+}
+
+void acceptor::state::serve(const std::stop_token& stop) {
   asio::io_context& io = fab->io;
   std::weak_ptr<state> weak = weak_from_this();
   while (!stop.stop_requested()) {
@@ -445,13 +483,28 @@ void acceptor::state::run(std::stop_token stop) {
     asio::post(io, [weak] {
       if (auto s = weak.lock()) s->offer_candidate();
     });
+    // Nobody accepting within the handshake timeout (an application that
+    // stopped calling async_accept): the client is refused rather than left
+    // waiting for its connect timeout, and other attempts get their turn.
     detail::connection_impl* cand = nullptr;
+    bool timed_out = false;
     {
       std::unique_lock lock(m);
-      if (!cv.wait(lock, stop, [this] { return offered; })) return;  // closed meanwhile
-      wants = offered = false;
-      cand = std::exchange(offer, nullptr);
-      ec = offer_ec;
+      if (!cv.wait_for(lock, stop, fab->options.connection.handshake_timeout, [this] { return offered; })) {
+        if (stop.stop_requested()) return;  // closed meanwhile
+        wants = false;                      // offer_candidate() no longer answers this one
+        timed_out = true;
+      } else {
+        wants = offered = false;
+        cand = std::exchange(offer, nullptr);
+        ec = offer_ec;
+      }
+    }
+    if (timed_out) {
+      log().warn("fabric: accept: nobody accepted a connection attempt within the handshake timeout ({} ms)",
+                 fab->options.connection.handshake_timeout.count());
+      refuse(errc::too_many_connections);
+      continue;
     }
     if (cand == nullptr) {
       refuse(ec);
@@ -459,7 +512,7 @@ void acceptor::state::run(std::stop_token stop) {
     }
     protocol::hello welcome = fab->local_hello();
     welcome.kind = protocol::hello_kind::welcome;
-    ec = req->accept(cand->qp(), protocol::encode(welcome));
+    ec = req->accept(cand->qp(), protocol::encode(welcome), stop);
     asio::post(io, [weak, ec, peer] {
       if (auto s = weak.lock()) s->finish(ec, peer);
     });
@@ -541,7 +594,7 @@ acceptor& acceptor::operator=(acceptor&& o) noexcept {
 }
 acceptor::~acceptor() { close(); }
 
-std::uint16_t acceptor::port() const noexcept { return state_ ? state_->listener->port() : 0; }
+std::uint16_t acceptor::port() const noexcept { return state_ ? state_->port : 0; }
 
 asio::io_context::executor_type acceptor::executor() const {
   if (!state_) throw std::system_error(errc::invalid_state, "acceptor: not listening");

@@ -6,6 +6,7 @@
 #include <anydoor/reactor.hpp>
 
 #include "protocol.hpp"
+#include "setup_helpers.hpp"
 
 #include <boost/asio/io_context.hpp>
 
@@ -78,6 +79,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::uint64_t accepted = 0;
   std::uint64_t connected = 0;
   std::atomic<std::uint64_t> refused{0};  // also counted by acceptors' listener threads
+  // The connect helpers (fabric::~fabric stops them).
+  setup_helpers helpers{io};
 
   protocol::hello local_hello() const noexcept;
   // Checks a peer's hello or welcome against ours; errc on refusal.

@@ -44,7 +44,9 @@ struct connection_options {
   std::string auth_token;                // shared secret; both sides must agree (empty: none)
   std::chrono::milliseconds connect_timeout{10000};
   // An accepted connection attempt must complete its handshake within this
-  // (listen side); attempts in progress never delay each other.
+  // (listen side); attempts in progress never delay each other. A good
+  // attempt that no async_accept takes within this is refused too (the
+  // client gets too_many_connections).
   std::chrono::milliseconds handshake_timeout{2000};
   std::chrono::milliseconds buffer_wait{5000};  // a send waits this long for a pool buffer
   // Memory the runtime allocates for rendezvous messages being received on
@@ -172,7 +174,9 @@ class acceptor {
         token);
   }
 
-  // Stops listening; a pending accept completes with operation_canceled.
+  // Stops listening (on the fabric's thread): a pending accept completes
+  // with operation_canceled, and the listening socket (or rdma_cm id) is
+  // closed within about 100 ms, so later attempts are refused at once.
   void close() noexcept;
 
  private:

@@ -1,6 +1,8 @@
 // Provider conformance: the connection manager.
 #include "../support/harness.hpp"
 
+#include <stop_token>
+
 using namespace anydoor::test;
 
 TEST_CASE("connecting where nobody listens is connection_refused", "[conformance]") {
@@ -73,4 +75,31 @@ TEST_CASE("get_request times out when nobody comes", "[conformance]") {
   std::error_code ec;
   CHECK(lis->get_request(100ms, ec) == nullptr);
   CHECK(ec == anydoor::errc::timed_out);
+}
+
+TEST_CASE("a stop request ends a connect that waits for its peer: operation_canceled, not connected",
+          "[conformance]") {
+  // Nobody takes the request from the listener: the connect waits for an
+  // answer until its timeout (30 s here) unless stopped.
+  one_qp e;
+  auto lis = e.dev->listen(test_host(), 0);
+  std::stop_source stop;
+  tp::connect_result r;
+  std::chrono::steady_clock::time_point stopped_at;
+  std::thread t([&] { r = e.dev->connect(*e.qp, test_host(), lis->port(), {}, 30s, stop.get_token()); });
+  std::this_thread::sleep_for(300ms);
+  stopped_at = std::chrono::steady_clock::now();
+  stop.request_stop();
+  t.join();
+  const auto took = std::chrono::steady_clock::now() - stopped_at;
+  INFO("the connect returned " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                               << " ms after the stop request");
+  CHECK(took < 250ms);
+  CHECK(r.ec == std::errc::operation_canceled);
+  CHECK(e.qp->state() != tp::qp_state::rts);
+  // A stop requested before the call: nothing is attempted.
+  auto qp2 = e.pd->create_qp({.send_cq = e.cq.get(), .recv_cq = e.cq.get()});
+  std::stop_source early;
+  early.request_stop();
+  CHECK(e.dev->connect(*qp2, test_host(), lis->port(), {}, 5s, early.get_token()).ec == std::errc::operation_canceled);
 }

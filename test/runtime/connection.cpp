@@ -29,6 +29,7 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 using namespace anydoor::test;
@@ -1342,4 +1343,100 @@ TEST_CASE("async_connect and async_accept called from another thread run on the 
   runner.join();
   io.restart();
   io.run_for(1s);
+}
+
+TEST_CASE("a fabric destroyed while a connect waits for its peer ends the attempt at once: operation_canceled",
+          "[runtime]") {
+  // The peer is a provider listener nobody takes requests from: the
+  // client's handshake waits for an answer that never comes (tcp: the hello
+  // sits unread; verbs: rdma_cm waits for the connect response).
+  asio::io_context io;
+  ad::fabric silent(io, test_options());
+  auto lis = silent.device().listen(test_host(), 0);
+  const std::string where = test_host() + ":" + std::to_string(lis->port());
+  {
+    ad::connection_options slow;
+    slow.connect_timeout = 20s;
+    auto client = std::make_unique<ad::fabric>(io, test_options(slow));
+    std::optional<ad::error_code> got;
+    client->async_connect(where, [&](ad::error_code ec, ad::connection) { got = ec; });
+    io.run_for(300ms);  // the helper is inside the provider's connect now
+    REQUIRE_FALSE(got.has_value());
+    const auto start = std::chrono::steady_clock::now();
+    client.reset();
+    const auto took = std::chrono::steady_clock::now() - start;
+    INFO("destroying the fabric took " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                                       << " ms");
+    CHECK(took < 500ms);  // the helper stopped (within ~50 ms), not after connect_timeout
+    io.restart();
+    io.run_for(2s);
+    REQUIRE(got.has_value());
+    CHECK(*got == std::errc::operation_canceled);
+  }
+  {
+    // An io_context destroyed right after its fabric: the helper, stopped
+    // and joined by the fabric, posts nothing to it later (ASan checks).
+    auto io2 = std::make_unique<asio::io_context>();
+    ad::connection_options quick;
+    quick.connect_timeout = 300ms;
+    auto client = std::make_unique<ad::fabric>(*io2, test_options(quick));
+    int calls = 0;
+    client->async_connect(where, [&](ad::error_code, ad::connection) { ++calls; });
+    io2->run_for(50ms);
+    client.reset();
+    io2.reset();  // the handler (operation_canceled, posted) is destroyed unrun
+    std::this_thread::sleep_for(600ms);  // past connect_timeout: an unstopped helper would post now
+    CHECK(calls == 0);
+  }
+}
+
+TEST_CASE("accept: an attempt nobody accepts is refused after the handshake timeout; a closed acceptor refuses",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options quick;
+  quick.handshake_timeout = 300ms;
+  ad::fabric server(io, test_options(quick));
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  const std::string where = addr(acc);
+  // Nobody calls async_accept: the client is refused (too_many_connections)
+  // after about the server's handshake timeout, not after its own 10 s.
+  std::optional<ad::error_code> first;
+  const auto start = std::chrono::steady_clock::now();
+  client.async_connect(where, [&](ad::error_code ec, ad::connection) { first = ec; });
+  run_to_completion(io, 20s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  REQUIRE(first.has_value());
+  CHECK(*first == ad::errc::too_many_connections);
+  INFO("refused after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+  CHECK(took < 3s);
+  CHECK(server.stats().refused == 1);
+  // Accepting again: the next attempt gets through.
+  std::optional<ad::error_code> accepted, connected;
+  ad::connection a, c;
+  acc.async_accept([&](ad::error_code ec, ad::connection conn) {
+    accepted = ec;
+    a = std::move(conn);
+  });
+  client.async_connect(where, [&](ad::error_code ec, ad::connection conn) {
+    connected = ec;
+    c = std::move(conn);
+  });
+  while (!(accepted && connected)) REQUIRE(io.run_one_for(10s) > 0);
+  CHECK_FALSE(*accepted);
+  CHECK_FALSE(*connected);
+  a = ad::connection{};
+  c = ad::connection{};
+  // Closed: the listening socket goes within ~100 ms; a connect is refused
+  // at once (connection_refused), not left waiting.
+  acc.close();
+  std::this_thread::sleep_for(300ms);
+  std::optional<ad::error_code> late;
+  const auto late_start = std::chrono::steady_clock::now();
+  client.async_connect(where, [&](ad::error_code ec, ad::connection) { late = ec; });
+  run_to_completion(io, 20s);
+  REQUIRE(late.has_value());
+  CHECK(*late == ad::errc::connection_refused);
+  CHECK(std::chrono::steady_clock::now() - late_start < 2s);
+  CHECK(acc.port() != 0);  // still answers, from the value kept at listen
 }

@@ -12,7 +12,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 
 using namespace anydoor::test;
 using namespace anydoor::transport::tcp;
@@ -550,4 +552,79 @@ TEST_CASE("tcp provider: thousands of reads in flight both ways complete (reads 
   REQUIRE(cb.size() == 1);
   CHECK(ca[0].status == tp::wc_status::success);
   CHECK(cb[0].status == tp::wc_status::success);
+}
+
+TEST_CASE("tcp provider: a completion queue overflow leaves alone a queue pair another thread is connecting",
+          "[unit][tcp]") {
+  // b's queue holds 4 completions; qp c (on b's queue) is being connected
+  // by a helper thread while b's consumer overflows the queue. The queue
+  // pair belongs to the helper until it goes live: the overflow must not
+  // move it to error under the helper (ThreadSanitizer checks the race;
+  // without the check the helper's connect fails with invalid_state).
+  connected_pair p({}, 4096, 4);
+  std::vector<char> src(8, 'o'), dst(8 * 8);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  std::vector<tp::sge> rsg;
+  for (std::size_t i = 0; i < 8; ++i) rsg.push_back(dmr->slice(i * 8, 8));
+  std::vector<tp::recv_request> rr;
+  for (std::size_t i = 0; i < 8; ++i) rr.push_back({.wr_id = i, .sg_list = {&rsg[i], 1}});
+  REQUIRE_FALSE(p.b.qp->post_recv(rr));
+
+  endpoint far;
+  far.qp = far.pd->create_qp(far.attrs());
+  auto c = p.b.pd->create_qp(p.b.attrs({.max_send_wr = 1, .max_recv_wr = 1}));
+  auto lis = far.dev->listen("127.0.0.1", 0);
+  std::mutex m;
+  std::condition_variable cv;
+  bool requested = false, overflowed = false;
+  std::error_code accept_ec;
+  std::thread acceptor([&] {
+    std::error_code ec;
+    auto req = lis->get_request(5s, ec);
+    {
+      std::unique_lock lock(m);
+      requested = true;
+      cv.notify_all();
+      // The helper waits for the answer while b's queue overflows.
+      cv.wait_for(lock, 5s, [&] { return overflowed; });
+    }
+    accept_ec = req ? req->accept(*far.qp, {}) : ec;
+  });
+  tp::connect_result r;
+  std::thread helper([&] { r = p.b.dev->connect(*c, "127.0.0.1", lis->port(), {}, 5s); });
+  {
+    std::unique_lock lock(m);
+    REQUIRE(cv.wait_for(lock, 5s, [&] { return requested; }));
+  }
+  tp::sge ssg = smr->slice(0, 8);
+  std::vector<tp::work_request> wrs;
+  for (std::uint64_t i = 0; i < 8; ++i) wrs.push_back(send_wr(i, {&ssg, 1}));
+  REQUIRE_FALSE(p.a.qp->post_send(wrs));
+  std::this_thread::sleep_for(50ms);  // every message reaches b before it polls
+  std::error_code ec;
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (!ec && std::chrono::steady_clock::now() < deadline) {
+    tp::completion one[1];
+    p.b.cq->poll(one, ec);
+  }
+  CHECK(ec == anydoor::errc::cq_overflow);
+  {
+    std::lock_guard lock(m);
+    overflowed = true;
+  }
+  cv.notify_all();
+  // b's consumer keeps polling while the helper finishes its connect.
+  const auto until = std::chrono::steady_clock::now() + 200ms;
+  std::size_t more_seen = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    tp::completion more[4];
+    more_seen += p.b.cq->poll(more, ec);
+  }
+  CHECK(more_seen == 0);
+  helper.join();
+  acceptor.join();
+  CHECK_FALSE(accept_ec);
+  CHECK_FALSE(r.ec);
+  CHECK(p.b.qp->state() == tp::qp_state::error);
 }

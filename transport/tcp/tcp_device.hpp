@@ -17,9 +17,10 @@ class tcp_device final : public device {
   std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
   std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
                                    const listen_options& options) override;
+  using device::connect;
   connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
-                         std::span<const std::byte> private_data,
-                         std::chrono::milliseconds timeout) noexcept override;
+                         std::span<const std::byte> private_data, std::chrono::milliseconds timeout,
+                         std::stop_token stop) noexcept override;
 
  private:
   static capabilities make_caps() noexcept;

@@ -297,8 +297,24 @@ int remaining_ms(clock::time_point deadline) {
   return left < 0 ? 0 : static_cast<int>(std::min<long long>(left, 1 << 30));
 }
 
+// Waits until fd is ready for `events`, the deadline passes (timed_out) or
+// a stop is requested (operation_canceled, seen within kStopSlice).
+constexpr int kStopSlice = 50;  // ms
+std::error_code wait_fd(int fd, short events, clock::time_point deadline, const std::stop_token& stop) {
+  for (;;) {
+    if (stop.stop_requested()) return std::make_error_code(std::errc::operation_canceled);
+    const int left = remaining_ms(deadline);
+    if (left == 0) return errc::timed_out;
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, stop.stop_possible() ? std::min(left, kStopSlice) : left);
+    if (r > 0) return {};
+    if (r < 0 && errno != EINTR) return {errno, std::system_category()};
+  }
+}
+
 // Blocking-with-deadline I/O for the handshake (setup path only).
-std::error_code io_all(int fd, std::byte* data, std::size_t len, bool write, clock::time_point deadline) {
+std::error_code io_all(int fd, std::byte* data, std::size_t len, bool write, clock::time_point deadline,
+                       const std::stop_token& stop = {}) {
   std::size_t done = 0;
   while (done < len) {
     const ssize_t n = write ? ::send(fd, data + done, len - done, MSG_NOSIGNAL | MSG_DONTWAIT)
@@ -310,10 +326,7 @@ std::error_code io_all(int fd, std::byte* data, std::size_t len, bool write, clo
     if (n == 0) return errc::connection_closed;  // the peer closed during the handshake
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) return {errno, std::system_category()};
-    pollfd p{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
-    const int r = ::poll(&p, 1, remaining_ms(deadline));
-    if (r == 0) return errc::timed_out;
-    if (r < 0 && errno != EINTR) return {errno, std::system_category()};
+    if (auto ec = wait_fd(fd, write ? POLLOUT : POLLIN, deadline, stop)) return ec;
   }
   return {};
 }
@@ -327,22 +340,23 @@ void tune_socket(int fd) {
 }
 
 std::error_code send_handshake(int fd, const handshake& h, std::span<const std::byte> pdata,
-                               clock::time_point deadline) {
+                               clock::time_point deadline, const std::stop_token& stop = {}) {
   std::array<std::byte, kHandshakeSize + kMaxPrivateData> msg{};
   encode(h, std::span<std::byte, kHandshakeSize>(msg.data(), kHandshakeSize));
   std::copy(pdata.begin(), pdata.end(), msg.begin() + kHandshakeSize);
-  return io_all(fd, msg.data(), kHandshakeSize + pdata.size(), true, deadline);
+  return io_all(fd, msg.data(), kHandshakeSize + pdata.size(), true, deadline, stop);
 }
 
-std::error_code recv_handshake(int fd, handshake& h, std::vector<std::byte>& pdata, clock::time_point deadline) {
+std::error_code recv_handshake(int fd, handshake& h, std::vector<std::byte>& pdata, clock::time_point deadline,
+                               const std::stop_token& stop = {}) {
   std::array<std::byte, kHandshakeSize> head{};
-  if (auto ec = io_all(fd, head.data(), head.size(), false, deadline)) return ec;
+  if (auto ec = io_all(fd, head.data(), head.size(), false, deadline, stop)) return ec;
   if (const auto err = decode(head, h); err != handshake_error::none) {
     log().warn("tcp handshake: {} (peer version {}, ours {})", to_string(err), h.version, kWireVersion);
     return err == handshake_error::bad_version ? errc::version_mismatch : errc::protocol_error;
   }
   pdata.resize(h.private_data_len);
-  return io_all(fd, pdata.data(), pdata.size(), false, deadline);
+  return io_all(fd, pdata.data(), pdata.size(), false, deadline, stop);
 }
 
 class tcp_request final : public connection_request {
@@ -356,7 +370,8 @@ class tcp_request final : public connection_request {
 
   // Sends the accept reply (a fresh socket's buffer takes it at once) and
   // adopts the socket: nothing here waits for the peer.
-  std::error_code accept(queue_pair& qp, std::span<const std::byte> pdata) noexcept override {
+  std::error_code accept(queue_pair& qp, std::span<const std::byte> pdata,
+                         std::stop_token stop) noexcept override {
     auto* tqp = dynamic_cast<tcp_qp*>(&qp);
     if (tqp == nullptr) return errc::invalid_argument;
     if (fd_ < 0 || !tqp->can_connect()) return errc::invalid_state;
@@ -366,7 +381,7 @@ class tcp_request final : public connection_request {
                     .qp_num = tqp->qp_num(),
                     .max_send_wr = tqp->attributes().max_send_wr,
                     .max_recv_wr = tqp->attributes().max_recv_wr};
-    if (auto ec = send_handshake(fd_, reply, pdata, clock::now() + timeout_)) return ec;
+    if (auto ec = send_handshake(fd_, reply, pdata, clock::now() + timeout_, stop)) return ec;
     const int fd = fd_;
     fd_ = -1;
     return tqp->attach_socket(fd, hello_.max_send_wr);
@@ -634,8 +649,8 @@ std::unique_ptr<listener> tcp_device::listen(const std::string& host, std::uint1
 }
 
 connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std::uint16_t port,
-                                   std::span<const std::byte> pdata,
-                                   std::chrono::milliseconds timeout) noexcept {
+                                   std::span<const std::byte> pdata, std::chrono::milliseconds timeout,
+                                   std::stop_token stop) noexcept {
   connect_result result;
   auto* tqp = dynamic_cast<tcp_qp*>(&qp);
   if (tqp == nullptr || pdata.size() > kMaxPrivateData) {
@@ -646,20 +661,26 @@ connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std:
     result.ec = errc::invalid_state;
     return result;
   }
+  if (stop.stop_requested()) {
+    result.ec = std::make_error_code(std::errc::operation_canceled);
+    return result;
+  }
   const auto deadline = clock::now() + timeout;
   addrinfo* res = resolve(host, port, false, result.ec);
   if (res == nullptr) return result;
   int fd = -1;
   result.ec = errc::connection_refused;
-  for (addrinfo* ai = res; ai != nullptr && fd < 0; ai = ai->ai_next) {
+  for (addrinfo* ai = res; ai != nullptr && fd < 0 && !stop.stop_requested(); ai = ai->ai_next) {
     fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
     int err = 0;
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
       err = errno;
       if (err == EINPROGRESS) {
-        pollfd p{fd, POLLOUT, 0};
-        if (::poll(&p, 1, remaining_ms(deadline)) == 0) {
+        const std::error_code w = wait_fd(fd, POLLOUT, deadline, stop);
+        if (w == std::errc::operation_canceled) {
+          err = ECANCELED;
+        } else if (w == errc::timed_out) {
           err = ETIMEDOUT;
         } else {
           socklen_t len = sizeof err;
@@ -670,12 +691,14 @@ connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std:
     if (err != 0) {
       result.ec = err == ECONNREFUSED ? std::error_code(errc::connection_refused)
                   : err == ETIMEDOUT  ? std::error_code(errc::timed_out)
+                  : err == ECANCELED  ? std::make_error_code(std::errc::operation_canceled)
                                       : std::error_code(err, std::system_category());
       ::close(fd);
       fd = -1;
     }
   }
   ::freeaddrinfo(res);
+  if (fd < 0 && stop.stop_requested()) result.ec = std::make_error_code(std::errc::operation_canceled);
   if (fd < 0) {
     log().warn("tcp: connect to {}:{} failed: {}", host, port, result.ec.message());
     return result;
@@ -686,9 +709,9 @@ connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std:
                   .qp_num = tqp->qp_num(),
                   .max_send_wr = tqp->attributes().max_send_wr,
                   .max_recv_wr = tqp->attributes().max_recv_wr};
-  result.ec = send_handshake(fd, hello, pdata, deadline);
+  result.ec = send_handshake(fd, hello, pdata, deadline, stop);
   handshake reply{};
-  if (!result.ec) result.ec = recv_handshake(fd, reply, result.private_data, deadline);
+  if (!result.ec) result.ec = recv_handshake(fd, reply, result.private_data, deadline, stop);
   if (!result.ec && reply.kind == handshake_kind::reject) result.ec = errc::connection_rejected;
   if (!result.ec && reply.kind != handshake_kind::accept) result.ec = errc::protocol_error;
   if (result.ec) {

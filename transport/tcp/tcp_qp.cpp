@@ -262,6 +262,10 @@ void tcp_qp::protocol_error(std::string_view why) noexcept {
 }
 
 void tcp_qp::on_cq_overflow() noexcept {
+  // A queue pair not yet live belongs to the thread connecting it (which
+  // may be writing its state now): it is never driven by this overflowed
+  // queue, and the consumer tears everything down on cq_overflow anyway.
+  if (!wants_progress()) return;
   close_when_flushed_ = false;
   enter_error(wc_status::work_request_flushed);
 }
@@ -669,10 +673,16 @@ void tcp_qp::flush_acks() noexcept {
   check_fatal();
 }
 
-void tcp_qp::on_events(std::uint32_t /*events*/) noexcept { progress(); }
+// The socket is watched just before the queue pair goes live (see
+// attach_socket): an event in between is for a queue pair that still
+// belongs to the connecting thread (its signal() after going live wakes the
+// consumer again).
+void tcp_qp::on_events(std::uint32_t /*events*/) noexcept {
+  if (wants_progress()) progress();
+}
 
 void tcp_qp::on_timer(std::chrono::steady_clock::time_point now) noexcept {
-  if (!rnr_waiting_) return;
+  if (!wants_progress() || !rnr_waiting_) return;
   if (now < rnr_until_) {
     static_cast<tcp_cq*>(attr_.send_cq)->schedule(rnr_until_);
     return;

@@ -95,15 +95,18 @@ qp_state from_ibv(ibv_qp_state s) {
   }
 }
 
-// Waits for the next event on a private cm channel.
-std::error_code next_event(rdma_event_channel* ch, clock::time_point deadline, rdma_cm_event** ev) {
+// Waits for the next event on a private cm channel, until the deadline
+// (timed_out) or a stop request (operation_canceled, seen within 50 ms).
+std::error_code next_event(rdma_event_channel* ch, clock::time_point deadline, rdma_cm_event** ev,
+                           const std::stop_token& stop = {}) {
   for (;;) {
     if (rdma_get_cm_event(ch, ev) == 0) return {};
     if (errno != EAGAIN && errno != EWOULDBLOCK) return {errno, std::system_category()};
+    if (stop.stop_requested()) return std::make_error_code(std::errc::operation_canceled);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
     if (left <= 0) return errc::timed_out;
     pollfd p{ch->fd, POLLIN, 0};
-    ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
+    ::poll(&p, 1, static_cast<int>(std::min<long long>(left, stop.stop_possible() ? 50 : 1 << 30)));
   }
 }
 
@@ -745,7 +748,8 @@ class verbs_request final : public connection_request {
   }
   std::span<const std::byte> private_data() const noexcept override { return pdata_; }
 
-  std::error_code accept(queue_pair& qp, std::span<const std::byte> pdata) noexcept override {
+  std::error_code accept(queue_pair& qp, std::span<const std::byte> pdata,
+                         std::stop_token stop) noexcept override {
     auto* vqp = dynamic_cast<verbs_qp*>(&qp);
     if (vqp == nullptr || pdata.size() > kMaxUserPrivateData) return errc::invalid_argument;
     if (id_ == nullptr || !vqp->can_connect()) return errc::invalid_state;
@@ -776,7 +780,7 @@ class verbs_request final : public connection_request {
     if (rdma_accept(id_, &p) != 0) return fail(ch, {errno, std::system_category()});
     rdma_cm_event* ev = nullptr;
     // The peer's establishment, within the listener's handshake timeout.
-    if (auto ec = next_event(ch, clock::now() + timeout_, &ev)) return fail(ch, ec);
+    if (auto ec = next_event(ch, clock::now() + timeout_, &ev, stop)) return fail(ch, ec);
     const rdma_cm_event_type type = ev->event;
     rdma_ack_cm_event(ev);
     if (type != RDMA_CM_EVENT_ESTABLISHED) {
@@ -894,7 +898,8 @@ std::unique_ptr<listener> verbs_device::listen(const std::string& host, std::uin
 }
 
 connect_result verbs_device::connect(queue_pair& qp, const std::string& host, std::uint16_t port,
-                                     std::span<const std::byte> pdata, std::chrono::milliseconds timeout) noexcept {
+                                     std::span<const std::byte> pdata, std::chrono::milliseconds timeout,
+                                     std::stop_token stop) noexcept {
   connect_result result;
   auto* vqp = dynamic_cast<verbs_qp*>(&qp);
   if (vqp == nullptr || pdata.size() > kMaxUserPrivateData) {
@@ -903,6 +908,10 @@ connect_result verbs_device::connect(queue_pair& qp, const std::string& host, st
   }
   if (!vqp->can_connect()) {
     result.ec = errc::invalid_state;
+    return result;
+  }
+  if (stop.stop_requested()) {
+    result.ec = std::make_error_code(std::errc::operation_canceled);
     return result;
   }
   const auto deadline = clock::now() + timeout;
@@ -920,7 +929,7 @@ connect_result verbs_device::connect(queue_pair& qp, const std::string& host, st
   };
   auto expect = [&](rdma_cm_event_type want, std::error_code on_other, const char* what) -> std::error_code {
     rdma_cm_event* ev = nullptr;
-    if (auto ec = next_event(ch, deadline, &ev)) return ec;
+    if (auto ec = next_event(ch, deadline, &ev, stop)) return ec;
     const rdma_cm_event_type got = ev->event;
     std::error_code ec;
     if (got != want) {

@@ -10,7 +10,9 @@
 // completion queues are being polled, provided nothing else uses that queue
 // pair until the call returns: the provider publishes the connected queue pair
 // to its completion queues safely. Create queue pairs and post their first
-// receives on the completion queue's thread.
+// receives on the completion queue's thread. A blocking setup call given a
+// std::stop_token returns within about 50 ms of a stop request, with
+// std::errc::operation_canceled, leaving the queue pair unconnected.
 #pragma once
 
 #include <anydoor/transport/types.hpp>
@@ -20,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -138,7 +141,11 @@ class connection_request {
   virtual ~connection_request() = default;
   virtual std::span<const std::byte> private_data() const noexcept = 0;
   // Connects qp (state reset or init) to the requester and moves it to rts.
-  virtual std::error_code accept(queue_pair& qp, std::span<const std::byte> private_data) noexcept = 0;
+  virtual std::error_code accept(queue_pair& qp, std::span<const std::byte> private_data,
+                                 std::stop_token stop) noexcept = 0;
+  std::error_code accept(queue_pair& qp, std::span<const std::byte> private_data) noexcept {
+    return accept(qp, private_data, std::stop_token{});
+  }
   // Refuses the request; the requester's connect fails with connection_rejected.
   virtual void reject(std::span<const std::byte> private_data) noexcept = 0;
 };
@@ -191,8 +198,12 @@ class device {
 
   // Connects qp (state reset or init) to a listener and moves it to rts.
   virtual connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
-                                 std::span<const std::byte> private_data,
-                                 std::chrono::milliseconds timeout) noexcept = 0;
+                                 std::span<const std::byte> private_data, std::chrono::milliseconds timeout,
+                                 std::stop_token stop) noexcept = 0;
+  connect_result connect(queue_pair& qp, const std::string& host, std::uint16_t port,
+                         std::span<const std::byte> private_data, std::chrono::milliseconds timeout) noexcept {
+    return connect(qp, host, port, private_data, timeout, std::stop_token{});
+  }
 };
 
 struct device_options {
