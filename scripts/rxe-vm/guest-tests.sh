@@ -5,6 +5,7 @@
 # comparison. Exit code: the number of failed suites.
 set -u
 IP=10.0.2.15
+IP2=10.0.3.15  # a second address (and so a second RoCE v2 GID) for the GID tests
 fail=0
 suite() {  # suite NAME CMD...
   local name=$1; shift
@@ -15,11 +16,11 @@ suite() {  # suite NAME CMD...
   [ $rc -eq 0 ] || fail=$((fail + 1))
 }
 modprobe -a rdma_rxe ib_uverbs rdma_ucm || { echo "cannot load rdma_rxe"; exit 100; }
-ip addr add $IP/24 dev eth0 && ip link set eth0 up
+ip addr add $IP/24 dev eth0 && ip addr add $IP2/24 dev eth0 && ip link set eth0 up
 rdma link add rxe0 type rxe netdev eth0 || { echo "cannot create rxe0"; exit 101; }
 ulimit -l unlimited
 rdma link show
-export ANYDOOR_TEST_HOST=$IP ANYDOOR_TEST_PROVIDER=verbs ANYDOOR_LOG=$(cat log-level 2>/dev/null || echo warn)
+export ANYDOOR_TEST_HOST=$IP ANYDOOR_TEST_HOST2=$IP2 ANYDOOR_TEST_PROVIDER=verbs ANYDOOR_LOG=$(cat log-level 2>/dev/null || echo warn)
 filter=$(cat filter 2>/dev/null)
 # --warn NoTests: a spec that matches nothing fails instead of passing.
 suite verbs-tests bin/anydoor-verbs-tests --warn NoTests ${filter:+"$filter"}

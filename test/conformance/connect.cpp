@@ -103,3 +103,24 @@ TEST_CASE("a stop request ends a connect that waits for its peer: operation_canc
   early.request_stop();
   CHECK(e.dev->connect(*qp2, test_host(), lis->port(), {}, 5s, early.get_token()).ec == std::errc::operation_canceled);
 }
+
+TEST_CASE("a connected queue pair's path names both ends: one side's source is the other's destination",
+          "[conformance]") {
+  connected_pair p;
+  const tp::path_info a = p.a.qp->path(), b = p.b.qp->path();
+  const std::array<std::uint8_t, 16> zero{};
+  CHECK(a.sgid != zero);
+  CHECK(a.dgid != zero);
+  CHECK(a.sgid == b.dgid);
+  CHECK(a.dgid == b.sgid);
+  if (testing_tcp()) {
+    CHECK(a.sgid_index == -1);  // no GIDs: the socket's addresses
+    // the test host is IPv4: ::ffff:a.b.c.d
+    CHECK(a.sgid[10] == 0xff);
+    CHECK(a.sgid[11] == 0xff);
+  } else {
+    CHECK(a.sgid_index >= 0);  // RoCE (iWARP has no GRH: not in its gated list)
+  }
+  one_qp fresh;
+  CHECK(fresh.qp->path().sgid == zero);
+}

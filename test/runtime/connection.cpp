@@ -480,6 +480,12 @@ TEST_CASE("credits: a flood against a slow receiver waits for credits, never cau
   failure f;
   std::uint32_t received = 0;
   ad::connection_stats server_stats, client_stats;
+  // The devices' own counters (verbs: the NIC's, which the connection
+  // stats cannot see; they must be readable there, or this check is empty).
+  const auto server0 = server.device().counters(), client0 = client.device().counters();
+  INFO("device counters: " << server0.source);
+  REQUIRE(server0.rnr_naks_sent.has_value());
+  REQUIRE(client0.rnr_naks_received.has_value());
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
     asio::steady_timer t(io, std::chrono::milliseconds(100));  // let the sender run out of credits
@@ -514,6 +520,8 @@ TEST_CASE("credits: a flood against a slow receiver waits for credits, never cau
   CHECK(client_stats.credit_stalls > 0);
   CHECK(client_stats.rnr_naks == 0);
   CHECK(server_stats.rnr_naks == 0);
+  CHECK(*server.device().counters().rnr_naks_sent == *server0.rnr_naks_sent);
+  CHECK(*client.device().counters().rnr_naks_received == *client0.rnr_naks_received);
   CHECK(server_stats.credit_messages > 0);  // the receiver returned credits while it had nothing to send
 }
 
@@ -1390,7 +1398,7 @@ TEST_CASE("a fabric destroyed while a connect waits for its peer ends the attemp
   }
 }
 
-TEST_CASE("accept: an attempt nobody accepts is refused after the handshake timeout; a closed acceptor refuses",
+TEST_CASE("accept: an attempt nobody accepts is refused after the handshake timeout, and a closed acceptor refuses",
           "[runtime]") {
   asio::io_context io;
   ad::connection_options quick;

@@ -5,6 +5,14 @@
 
 #include <anydoor/error.hpp>
 
+#include <arpa/inet.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
 using namespace anydoor::test;
 using tp::access;
 
@@ -66,22 +74,58 @@ TEST_CASE("verbs: an unreachable address is address_error or timed_out", "[verbs
   }
 }
 
-TEST_CASE("verbs: ANYDOOR_GID_INDEX chooses the GID connections leave from", "[verbs]") {
-  struct env_guard {
-    explicit env_guard(const char* v) { ::setenv("ANYDOOR_GID_INDEX", v, 1); }
-    ~env_guard() { ::unsetenv("ANYDOOR_GID_INDEX"); }
-  };
-  {
-    env_guard g("999");
-    try {
-      open_verbs();
-      FAIL("opened a device with a GID index that does not exist");
-    } catch (const std::system_error& e) {
-      CHECK(e.code() == anydoor::errc::invalid_argument);
-    }
+namespace {
+
+struct gid_env {
+  explicit gid_env(const std::string& v) { ::setenv("ANYDOOR_GID_INDEX", v.c_str(), 1); }
+  ~gid_env() { ::unsetenv("ANYDOOR_GID_INDEX"); }
+};
+
+// The GID table of the device's port 1 from sysfs: index -> (gid text, type).
+struct gid_row {
+  int index;
+  std::string gid;   // "0000:0000:0000:0000:0000:ffff:0a00:020f"
+  std::string type;  // "RoCE v2", "IB/RoCE v1"
+};
+std::vector<gid_row> gid_table(std::string_view dev) {
+  std::vector<gid_row> rows;
+  const std::string base = "/sys/class/infiniband/" + std::string(dev) + "/ports/1/";
+  for (int i = 0; i < 256; ++i) {
+    std::ifstream g(base + "gids/" + std::to_string(i)), t(base + "gid_attrs/types/" + std::to_string(i));
+    std::string gid, type;
+    if (!g || !std::getline(g, gid)) break;
+    if (!t || !std::getline(t, type)) type.clear();  // unused entries have no type (EINVAL)
+    if (gid != "0000:0000:0000:0000:0000:0000:0000:0000") rows.push_back({i, gid, type});
   }
-  env_guard g(std::getenv("ANYDOOR_TEST_GID_INDEX") != nullptr ? std::getenv("ANYDOOR_TEST_GID_INDEX") : "1");
-  connected_pair p;  // both ends opened with the chosen GID: the connection works through it
+  return rows;
+}
+// ::ffff:a.b.c.d as sysfs writes it.
+std::string gid_text(const std::string& ipv4) {
+  in_addr a{};
+  REQUIRE(::inet_pton(AF_INET, ipv4.c_str(), &a) == 1);
+  const auto* b = reinterpret_cast<const unsigned char*>(&a);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x", b[0], b[1], b[2], b[3]);
+  return buf;
+}
+std::string gid_text(const std::array<std::uint8_t, 16>& g) {
+  std::string s;
+  char buf[8];
+  for (int i = 0; i < 16; i += 2) {
+    std::snprintf(buf, sizeof buf, "%s%02x%02x", i == 0 ? "" : ":", g[static_cast<std::size_t>(i)],
+                  g[static_cast<std::size_t>(i) + 1]);
+    s += buf;
+  }
+  return s;
+}
+int index_of(const std::vector<gid_row>& rows, const std::string& gid, const std::string& type) {
+  for (const gid_row& r : rows) {
+    if (r.gid == gid && r.type == type) return r.index;
+  }
+  return -1;
+}
+
+void write_once(connected_pair& p) {
   std::uint64_t src = 7, dst = 0;
   auto smr = p.a.pd->register_memory(&src, 8, access::none);
   auto dmr = p.b.pd->register_memory(&dst, 8, access::local_write | access::remote_write);
@@ -91,4 +135,67 @@ TEST_CASE("verbs: ANYDOOR_GID_INDEX chooses the GID connections leave from", "[v
   REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
   CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
   CHECK(dst == 7);
+}
+
+}  // namespace
+
+TEST_CASE("verbs: by default a connection uses the RoCE v2 GID of its source address", "[verbs]") {
+  auto dev = open_verbs();
+  const auto rows = gid_table(dev->name());
+  const int expected = index_of(rows, gid_text(test_host()), "RoCE v2");
+  INFO("the RoCE v2 GID of " << test_host() << " on " << dev->name());
+  REQUIRE(expected >= 0);
+  connected_pair p;
+  write_once(p);
+  const tp::path_info a = p.a.qp->path();
+  CHECK(a.sgid_index == expected);  // the route's source is the test host's own address
+  CHECK(gid_text(a.sgid) == gid_text(test_host()));
+  CHECK(gid_text(a.dgid) == gid_text(test_host()));
+}
+
+TEST_CASE("verbs: ANYDOOR_GID_INDEX chooses the GID connections leave from", "[verbs]") {
+  auto dev = open_verbs();
+  const auto rows = gid_table(dev->name());
+  {
+    gid_env g("999");
+    try {
+      open_verbs();
+      FAIL("opened a device with a GID index that does not exist");
+    } catch (const std::system_error& e) {
+      CHECK(e.code() == anydoor::errc::invalid_argument);
+    }
+  }
+  // A GID without an IPv4 address (the link-local IPv6 one) cannot be
+  // forced through rdma_cm: refused, never ignored.
+  int v6 = -1;
+  for (const gid_row& r : rows) {
+    if (r.gid.rfind("fe80:", 0) == 0) v6 = r.index;
+  }
+  INFO("the link-local GID of " << dev->name());
+  REQUIRE(v6 >= 0);
+  {
+    gid_env g(std::to_string(v6));
+    try {
+      open_verbs();
+      FAIL("opened a device with a forced GID that has no IPv4 address");
+    } catch (const std::system_error& e) {
+      CHECK(e.code() == anydoor::errc::invalid_argument);
+    }
+  }
+  // The second address of the netdev (ANYDOOR_TEST_HOST2, added by the VM
+  // script): forcing its GID makes the client leave from it, although the
+  // route to the test host would pick the first.
+  const char* host2 = std::getenv("ANYDOOR_TEST_HOST2");
+  REQUIRE(host2 != nullptr);
+  const int second = index_of(rows, gid_text(host2), "RoCE v2");
+  INFO("the RoCE v2 GID of " << host2);
+  REQUIRE(second >= 0);
+  gid_env g(std::to_string(second));
+  connected_pair p;  // both ends opened with the chosen GID: the server listens on the test host
+  write_once(p);
+  const tp::path_info a = p.a.qp->path(), b = p.b.qp->path();
+  CHECK(a.sgid_index == second);
+  CHECK(gid_text(a.sgid) == gid_text(host2));
+  CHECK(gid_text(b.dgid) == gid_text(host2));  // the server sees the client at the second address
+  CHECK(gid_text(b.sgid) == gid_text(test_host()));
 }

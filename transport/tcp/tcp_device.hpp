@@ -3,6 +3,9 @@
 
 #include <anydoor/transport/provider.hpp>
 
+#include "tcp/tcp_provider.hpp"
+
+#include <memory>
 #include <string>
 
 namespace anydoor::transport::tcp {
@@ -13,6 +16,7 @@ class tcp_device final : public device {
   std::string_view provider() const noexcept override { return "tcp"; }
   std::string_view name() const noexcept override { return name_; }
   const capabilities& caps() const noexcept override { return caps_; }
+  device_counters counters() const override;
   std::unique_ptr<protection_domain> alloc_pd() override;
   std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
   std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
@@ -26,6 +30,7 @@ class tcp_device final : public device {
   static capabilities make_caps() noexcept;
   std::string name_;
   capabilities caps_;
+  std::shared_ptr<rnr_totals> totals_ = std::make_shared<rnr_totals>();
 };
 
 }  // namespace anydoor::transport::tcp

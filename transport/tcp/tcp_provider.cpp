@@ -129,7 +129,7 @@ std::unique_ptr<memory_region> tcp_pd::register_memory(void* addr, std::size_t l
 }
 
 std::unique_ptr<queue_pair> tcp_pd::create_qp(const qp_attributes& attr) {
-  return std::make_unique<tcp_qp>(*table_, attr);
+  return std::make_unique<tcp_qp>(*table_, attr, totals_);
 }
 
 // ---------------------------------------------------------------- completion queue
@@ -604,7 +604,14 @@ capabilities tcp_device::make_caps() noexcept {
   return c;
 }
 
-std::unique_ptr<protection_domain> tcp_device::alloc_pd() { return std::make_unique<tcp_pd>(); }
+std::unique_ptr<protection_domain> tcp_device::alloc_pd() { return std::make_unique<tcp_pd>(totals_); }
+
+device_counters tcp_device::counters() const {
+  return {.rnr_naks_sent = totals_->sent.load(std::memory_order_relaxed),
+          .rnr_naks_received = totals_->received.load(std::memory_order_relaxed),
+          .rnr_retry_exceeded = totals_->retry_exceeded.load(std::memory_order_relaxed),
+          .source = "tcp provider (the device's queue pairs)"};
+}
 
 std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth) {
   if (depth == 0 || depth > caps_.max_cqe) {

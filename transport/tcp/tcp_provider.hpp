@@ -86,16 +86,26 @@ class tcp_mr final : public memory_region {
   std::shared_ptr<registration_table> table_;
 };
 
+// A device's RNR counters, summed over its queue pairs (any thread).
+struct rnr_totals {
+  std::atomic<std::uint64_t> sent{0};
+  std::atomic<std::uint64_t> received{0};
+  std::atomic<std::uint64_t> retry_exceeded{0};
+};
+
 class tcp_pd final : public protection_domain {
  public:
-  tcp_pd() = default;
+  explicit tcp_pd(std::shared_ptr<rnr_totals> totals = std::make_shared<rnr_totals>())
+      : totals_(std::move(totals)) {}
   // Deterministic keys (see registration_table); for fuzzing only.
-  explicit tcp_pd(std::uint32_t generation) : table_(std::make_shared<registration_table>(generation)) {}
+  explicit tcp_pd(std::uint32_t generation)
+      : table_(std::make_shared<registration_table>(generation)), totals_(std::make_shared<rnr_totals>()) {}
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
 
  private:
   std::shared_ptr<registration_table> table_ = std::make_shared<registration_table>();
+  std::shared_ptr<rnr_totals> totals_;
 };
 
 class tcp_cq final : public completion_queue {
@@ -148,7 +158,8 @@ class tcp_cq final : public completion_queue {
 // A queue pair. See tcp_qp.cpp for the engine.
 class tcp_qp final : public queue_pair {
  public:
-  tcp_qp(const registration_table& table, const qp_attributes& attr);
+  tcp_qp(const registration_table& table, const qp_attributes& attr,
+         std::shared_ptr<rnr_totals> totals = std::make_shared<rnr_totals>());
   ~tcp_qp() override;
 
   std::uint32_t qp_num() const noexcept override { return qpn_; }
@@ -158,6 +169,7 @@ class tcp_qp final : public queue_pair {
   std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
   const qp_attributes& attributes() const noexcept override { return attr_; }
   qp_counters counters() const noexcept override { return counters_; }
+  path_info path() const noexcept override { return path_; }
 
   // Connection manager: adopt a connected socket; moves the QP to rts.
   std::error_code attach_socket(int fd, std::uint32_t peer_max_send_wr) noexcept;
@@ -279,6 +291,8 @@ class tcp_qp final : public queue_pair {
   std::atomic<bool> live_{false};
   bool close_when_flushed_ = false;
   qp_counters counters_;
+  std::shared_ptr<rnr_totals> totals_;  // the device's
+  path_info path_;                      // the socket's addresses, from attach_socket
 
   // send queue: [head_, ack_) acknowledged but not yet retired (unsignaled),
   // [ack_, tx_) sent, [tx_, tail_) posted; indices grow without wrapping.

@@ -19,6 +19,7 @@
 #include "contract_checks.hpp"
 #include "log.hpp"
 
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/epoll.h>
 #include <unistd.h>
@@ -33,6 +34,28 @@ namespace anydoor::transport::tcp {
 namespace {
 
 std::atomic<std::uint32_t> g_next_qpn{1};
+
+// A socket address as a 16-byte GID-like value (IPv4 mapped to ::ffff:0:0/96).
+std::array<std::uint8_t, 16> as_gid(const sockaddr_storage& a) noexcept {
+  std::array<std::uint8_t, 16> g{};
+  if (a.ss_family == AF_INET) {
+    g[10] = g[11] = 0xff;
+    std::memcpy(g.data() + 12, &reinterpret_cast<const sockaddr_in&>(a).sin_addr, 4);
+  } else if (a.ss_family == AF_INET6) {
+    std::memcpy(g.data(), &reinterpret_cast<const sockaddr_in6&>(a).sin6_addr, 16);
+  }
+  return g;
+}
+
+path_info socket_path(int fd) noexcept {
+  path_info p;
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) p.sgid = as_gid(a);
+  len = sizeof a;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) p.dgid = as_gid(a);
+  return p;
+}
 constexpr std::size_t kRxBufferSize = 64 * 1024;
 constexpr std::size_t kDirectReadMin = 16 * 1024;
 constexpr int kMaxFramesPerProgress = 256;
@@ -78,8 +101,8 @@ void check_attr(const qp_attributes& a) {
 
 }  // namespace
 
-tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr)
-    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)) {
+tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::shared_ptr<rnr_totals> totals)
+    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)), totals_(std::move(totals)) {
   check_attr(attr_);
   sq_.resize(attr_.max_send_wr);
   sq_sges_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
@@ -160,6 +183,7 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
     return errc::invalid_state;
   }
   fd_ = fd;
+  path_ = socket_path(fd);
   // Each request of the peer yields at most one response; the ring bounds
   // what a peer can make us hold (the handshake checked the value too).
   resp_.assign(std::min<std::size_t>(std::max<std::uint32_t>(peer_max_send_wr, 1), kMaxResponseSlots) * 2 + 8,
@@ -942,6 +966,7 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
 // requests after it are dropped until the requester sends it again.
 bool tcp_qp::rnr_nak(std::uint32_t psn) noexcept {
   ++counters_.rnr_naks_sent;
+  totals_->sent.fetch_add(1, std::memory_order_relaxed);
   rnr_discard_ = true;
   nak(psn, nak_code::rnr, false);
   return true;
@@ -1081,8 +1106,10 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
       const auto code = static_cast<nak_code>(h.imm);
       if (code == nak_code::rnr) {
         ++counters_.rnr_naks_received;
+        totals_->received.fetch_add(1, std::memory_order_relaxed);
         if (attr_.rnr_retry != 7) {
           if (rnr_left_ == 0) {
+            totals_->retry_exceeded.fetch_add(1, std::memory_order_relaxed);
             log().warn("qp {}: receiver not ready, {} retries exhausted", qpn_, attr_.rnr_retry);
             close_when_flushed_ = false;
             enter_error(wc_status::rnr_retry_exceeded);

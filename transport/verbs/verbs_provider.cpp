@@ -14,8 +14,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <system_error>
 
 namespace anydoor::transport::verbs {
@@ -223,9 +225,12 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         c.max_private_data = kMaxUserPrivateData;
         c.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
         c.gpu_memory = false;
-        // GID: RoCE v2 with an IPv4-mapped address preferred; ANYDOOR_GID_INDEX
-        // chooses one, and connections then leave from its address (rdma_cm
-        // picks the GID from the source address).
+        // GID: rdma_cm picks the source GID of a connection from its source
+        // address (the route's, or the forced GID's), of the port's default
+        // RoCE type (v2 on rxe and current mlx5 kernels). The first RoCE v2
+        // GID with an IPv4 address is logged as the expected one;
+        // ANYDOOR_GID_INDEX forces a GID: connections then leave from its
+        // IPv4 address, and a GID without one cannot be forced (refused).
         auto ipv4_of = [](const ibv_gid& g) -> std::uint32_t {
           const bool v4 = std::all_of(g.raw, g.raw + 10, [](std::uint8_t b) { return b == 0; }) &&
                           g.raw[10] == 0xff && g.raw[11] == 0xff;
@@ -241,6 +246,12 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
               ibv_query_gid_ex(ctx, port, static_cast<std::uint32_t>(gi), &e, 0) != 0) {
             throw std::system_error(errc::invalid_argument, "ANYDOOR_GID_INDEX=" + std::string(g) + ": no such GID on " +
                                                                 name + " port " + std::to_string(port));
+          }
+          if (ipv4_of(e.gid) == 0) {
+            throw std::system_error(errc::invalid_argument,
+                                    "ANYDOOR_GID_INDEX=" + std::string(g) + ": GID " + std::to_string(gi) + " of " +
+                                        name + " has no IPv4 address, and rdma_cm selects a GID only through "
+                                        "the connection's source address");
           }
           state_->gid_index = static_cast<int>(gi);
           state_->gid_forced = true;
@@ -281,8 +292,52 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
   }
   if (cq != nullptr) ibv_destroy_cq(cq);
   if (pd != nullptr) ibv_dealloc_pd(pd);
-  log().info("verbs: opened {} port {} (GID index {}, max_inline {}, atomics {})", state_->name, state_->port,
-             state_->gid_index, state_->caps.max_inline, state_->caps.atomics ? "yes" : "no");
+  log().info("verbs: opened {} port {} ({} GID index {}, max_inline {}, atomics {})", state_->name, state_->port,
+             state_->gid_forced ? "forced" : "first RoCE v2 IPv4", state_->gid_index, state_->caps.max_inline,
+             state_->caps.atomics ? "yes" : "no");
+}
+
+// RNR counters from the port's sysfs hw_counters, under the names each
+// driver gives them (rxe; mlx5: out_of_buffer counts receives that found no
+// WQE, which on RC are the RNR NAKs sent; mana). A counter no known name
+// has stays empty.
+device_counters verbs_device::counters() const {
+  struct name_set {
+    const char* sent;
+    const char* received;
+    const char* exceeded;
+  };
+  static constexpr name_set kNames[] = {
+      {"send_rnr_err", "rcvd_rnr_err", "retry_rnr_exceeded_err"},                         // rxe
+      {"out_of_buffer", nullptr, "rnr_nak_retry_err"},                                    // mlx5
+      {"responder_rnr_nak", "requester_rnr_nak", "requester_rnr_nak_retries_exceeded"},  // mana
+  };
+  device_counters c;
+  const std::string base = "/sys/class/infiniband/" + state_->name;
+  const std::string dirs[] = {base + "/ports/" + std::to_string(state_->port) + "/hw_counters", base + "/hw_counters"};
+  auto read = [](const std::string& path) -> std::optional<std::uint64_t> {
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) return std::nullopt;
+    unsigned long long v = 0;
+    const bool ok = std::fscanf(f, "%llu", &v) == 1;
+    std::fclose(f);
+    return ok ? std::optional<std::uint64_t>(v) : std::nullopt;
+  };
+  for (const std::string& dir : dirs) {
+    for (const name_set& n : kNames) {
+      auto sent = n.sent != nullptr ? read(dir + "/" + n.sent) : std::nullopt;
+      auto received = n.received != nullptr ? read(dir + "/" + n.received) : std::nullopt;
+      auto exceeded = n.exceeded != nullptr ? read(dir + "/" + n.exceeded) : std::nullopt;
+      if (!sent && !received && !exceeded) continue;
+      c.rnr_naks_sent = sent;
+      c.rnr_naks_received = received;
+      c.rnr_retry_exceeded = exceeded;
+      c.source = dir;
+      return c;
+    }
+  }
+  c.source = "no RNR counters under " + dirs[0] + " or " + dirs[1];
+  return c;
 }
 
 std::unique_ptr<protection_domain> verbs_device::alloc_pd() { return std::make_unique<verbs_pd>(state_); }
@@ -601,6 +656,21 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
   posted_state_ = from_ibv(target);
   log().debug("qp {}: -> {}", qp_num(), to_string(posted_state_));
   return {};
+}
+
+path_info verbs_qp::path() const noexcept {
+  path_info p;
+  // Before rdma_cm connected it, the address vector is whatever the
+  // device left there (not zeros on rxe).
+  if (cm_channel_.load(std::memory_order_acquire) == nullptr) return p;
+  ibv_qp_attr a{};
+  ibv_qp_init_attr init{};
+  if (ibv_query_qp(qp_, &a, IBV_QP_AV, &init) != 0 || a.ah_attr.is_global == 0) return p;
+  p.sgid_index = a.ah_attr.grh.sgid_index;
+  std::memcpy(p.dgid.data(), a.ah_attr.grh.dgid.raw, 16);
+  ibv_gid g{};
+  if (ibv_query_gid(dev_->ctx, dev_->port, p.sgid_index, &g) == 0) std::memcpy(p.sgid.data(), g.raw, 16);
+  return p;
 }
 
 void verbs_qp::adopt(rdma_cm_id* id, rdma_event_channel* channel) noexcept {
@@ -958,7 +1028,12 @@ connect_result verbs_device::connect(queue_pair& qp, const std::string& host, st
   set_nonblocking(ch->fd);
   sockaddr_in gid_src{};
   sockaddr* src = res->ai_src_addr;
-  if (state_->gid_forced && state_->gid_ipv4 != 0 && res->ai_dst_addr->sa_family == AF_INET) {
+  if (state_->gid_forced) {
+    if (res->ai_dst_addr->sa_family != AF_INET) {
+      rdma_freeaddrinfo(res);
+      return fail(errc::address_error, "address resolution (ANYDOOR_GID_INDEX forces an IPv4 source GID; "
+                                       "the destination is not IPv4)");
+    }
     gid_src.sin_family = AF_INET;
     gid_src.sin_addr.s_addr = state_->gid_ipv4;
     src = reinterpret_cast<sockaddr*>(&gid_src);

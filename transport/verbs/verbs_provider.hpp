@@ -33,9 +33,11 @@ struct device_state {
   ibv_context* ctx = nullptr;  // owned by rdma_cm (rdma_get_devices)
   ibv_context** cm_list = nullptr;
   std::uint8_t port = 1;
+  // The first RoCE v2 GID with an IPv4 address (logged), or the one
+  // ANYDOOR_GID_INDEX forces: connections then leave from its address.
   int gid_index = -1;
-  bool gid_forced = false;        // ANYDOOR_GID_INDEX chose it
-  std::uint32_t gid_ipv4 = 0;     // the GID's IPv4 address (network order), 0 if none
+  bool gid_forced = false;
+  std::uint32_t gid_ipv4 = 0;     // the GID's IPv4 address (network order)
   bool iwarp = false;  // iWARP (siw, ...): the CM itself moves QPs to RTR/RTS
   std::string name;
   capabilities caps;
@@ -52,6 +54,7 @@ class verbs_device final : public device {
   std::string_view provider() const noexcept override { return "verbs"; }
   std::string_view name() const noexcept override { return state_->name; }
   const capabilities& caps() const noexcept override { return state_->caps; }
+  device_counters counters() const override;
   std::unique_ptr<protection_domain> alloc_pd() override;
   std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
   std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
@@ -141,6 +144,7 @@ class verbs_qp final : public queue_pair {
   std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
   const qp_attributes& attributes() const noexcept override { return attr_; }
   qp_counters counters() const noexcept override { return counters_; }
+  path_info path() const noexcept override;
 
   // Connection manager.
   ibv_context* context() const noexcept { return dev_->ctx; }

@@ -119,6 +119,9 @@ class queue_pair {
 
   virtual const qp_attributes& attributes() const noexcept = 0;
   virtual qp_counters counters() const noexcept = 0;
+  // The path a connected queue pair uses (the GIDs on verbs); zeros before
+  // it is connected.
+  virtual path_info path() const noexcept = 0;
 };
 
 // A protection domain (ibv_pd): registrations and queue pairs live in one.
@@ -187,6 +190,9 @@ class device {
   virtual std::string_view provider() const noexcept = 0;
   virtual std::string_view name() const noexcept = 0;
   virtual const capabilities& caps() const noexcept = 0;
+
+  // The device's counters (reads sysfs on verbs: not for the data path).
+  virtual device_counters counters() const = 0;
 
   virtual std::unique_ptr<protection_domain> alloc_pd() = 0;
   // Throws std::system_error when depth is 0 or above caps().max_cqe.

@@ -2,9 +2,12 @@
 // anything ibv_post_send / ibv_poll_cq can express, these can.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <system_error>
 
@@ -153,7 +156,8 @@ struct qp_attributes {
   std::uint32_t min_rnr_timer_us = 100;   // wait before resending after an RNR NAK
 };
 
-// Counters a provider keeps per queue pair.
+// Counters a provider keeps per queue pair (verbs keeps only the first
+// three: the NIC counts RNR NAKs per port, see device_counters).
 struct qp_counters {
   std::uint64_t send_wrs = 0;        // work requests accepted by post_send
   std::uint64_t recv_wrs = 0;        // work requests accepted by post_recv
@@ -165,6 +169,24 @@ struct qp_counters {
   std::uint64_t rx_syscalls = 0;     // provider-specific (tcp: recv calls)
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
+};
+
+// A device's own counters since it came up (verbs: the port's sysfs
+// hw_counters; tcp: every queue pair of the device summed). A counter the
+// device does not keep is empty: callers that must see one check it.
+struct device_counters {
+  std::optional<std::uint64_t> rnr_naks_sent;       // responder: a send found no receive posted
+  std::optional<std::uint64_t> rnr_naks_received;   // requester: the peer had no receive posted
+  std::optional<std::uint64_t> rnr_retry_exceeded;  // requester: rnr_retry ran out (the request failed)
+  std::string source;  // where they were read (a sysfs directory), or why there are none
+};
+
+// Where a connected queue pair's traffic goes (ibv_query_qp's address
+// vector; for logs and tools).
+struct path_info {
+  int sgid_index = -1;                  // verbs: the source GID's index; -1: none (tcp, iWARP)
+  std::array<std::uint8_t, 16> sgid{};  // verbs: source and destination GIDs;
+  std::array<std::uint8_t, 16> dgid{};  // tcp: the socket's addresses (IPv4 as ::ffff:a.b.c.d)
 };
 
 struct cq_counters {
