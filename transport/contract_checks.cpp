@@ -44,4 +44,10 @@ void check_registration(const void* addr, std::size_t length, access acc) {
   }
 }
 
+void check_listen(const listen_options& options) {
+  if (options.handshake_timeout.count() <= 0 || options.max_pending == 0) {
+    throw std::system_error(errc::invalid_argument, "listen: handshake_timeout and max_pending must be positive");
+  }
+}
+
 }  // namespace anydoor::transport

@@ -2,11 +2,14 @@
 // provider so that they refuse exactly the same requests.
 #pragma once
 
+#include <anydoor/error.hpp>
+#include <anydoor/transport/provider.hpp>
 #include <anydoor/transport/types.hpp>
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <stop_token>
 #include <system_error>
 
 namespace anydoor::transport {
@@ -45,5 +48,27 @@ std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_
                            std::uint64_t outstanding, std::size_t* bad) noexcept;
 // register_memory's checks; throws std::system_error(errc::invalid_argument).
 void check_registration(const void* addr, std::size_t length, access acc);
+// listen's checks on its options; throws std::system_error(errc::invalid_argument).
+void check_listen(const listen_options& options);
+
+// device::connect's checks, before any I/O: the queue pair is the
+// provider's own (QP) and can connect, the private data fits, no stop was
+// requested. The provider's queue pair, or nullptr with ec set
+// (invalid_argument, invalid_state, operation_canceled: the first that fails).
+template <class QP>
+QP* check_connect(queue_pair& qp, std::span<const std::byte> private_data, std::size_t max_private_data,
+                  const std::stop_token& stop, std::error_code& ec) noexcept {
+  auto* own = dynamic_cast<QP*>(&qp);
+  if (own == nullptr || private_data.size() > max_private_data) {
+    ec = errc::invalid_argument;
+  } else if (!own->can_connect()) {
+    ec = errc::invalid_state;
+  } else if (stop.stop_requested()) {
+    ec = std::make_error_code(std::errc::operation_canceled);
+  } else {
+    return own;
+  }
+  return nullptr;
+}
 
 }  // namespace anydoor::transport

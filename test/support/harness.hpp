@@ -150,4 +150,38 @@ inline tp::work_request send_wr(std::uint64_t id, std::span<const tp::sge> sg, b
   return {.wr_id = id, .op = tp::opcode::send, .sg_list = sg, .signaled = signaled};
 }
 
+// A connected pair set up to overflow the receiver's completion queue: b's
+// queue holds 4 completions and b has 8 receives posted. overflow() sends 8
+// messages from a and polls b's queue one completion at a time until it
+// reports an error, which it returns (cq_overflow when the queue overflowed).
+struct overflow_pair : connected_pair {
+  std::vector<char> src = std::vector<char>(8, 'o');
+  std::vector<char> dst = std::vector<char>(8 * 8);
+  std::unique_ptr<tp::memory_region> smr = a.pd->register_memory(src.data(), src.size(), tp::access::none);
+  std::unique_ptr<tp::memory_region> dmr = b.pd->register_memory(dst.data(), dst.size(), tp::access::local_write);
+
+  overflow_pair() : connected_pair({}, 4096, 4) {
+    std::vector<tp::sge> rsg;
+    for (std::size_t i = 0; i < 8; ++i) rsg.push_back(dmr->slice(i * 8, 8));
+    std::vector<tp::recv_request> rr;
+    for (std::size_t i = 0; i < 8; ++i) rr.push_back({.wr_id = i, .sg_list = {&rsg[i], 1}});
+    REQUIRE_FALSE(b.qp->post_recv(rr));
+  }
+
+  std::error_code overflow() {
+    tp::sge ssg = smr->slice(0, 8);
+    std::vector<tp::work_request> wrs;
+    for (std::uint64_t i = 0; i < 8; ++i) wrs.push_back(send_wr(i, {&ssg, 1}));
+    REQUIRE_FALSE(a.qp->post_send(wrs));
+    std::this_thread::sleep_for(50ms);  // every message reaches b before it polls
+    std::error_code ec;
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (!ec && std::chrono::steady_clock::now() < deadline) {
+      tp::completion one[1];
+      b.cq->poll(one, ec);
+    }
+    return ec;
+  }
+};
+
 }  // namespace anydoor::test

@@ -155,7 +155,8 @@ class tcp_cq final : public completion_queue {
   cq_counters counters_;
 };
 
-// A queue pair. See tcp_qp.cpp for the engine.
+// A queue pair. See tcp_qp.cpp for the engine (tcp_qp_tx.cpp and
+// tcp_qp_rx.cpp hold its transmitter and receiver).
 class tcp_qp final : public queue_pair {
  public:
   tcp_qp(const registration_table& table, const qp_attributes& attr,
@@ -275,6 +276,7 @@ class tcp_qp final : public queue_pair {
   void peer_gone(std::string_view why) noexcept;
   void enter_error(wc_status head_status) noexcept;
   void close_socket() noexcept;
+  void reset_stream() noexcept;
   void push_send(const completion& c) noexcept;
   void push_recv(const completion& c) noexcept;
   sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[(idx % attr_.max_send_wr) * attr_.max_send_sge]; }

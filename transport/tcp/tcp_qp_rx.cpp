@@ -1,0 +1,535 @@
+// The tcp queue pair's receiver and progress: frames parsed, requests
+// checked and executed, responses matched to the oldest outstanding request.
+#include "tcp/tcp_provider.hpp"
+#include "tcp/tcp_qp_parts.hpp"
+
+#include "log.hpp"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+namespace anydoor::transport::tcp {
+using namespace detail;
+namespace {
+
+constexpr std::size_t kDirectReadMin = 16 * 1024;
+constexpr int kMaxFramesPerProgress = 256;
+// What one progress pass of a queue pair in error reads and drops.
+constexpr std::size_t kMaxDiscardPerPass = 4 * kRxBufferSize;
+
+bool psn_le(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(b - a) >= 0; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- receive
+
+void tcp_qp::progress() noexcept {
+  if (!wants_progress()) return;
+  flush();
+  receive();
+  // A lone ACK waits for company: it leaves with the next request posted
+  // (one segment instead of two in request/reply traffic), or at the start
+  // of the next progress pass, or when the completion queue is armed — and
+  // at once if it already is: a consumer that armed and then drained (the
+  // arm-then-drain rule) sleeps after this pass, and one-sided requests
+  // produce no completion here to wake it.
+  const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
+  if (!only_ack_pending() || (cq != nullptr && cq->armed())) flush();
+  check_fatal();
+  check_local_error();
+}
+
+bool tcp_qp::only_ack_pending() const noexcept {
+  return iov_pos_ == iov_count_ && sq_tx_ == sq_tail_ && resp_tail_ - resp_queued_ == 1 &&
+         resp_[(resp_tail_ - 1) % resp_.size()].h.type == frame_type::ack;
+}
+
+void tcp_qp::flush_acks() noexcept {
+  if (!wants_progress() || resp_queued_ == resp_tail_) return;
+  flush();
+  check_fatal();
+}
+
+// The socket is watched just before the queue pair goes live (see
+// attach_socket): an event in between is for a queue pair that still
+// belongs to the connecting thread (its signal() after going live wakes the
+// consumer again).
+void tcp_qp::on_events(std::uint32_t /*events*/) noexcept {
+  if (wants_progress()) progress();
+}
+
+void tcp_qp::on_timer(std::chrono::steady_clock::time_point now) noexcept {
+  if (!wants_progress() || !rnr_waiting_) return;
+  if (now < rnr_until_) {
+    static_cast<tcp_cq*>(attr_.send_cq)->schedule(rnr_until_);
+    return;
+  }
+  rnr_waiting_ = false;
+  flush();
+  check_fatal();
+}
+
+// In error, with a NAK still to send: whatever the peer sends is dropped, so
+// that a level-triggered notify fd does not stay readable.
+// At most kMaxDiscardPerPass bytes per pass: a peer that keeps sending
+// cannot hold the completion queue's thread here.
+void tcp_qp::discard_input() noexcept {
+  for (std::size_t dropped = 0; dropped < kMaxDiscardPerPass;) {
+    const ssize_t n = ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+    ++counters_.rx_syscalls;
+    if (n > 0) {
+      dropped += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) close_socket();
+    return;
+  }
+}
+
+void tcp_qp::receive() noexcept {
+  if (state_ == qp_state::error) {
+    if (fd_ >= 0) discard_input();
+    return;
+  }
+  // A NAK that ends a poisoned read is on its way: the queue pair goes to
+  // error once it is out, so no later request may execute meanwhile.
+  for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;) {
+    if (phase_ == rx_phase::header) {
+      if (rx_end_ - rx_begin_ < kHeaderSize) {
+        if (rx_begin_ > 0) {
+          std::memmove(rx_buf_.data(), rx_buf_.data() + rx_begin_, rx_end_ - rx_begin_);
+          rx_end_ -= rx_begin_;
+          rx_begin_ = 0;
+        }
+        const ssize_t n = ::recv(fd_, rx_buf_.data() + rx_end_, rx_buf_.size() - rx_end_, MSG_DONTWAIT);
+        ++counters_.rx_syscalls;
+        if (n > 0) {
+          rx_end_ += static_cast<std::size_t>(n);
+          counters_.bytes_received += static_cast<std::uint64_t>(n);
+          continue;
+        }
+        if (n == 0) peer_gone("peer closed the connection");
+        else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) peer_gone(std::strerror(errno));
+        return;
+      }
+      // A request needs room for its response; wait for the transmitter to drain.
+      if (resp_tail_ - resp_head_ >= resp_.size()) {
+        // Only a peer over its read/atomic limit gets here: stop reading
+        // (and watching) the socket until responses drain.
+        if (!rx_paused_) {
+          rx_paused_ = true;
+          update_interest();
+        }
+        return;
+      }
+      const decode_error err =
+          decode(std::span<const std::byte, kHeaderSize>(rx_buf_.data() + rx_begin_, kHeaderSize), cur_);
+      if (err != decode_error::none) {
+        protocol_error(to_string(err));
+        return;
+      }
+      rx_begin_ += kHeaderSize;
+      ++frames;
+      seg_count_ = seg_index_ = 0;
+      payload_left_ = cur_.length;
+      after_ = after_payload::none;
+      payload_lost_ = false;
+      const bool ok = is_request(cur_.type) ? handle_request(cur_) : handle_response(cur_);
+      if (!ok || fd_ < 0 || state_ == qp_state::error) return;
+      if (payload_left_ == 0) {
+        finish_payload();
+        continue;
+      }
+      phase_ = rx_phase::payload;
+    }
+    // payload: staging buffer first, then straight from the socket when
+    // large; each piece pins its destination while it moves
+    while (payload_left_ > 0) {
+      segment* s = seg_index_ < seg_count_ ? &seg_[seg_index_] : nullptr;
+      const std::uint64_t want = s != nullptr ? std::min(s->len, payload_left_) : payload_left_;
+      std::size_t got = 0;
+      if (rx_begin_ < rx_end_) {
+        got = static_cast<std::size_t>(std::min<std::uint64_t>(want, rx_end_ - rx_begin_));
+        if (s != nullptr && s->key != 0) {
+          if (std::byte* p = table_.pin(s->key, s->addr, got, s->need)) {
+            std::memcpy(p, rx_buf_.data() + rx_begin_, got);
+            table_.unpin(s->key);
+          } else {
+            lose_payload();
+          }
+        }
+        rx_begin_ += got;
+      } else {
+        rx_begin_ = rx_end_ = 0;
+        std::byte* direct = nullptr;
+        if (s != nullptr && s->key != 0 && want >= kDirectReadMin) {
+          direct = table_.pin(s->key, s->addr, want, s->need);
+          if (direct == nullptr) lose_payload();
+        }
+        const ssize_t n = direct != nullptr ? ::recv(fd_, direct, static_cast<std::size_t>(want), MSG_DONTWAIT)
+                                            : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+        if (direct != nullptr) table_.unpin(s->key);
+        ++counters_.rx_syscalls;
+        if (n <= 0) {
+          if (n == 0) peer_gone("peer closed the connection");
+          else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) peer_gone(std::strerror(errno));
+          return;
+        }
+        counters_.bytes_received += static_cast<std::uint64_t>(n);
+        if (direct == nullptr) {
+          rx_end_ = static_cast<std::size_t>(n);
+          continue;
+        }
+        got = static_cast<std::size_t>(n);
+      }
+      payload_left_ -= got;
+      if (s != nullptr) {
+        s->addr += got;
+        s->len -= got;
+        if (s->len == 0) ++seg_index_;
+      }
+    }
+    phase_ = rx_phase::header;
+    finish_payload();
+  }
+}
+
+// A destination was deregistered while its payload arrived: the rest of
+// the payload is read and dropped, and finish_payload fails the frame.
+void tcp_qp::lose_payload() noexcept {
+  if (!payload_lost_) log().warn("qp {}: the destination of an arriving payload was deregistered", qpn_);
+  payload_lost_ = true;
+  for (std::size_t i = seg_index_; i < seg_count_; ++i) seg_[i].key = 0;
+}
+
+bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
+  rnr = false;
+  if (rq_head_ == rq_tail_) {
+    rnr = true;
+    return false;
+  }
+  const std::uint64_t idx = rq_head_++;
+  const rq_entry& r = rq_[idx % attr_.max_recv_wr];
+  const sge* sges = rq_sges_of(idx);
+  std::uint64_t room = 0;
+  for (std::uint32_t i = 0; i < r.num_sge; ++i) room += sges[i].length;
+  if (length > room) {
+    push_recv({.wr_id = r.wr_id, .status = wc_status::local_length_error, .opcode = wc_opcode::recv,
+               .qp_num = qpn_});
+    log().warn("qp {}: {}-byte message does not fit the {}-byte receive buffer", qpn_, length, room);
+    nak(cur_.psn, nak_code::invalid_request, true);
+    return false;
+  }
+  std::uint64_t left = length;
+  for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
+    const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
+    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write) == nullptr) {
+      push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
+                 .qp_num = qpn_});
+      nak(cur_.psn, nak_code::remote_operation, true);
+      return false;
+    }
+    seg_[seg_count_++] = {sges[i].lkey, access::local_write, sges[i].addr, n};
+    left -= n;
+  }
+  recv_wr_id_ = r.wr_id;
+  return true;
+}
+
+bool tcp_qp::handle_request(const frame_header& h) noexcept {
+  auto discard = [this] {
+    seg_count_ = seg_index_ = 0;
+    after_ = after_payload::none;
+    return true;
+  };
+  if (h.psn != expected_psn_) {
+    if (rnr_discard_) return discard();  // go-back-N after an RNR NAK
+    protocol_error("request sequence " + std::to_string(h.psn) + ", expected " + std::to_string(expected_psn_));
+    return false;
+  }
+  rnr_discard_ = false;
+  const bool imm = (h.flags & kFlagImm) != 0;
+  bool rnr = false;
+  // take_recv failed: with no receive posted, an RNR NAK (and the frame is
+  // dropped); otherwise it has queued a fatal NAK already.
+  auto no_recv = [&] { return rnr && rnr_nak(h.psn) && discard(); };
+  switch (h.type) {
+    case frame_type::send:
+      if (!take_recv(h.length, rnr)) return no_recv();
+      after_ = after_payload::recv_done;
+      break;
+    case frame_type::write: {
+      if (h.length != 0 && table_.check(h.rkey, h.remote_addr, h.length, access::remote_write) == nullptr) {
+        nak(h.psn, nak_code::remote_access, true);
+        return false;
+      }
+      if (imm && !take_recv(0, rnr)) return no_recv();
+      seg_count_ = 0;
+      if (h.length != 0) seg_[seg_count_++] = {h.rkey, access::remote_write, h.remote_addr, h.length};
+      after_ = imm ? after_payload::write_imm_done : after_payload::ack_only;
+      break;
+    }
+    case frame_type::read_request:
+      if (h.read_length != 0 &&
+          table_.check(h.rkey, h.remote_addr, h.read_length, access::remote_read) == nullptr) {
+        nak(h.psn, nak_code::remote_access, true);
+        return false;
+      }
+      queue_read_response(h);
+      break;
+    case frame_type::fetch_add:
+    case frame_type::compare_swap: {
+      if (h.remote_addr % 8 != 0) {
+        nak(h.psn, nak_code::invalid_request, true);
+        return false;
+      }
+      std::byte* p = table_.pin(h.rkey, h.remote_addr, 8, access::remote_atomic);
+      if (p == nullptr) {
+        nak(h.psn, nak_code::remote_access, true);
+        return false;
+      }
+      std::atomic_ref<std::uint64_t> word(*reinterpret_cast<std::uint64_t*>(p));
+      std::uint64_t old;
+      if (h.type == frame_type::fetch_add) {
+        old = word.fetch_add(h.compare_add, std::memory_order_acq_rel);
+      } else {
+        old = h.compare_add;
+        word.compare_exchange_strong(old, h.swap, std::memory_order_acq_rel);
+      }
+      table_.unpin(h.rkey);
+      frame_header r;
+      r.type = frame_type::atomic_response;
+      r.psn = h.psn;
+      r.compare_add = old;
+      queue_response(r);
+      break;
+    }
+    default:
+      protocol_error("response type on the request path");
+      return false;
+  }
+  ++expected_psn_;
+  return true;
+}
+
+// No receive for a send (or a write with immediate): an RNR NAK, and the
+// requests after it are dropped until the requester sends it again.
+bool tcp_qp::rnr_nak(std::uint32_t psn) noexcept {
+  ++counters_.rnr_naks_sent;
+  totals_->sent.fetch_add(1, std::memory_order_relaxed);
+  rnr_discard_ = true;
+  nak(psn, nak_code::rnr, false);
+  return true;
+}
+
+void tcp_qp::finish_payload() noexcept {
+  const after_payload after = std::exchange(after_, after_payload::none);
+  if (payload_lost_) {
+    // A destination was deregistered while the payload arrived.
+    payload_lost_ = false;
+    switch (after) {
+      case after_payload::none: return;
+      case after_payload::recv_done:
+        push_recv({.wr_id = recv_wr_id_, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
+                   .qp_num = qpn_});
+        nak(cur_.psn, nak_code::remote_operation, true);
+        return;
+      case after_payload::write_imm_done:
+        push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
+                   .opcode = wc_opcode::recv_rdma_with_imm, .qp_num = qpn_});
+        nak(cur_.psn, nak_code::remote_access, true);
+        return;
+      case after_payload::ack_only:
+        nak(cur_.psn, nak_code::remote_access, true);
+        return;
+      case after_payload::read_fragment:
+      case after_payload::read_done:
+        log().warn("qp {}: the destination of read {} was deregistered", qpn_, cur_.psn);
+        close_when_flushed_ = false;
+        enter_error(wc_status::local_protection_error);
+        return;
+    }
+    return;
+  }
+  switch (after) {
+    case after_payload::none:
+      return;
+    case after_payload::recv_done:
+    case after_payload::write_imm_done: {
+      const bool imm = (cur_.flags & kFlagImm) != 0;
+      push_recv({.wr_id = recv_wr_id_, .status = wc_status::success,
+                 .opcode = after == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
+                 .byte_len = cur_.length, .imm = imm ? cur_.imm : 0, .has_imm = imm, .qp_num = qpn_});
+      [[fallthrough]];
+    }
+    case after_payload::ack_only: {
+      frame_header a;
+      a.type = frame_type::ack;
+      a.psn = cur_.psn;
+      queue_response(a);
+      break;
+    }
+    case after_payload::read_fragment:
+      break;
+    case after_payload::read_done:
+      complete_head(wc_status::success, static_cast<std::uint32_t>(rd_done_));
+      break;
+  }
+}
+
+void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
+  if (status != wc_status::success) {
+    enter_error(status);
+    return;
+  }
+  const std::uint64_t idx = sq_ack_++;
+  const sq_entry& e = sq_[idx % attr_.max_send_wr];
+  rd_done_ = rd_off_ = 0;
+  rd_sge_ = 0;
+  if (needs_response(e.wr.op)) --rd_atomic_out_;
+  if (e.wr.signaled) {
+    push_send({.wr_id = e.wr.wr_id, .status = wc_status::success, .opcode = completion_opcode(e.wr.op),
+               .byte_len = byte_len, .qp_num = qpn_});
+    sq_head_ = sq_ack_;  // retires the unsignaled requests before it too
+  }
+  rnr_left_ = attr_.rnr_retry;  // progress resets the RNR retry budget
+}
+
+void tcp_qp::check_local_error() noexcept {
+  if (tx_blocked_ && sq_ack_ == sq_tx_ && state_ == qp_state::rts) {
+    const wc_status s = sq_[sq_ack_ % attr_.max_send_wr].local_error;
+    log().warn("qp {}: work request {} failed locally: {}", qpn_, sq_[sq_ack_ % attr_.max_send_wr].wr.wr_id,
+               to_string(s));
+    close_when_flushed_ = false;
+    enter_error(s);
+  }
+}
+
+// Where the next `bytes` of the head read go: its scatter list from the
+// read cursor on. Moves the cursor.
+bool tcp_qp::read_segments(const sq_entry& head, std::uint64_t bytes) noexcept {
+  seg_count_ = seg_index_ = 0;
+  while (bytes > 0) {
+    if (rd_sge_ >= head.wr.sg_list.size() || seg_count_ == seg_.size()) return false;
+    const sge& s = head.wr.sg_list[rd_sge_];
+    const std::uint64_t take = std::min<std::uint64_t>(s.length - rd_off_, bytes);
+    if (take > 0) seg_[seg_count_++] = {s.lkey, access::local_write, s.addr + rd_off_, take};
+    bytes -= take;
+    rd_off_ += take;
+    rd_done_ += take;
+    if (rd_off_ == s.length) {
+      ++rd_sge_;
+      rd_off_ = 0;
+    }
+  }
+  return true;
+}
+
+bool tcp_qp::handle_response(const frame_header& h) noexcept {
+  if (sq_ack_ == sq_tx_) {
+    protocol_error("response with no request outstanding");
+    return false;
+  }
+  sq_entry& head = sq_[sq_ack_ % attr_.max_send_wr];
+  switch (h.type) {
+    case frame_type::ack: {
+      const std::uint64_t count = std::uint64_t{h.psn - head.psn} + 1;
+      if (!psn_le(head.psn, h.psn) || count > sq_tx_ - sq_ack_) {
+        protocol_error("ACK for a request never sent");
+        return false;
+      }
+      for (std::uint64_t k = 0; k < count; ++k) {
+        const sq_entry& e = sq_[sq_ack_ % attr_.max_send_wr];
+        if (e.wr.op == opcode::read || is_atomic(e.wr.op)) {
+          protocol_error("ACK in place of a read or atomic response");
+          return false;
+        }
+        complete_head(wc_status::success, 0);
+      }
+      return true;
+    }
+    case frame_type::nak: {
+      if (h.psn != head.psn) {
+        protocol_error("NAK for a request that is not the oldest outstanding");
+        return false;
+      }
+      const auto code = static_cast<nak_code>(h.imm);
+      if (code == nak_code::rnr) {
+        ++counters_.rnr_naks_received;
+        totals_->received.fetch_add(1, std::memory_order_relaxed);
+        if (attr_.rnr_retry != 7) {
+          if (rnr_left_ == 0) {
+            totals_->retry_exceeded.fetch_add(1, std::memory_order_relaxed);
+            log().warn("qp {}: receiver not ready, {} retries exhausted", qpn_, attr_.rnr_retry);
+            close_when_flushed_ = false;
+            enter_error(wc_status::rnr_retry_exceeded);
+            return false;
+          }
+          --rnr_left_;
+        }
+        rnr_waiting_ = true;
+        rnr_until_ = std::chrono::steady_clock::now() + std::chrono::microseconds(attr_.min_rnr_timer_us);
+        static_cast<tcp_cq*>(attr_.send_cq)->schedule(rnr_until_);
+        rewind_to_ = sq_ack_;
+        rewind_pending_ = true;
+        return true;
+      }
+      wc_status status;
+      switch (code) {
+        case nak_code::remote_access: status = wc_status::remote_access_error; break;
+        case nak_code::invalid_request: status = wc_status::remote_invalid_request; break;
+        case nak_code::remote_operation: status = wc_status::remote_operation_error; break;
+        default:
+          protocol_error("NAK with an unknown code");
+          return false;
+      }
+      log().warn("qp {}: work request {} failed at the peer: {}", qpn_, head.wr.wr_id, to_string(status));
+      close_when_flushed_ = false;
+      enter_error(status);
+      return false;
+    }
+    case frame_type::read_response: {
+      // Fragments in order (offset = bytes already placed), then the last frame.
+      const bool last = (h.flags & kFlagLast) != 0;
+      if (head.wr.op != opcode::read || h.psn != head.psn || h.remote_addr != rd_done_ ||
+          h.length > head.length - rd_done_ || (last && rd_done_ + h.length != head.length)) {
+        protocol_error("read response does not match the oldest outstanding request");
+        return false;
+      }
+      if (!read_segments(head, h.length)) {
+        protocol_error("read response larger than the read's buffers");
+        return false;
+      }
+      after_ = last ? after_payload::read_done : after_payload::read_fragment;
+      return true;
+    }
+    case frame_type::atomic_response: {
+      if (!is_atomic(head.wr.op) || h.psn != head.psn) {
+        protocol_error("atomic response does not match the oldest outstanding request");
+        return false;
+      }
+      const sge& dst = head.wr.sg_list[0];
+      std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write);
+      if (p == nullptr) {
+        log().warn("qp {}: the destination of atomic {} was deregistered", qpn_, h.psn);
+        close_when_flushed_ = false;
+        enter_error(wc_status::local_protection_error);
+        return false;
+      }
+      std::memcpy(p, &h.compare_add, 8);
+      table_.unpin(dst.lkey);
+      complete_head(wc_status::success, 8);
+      return true;
+    }
+    default:
+      protocol_error("request type on the response path");
+      return false;
+  }
+}
+
+}  // namespace anydoor::transport::tcp

@@ -1,0 +1,303 @@
+// The tcp queue pair's transmitter: request and response frames gathered
+// into one sendmsg, with the registered memory they point into pinned.
+#include "tcp/tcp_provider.hpp"
+#include "tcp/tcp_qp_parts.hpp"
+
+#include "log.hpp"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace anydoor::transport::tcp {
+using namespace detail;
+namespace {
+
+// Reads and atomics a requester has outstanding at most (like verbs'
+// max_rd_atomic): each needs a response slot at the peer, whose ring holds
+// 2 x kMaxResponseSlots + 8, so conforming peers never fill it.
+constexpr std::uint32_t kMaxReadAtomic = kMaxResponseSlots;
+
+frame_header nak_header(std::uint32_t psn, nak_code code) noexcept {
+  frame_header h;
+  h.type = frame_type::nak;
+  h.psn = psn;
+  h.imm = static_cast<std::uint32_t>(code);
+  return h;
+}
+// Sent in place of read-response data whose source was deregistered while
+// its fragment was on its way (the response then ends with a NAK).
+std::byte g_zeros[kReadFragment];
+
+}  // namespace
+
+// ---------------------------------------------------------------- transmit
+
+void tcp_qp::add_iov(const void* p, std::size_t n, iov_ref ref) noexcept {
+  iov_ref_[iov_count_] = ref;
+  iov_[iov_count_++] = {const_cast<void*>(p), n};
+}
+
+bool tcp_qp::fill_iov() noexcept {
+  frag_used_ = 0;
+  const std::size_t cap = resp_.size();
+  while (resp_queued_ < resp_tail_) {
+    response& r = resp_[resp_queued_ % cap];
+    if (r.h.type == frame_type::read_response) {
+      if (!fill_read(r, resp_queued_)) return true;
+    } else {
+      if (iov_count_ + 1 > kMaxIov) return iov_count_ > 0;
+      add_iov(r.header.data(), kHeaderSize, {});
+    }
+    ++resp_queued_;
+  }
+  if (state_ != qp_state::rts || rnr_waiting_ || rewind_pending_ || tx_blocked_ || fatal_pending_) {
+    return iov_count_ > 0;
+  }
+  while (sq_tx_ < sq_tail_) {
+    sq_entry& e = sq_[sq_tx_ % attr_.max_send_wr];
+    if (e.local_error != wc_status::success) {
+      tx_blocked_ = true;  // completes with the error once everything before it is acknowledged
+      break;
+    }
+    std::size_t need = 1;
+    if (carries_data(e.wr.op)) {
+      for (const sge& s : e.wr.sg_list) need += s.length > 0 ? 1 : 0;
+    }
+    if (iov_count_ + need > kMaxIov) break;
+    if (needs_response(e.wr.op)) {
+      if (rd_atomic_out_ >= kMaxReadAtomic) break;  // sent when earlier ones are answered
+      ++rd_atomic_out_;
+    }
+    add_iov(e.header.data(), kHeaderSize, {});
+    if (carries_data(e.wr.op)) {
+      for (const sge& s : e.wr.sg_list) {
+        if (s.length == 0) continue;
+        // Inline data lives in the provider (lkey 0); the rest is pinned per sendmsg.
+        add_iov(reinterpret_cast<const void*>(s.addr), s.length,
+            {e.wr.inline_data ? iov_kind::plain : iov_kind::request_payload, s.lkey, 0});
+      }
+    }
+    ++sq_tx_;
+  }
+  return iov_count_ > 0;
+}
+
+// Frames what fits of a read response: data fragments, then the last
+// frame. A source that is no longer registered turns the rest into a NAK.
+bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
+  if (!r.poisoned && r.left > 0 &&
+      table_.check(r.key, r.addr, std::min<std::uint64_t>(r.left, kReadFragment), access::remote_read) == nullptr) {
+    r.poisoned = true;
+    log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
+  }
+  if (r.poisoned) {
+    if (iov_count_ + 1 > kMaxIov) return false;
+    encode(nak_header(r.h.psn, nak_code::remote_access), r.header);
+    add_iov(r.header.data(), kHeaderSize, {});
+    fatal_pending_ = true;
+    return true;
+  }
+  while (r.left > 0) {
+    if (iov_count_ + 2 > kMaxIov || frag_used_ == frag_hdr_.size()) return false;
+    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(r.left, kReadFragment));
+    frame_header f;
+    f.type = frame_type::read_response;
+    f.psn = r.h.psn;
+    f.length = n;
+    f.remote_addr = r.offset;
+    auto& hdr = frag_hdr_[frag_used_++];
+    encode(f, hdr);
+    add_iov(hdr.data(), kHeaderSize, {});
+    add_iov(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, r.key, pos});
+    r.addr += n;
+    r.offset += n;
+    r.left -= n;
+  }
+  if (iov_count_ + 1 > kMaxIov || frag_used_ == frag_hdr_.size()) return false;
+  frame_header last;
+  last.type = frame_type::read_response;
+  last.flags = kFlagLast;
+  last.psn = r.h.psn;
+  last.remote_addr = r.offset;
+  auto& hdr = frag_hdr_[frag_used_++];
+  encode(last, hdr);
+  add_iov(hdr.data(), kHeaderSize, {iov_kind::read_end, 0, pos});
+  return true;
+}
+
+bool tcp_qp::iov_holds_requests() const noexcept {
+  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+    if (iov_ref_[i].kind == iov_kind::request_payload) return true;
+  }
+  return false;
+}
+
+// Pins every registration the unsent part of the batch points into, for
+// the sendmsg that follows. A read source that is gone is replaced by
+// zeros and its response ends with a NAK; a request's own memory that is
+// gone cuts the stream (false).
+bool tcp_qp::pin_iov() noexcept {
+  npinned_ = 0;
+  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+    iov_ref& ref = iov_ref_[i];
+    if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
+    const access need = ref.kind == iov_kind::read_payload ? access::remote_read : access::none;
+    const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base);
+    if (table_.pin(ref.key, addr, iov_[i].iov_len, need) != nullptr) {
+      pinned_[npinned_++] = ref.key;
+      continue;
+    }
+    if (ref.kind == iov_kind::request_payload) {
+      unpin_iov();
+      return false;
+    }
+    iov_[i].iov_base = g_zeros;  // the rest of this fragment (at most kReadFragment bytes)
+    ref.kind = iov_kind::plain;
+    poison_read(ref.resp);
+  }
+  return true;
+}
+
+void tcp_qp::unpin_iov() noexcept {
+  for (std::size_t i = 0; i < npinned_; ++i) table_.unpin(pinned_[i]);
+  npinned_ = 0;
+}
+
+// A read response whose source went away: no more of its data, and its
+// last frame becomes a NAK (remote access error), so the requester fails
+// the read instead of completing it with zeros.
+void tcp_qp::poison_read(std::uint64_t pos) noexcept {
+  response& r = resp_[pos % resp_.size()];
+  if (r.poisoned) return;
+  r.poisoned = true;
+  r.left = 0;
+  fatal_pending_ = true;
+  log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
+  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+    if (iov_ref_[i].kind != iov_kind::read_end || iov_ref_[i].resp != pos) continue;
+    encode(nak_header(r.h.psn, nak_code::remote_access),
+           std::span<std::byte, kHeaderSize>(static_cast<std::byte*>(iov_[i].iov_base), kHeaderSize));
+    iov_ref_[i].kind = iov_kind::plain;
+    return;
+  }
+  // Its last frame is not in the batch yet: fill_read sends the NAK.
+}
+
+// A NAK that ended a read response is queued: the queue pair goes to
+// error, sending what is queued first (as after any fatal NAK).
+void tcp_qp::check_fatal() noexcept {
+  if (!fatal_pending_ || state_ == qp_state::error) return;
+  fatal_pending_ = false;
+  close_when_flushed_ = true;
+  enter_error(wc_status::work_request_flushed);
+}
+
+void tcp_qp::flush() noexcept {
+  while (fd_ >= 0) {
+    if (iov_pos_ == iov_count_) {
+      resp_head_ = resp_queued_;
+      iov_count_ = iov_pos_ = 0;
+      if (rewind_pending_) {
+        rewind_pending_ = false;
+        counters_.retransmits += sq_tx_ - rewind_to_;
+        for (std::uint64_t i = rewind_to_; i < sq_tx_; ++i) {
+          if (needs_response(sq_[i % attr_.max_send_wr].wr.op)) --rd_atomic_out_;
+        }
+        sq_tx_ = rewind_to_;
+        rd_done_ = rd_off_ = 0;
+        rd_sge_ = 0;
+      }
+      if (close_when_flushed_ && resp_head_ == resp_tail_) {
+        close_socket();
+        return;
+      }
+      if (!fill_iov()) break;
+    }
+    if (!pin_iov()) {
+      log().warn("qp {}: memory of a request in flight was deregistered; the connection is cut", qpn_);
+      close_when_flushed_ = false;
+      close_socket();
+      enter_error(wc_status::local_protection_error);
+      return;
+    }
+    msghdr msg{};
+    msg.msg_iov = &iov_[iov_pos_];
+    msg.msg_iovlen = iov_count_ - iov_pos_;
+    const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    unpin_iov();
+    ++counters_.tx_syscalls;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      peer_gone(std::strerror(errno));
+      return;
+    }
+    counters_.bytes_sent += static_cast<std::uint64_t>(n);
+    auto left = static_cast<std::size_t>(n);
+    while (left > 0 && iov_pos_ < iov_count_) {
+      iovec& v = iov_[iov_pos_];
+      const std::size_t take = std::min(left, v.iov_len);
+      v.iov_base = static_cast<std::byte*>(v.iov_base) + take;
+      v.iov_len -= take;
+      left -= take;
+      if (v.iov_len == 0) ++iov_pos_;
+    }
+  }
+  if (rx_paused_ && resp_tail_ - resp_head_ < resp_.size()) {
+    rx_paused_ = false;  // room again: read on (what arrived meanwhile waits in the socket)
+    want_write_ = !want_write_;  // force the update below
+  }
+  update_interest();
+}
+
+void tcp_qp::update_interest() noexcept {
+  if (fd_ < 0) return;
+  const bool want = iov_pos_ < iov_count_;
+  if (want == want_write_ && !rx_paused_) return;
+  want_write_ = want;
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want, !rx_paused_);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want, !rx_paused_);
+}
+
+void tcp_qp::queue_response(const frame_header& h) noexcept {
+  const std::size_t cap = resp_.size();
+  if (h.type == frame_type::ack && resp_tail_ > resp_queued_) {
+    response& last = resp_[(resp_tail_ - 1) % cap];
+    if (last.h.type == frame_type::ack) {  // cumulative: one ACK covers both
+      last.h.psn = h.psn;
+      encode(last.h, last.header);
+      return;
+    }
+  }
+  response& r = resp_[resp_tail_++ % cap];
+  r = response{};
+  r.h = h;
+  encode(r.h, r.header);
+}
+
+// The data of a checked read request: framed by fill_read as the
+// transmitter gets to it, the source looked up again each time.
+void tcp_qp::queue_read_response(const frame_header& request) noexcept {
+  response& r = resp_[resp_tail_++ % resp_.size()];
+  r = response{};
+  r.h.type = frame_type::read_response;
+  r.h.psn = request.psn;
+  r.key = request.rkey;
+  r.addr = request.remote_addr;
+  r.left = request.read_length;
+}
+
+void tcp_qp::nak(std::uint32_t psn, nak_code code, bool fatal) noexcept {
+  queue_response(nak_header(psn, code));
+  if (fatal) {
+    log().warn("qp {}: request {} from peer failed (NAK code {}); moving the queue pair to error", qpn_, psn,
+               static_cast<std::uint32_t>(code));
+    close_when_flushed_ = true;
+    enter_error(wc_status::work_request_flushed);
+  }
+}
+
+}  // namespace anydoor::transport::tcp

@@ -1,0 +1,173 @@
+// The verbs provider's completion queue: polling, arming, and the
+// asynchronous and connection events looked at while it is idle.
+#include "verbs/verbs_provider.hpp"
+#include "verbs/verbs_util.hpp"
+
+#include <anydoor/error.hpp>
+
+#include "log.hpp"
+
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+
+namespace anydoor::transport::verbs {
+using namespace detail;
+namespace {
+
+constexpr std::uint32_t kMaxPollBatch = 32;
+
+}  // namespace
+
+// ---------------------------------------------------------------- completion queue
+
+verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev_(std::move(dev)) {
+  channel_ = ibv_create_comp_channel(dev_->ctx);
+  if (channel_ == nullptr) throw sys_error(errno, "ibv_create_comp_channel");
+  set_nonblocking(channel_->fd);
+  cq_ = ibv_create_cq(dev_->ctx, static_cast<int>(depth), this, channel_, 0);
+  if (cq_ == nullptr) {
+    const int err = errno;
+    ibv_destroy_comp_channel(channel_);
+    throw sys_error(err, "ibv_create_cq");
+  }
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (epfd_ < 0) {
+    const int err = errno;
+    ibv_destroy_cq(cq_);
+    ibv_destroy_comp_channel(channel_);
+    throw sys_error(err, "epoll_create1");
+  }
+  watch(channel_->fd);
+  watch(dev_->ctx->async_fd);
+}
+
+verbs_cq::~verbs_cq() {
+  ack_events();
+  ::close(epfd_);
+  if (ibv_destroy_cq(cq_) != 0) log().error("ibv_destroy_cq: {} (queue pairs still on it?)", std::strerror(errno));
+  ibv_destroy_comp_channel(channel_);
+}
+
+void verbs_cq::watch(int fd) noexcept {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd;
+  if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0 && errno != EEXIST) {
+    log().warn("verbs: epoll_ctl(add {}): {}", fd, std::strerror(errno));
+  }
+}
+
+void verbs_cq::unwatch(int fd) noexcept { ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr); }
+
+std::uint32_t verbs_cq::attach(verbs_qp* qp, std::uint32_t wrs) {
+  wrs_ += wrs;
+  if (wrs_ > static_cast<std::uint64_t>(cq_->cqe)) {
+    log().warn("completion queue depth {} is below the {} work requests of its queue pairs: it can overflow",
+               cq_->cqe, wrs_);
+  }
+  for (std::uint32_t i = 0; i < qps_.size(); ++i) {
+    if (qps_[i].qp == nullptr) {
+      qps_[i].qp = qp;
+      ++qps_[i].generation;
+      return i;
+    }
+  }
+  if (qps_.size() >= (1u << 24)) throw std::system_error(errc::invalid_argument, "too many queue pairs on one CQ");
+  qps_.push_back({qp, 1});
+  return static_cast<std::uint32_t>(qps_.size() - 1);
+}
+
+void verbs_cq::detach(std::uint32_t index, std::uint32_t wrs) noexcept {
+  if (index < qps_.size()) qps_[index].qp = nullptr;
+  wrs_ -= wrs;
+}
+
+void verbs_cq::on_overflow() noexcept {
+  if (overflow_) return;
+  overflow_ = true;
+  log().error("verbs: completion queue overflow (depth {}): completions were lost; queue pairs on it move to error",
+              cq_->cqe);
+  for (auto& e : qps_) {
+    if (e.qp != nullptr) e.qp->on_async_error();
+  }
+}
+
+std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {
+  ++counters_.polls;
+  std::size_t n = 0;
+  while (!overflow_ && n < out.size()) {
+    ibv_wc wcs[kMaxPollBatch];
+    const int want = static_cast<int>(std::min<std::size_t>(kMaxPollBatch, out.size() - n));
+    const int got = ibv_poll_cq(cq_, want, wcs);
+    if (got < 0) {
+      ec = {-got, std::system_category()};
+      return n;
+    }
+    for (int i = 0; i < got; ++i) {
+      const ibv_wc& wc = wcs[i];
+      const auto gen = static_cast<std::uint8_t>(wc.wr_id >> 56);
+      const auto index = static_cast<std::uint32_t>((wc.wr_id >> 32) & 0xffffff);
+      const bool recv = (wc.wr_id & kRecvBit) != 0;
+      const auto slot = static_cast<std::uint32_t>(wc.wr_id & kSlotMask);
+      if (index >= qps_.size() || qps_[index].qp == nullptr || qps_[index].generation != gen) {
+        log().debug("verbs: dropped a completion of a destroyed queue pair {}", wc.qp_num);
+        continue;
+      }
+      qps_[index].qp->complete(wc, slot, recv, out[n++]);
+    }
+    if (got < want) break;
+  }
+  if (n == 0) {
+    ++counters_.empty_polls;
+    // Asynchronous and connection events (CQ overflow, a peer's disconnect)
+    // are looked at when idle, at most once a millisecond: each look is two
+    // system calls.
+    if ((++empty_streak_ & 63) == 0) {
+      const auto now = clock::now();
+      if (now - events_checked_ >= std::chrono::milliseconds(1)) {
+        events_checked_ = now;
+        check_events();
+      }
+    }
+  } else {
+    empty_streak_ = 0;
+  }
+  counters_.completions += n;
+  if (overflow_ && n == 0) {
+    ec = errc::cq_overflow;
+    return 0;
+  }
+  ec.clear();
+  return n;
+}
+
+void verbs_cq::check_events() noexcept {
+  dev_->drain_async_events();
+  for (std::size_t i = 0; i < qps_.size(); ++i) {
+    if (qps_[i].qp != nullptr) qps_[i].qp->poll_cm_events();
+  }
+}
+
+std::error_code verbs_cq::arm() noexcept {
+  check_events();
+  if (overflow_) return errc::cq_overflow;
+  if (ibv_req_notify_cq(cq_, 0) != 0) return {errno, std::system_category()};
+  return {};
+}
+
+std::size_t verbs_cq::ack_events() noexcept {
+  unsigned count = 0;
+  ibv_cq* ev_cq = nullptr;
+  void* ctx = nullptr;
+  while (ibv_get_cq_event(channel_, &ev_cq, &ctx) == 0) ++count;
+  if (count > 0) ibv_ack_cq_events(cq_, count);
+  counters_.events += count;
+  return count;
+}
+
+}  // namespace anydoor::transport::verbs

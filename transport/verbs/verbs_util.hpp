@@ -1,0 +1,34 @@
+// What the verbs provider's files (verbs_device.cpp, verbs_cq.cpp,
+// verbs_qp.cpp, verbs_cm.cpp) share. Internal to the provider.
+#pragma once
+
+#include <fcntl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <system_error>
+
+namespace anydoor::transport::verbs::detail {
+
+using clock = std::chrono::steady_clock;
+// The provider's wr_id: (generation << 56) | (cq index << 32) | kRecvBit |
+// slot (see verbs_qp::make_wr_id; the CQ decodes it).
+constexpr std::uint64_t kRecvBit = 1ull << 31;
+constexpr std::uint32_t kSlotMask = 0x7fffffffu;
+// Local ACK timeout: 4.096 us * 2^14 = 67 ms per transport retry, 7 retries:
+// a dead peer is reported in about half a second.
+constexpr std::uint8_t kAckTimeout = 14;
+// One length byte precedes the caller's private data (rdma_cm delivers the
+// transport's full private-data area, not the length that was sent).
+constexpr std::size_t kConnectPrivateData = 56;
+constexpr std::size_t kMaxUserPrivateData = kConnectPrivateData - 1;
+
+inline std::system_error sys_error(int err, const std::string& what) {
+  return std::system_error(err, std::system_category(), what);
+}
+
+inline int set_nonblocking(int fd) { return ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+}  // namespace anydoor::transport::verbs::detail
