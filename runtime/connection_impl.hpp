@@ -12,6 +12,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include <memory>
+#include <string_view>
 #include <vector>
 
 namespace anydoor::detail {
@@ -109,17 +110,29 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void on_recv_completion(const transport::completion& wc) noexcept;
   void on_send_completion_body(const transport::completion& wc) noexcept;
   void on_recv_completion_body(const transport::completion& wc) noexcept;
+  // The reactor gave up on the completion queue (its own completion, no work
+  // request's): everything outstanding is lost.
+  static bool reactor_gave_up(const transport::completion& wc) noexcept {
+    return wc.status == transport::wc_status::fatal && (wc.wr_id & 0xffffffff00000000ull) == reactor::kPersistent;
+  }
   void handle_message(std::uint32_t buffer, std::uint32_t length) noexcept;
   void retire_through(std::uint64_t seq, transport::wc_status status) noexcept;
   std::uint64_t full_seq(std::uint32_t tag, std::uint64_t base) const noexcept;
+  // The bits of a queue position that travel in a persistent wr_id's tag.
+  static constexpr std::uint32_t kTagMask = 0x7fffffffu;
 
   // sending
+  // Why a send or one-sided operation cannot start (closing, closed,
+  // failed); empty while it can.
+  std::error_code send_refusal() const noexcept;
+  void queue_send(op_node* n);  // after the operations already waiting
   bool progress_sends(bool post) noexcept;  // false once nothing more can start now
   enum class start_result : std::uint8_t { started, blocked_credit, blocked_buffer, blocked_queue };
   start_result try_start(op_node* n, bool post) noexcept;
   start_result try_start_onesided(op_node* n, bool post) noexcept;
   std::error_code prepare_onesided(op_node* n) noexcept;  // checks and keys the local memory
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool
+  void wait_for_buffer() noexcept;  // on_buffer_available once the pool has one
   start_result credit_stall(op_node* n) noexcept;
   // Queues up to max_wrs work requests of a put or get from its cursor;
   // true once all of it is queued.
@@ -133,6 +146,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
   std::uint32_t sq_free() const noexcept;
   transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op) noexcept;
+  // Queues a SEND of `wire` bytes and returns where the caller writes them:
+  // the slot's inline staging area (copied into the work request) when buf
+  // is buffer_pool::npos, else pool buffer buf.
+  std::byte* stage_send(slot_kind kind, std::uint32_t buf, op_node* op, std::uint32_t wire) noexcept;
   std::uint16_t take_owed() noexcept;
   void post_fins() noexcept;
   void maybe_send_credits() noexcept;
@@ -144,6 +161,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void deliver_notes(bool post) noexcept;
   // Why nothing more will arrive (closed, failed); empty while open.
   std::error_code receive_ending() const noexcept;
+  // Nothing queued for the waiting receives: they end if receive_ending() says so.
+  void end_receives(op_list& waiting, bool post) noexcept;
   bool start_read(op_node* n, const protocol::rts_body& b) noexcept;  // false: no room now
   void issue_reads(op_node* n) noexcept;  // queues what fits of a rendezvous read
   void continue_reads() noexcept;         // reads started in part go on as the queue drains
@@ -156,7 +175,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // ending
   void fail(std::error_code ec) noexcept;
-  void finish_close_if_ready() noexcept;
+  // A completion with an error fails the connection, with a warning naming
+  // the queue ("send", "receive"), unless it is ending anyway: then true.
+  bool fail_unless_ending(const transport::completion& wc, std::string_view queue) noexcept;
+  void end_waiting_sends(std::error_code ec) noexcept;     // not started: end with ec (or park)
+  void end_rendezvous_sends(std::error_code ec) noexcept;  // waiting for a fin that will never come
   void complete(op_node* n, bool post, std::error_code ec, std::size_t size = 0) noexcept;
   void complete_message(op_node* n, bool post, message m) noexcept;
   void maybe_release_self() noexcept;
@@ -176,6 +199,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::uint32_t eager_limit_ = 0;
   std::uint64_t fragment_ = 0;  // largest piece of a put, get or rendezvous read per work request
   std::uint64_t rendezvous_held_ = 0;  // bytes allocated for rendezvous messages being read
+  bool budget_blocked_ = false;  // the next read waits for rendezvous_memory to free
   std::shared_ptr<connection_impl> self_;  // while work requests are outstanding
 
   send_op send_op_;

@@ -1,6 +1,8 @@
 #include <anydoor/error.hpp>
 #include <anydoor/memory.hpp>
 
+#include "bytes.hpp"
+
 #include <cstring>
 #include <string>
 
@@ -8,29 +10,12 @@ namespace anydoor {
 
 namespace {
 
+using detail::fnv1a32;
+using detail::get_le;
+using detail::put_le;
+
 constexpr std::array<std::byte, 4> kMagic{std::byte{'A'}, std::byte{'D'}, std::byte{'R'}, std::byte{'R'}};
 constexpr std::uint8_t kVersion = 1;
-
-template <class T>
-void put(std::byte*& p, T v) noexcept {
-  for (std::size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<std::byte>((v >> (8 * i)) & 0xff);
-}
-
-template <class T>
-T get(const std::byte*& p) noexcept {
-  T v = 0;
-  for (std::size_t i = 0; i < sizeof(T); ++i) v = static_cast<T>(v | (static_cast<T>(std::to_integer<std::uint8_t>(*p++)) << (8 * i)));
-  return v;
-}
-
-std::uint32_t fnv1a(const std::byte* p, std::size_t n) noexcept {
-  std::uint32_t h = 2166136261u;
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= std::to_integer<std::uint32_t>(p[i]);
-    h *= 16777619u;
-  }
-  return h;
-}
 
 [[noreturn]] void out_of_range(const char* what, std::uint64_t offset, std::uint64_t len, std::uint64_t size) {
   throw std::system_error(errc::out_of_range, std::string(what) + ": [" + std::to_string(offset) + ", +" +
@@ -52,10 +37,10 @@ std::array<std::byte, remote_region::packed_size> remote_region::pack() const no
   std::memcpy(out.data(), kMagic.data(), kMagic.size());
   out[4] = std::byte{kVersion};
   std::byte* p = out.data() + 8;
-  put(p, addr);
-  put(p, length);
-  put(p, rkey);
-  put(p, fnv1a(out.data(), 28));
+  put_le(p, addr);
+  put_le(p, length);
+  put_le(p, rkey);
+  put_le(p, fnv1a32(out.data(), 28));
   return out;
 }
 
@@ -64,14 +49,14 @@ std::error_code remote_region::unpack(std::span<const std::byte> in, remote_regi
     return errc::protocol_error;
   }
   const std::byte* p = in.data() + 28;
-  if (get<std::uint32_t>(p) != fnv1a(in.data(), 28)) return errc::protocol_error;
+  if (get_le<std::uint32_t>(p) != fnv1a32(in.data(), 28)) return errc::protocol_error;
   if (std::to_integer<std::uint8_t>(in[4]) != kVersion) return errc::version_mismatch;
   if (in[5] != std::byte{0} || in[6] != std::byte{0} || in[7] != std::byte{0}) return errc::protocol_error;
   p = in.data() + 8;
   remote_region r;
-  r.addr = get<std::uint64_t>(p);
-  r.length = get<std::uint64_t>(p);
-  r.rkey = get<std::uint32_t>(p);
+  r.addr = get_le<std::uint64_t>(p);
+  r.length = get_le<std::uint64_t>(p);
+  r.rkey = get_le<std::uint32_t>(p);
   if (r.length == 0 || r.addr + r.length < r.addr) return errc::protocol_error;
   out = r;
   return {};

@@ -1,37 +1,30 @@
 #include "protocol.hpp"
 
+#include "bytes.hpp"
+
 #include <cstring>
 
 namespace anydoor::protocol {
 
 namespace {
 
-template <class T>
-void put(std::byte*& p, T v) noexcept {
-  for (std::size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff);
-}
-
-template <class T>
-T get(const std::byte*& p) noexcept {
-  std::uint64_t v = 0;
-  for (std::size_t i = 0; i < sizeof(T); ++i) v |= std::uint64_t{std::to_integer<std::uint8_t>(*p++)} << (8 * i);
-  return static_cast<T>(v);
-}
+using detail::get_le;
+using detail::put_le;
 
 }  // namespace
 
 std::array<std::byte, kHelloSize> encode(const hello& h) noexcept {
   std::array<std::byte, kHelloSize> out{};
   std::byte* p = out.data();
-  put<std::uint32_t>(p, kMagic);
-  put<std::uint16_t>(p, h.version);
-  put<std::uint8_t>(p, static_cast<std::uint8_t>(h.kind));
-  put<std::uint8_t>(p, static_cast<std::uint8_t>(h.reason));
-  put<std::uint16_t>(p, h.credits);
-  put<std::uint16_t>(p, 0);
-  put<std::uint32_t>(p, h.recv_buffer);
-  put<std::uint32_t>(p, h.eager_limit);
-  put<std::uint64_t>(p, h.max_message);
+  put_le<std::uint32_t>(p, kMagic);
+  put_le<std::uint16_t>(p, h.version);
+  put_le<std::uint8_t>(p, static_cast<std::uint8_t>(h.kind));
+  put_le<std::uint8_t>(p, static_cast<std::uint8_t>(h.reason));
+  put_le<std::uint16_t>(p, h.credits);
+  put_le<std::uint16_t>(p, 0);
+  put_le<std::uint32_t>(p, h.recv_buffer);
+  put_le<std::uint32_t>(p, h.eager_limit);
+  put_le<std::uint64_t>(p, h.max_message);
   std::memcpy(p, h.token.data(), h.token.size());
   return out;
 }
@@ -39,21 +32,21 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept {
 decode_status decode(std::span<const std::byte> in, hello& out) noexcept {
   if (in.size() < 8) return decode_status::truncated;
   const std::byte* p = in.data();
-  if (get<std::uint32_t>(p) != kMagic) return decode_status::bad_magic;
-  out.version = get<std::uint16_t>(p);
-  const auto kind = get<std::uint8_t>(p);
-  const auto reason = get<std::uint8_t>(p);
+  if (get_le<std::uint32_t>(p) != kMagic) return decode_status::bad_magic;
+  out.version = get_le<std::uint16_t>(p);
+  const auto kind = get_le<std::uint8_t>(p);
+  const auto reason = get_le<std::uint8_t>(p);
   if (kind < 1 || kind > 3 || reason > 4) return decode_status::bad_field;
   out.kind = static_cast<hello_kind>(kind);
   out.reason = static_cast<refuse_reason>(reason);
   if (out.kind == hello_kind::refuse) return decode_status::ok;  // a refusal needs no more
   if (out.version != kVersion) return decode_status::ok;         // the caller refuses it by version
   if (in.size() < kHelloSize) return decode_status::truncated;
-  out.credits = get<std::uint16_t>(p);
-  (void)get<std::uint16_t>(p);
-  out.recv_buffer = get<std::uint32_t>(p);
-  out.eager_limit = get<std::uint32_t>(p);
-  out.max_message = get<std::uint64_t>(p);
+  out.credits = get_le<std::uint16_t>(p);
+  (void)get_le<std::uint16_t>(p);
+  out.recv_buffer = get_le<std::uint32_t>(p);
+  out.eager_limit = get_le<std::uint32_t>(p);
+  out.max_message = get_le<std::uint64_t>(p);
   std::memcpy(out.token.data(), p, out.token.size());
   if (out.credits < 2 || out.recv_buffer <= kHeaderSize || out.max_message == 0) return decode_status::bad_field;
   return decode_status::ok;
@@ -74,34 +67,33 @@ std::array<std::byte, 16> token_digest(std::string_view token) noexcept {
   };
   feed("anydoor-auth-v1");
   feed(token);
-  for (std::size_t i = 0; i < 8; ++i) {
-    out[i] = static_cast<std::byte>((a >> (8 * i)) & 0xff);
-    out[8 + i] = static_cast<std::byte>((b >> (8 * i)) & 0xff);
-  }
+  std::byte* p = out.data();
+  put_le(p, a);
+  put_le(p, b);
   return out;
 }
 
 void encode(const header& h, std::byte* p) noexcept {
-  put<std::uint8_t>(p, static_cast<std::uint8_t>(h.type));
-  put<std::uint8_t>(p, h.status);
-  put<std::uint16_t>(p, h.credits);
-  put<std::uint32_t>(p, h.aux);
+  put_le<std::uint8_t>(p, static_cast<std::uint8_t>(h.type));
+  put_le<std::uint8_t>(p, h.status);
+  put_le<std::uint16_t>(p, h.credits);
+  put_le<std::uint32_t>(p, h.aux);
 }
 
 void encode(const rts_body& b, std::byte* p) noexcept {
-  put<std::uint64_t>(p, b.length);
-  put<std::uint64_t>(p, b.addr);
-  put<std::uint32_t>(p, b.rkey);
-  put<std::uint32_t>(p, b.cookie);
+  put_le<std::uint64_t>(p, b.length);
+  put_le<std::uint64_t>(p, b.addr);
+  put_le<std::uint32_t>(p, b.rkey);
+  put_le<std::uint32_t>(p, b.cookie);
 }
 
 bool decode(std::span<const std::byte> in, header& h) noexcept {
   if (in.size() < kHeaderSize) return false;
   const std::byte* p = in.data();
-  const auto type = get<std::uint8_t>(p);
-  h.status = get<std::uint8_t>(p);
-  h.credits = get<std::uint16_t>(p);
-  h.aux = get<std::uint32_t>(p);
+  const auto type = get_le<std::uint8_t>(p);
+  h.status = get_le<std::uint8_t>(p);
+  h.credits = get_le<std::uint16_t>(p);
+  h.aux = get_le<std::uint32_t>(p);
   if (type < 1 || type > 6) return false;
   h.type = static_cast<msg_type>(type);
   switch (h.type) {
@@ -117,10 +109,10 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
 
 rts_body decode_rts(const std::byte* p) noexcept {
   rts_body b;
-  b.length = get<std::uint64_t>(p);
-  b.addr = get<std::uint64_t>(p);
-  b.rkey = get<std::uint32_t>(p);
-  b.cookie = get<std::uint32_t>(p);
+  b.length = get_le<std::uint64_t>(p);
+  b.addr = get_le<std::uint64_t>(p);
+  b.rkey = get_le<std::uint32_t>(p);
+  b.cookie = get_le<std::uint32_t>(p);
   return b;
 }
 

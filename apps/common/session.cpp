@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <numeric>
+#include <span>
 #include <stdexcept>
 #include <system_error>
 
@@ -28,27 +28,18 @@ session make_session(const session_options& opt) {
   return s;
 }
 
-constexpr std::size_t kInfoSize = 20;
+// The packed form fits the smallest private data a provider carries (55
+// bytes on verbs).
+static_assert(remote_region::packed_size <= 55);
 
-std::array<std::byte, kInfoSize> pack(const region_info& r) {
-  std::array<std::byte, kInfoSize> b{};
-  std::memcpy(b.data(), &r.addr, 8);
-  std::memcpy(b.data() + 8, &r.length, 8);
-  std::memcpy(b.data() + 16, &r.rkey, 4);
-  return b;
-}
-
-region_info unpack(std::span<const std::byte> b) {
-  if (b.size() != kInfoSize) throw std::runtime_error("peer sent no region description");
-  region_info r;
-  std::memcpy(&r.addr, b.data(), 8);
-  std::memcpy(&r.length, b.data() + 8, 8);
-  std::memcpy(&r.rkey, b.data() + 16, 4);
+remote_region unpack(std::span<const std::byte> b) {
+  remote_region r;
+  if (auto ec = remote_region::unpack(b, r)) throw std::system_error(ec, "peer sent no region description");
   return r;
 }
 
-region_info describe(const session& s) {
-  return {reinterpret_cast<std::uint64_t>(s.buf.data()), s.buf.size(), s.mr->rkey()};
+std::array<std::byte, remote_region::packed_size> describe(const session& s) {
+  return remote_region{reinterpret_cast<std::uint64_t>(s.buf.data()), s.buf.size(), s.mr->rkey()}.pack();
 }
 
 }  // namespace
@@ -90,14 +81,14 @@ session accept_one(const std::string& host, std::uint16_t port, const session_op
   auto req = lis->get_request(std::chrono::seconds(60), ec);
   if (!req) throw std::system_error(ec, "waiting for a connection");
   s.peer = unpack(req->private_data());
-  const auto info = pack(describe(s));
+  const auto info = describe(s);
   if (auto aec = req->accept(*s.qp, info)) throw std::system_error(aec, "accept");
   return s;
 }
 
 session connect_to(const std::string& host, std::uint16_t port, const session_options& opt) {
   session s = make_session(opt);
-  const auto info = pack(describe(s));
+  const auto info = describe(s);
   auto r = s.dev->connect(*s.qp, host, port, info, std::chrono::seconds(10));
   if (r.ec) throw std::system_error(r.ec, "connect to " + host + ":" + std::to_string(port));
   s.peer = unpack(r.private_data);

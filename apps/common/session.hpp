@@ -2,6 +2,7 @@
 // with a registered buffer, busy-polling loops, and statistics.
 #pragma once
 
+#include <anydoor/memory.hpp>
 #include <anydoor/transport/provider.hpp>
 
 #include <chrono>
@@ -14,14 +15,6 @@ namespace anydoor::examples {
 
 namespace tp = anydoor::transport;
 
-// What the passive side tells the active side in the accept private data:
-// where its buffer is, for one-sided operations.
-struct region_info {
-  std::uint64_t addr = 0;
-  std::uint64_t length = 0;
-  std::uint32_t rkey = 0;
-};
-
 struct session {
   std::unique_ptr<tp::device> dev;
   std::unique_ptr<tp::protection_domain> pd;
@@ -29,7 +22,9 @@ struct session {
   std::unique_ptr<tp::queue_pair> qp;
   std::vector<std::byte> buf;  // registered, page-aligned use is not required by the tcp provider
   std::unique_ptr<tp::memory_region> mr;
-  region_info peer;            // the other side's buffer
+  // The other side's buffer, for one-sided operations: each side sends its
+  // own, packed, in its connect or accept private data.
+  remote_region peer;
 
   // Busy-polls until one completion arrives; throws on a failed completion
   // or when nothing completes within the timeout.

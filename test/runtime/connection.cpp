@@ -1104,6 +1104,7 @@ TEST_CASE("rendezvous memory: a message above the receiver's budget is refused o
   for (std::uint32_t i = 0; i < 4; ++i) fits.push_back(pattern(48 * 1024, 10 + i));
   ad::error_code server_ec, client_ec;
   int received = 0;
+  std::uint64_t server_waits = 0;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
     auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
@@ -1123,6 +1124,7 @@ TEST_CASE("rendezvous memory: a message above the receiver's budget is refused o
       t.expires_after(std::chrono::milliseconds(1));
       co_await t.async_wait(use_awaitable);
     }
+    server_waits = c.stats().rendezvous_waits;
     for (const auto& msg : got) {
       const bool match = std::any_of(fits.begin(), fits.end(), [&](const auto& v) {
         return std::equal(msg.bytes().begin(), msg.bytes().end(), v.begin(), v.end());
@@ -1152,6 +1154,7 @@ TEST_CASE("rendezvous memory: a message above the receiver's budget is refused o
   CHECK(server_ec == ad::errc::message_size);
   CHECK(client_ec == ad::errc::message_size);
   CHECK(received == 4);
+  CHECK(server_waits >= 1);  // 4 x 48 KiB in a 64 KiB budget: later reads waited for earlier ones
 }
 
 TEST_CASE("a rendezvous send torn down while the peer reads it: its buffer is never read after the send completes",

@@ -1,0 +1,245 @@
+// The connection engine's one-sided operations (put, get, put_with_notify,
+// atomics, flush) and the delivery of the notifications that arrive.
+#include "connection_impl.hpp"
+
+#include <anydoor/error.hpp>
+
+#include "log.hpp"
+#include "registration_cache.hpp"
+
+#include <algorithm>
+
+namespace anydoor::detail {
+
+// ---------------------------------------------------------------- one-sided
+
+void connection_impl::start_onesided(op_node* n) {
+  if (n->kind == op_kind::receive_notification) {
+    note_waiting_.push_back(n);
+    deliver(true);
+    return;
+  }
+  if (const std::error_code ec = send_refusal()) {
+    complete(n, true, ec);
+    return;
+  }
+  if (const std::error_code ec = prepare_onesided(n)) {
+    complete(n, true, ec);
+    return;
+  }
+  queue_send(n);
+}
+
+std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
+  switch (n->kind) {
+    case op_kind::fetch_add:
+    case op_kind::compare_swap:
+      if (!fab_->device->caps().atomics) return errc::not_supported;
+      if (n->remote.length < 8 || n->remote.addr % 8 != 0) return errc::invalid_argument;
+      return {};
+    case op_kind::flush: return {};
+    default: break;
+  }
+  if (n->nbufs == 0xff) return errc::invalid_argument;
+  const bool into_local = n->kind == op_kind::get;
+  if (into_local && n->read_only) return errc::invalid_argument;
+  if (n->length > n->remote.length) return errc::out_of_range;
+  for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+    const asio::const_buffer b = n->bufs[i];
+    if (const memory_region* r = n->regions[i]) {
+      // A range of a region that has since been moved or reset is refused.
+      const auto* p = static_cast<const std::byte*>(b.data());
+      if (!*r || p < r->data() || b.size() > r->size() || p - r->data() > static_cast<std::ptrdiff_t>(r->size() - b.size())) {
+        return errc::invalid_argument;
+      }
+      if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
+      n->lkeys[i] = r->lkey();
+      continue;
+    }
+    try {
+      registration_cache::entry& e =
+          fab_->cache->pin(b.data(), b.size(), into_local ? access::local_write : access::none);
+      n->pins[n->npins++] = &e;
+      n->lkeys[i] = e.mr->lkey();
+    } catch (const std::exception& e) {
+      log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
+                 e.what());
+      return errc::registration_failed;
+    }
+  }
+  return {};
+}
+
+// A put or get goes out as work requests of at most sge_per_wr_ pieces and
+// fragment_ bytes each, the remote address advancing with them; a transfer
+// larger than the send queue can hold is queued in parts as it drains.
+bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept {
+  for (std::size_t wrs = 0; n->cur_buf < n->nbufs && wrs < max_wrs; ++wrs) {
+    const std::size_t slot = sq_queued_ % sq_.size();
+    transport::sge* sg = slot_sges(slot);
+    std::uint64_t bytes = 0;
+    std::uint32_t k = 0;
+    for (; k < sge_per_wr_ && n->cur_buf < n->nbufs && bytes < fragment_; ++k) {
+      const asio::const_buffer& b = n->bufs[n->cur_buf];
+      const std::uint64_t take = std::min<std::uint64_t>(b.size() - n->cur_off, fragment_ - bytes);
+      sg[k] = {reinterpret_cast<std::uint64_t>(b.data()) + n->cur_off, static_cast<std::uint32_t>(take),
+               n->lkeys[n->cur_buf]};
+      bytes += take;
+      n->cur_off += take;
+      if (n->cur_off == b.size()) {
+        ++n->cur_buf;
+        n->cur_off = 0;
+      }
+    }
+    const bool last = last_completes && n->cur_buf == n->nbufs;
+    transport::work_request& wr =
+        next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos, last ? n : nullptr);
+    wr.sg_list = {sg, k};
+    wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
+    wr.inline_data = false;
+    wr.remote_addr = n->remote.addr + n->issued;
+    wr.rkey = n->remote.rkey;
+    n->issued += bytes;
+  }
+  return n->cur_buf == n->nbufs;
+}
+
+connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bool post) noexcept {
+  switch (n->kind) {
+    case op_kind::flush:
+      // Complete once every work request queued before it has retired
+      // (each doorbell ends with a signaled one, so they all will).
+      send_waiting_.remove(n);
+      n->operand = sq_queued_;
+      if (sq_retired_ >= sq_queued_) {
+        ++stats_.flushes;
+        complete(n, post, {});
+      } else {
+        n->phase = op_phase::posted;
+        flushes_.push_back(n);
+      }
+      return start_result::started;
+    case op_kind::fetch_add:
+    case op_kind::compare_swap: {
+      if (sq_free() == 0) return start_result::blocked_queue;
+      const std::size_t slot = sq_queued_ % sq_.size();
+      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n);
+      *slot_sges(slot) = atomic_mr_->slice(slot * sizeof(std::uint64_t), sizeof(std::uint64_t));
+      wr.op = n->kind == op_kind::fetch_add ? transport::opcode::fetch_add : transport::opcode::compare_swap;
+      wr.inline_data = false;
+      wr.remote_addr = n->remote.addr;
+      wr.rkey = n->remote.rkey;
+      wr.compare_add = n->operand;
+      wr.swap = n->operand2;
+      break;
+    }
+    default: {  // put, get, put_notify
+      const bool notify = n->kind == op_kind::put_notify;
+      if (n->length == 0 && !notify) {
+        send_waiting_.remove(n);
+        complete(n, post, {}, 0);
+        return start_result::started;
+      }
+      // The data first, in parts while the send queue is short of room (the
+      // operation stays at the head, so nothing behind it overtakes it).
+      if (n->cur_buf < n->nbufs) {
+        if (sq_free() == 0) return start_result::blocked_queue;
+        n->phase = op_phase::posted;  // on the wire from here: no longer cancellable
+        if (!emit_segments(n, !notify, sq_free())) {
+          schedule();
+          return start_result::blocked_queue;
+        }
+        if (!notify) break;
+      }
+      // put_with_notify: then the notify message, which needs a credit.
+      if (credits_ < 2) {
+        schedule();
+        return credit_stall(n);
+      }
+      if (sq_free() == 0) {
+        schedule();
+        return start_result::blocked_queue;
+      }
+      const bool inl = protocol::kRtsSize <= fab_->inline_cap;
+      std::uint32_t buf = buffer_pool::npos;
+      if (!inl && !take_send_buffer(n, buf)) {
+        schedule();
+        return start_result::blocked_buffer;
+      }
+      if (n->stalled_buffer && buffer_timer_armed_) buffer_timer_.cancel();
+      {
+        // RC order: the peer sees the notification after the data is in place.
+        std::byte* out = stage_send(slot_kind::onesided_last, buf, n, protocol::kRtsSize);
+        --credits_;
+        protocol::encode(protocol::header{protocol::msg_type::notify, 0, take_owed(), n->value}, out);
+        protocol::encode(protocol::rts_body{n->length, n->remote.addr, n->remote.rkey, 0}, out + protocol::kHeaderSize);
+      }
+      break;
+    }
+  }
+  send_waiting_.remove(n);
+  n->phase = op_phase::posted;
+  schedule();
+  return start_result::started;
+}
+
+void connection_impl::on_onesided_done(op_node* n, transport::wc_status status, std::size_t slot, bool post) noexcept {
+  if (status != transport::wc_status::success) {
+    complete(n, post, error_ ? error_ : make_error_code(status));
+    return;
+  }
+  switch (n->kind) {
+    case op_kind::put:
+    case op_kind::put_notify:
+      ++stats_.puts;
+      stats_.bytes_put += n->length;
+      if (n->kind == op_kind::put_notify) ++stats_.notifications_sent;
+      break;
+    case op_kind::get:
+      ++stats_.gets;
+      stats_.bytes_got += n->length;
+      break;
+    default:
+      ++stats_.atomics;
+      n->result = atomic_results_[slot];
+      break;
+  }
+  complete(n, post, {}, static_cast<std::size_t>(n->length));
+}
+
+void connection_impl::complete_flushes(std::uint64_t done) noexcept {
+  while (flushes_.head != nullptr && flushes_.head->operand <= done) {
+    op_node* n = flushes_.pop_front();
+    ++stats_.flushes;
+    complete(n, false, {});
+  }
+}
+
+std::error_code connection_impl::receive_ending() const noexcept {
+  if (peer_closed_ || state_ == state::closed) return errc::connection_closed;
+  if (state_ == state::failed) return error_;
+  return {};
+}
+
+void connection_impl::end_receives(op_list& waiting, bool post) noexcept {
+  const std::error_code ec = receive_ending();
+  if (!ec) return;
+  while (op_node* n = waiting.pop_front()) complete(n, post, ec);
+}
+
+void connection_impl::deliver_notes(bool post) noexcept {
+  while (!note_waiting_.empty()) {
+    if (notes_head_ == notes_tail_) {
+      end_receives(note_waiting_, post);
+      return;
+    }
+    const note_entry e = notes_[notes_head_++ % notes_.size()];
+    op_node* n = note_waiting_.pop_front();
+    repost(e.buffer);
+    ++stats_.notifications_received;
+    n->note = e.note;
+    complete(n, post, {});
+  }
+}
+
+}  // namespace anydoor::detail

@@ -1,0 +1,366 @@
+// The connection engine's receive side: posted receives, incoming messages,
+// rendezvous reads, delivery to the waiting receives, and the peer's close.
+#include "connection_impl.hpp"
+
+#include <anydoor/error.hpp>
+
+#include "log.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+namespace anydoor::detail {
+
+// ---------------------------------------------------------------- receiving
+
+void connection_impl::queue_recv(std::uint32_t buffer) noexcept {
+  const std::size_t slot = rq_queued_ % rq_.size();
+  rq_[slot] = buffer;
+  rq_sge_[slot] = fab_->pool->slice(buffer, 0, fab_->recv_buffer);
+  recv_batch_.push_back({reactor::persistent_id(recv_base_, static_cast<std::uint32_t>(rq_queued_ & kTagMask)),
+                         {&rq_sge_[slot], 1}});
+  ++rq_queued_;
+}
+
+void connection_impl::repost(std::uint32_t buffer) noexcept {
+  if (qp_ == nullptr || state_ == state::failed || state_ == state::closed || peer_closed_) {
+    fab_->put_buffer(buffer);
+    return;
+  }
+  queue_recv(buffer);
+  ++owed_;
+  schedule();
+}
+
+void connection_impl::return_buffer(std::uint32_t index) noexcept {
+  // The message holds a reference until this returns.
+  repost(index);
+  maybe_release_self();
+}
+
+void connection_impl::on_recv_completion(const transport::completion& wc) noexcept {
+  auto keep = shared_from_this();
+  ++fab_->in_completion;
+  on_recv_completion_body(wc);
+  --fab_->in_completion;
+}
+
+void connection_impl::on_recv_completion_body(const transport::completion& wc) noexcept {
+  if (reactor_gave_up(wc)) {
+    fail(make_error_code(wc.status));
+    for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
+    rq_done_ = rq_posted_;
+    maybe_release_self();
+    return;
+  }
+  const std::uint64_t seq = full_seq(reactor::tag_of(wc.wr_id), rq_done_);
+  if (seq != rq_done_ || rq_done_ >= rq_posted_) {
+    log().error("connection: receive completion out of order (#{} expected #{}); dropped", seq, rq_done_);
+    return;
+  }
+  const std::uint32_t buffer = rq_[seq % rq_.size()];
+  ++rq_done_;
+  if (wc.status != transport::wc_status::success) {
+    fab_->put_buffer(buffer);
+    if (fail_unless_ending(wc, "receive") && peer_closed_ && state_ != state::failed && state_ != state::closed) {
+      state_ = state::closed;  // the peer tore the queue pair down after its close
+      error_ = errc::connection_closed;
+      park_partial_reads();
+      begin_drain();
+    }
+  } else {
+    handle_message(buffer, wc.byte_len);
+  }
+  progress_sends(false);
+  deliver(false);
+  maybe_release_self();
+}
+
+void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length) noexcept {
+  const std::byte* data = fab_->pool->data(buffer);
+  protocol::header h;
+  if (length > fab_->recv_buffer || !protocol::decode({data, length}, h)) {
+    log().warn("connection qp {}: malformed message ({} bytes, type {}) from the peer", qp_->qp_num(), length,
+               length > 0 ? std::to_integer<int>(data[0]) : -1);
+    fab_->put_buffer(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
+  credits_ += h.credits;
+  --peer_view_;
+  if (state_ != state::setup && credits_ > static_cast<std::int64_t>(peer_.credits)) {
+    log().warn("connection qp {}: the peer returned more credits than it has receives ({} > {})", qp_->qp_num(),
+               credits_, peer_.credits);
+    fab_->put_buffer(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
+  switch (h.type) {
+    case protocol::msg_type::eager:
+    case protocol::msg_type::rts: {
+      if (h.type == protocol::msg_type::rts) {
+        const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
+        if (b.length == 0 || b.length > opt_.max_message) {
+          log().warn("connection qp {}: rendezvous request of {} bytes (maximum {})", qp_->qp_num(), b.length,
+                     opt_.max_message);
+          fab_->put_buffer(buffer);
+          fail(errc::protocol_error);
+          return;
+        }
+      }
+      if (inbox_tail_ - inbox_head_ >= inbox_.size()) {  // cannot happen with a conforming peer
+        fab_->put_buffer(buffer);
+        fail(errc::protocol_error);
+        return;
+      }
+      inbox_[inbox_tail_++ % inbox_.size()] = {buffer, length, h.type == protocol::msg_type::rts};
+      return;
+    }
+    case protocol::msg_type::fin: {
+      op_node* n = active_.head;
+      while (n != nullptr && !(n->kind == op_kind::send && n->cookie == h.aux)) n = n->next;
+      repost(buffer);
+      if (n == nullptr) {
+        log().warn("connection qp {}: fin for unknown rendezvous {}", qp_->qp_num(), h.aux);
+        fail(errc::protocol_error);
+        return;
+      }
+      active_.remove(n);
+      n->mr.reset();
+      std::error_code ec;
+      switch (static_cast<protocol::fin_status>(h.status)) {
+        case protocol::fin_status::ok: break;
+        case protocol::fin_status::message_size: ec = errc::message_size; break;
+        case protocol::fin_status::no_memory: ec = errc::peer_out_of_memory; break;
+        case protocol::fin_status::read_failed: ec = errc::protocol_error; break;
+        default:
+          log().warn("connection qp {}: fin with unknown status {}", qp_->qp_num(), h.status);
+          n->mr.reset();
+          complete(n, false, errc::protocol_error);
+          fail(errc::protocol_error);
+          return;
+      }
+      if (!ec) {
+        ++stats_.messages_sent;
+        stats_.bytes_sent += n->length;
+      }
+      complete(n, false, ec, ec ? 0 : static_cast<std::size_t>(n->length));
+      return;
+    }
+    case protocol::msg_type::notify: {
+      const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
+      if (notes_tail_ - notes_head_ >= notes_.size()) {  // cannot happen with a conforming peer
+        fab_->put_buffer(buffer);
+        fail(errc::protocol_error);
+        return;
+      }
+      notes_[notes_tail_++ % notes_.size()] = {buffer, notification{h.aux, remote_region{b.addr, b.length, b.rkey}}};
+      return;
+    }
+    case protocol::msg_type::credit: repost(buffer); return;
+    case protocol::msg_type::close:
+      fab_->put_buffer(buffer);
+      on_peer_close();
+      return;
+  }
+}
+
+void connection_impl::on_peer_close() noexcept {
+  peer_closed_ = true;
+  log().debug("connection qp {}: the peer closed", qp_->qp_num());
+  end_waiting_sends(errc::connection_closed);
+  complete_parked(true);
+  end_rendezvous_sends(errc::connection_closed);
+  if (close_op_ != nullptr && !close_sent_) {
+    op_node* n = close_op_;
+    close_op_ = nullptr;
+    on_close_acked();
+    complete(n, true, {});
+  }
+  if (!parked_.empty() && state_ != state::failed && state_ != state::closed) {
+    // Transfers cut short by the close wait for their posted parts. The peer
+    // sends nothing more and its queue pair goes to error once its close is
+    // acknowledged, so ours does now: the parts come back at once (flushed)
+    // instead of waiting for a transport timeout.
+    on_close_acked();
+  }
+}
+
+void connection_impl::on_close_acked() noexcept {
+  state_ = state::closed;
+  error_ = errc::connection_closed;
+  if (close_op_ != nullptr) {
+    op_node* n = close_op_;
+    close_op_ = nullptr;
+    complete(n, false, {});
+  }
+  // Flush the receives: their buffers go back to the pool.
+  if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+  park_partial_reads();
+  begin_drain();
+  deliver(false);
+}
+
+// Starts reading a rendezvous message: its destination is registered (and,
+// for async_receive(), allocated within the rendezvous_memory budget), then
+// the READs go out in fragments as the send queue has room.
+bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexcept {
+  if (sq_free() == 0) return false;
+  const bool allocate = n->kind == op_kind::receive_message;
+  if (allocate && rendezvous_held_ + b.length > opt_.rendezvous_memory) {  // after earlier reads
+    budget_blocked_ = true;
+    return false;
+  }
+  // Off the waiting list before it joins another (the lists share the node's links).
+  recv_waiting_.remove(n);
+  try {
+    std::byte* dst;
+    if (!allocate) {
+      dst = static_cast<std::byte*>(n->dest.data());
+    } else {
+      n->large.reset(new std::byte[b.length]);
+      dst = n->large.get();
+    }
+    n->mr = fab_->pd->register_memory(dst, b.length, transport::access::local_write);
+  } catch (const std::exception& e2) {
+    log().warn("connection: cannot receive a {}-byte message: {}", b.length, e2.what());
+    n->large.reset();
+    return true;  // the caller sees no mr and fails the operation
+  }
+  if (allocate) {
+    rendezvous_held_ += b.length;
+    if (std::exchange(budget_blocked_, false)) ++stats_.rendezvous_waits;
+  }
+  n->cookie = b.cookie;
+  n->length = b.length;
+  n->remote = remote_region{b.addr, b.length, b.rkey};
+  n->issued = 0;
+  n->phase = op_phase::posted;
+  active_.push_back(n);
+  issue_reads(n);
+  return true;
+}
+
+void connection_impl::issue_reads(op_node* n) noexcept {
+  bool queued = false;
+  while (n->issued < n->length && sq_free() > 0) {
+    const std::uint64_t off = n->issued;
+    const auto len = static_cast<std::uint32_t>(std::min(fragment_, n->length - off));
+    const bool last = off + len == n->length;
+    transport::work_request& wr = next_wr(last ? slot_kind::read_last : slot_kind::none, buffer_pool::npos,
+                                          last ? n : nullptr);
+    *slot_sges((sq_queued_ - 1) % sq_.size()) = n->mr->slice(off, len);
+    wr.op = transport::opcode::read;
+    wr.inline_data = false;
+    wr.remote_addr = n->remote.addr + off;
+    wr.rkey = n->remote.rkey;
+    n->issued += len;
+    queued = true;
+  }
+  if (queued) schedule();
+}
+
+void connection_impl::continue_reads() noexcept {
+  for (op_node* p = active_.head; p != nullptr && sq_free() > 0; p = p->next) {
+    if (p->kind != op_kind::send && p->issued < p->length) issue_reads(p);
+  }
+}
+
+void connection_impl::on_read_done(op_node* n, transport::wc_status status) noexcept {
+  active_.remove(n);
+  if (n->kind == op_kind::receive_message) rendezvous_held_ -= n->length;
+  if (status != transport::wc_status::success || state_ == state::failed) {
+    fins_.push_back({n->cookie, protocol::fin_status::read_failed});
+    complete(n, false, error_ ? error_ : make_error_code(status));
+    return;
+  }
+  fins_.push_back({n->cookie, protocol::fin_status::ok});
+  schedule();
+  ++stats_.messages_received;
+  stats_.bytes_received += n->length;
+  const auto len = static_cast<std::size_t>(n->length);
+  if (n->kind == op_kind::receive_buffer) {
+    complete(n, false, {}, len);
+    return;
+  }
+  message m;
+  m.owner_ = shared_from_this();
+  m.large_ = std::make_unique<op_node>();
+  m.large_->large = std::move(n->large);
+  m.large_->mr = std::move(n->mr);
+  m.data_ = m.large_->large.get();
+  m.size_ = len;
+  complete_message(n, false, std::move(m));
+}
+
+void connection_impl::deliver(bool post) noexcept {
+  if (!note_waiting_.empty()) deliver_notes(post);
+  while (!recv_waiting_.empty()) {
+    if (inbox_head_ == inbox_tail_) {
+      end_receives(recv_waiting_, post);
+      return;
+    }
+    const inbox_entry e = inbox_[inbox_head_ % inbox_.size()];
+    op_node* n = recv_waiting_.head;
+    const std::byte* data = fab_->pool->data(e.buffer);
+    if (!e.rts) {
+      ++inbox_head_;
+      recv_waiting_.remove(n);
+      const std::size_t len = e.length - protocol::kHeaderSize;
+      if (n->kind == op_kind::receive_message) {
+        ++stats_.messages_received;
+        stats_.bytes_received += len;
+        message m;
+        m.owner_ = shared_from_this();
+        m.data_ = data + protocol::kHeaderSize;
+        m.size_ = len;
+        m.buffer_ = e.buffer;
+        complete_message(n, post, std::move(m));
+      } else if (len > n->dest.size()) {
+        repost(e.buffer);
+        complete(n, post, errc::message_size);
+      } else {
+        if (len > 0) std::memcpy(n->dest.data(), data + protocol::kHeaderSize, len);
+        repost(e.buffer);
+        ++stats_.messages_received;
+        stats_.bytes_received += len;
+        complete(n, post, {}, len);
+      }
+      continue;
+    }
+    const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
+    if (state_ == state::failed || state_ == state::closed) {
+      ++inbox_head_;
+      recv_waiting_.remove(n);
+      fab_->put_buffer(e.buffer);
+      complete(n, post, state_ == state::failed ? error_ : std::error_code(errc::connection_closed));
+      continue;
+    }
+    // Larger than the caller's buffer, or than what this connection may
+    // allocate for it: refused on both sides, never truncated.
+    if ((n->kind == op_kind::receive_buffer && b.length > n->dest.size()) ||
+        (n->kind == op_kind::receive_message && b.length > opt_.rendezvous_memory)) {
+      if (n->kind == op_kind::receive_message) {
+        log().warn("connection qp {}: a {}-byte message exceeds rendezvous_memory ({} bytes); refused",
+                   qp_->qp_num(), b.length, opt_.rendezvous_memory);
+      }
+      ++inbox_head_;
+      recv_waiting_.remove(n);
+      fins_.push_back({b.cookie, protocol::fin_status::message_size});
+      repost(e.buffer);
+      complete(n, post, errc::message_size);
+      continue;
+    }
+    if (!start_read(n, b)) return;  // no room now: retried after completions (start_read took n off the list)
+    ++inbox_head_;
+    repost(e.buffer);
+    if (n->mr == nullptr) {
+      fins_.push_back({b.cookie, protocol::fin_status::no_memory});
+      complete(n, post, errc::registration_failed);
+    }
+  }
+}
+
+}  // namespace anydoor::detail

@@ -1,0 +1,423 @@
+// The connection engine's send side: messages and control messages into the
+// send queue, flushing them to the queue pair, and retiring send completions.
+#include "connection_impl.hpp"
+
+#include <anydoor/error.hpp>
+
+#include "log.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+namespace anydoor::detail {
+
+// ---------------------------------------------------------------- sending
+
+std::uint32_t connection_impl::sq_free() const noexcept {
+  return static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_));
+}
+
+std::uint16_t connection_impl::take_owed() noexcept {
+  const auto n = static_cast<std::uint16_t>(std::min<std::uint32_t>(owed_, 0xffff));
+  owed_ -= n;
+  peer_view_ += n;
+  return n;
+}
+
+transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t buffer, op_node* op) noexcept {
+  const std::size_t slot = sq_queued_ % sq_.size();
+  sq_[slot] = {buffer, kind, op, false};
+  transport::work_request& wr = batch_.emplace_back();  // capacity = send_queue >= queued
+  wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_queued_ & kTagMask));
+  wr.sg_list = {slot_sges(slot), 1};
+  ++sq_queued_;
+  return wr;  // the caller schedules the flush (after posting its completion)
+}
+
+std::byte* connection_impl::stage_send(slot_kind kind, std::uint32_t buf, op_node* op, std::uint32_t wire) noexcept {
+  const bool inl = buf == buffer_pool::npos;
+  transport::work_request& wr = next_wr(kind, buf, op);
+  const std::size_t slot = (sq_queued_ - 1) % sq_.size();
+  std::byte* out = inl ? inline_stage_.data() + slot * fab_->inline_cap : fab_->pool->data(buf);
+  *slot_sges(slot) = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), wire, 0}
+                         : fab_->pool->slice(buf, 0, wire);
+  wr.op = transport::opcode::send;
+  wr.inline_data = inl;
+  return out;
+}
+
+connection_impl::start_result connection_impl::try_start(op_node* n, bool post) noexcept {
+  if (is_onesided(n->kind)) return try_start_onesided(n, post);
+  if (n->nbufs == 0xff) {
+    send_waiting_.remove(n);
+    complete(n, post, errc::invalid_argument);
+    return start_result::started;
+  }
+  if (n->length > peer_.max_message) {
+    send_waiting_.remove(n);
+    complete(n, post, errc::message_size);
+    return start_result::started;
+  }
+  const bool eager = n->length <= eager_limit_;
+  if (!eager && n->nbufs != 1) {
+    send_waiting_.remove(n);
+    complete(n, post, errc::invalid_argument);
+    return start_result::started;
+  }
+  if (credits_ < 2) return credit_stall(n);
+  if (sq_free() == 0) return start_result::blocked_queue;
+  const std::size_t wire = eager ? protocol::kHeaderSize + n->length : protocol::kRtsSize;
+  const bool inl = wire <= fab_->inline_cap;
+  std::uint32_t buf = buffer_pool::npos;
+  if (!inl && !take_send_buffer(n, buf)) return start_result::blocked_buffer;
+  if (!eager) {
+    try {
+      n->mr = fab_->pd->register_memory(const_cast<void*>(n->bufs[0].data()), n->bufs[0].size(),
+                                        transport::access::remote_read);
+    } catch (const std::system_error& e) {
+      log().warn("connection: registering a {}-byte rendezvous source failed: {}", n->length, e.what());
+      if (buf != buffer_pool::npos) fab_->put_buffer(buf);
+      send_waiting_.remove(n);
+      complete(n, post, e.code());
+      return start_result::started;
+    }
+  }
+  if (n->stalled_buffer && buffer_timer_armed_) buffer_timer_.cancel();
+  std::byte* out = stage_send(slot_kind::message, buf, nullptr, static_cast<std::uint32_t>(wire));
+  --credits_;
+  protocol::header h{eager ? protocol::msg_type::eager : protocol::msg_type::rts, 0, take_owed(), 0};
+  protocol::encode(h, out);
+  if (eager) {
+    std::byte* p = out + protocol::kHeaderSize;
+    for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+      std::memcpy(p, n->bufs[i].data(), n->bufs[i].size());
+      p += n->bufs[i].size();
+    }
+  } else {
+    n->cookie = next_cookie_++;
+    if (next_cookie_ == 0) next_cookie_ = 1;
+    protocol::encode(protocol::rts_body{n->length, reinterpret_cast<std::uint64_t>(n->bufs[0].data()), n->mr->rkey(),
+                                        n->cookie},
+                     out + protocol::kHeaderSize);
+  }
+  send_waiting_.remove(n);
+  if (eager) {
+    ++stats_.eager_sends;
+    if (inl) ++stats_.inline_sends;
+    ++stats_.messages_sent;
+    stats_.bytes_sent += n->length;
+    if (post && n->handler.runs_on_io()) {
+      n->phase = op_phase::done;
+      if (fab_->in_completion > 0) {
+        // Started by a handler of a completion (a reply): completes right
+        // after its doorbell, at the end of the reactor's pass, with no
+        // handler posted and no io_context round in between.
+        at_doorbell_.push_back(n);
+      } else {
+        ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
+        n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
+        release(n);
+      }
+    } else {
+      complete(n, post, {}, static_cast<std::size_t>(n->length));
+    }
+  } else {
+    ++stats_.rendezvous_sends;
+    n->phase = op_phase::posted;
+    active_.push_back(n);
+  }
+  schedule();
+  return start_result::started;
+}
+
+// A message (or notification) waits for the peer's credits; the last one
+// is kept for control messages.
+connection_impl::start_result connection_impl::credit_stall(op_node* n) noexcept {
+  if (!n->stalled_credit) {
+    n->stalled_credit = true;
+    ++stats_.credit_stalls;
+  }
+  return start_result::blocked_credit;
+}
+
+bool connection_impl::take_send_buffer(op_node* n, std::uint32_t& buf) noexcept {
+  buf = fab_->pool->try_get();
+  if (buf != buffer_pool::npos) return true;
+  if (!n->stalled_buffer) {
+    n->stalled_buffer = true;
+    ++stats_.buffer_stalls;
+    n->deadline = std::chrono::steady_clock::now() + opt_.buffer_wait;
+  }
+  wait_for_buffer();
+  arm_buffer_timer();
+  return false;
+}
+
+void connection_impl::wait_for_buffer() noexcept {
+  if (waiting_buffer) return;
+  waiting_buffer = true;
+  fab_->wait_for_buffer(this);
+}
+
+bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept {
+  if (credits_ < 1 || sq_free() == 0) return false;
+  const bool inl = protocol::kHeaderSize <= fab_->inline_cap;
+  std::uint32_t buf = buffer_pool::npos;
+  if (!inl) {
+    buf = fab_->pool->try_get();
+    if (buf == buffer_pool::npos) {
+      wait_for_buffer();
+      return false;
+    }
+  }
+  op_node* op = type == protocol::msg_type::close ? close_op_ : nullptr;
+  std::byte* out = stage_send(slot_kind::control, buf, op, protocol::kHeaderSize);
+  --credits_;
+  protocol::encode(protocol::header{type, status, take_owed(), aux}, out);
+  if (type == protocol::msg_type::credit) ++stats_.credit_messages;
+  schedule();
+  return true;
+}
+
+void connection_impl::post_fins() noexcept {
+  std::size_t done = 0;
+  while (done < fins_.size() && enqueue_control(protocol::msg_type::fin, static_cast<std::uint8_t>(fins_[done].status),
+                                                fins_[done].cookie)) {
+    ++done;
+  }
+  fins_.erase(fins_.begin(), fins_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
+bool connection_impl::progress_sends(bool post) noexcept {
+  if (state_ != state::open && state_ != state::closing) return false;
+  if (!fins_.empty()) post_fins();
+  continue_reads();
+  while (!send_waiting_.empty()) {
+    if (try_start(send_waiting_.head, post) != start_result::started) return false;
+  }
+  if (state_ == state::closing && close_op_ != nullptr && !close_sent_ && fins_.empty()) {
+    bool rendezvous_out = false;
+    for (op_node* p = active_.head; p != nullptr; p = p->next) rendezvous_out |= p->kind == op_kind::send;
+    if (!rendezvous_out && enqueue_control(protocol::msg_type::close, 0, 0)) close_sent_ = true;
+  }
+  return true;
+}
+
+void connection_impl::maybe_send_credits() noexcept {
+  if (state_ != state::open && state_ != state::closing) return;
+  if (peer_closed_ || owed_ < 2) return;
+  if (owed_ >= opt_.credits / 2u || peer_view_ <= 1) (void)enqueue_control(protocol::msg_type::credit, 0, 0);
+}
+
+void connection_impl::arm_buffer_timer() noexcept {
+  if (buffer_timer_armed_ || send_waiting_.empty()) return;
+  buffer_timer_armed_ = true;
+  buffer_timer_.expires_at(send_waiting_.head->deadline);
+  buffer_timer_.async_wait([w = weak_from_this()](const boost::system::error_code& ec) {
+    auto self = w.lock();
+    if (!self) return;
+    self->buffer_timer_armed_ = false;
+    if (ec) return;
+    op_node* head = self->send_waiting_.head;
+    // A put_with_notify whose data is posted waits for its buffer: its
+    // memory is in use until the data is back.
+    if (head == nullptr || !head->stalled_buffer || head->phase == op_phase::posted) return;
+    if (std::chrono::steady_clock::now() >= head->deadline) {
+      log().warn("connection: no pool buffer for {} ms; failing a {}-byte send", self->opt_.buffer_wait.count(),
+                 head->length);
+      self->send_waiting_.remove(head);
+      self->complete(head, true, errc::no_buffer_space);
+      self->progress_sends(true);
+    }
+    self->arm_buffer_timer();
+  });
+}
+
+void connection_impl::on_buffer_available() noexcept {
+  waiting_buffer = false;
+  schedule();
+}
+
+void connection_impl::schedule() noexcept {
+  if (fab_->in_completion > 0) urgent = true;
+  if (dirty) return;
+  dirty = true;
+  fab_->schedule_flush(this);
+}
+
+void connection_impl::flush() noexcept {
+  flush_now();  // what it queues itself goes out with it: no new flush is scheduled meanwhile
+  dirty = false;
+  urgent = false;
+  // Their work requests are posted now (had the post failed, fail() would
+  // have completed them with its error), so they are outstanding and self_
+  // keeps this connection alive even if a handler drops its last handle.
+  // What the handlers queue starts a new flush; one that aborts the
+  // connection does not turn the others' posted sends into failures.
+  op_list posted = std::exchange(at_doorbell_, op_list{});
+  while (op_node* n = posted.pop_front()) complete(n, false, {}, static_cast<std::size_t>(n->length));
+}
+
+void connection_impl::flush_now() noexcept {
+  // During setup the connect/accept thread owns the queue pair: what is
+  // queued waits for on_connected.
+  if (qp_ == nullptr || state_ == state::setup) return;
+  if (!send_waiting_.empty() || !fins_.empty() || (close_op_ != nullptr && !close_sent_)) progress_sends(true);
+  if (!recv_batch_.empty()) {
+    std::size_t bad = 0;
+    if (auto ec = qp_->post_recv(recv_batch_, &bad)) {
+      log().error("connection qp {}: post_recv failed: {}", qp_->qp_num(), ec.message());
+      fail(ec);
+      return;
+    }
+    stats_.recv_posts += recv_batch_.size();
+    rq_posted_ = rq_queued_;
+    recv_batch_.clear();
+  }
+  maybe_send_credits();
+  if (batch_.empty()) return;
+  const std::uint32_t k = opt_.signal_interval;
+  for (std::size_t i = 0; i < batch_.size(); ++i) {
+    sq_slot& s = sq_[(sq_posted_ + i) % sq_.size()];
+    const bool must = s.kind == slot_kind::read_last || s.op != nullptr || i + 1 == batch_.size();
+    if (must || ++since_signal_ >= k) {
+      since_signal_ = 0;
+      s.signaled = true;
+      batch_[i].signaled = true;
+      ++stats_.signaled;
+      fab_->busy();
+    } else {
+      batch_[i].signaled = false;
+    }
+  }
+  std::size_t bad = 0;
+  if (auto ec = qp_->post_send(batch_, &bad)) {
+    log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_->qp_num(), batch_.size(), bad,
+                ec.message());
+    fail(ec);
+    return;
+  }
+  stats_.posts += batch_.size();
+  ++stats_.doorbells;
+  sq_posted_ = sq_queued_;
+  batch_.clear();
+}
+
+// Work requests queued but never posted (the connection failed first).
+void connection_impl::drop_unposted() noexcept {
+  for (std::uint64_t i = sq_posted_; i < sq_queued_; ++i) {
+    sq_slot s = sq_[i % sq_.size()];
+    sq_[i % sq_.size()] = {};
+    if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
+    if (s.signaled) fab_->idle();
+    // Its last part never goes out; earlier parts may be posted and use its
+    // memory: it ends once they are back.
+    if (s.kind == slot_kind::read_last && s.op != nullptr) {
+      active_.remove(s.op);
+      park(s.op);
+    }
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) park(s.op);
+  }
+  sq_queued_ = sq_posted_;
+  batch_.clear();
+  for (op_node* p = parked_.head; p != nullptr; p = p->next) p->operand = std::min(p->operand, sq_posted_);
+  for (std::uint64_t i = rq_posted_; i < rq_queued_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
+  rq_queued_ = rq_posted_;
+  recv_batch_.clear();
+}
+
+std::uint64_t connection_impl::full_seq(std::uint32_t tag, std::uint64_t base) const noexcept {
+  std::uint64_t seq = (base & ~std::uint64_t{kTagMask}) | tag;
+  if (seq < base) seq += std::uint64_t{kTagMask} + 1;
+  return seq;
+}
+
+void connection_impl::retire_through(std::uint64_t seq, transport::wc_status status) noexcept {
+  while (sq_retired_ <= seq && sq_retired_ < sq_posted_) {
+    const std::uint64_t i = sq_retired_;
+    sq_slot s = sq_[i % sq_.size()];
+    sq_[i % sq_.size()] = {};
+    ++sq_retired_;
+    if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
+    if (s.signaled) fab_->idle();
+    const transport::wc_status st = i == seq ? status : transport::wc_status::success;
+    if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, i % sq_.size(), false);
+    if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
+      // Acknowledged; or flushed because both sides closed at once and the
+      // peer, its own close acknowledged, tore the queue pair down first:
+      // its close arrived, so it has closed too.
+      if (st == transport::wc_status::success || peer_closed_) on_close_acked();
+    }
+  }
+  // A flush covers the work requests before its target: those before a
+  // failed one succeeded.
+  complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(seq, sq_retired_));
+  complete_parked(false);
+}
+
+// An operation that ended early (the connection failed or the peer closed)
+// while parts of it were posted: it completes with the error once those
+// parts are back, never while the device may still use its memory.
+void connection_impl::park(op_node* n) noexcept {
+  n->operand = sq_queued_;
+  n->phase = op_phase::posted;
+  parked_.push_back(n);
+}
+
+void connection_impl::complete_parked(bool post) noexcept {
+  while (parked_.head != nullptr && parked_.head->operand <= sq_retired_) {
+    op_node* n = parked_.pop_front();
+    if (n->kind == op_kind::receive_message && n->mr != nullptr) rendezvous_held_ -= n->length;
+    complete(n, post, error_ ? error_ : std::error_code(errc::connection_closed));
+  }
+}
+
+// Rendezvous reads started in part whose last fragment can no longer be
+// issued (the connection is failed or closed).
+void connection_impl::park_partial_reads() noexcept {
+  for (op_node* n = active_.head; n != nullptr;) {
+    op_node* next = n->next;
+    if (n->kind != op_kind::send && n->issued < n->length) {
+      active_.remove(n);
+      if (n->issued == 0) {
+        if (n->kind == op_kind::receive_message) rendezvous_held_ -= n->length;
+        complete(n, true, error_ ? error_ : std::error_code(errc::connection_closed));
+      } else {
+        park(n);
+      }
+    }
+    n = next;
+  }
+  complete_parked(true);
+}
+
+void connection_impl::on_send_completion(const transport::completion& wc) noexcept {
+  auto keep = shared_from_this();
+  ++fab_->in_completion;
+  on_send_completion_body(wc);
+  --fab_->in_completion;
+}
+
+void connection_impl::on_send_completion_body(const transport::completion& wc) noexcept {
+  const std::uint64_t seq = full_seq(reactor::tag_of(wc.wr_id), sq_retired_);
+  if (reactor_gave_up(wc)) {
+    // The reactor gave up on the completion queue: everything outstanding is lost.
+    fail(make_error_code(wc.status));
+    retire_through(sq_posted_ - 1, transport::wc_status::work_request_flushed);
+    maybe_release_self();
+    return;
+  }
+  if (wc.status != transport::wc_status::success) {
+    // Failed first: the handlers that retiring runs see a failed connection.
+    (void)fail_unless_ending(wc, "send");
+  }
+  retire_through(seq, wc.status);
+  progress_sends(false);
+  deliver(false);
+  maybe_release_self();
+}
+
+}  // namespace anydoor::detail
