@@ -518,6 +518,7 @@ void connection::abort() noexcept {
   if (impl_ != nullptr) impl_->abort();
 }
 connection_stats connection::stats() const noexcept { return impl_ ? impl_->stats() : connection_stats{}; }
+transport::path_info connection::path() const noexcept { return impl_ ? impl_->path() : transport::path_info{}; }
 const peer_parameters& connection::peer() const noexcept {
   static const peer_parameters none{};
   return impl_ ? impl_->peer() : none;

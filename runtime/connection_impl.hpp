@@ -40,6 +40,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Throws std::system_error.
   void prepare();
   transport::queue_pair& qp() noexcept { return *qp_; }
+  transport::path_info path() const noexcept { return qp_ != nullptr ? qp_->path() : transport::path_info{}; }
   // The handshake is done: the peer's parameters are known.
   void on_connected(const protocol::hello& peer);
   void on_setup_failed() noexcept;  // the queue pair never connected

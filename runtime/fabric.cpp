@@ -465,8 +465,8 @@ void acceptor::state::serve(const std::stop_token& stop) {
       protocol::hello r;
       r.kind = protocol::hello_kind::refuse;
       r.reason = detail::refuse_for(why);
+      fab->refused.fetch_add(1, std::memory_order_relaxed);  // counted before the client can see it
       req->reject(protocol::encode(r));
-      fab->refused.fetch_add(1, std::memory_order_relaxed);
       log().warn("fabric: accept: refused a connection attempt: {}", why.message());
     };
     if (ec) {
@@ -479,6 +479,7 @@ void acceptor::state::serve(const std::stop_token& stop) {
       std::lock_guard lock(m);
       wants = true;
       offered = false;
+      offer = nullptr;
     }
     asio::post(io, [weak] {
       if (auto s = weak.lock()) s->offer_candidate();
@@ -536,13 +537,20 @@ void acceptor::state::offer_candidate() {
     ec = e.code();
     cand.reset();
   }
-  in_use = cand;
   {
     std::lock_guard lock(m);
+    if (!wants || offered) {
+      // The worker stopped waiting meanwhile (the attempt outlived the
+      // handshake timeout): the candidate is nobody's. Keeping it in in_use
+      // would block every later offer.
+      if (cand != nullptr) cand->on_setup_failed();
+      return;
+    }
     offer = cand.get();
     offer_ec = ec;
     offered = true;
   }
+  in_use = cand;
   cv.notify_one();
 }
 

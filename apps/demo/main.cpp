@@ -190,13 +190,18 @@ int echo_client(std::uint16_t port) {
     auto delta = [](const std::optional<std::uint64_t>& a, const std::optional<std::uint64_t>& b) {
       return a && b ? std::to_string(*b - *a) : std::string("not kept");
     };
+    auto unchanged = [](const std::optional<std::uint64_t>& a, const std::optional<std::uint64_t>& b) {
+      return !a || !b || *a == *b;
+    };
     const bool rnr_readable = dev0.rnr_naks_sent.has_value() || dev0.rnr_naks_received.has_value();
-    const bool rnr_none = rnr_readable && (!dev0.rnr_naks_sent || *dev1.rnr_naks_sent == *dev0.rnr_naks_sent) &&
-                          (!dev0.rnr_naks_received || *dev1.rnr_naks_received == *dev0.rnr_naks_received);
+    const bool rnr_none = unchanged(dev0.rnr_naks_sent, dev1.rnr_naks_sent) &&
+                          unchanged(dev0.rnr_naks_received, dev1.rnr_naks_received);
+    // A device without RNR counters (siw, a container without /sys) cannot
+    // be checked: said, not failed; the tests require them on tcp and rxe.
     std::printf("runtime      device RNR NAKs during the demo: %s sent, %s received (%s)%s\n",
                 delta(dev0.rnr_naks_sent, dev1.rnr_naks_sent).c_str(),
                 delta(dev0.rnr_naks_received, dev1.rnr_naks_received).c_str(), dev0.source.c_str(),
-                rnr_readable ? "" : ": cannot check RNR");
+                rnr_readable ? "" : ": not checked");
     rc = same && st.rendezvous_sends == 8 && st.rnr_naks == 0 && rnr_none && put_same && last == 99 ? 0 : 1;
   }, [](std::exception_ptr e) {
     if (!e) return;

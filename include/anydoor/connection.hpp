@@ -335,6 +335,9 @@ class connection {
   void abort() noexcept;
 
   connection_stats stats() const noexcept;
+  // The path the connection's queue pair uses (verbs: the GIDs and the
+  // source GID's index; tcp: the socket's addresses); zeros once it is gone.
+  transport::path_info path() const noexcept;
   const peer_parameters& peer() const noexcept;
   std::uint32_t eager_limit() const noexcept;  // effective: ours capped by the peer's receive buffer
 

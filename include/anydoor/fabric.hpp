@@ -14,7 +14,8 @@
 // setup blocks in the provider (rdma_cm, the tcp handshake) and runs on a
 // short-lived helper thread; its result is delivered on the io_context.
 // A fabric, its connections and their messages belong to one thread; the
-// fabric must outlive them.
+// fabric must outlive them (and its acceptors), and the io_context must
+// outlive the fabric.
 #pragma once
 
 #include <anydoor/buffer_pool.hpp>
@@ -90,6 +91,10 @@ class fabric {
   // Opens the device (provider=auto: verbs when a device with an active port
   // exists, else tcp; logged). Throws std::system_error.
   fabric(asio::io_context& io, fabric_options options = {});
+  // Destroy it on its io_context's thread, or while no run() is active:
+  // connection attempts still in progress are stopped (within ~50 ms; a
+  // host name being resolved finishes resolving first) and complete with
+  // operation_canceled when the io_context runs next.
   ~fabric();
   fabric(const fabric&) = delete;
   fabric& operator=(const fabric&) = delete;
@@ -125,7 +130,9 @@ class fabric {
   // Connects to "host:port". void(error_code, connection). Errors:
   // errc::connection_refused, connection_rejected, authentication_failed,
   // version_mismatch, protocol_error, timed_out, address_error,
-  // too_many_connections, invalid_argument (a malformed address).
+  // too_many_connections (also: the listener's application did not accept
+  // within its handshake_timeout), invalid_argument (a malformed address),
+  // operation_canceled (the fabric was destroyed meanwhile).
   template <class Token>
   auto async_connect(std::string_view address, Token&& token) {
     return asio::async_initiate<Token, void(error_code, connection)>(

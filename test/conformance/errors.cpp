@@ -197,14 +197,13 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     // The devices' own counters see the NAKs (verbs: the NIC's port counters,
     // shared by both ends in one machine; tcp: each device its own side).
     const tp::device_counters a0 = p.a.dev->counters(), b0 = p.b.dev->counters();
-    INFO("device counters: " << a0.source);
-    REQUIRE(a0.rnr_naks_received.has_value());
-    REQUIRE(b0.rnr_naks_sent.has_value());
+    const bool a_counts = device_keeps(*p.a.dev, a0.rnr_naks_received, "rnr_naks_received");
+    const bool b_counts = device_keeps(*p.b.dev, b0.rnr_naks_sent, "rnr_naks_sent");
     REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
     CHECK(p.drv.settle(p.a.cq.get(), 100ms).empty());
     if (testing_tcp()) CHECK(p.a.qp->counters().rnr_naks_received >= 2);  // verbs: no per-QP RNR counter
-    CHECK(*p.a.dev->counters().rnr_naks_received - *a0.rnr_naks_received >= 2);
-    CHECK(*p.b.dev->counters().rnr_naks_sent - *b0.rnr_naks_sent >= 2);
+    if (a_counts) CHECK(*p.a.dev->counters().rnr_naks_received - *a0.rnr_naks_received >= 2);
+    if (b_counts) CHECK(*p.b.dev->counters().rnr_naks_sent - *b0.rnr_naks_sent >= 2);
     CHECK(p.a.qp->state() == tp::qp_state::rts);
     tp::sge rsg = dmr->slice(0, 32);
     tp::recv_request rr{.wr_id = 61, .sg_list = {&rsg, 1}};
@@ -219,8 +218,7 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     tp::sge ssg = smr->slice(0, 32);
     tp::work_request wrs[] = {send_wr(62, {&ssg, 1}), send_wr(63, {&ssg, 1}, false)};
     const tp::device_counters a0 = p.a.dev->counters();
-    INFO("device counters: " << a0.source);
-    REQUIRE(a0.rnr_retry_exceeded.has_value());
+    const bool a_counts = device_keeps(*p.a.dev, a0.rnr_retry_exceeded, "rnr_retry_exceeded");
     const auto t0 = std::chrono::steady_clock::now();
     REQUIRE_FALSE(p.a.qp->post_send(wrs));
     auto c = p.drv.wait(p.a.cq.get(), 2);
@@ -231,7 +229,7 @@ TEST_CASE("RNR: a send with no posted receive is retried", "[conformance]") {
     CHECK(c[1].wr_id == 63);
     CHECK(c[1].status == tp::wc_status::work_request_flushed);
     if (testing_tcp()) CHECK(p.a.qp->counters().rnr_naks_received == 3);  // verbs: no per-QP RNR counter
-    CHECK(*p.a.dev->counters().rnr_retry_exceeded - *a0.rnr_retry_exceeded == 1);
+    if (a_counts) CHECK(*p.a.dev->counters().rnr_retry_exceeded - *a0.rnr_retry_exceeded == 1);
     CHECK(p.a.qp->state() == tp::qp_state::error);
   }
   SECTION("requests behind an RNR-NAKed send stay in order") {

@@ -247,6 +247,11 @@ connect_result verbs_device::connect(queue_pair& qp, const std::string& host, st
   const int timeout_ms = static_cast<int>(std::max<long long>(timeout.count(), 1));
   rdma_addrinfo* res = resolve(host, port, false, result.ec);
   if (res == nullptr) return result;
+  if (stop.stop_requested()) {  // while resolving (which cannot be interrupted)
+    rdma_freeaddrinfo(res);
+    result.ec = std::make_error_code(std::errc::operation_canceled);
+    return result;
+  }
   rdma_event_channel* ch = rdma_create_event_channel();
   rdma_cm_id* id = nullptr;
   auto fail = [&](std::error_code ec, const char* what) {

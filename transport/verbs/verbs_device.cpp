@@ -134,6 +134,13 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
                                         name + " has no IPv4 address, and rdma_cm selects a GID only through "
                                         "the connection's source address");
           }
+          if (e.gid_type != IBV_GID_TYPE_ROCE_V2) {
+            // rdma_cm would use the port's default RoCE type for that
+            // address, not this entry: forcing it would be a lie.
+            throw std::system_error(errc::invalid_argument,
+                                    "ANYDOOR_GID_INDEX=" + std::string(g) + ": GID " + std::to_string(gi) + " of " +
+                                        name + " is not RoCE v2; only RoCE v2 GIDs can be forced");
+          }
           state_->gid_index = static_cast<int>(gi);
           state_->gid_forced = true;
           state_->gid_ipv4 = ipv4_of(e.gid);

@@ -12,7 +12,9 @@
 // to its completion queues safely. Create queue pairs and post their first
 // receives on the completion queue's thread. A blocking setup call given a
 // std::stop_token returns within about 50 ms of a stop request, with
-// std::errc::operation_canceled, leaving the queue pair unconnected.
+// std::errc::operation_canceled, leaving the queue pair unconnected; name
+// resolution (getaddrinfo) cannot be interrupted: a host name may delay
+// the stop by its resolver's timeout (numeric addresses do not).
 #pragma once
 
 #include <anydoor/transport/types.hpp>
