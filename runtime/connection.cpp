@@ -513,6 +513,11 @@ connection::~connection() {
   if (impl_ != nullptr) impl_->on_handle_released();
 }
 
+asio::io_context::executor_type connection::get_executor() const {
+  if (!impl_) throw std::system_error(make_error_code(errc::not_connected), "connection::get_executor: empty");
+  return detail::io_executor(*impl_);
+}
+
 bool connection::is_open() const noexcept { return impl_ != nullptr && impl_->is_open(); }
 void connection::abort() noexcept {
   if (impl_ != nullptr) impl_->abort();

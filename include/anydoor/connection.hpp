@@ -335,6 +335,9 @@ class connection {
   void abort() noexcept;
 
   connection_stats stats() const noexcept;
+  // The executor of the fabric's io_context (the thread the connection
+  // belongs to). Throws std::system_error (errc::not_connected) when empty.
+  asio::io_context::executor_type get_executor() const;
   // The path the connection's queue pair uses (verbs: the GIDs and the
   // source GID's index; tcp: the socket's addresses); zeros once it is gone.
   transport::path_info path() const noexcept;

@@ -162,6 +162,9 @@ class acceptor {
   ~acceptor();  // closes
 
   std::uint16_t port() const noexcept;
+  // The fabric's io_context executor. Throws std::system_error
+  // (errc::invalid_state) when not listening (moved from).
+  asio::io_context::executor_type get_executor() const { return executor(); }
 
   // The next connection. void(error_code, connection). Connection attempts
   // that fail (a wrong auth token, another version, garbage, a client too

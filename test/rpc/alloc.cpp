@@ -1,0 +1,120 @@
+// No allocation per call on the steady path: operator new is counted on
+// this thread while a measured batch of calls runs (client and server in
+// one process, one io_context), after a warm-up that grows every pool.
+#include "support.hpp"
+
+#include <boost/asio/this_coro.hpp>
+
+#include <cstdlib>
+#include <new>
+
+namespace {
+thread_local bool counting = false;
+thread_local std::uint64_t allocations = 0;
+
+void* counted(std::size_t n, std::size_t align) {
+  if (counting) ++allocations;
+  void* p = align <= alignof(std::max_align_t) ? std::malloc(n == 0 ? 1 : n)
+                                               : std::aligned_alloc(align, (n + align - 1) / align * align);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+}  // namespace
+
+void* operator new(std::size_t n) { return counted(n, alignof(std::max_align_t)); }
+void* operator new[](std::size_t n) { return counted(n, alignof(std::max_align_t)); }
+void* operator new(std::size_t n, std::align_val_t a) { return counted(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counted(n, static_cast<std::size_t>(a)); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+using namespace anydoor::test;
+namespace m = anydoor::test::rpc_methods;
+
+namespace {
+
+struct measured {
+  std::uint64_t allocations = 0;
+  std::uint32_t calls = 0;
+};
+
+// Runs `warm` then `calls` calls with `window` in flight (callbacks that
+// start the next call), counting allocations during the second batch.
+template <class Method, class Request>
+measured run_calls(rpc_env& env, const Method& method, Request req, std::uint32_t window) {
+  constexpr std::uint32_t kWarm = 2000;
+  constexpr std::uint32_t kCalls = 5000;
+  measured out;
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    std::uint32_t started = 0, done = 0, errors = 0;
+    std::uint32_t target = kWarm;
+    std::function<void()> start_one;  // made once, before counting
+    start_one = [&] {
+      ++started;
+      cli.async_call(method, req, [&](ad::error_code ec, auto) {
+        if (ec) ++errors;
+        ++done;
+        if (started < target) start_one();
+      });
+    };
+    for (std::uint32_t i = 0; i < window; ++i) start_one();
+    co_await wait_until([&] { return done == kWarm; });
+    target = kWarm + kCalls;
+    counting = true;
+    allocations = 0;
+    for (std::uint32_t i = 0; i < window; ++i) start_one();
+    // Wait without timers (a timer wait is not part of the calls' path).
+    auto ex = co_await asio::this_coro::executor;
+    while (done != kWarm + kCalls) co_await asio::post(ex, use_awaitable);
+    counting = false;
+    out.allocations = allocations;
+    out.calls = kCalls;
+    CHECK(errors == 0);
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("rpc: no allocation per call on the steady path", "[rpc]") {
+  // The counter sees what it should.
+  counting = true;
+  allocations = 0;
+  auto probe = std::make_unique<std::vector<int>>(100);
+  counting = false;
+  REQUIRE(allocations == 2);
+  probe.reset();
+  for (std::uint32_t window : {1u, 32u}) {
+    SECTION("sync handler, window " + std::to_string(window)) {
+      rpc_env env;
+      env.srv.add(m::add, [](const m::add_req& r, rpc::server_call&) -> rpc::result<std::int64_t> {
+        return r.a + r.b;
+      });
+      env.serve();
+      const measured r = run_calls(env, m::add, m::add_req{1, 2}, window);
+      INFO("allocations: " << r.allocations << " for " << r.calls << " calls");
+      CHECK(r.allocations == 0);
+    }
+    SECTION("coroutine handler, window " + std::to_string(window)) {
+      rpc_env env;
+      env.srv.add(m::add, [](const m::add_req& r, rpc::server_call&) -> awaitable<rpc::result<std::int64_t>> {
+        co_return r.a + r.b;
+      });
+      env.serve();
+      const measured r = run_calls(env, m::add, m::add_req{1, 2}, window);
+      INFO("allocations: " << r.allocations << " for " << r.calls << " calls");
+      CHECK(r.allocations == 0);
+    }
+  }
+}

@@ -1,0 +1,522 @@
+// RPC at its edges: bulk data by RDMA, malformed frames from a raw peer, a
+// server that dies mid-call, channels that reconnect, completion tokens,
+// options and registration errors.
+#include "support.hpp"
+
+#include <boost/asio/deferred.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_future.hpp>
+
+#include <array>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <optional>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+using namespace anydoor::test;
+namespace m = anydoor::test::rpc_methods;
+
+namespace {
+
+// The helper next to this test binary (built with the tests).
+std::string sibling(const char* name) {
+  std::array<char, 4096> self{};
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
+  REQUIRE(n > 0);
+  std::string dir(self.data(), static_cast<std::size_t>(n));
+  return dir.substr(0, dir.rfind('/') + 1) + name;
+}
+
+std::vector<std::byte> frame(std::uint8_t version, std::uint8_t kind, std::uint8_t flags, std::uint8_t reserved,
+                             std::uint32_t aux, std::uint64_t id, std::uint64_t method, std::size_t extra = 0) {
+  std::vector<std::byte> f(24 + extra, std::byte{0x41});
+  f[0] = std::byte{version};
+  f[1] = std::byte{kind};
+  f[2] = std::byte{flags};
+  f[3] = std::byte{reserved};
+  for (std::size_t i = 0; i < 4; ++i) f[4 + i] = static_cast<std::byte>(aux >> (8 * i));
+  for (std::size_t i = 0; i < 8; ++i) f[8 + i] = static_cast<std::byte>(id >> (8 * i));
+  for (std::size_t i = 0; i < 8; ++i) f[16 + i] = static_cast<std::byte>(method >> (8 * i));
+  return f;
+}
+
+struct parsed_reply {
+  std::uint8_t kind = 0;
+  std::uint32_t status = 0;
+  std::uint64_t id = 0;
+  std::string payload;
+};
+parsed_reply parse(const ad::message& msg) {
+  parsed_reply r;
+  REQUIRE(msg.size() >= 24);
+  const auto* p = msg.data();
+  r.kind = static_cast<std::uint8_t>(p[1]);
+  for (std::size_t i = 0; i < 4; ++i) r.status |= std::uint32_t{static_cast<std::uint8_t>(p[4 + i])} << (8 * i);
+  for (std::size_t i = 0; i < 8; ++i) r.id |= std::uint64_t{static_cast<std::uint8_t>(p[8 + i])} << (8 * i);
+  r.payload = str(msg.bytes().subspan(24));
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("rpc: bulk data: the handler reads and writes the caller's memory by RDMA", "[rpc]") {
+  rpc_env env;
+  constexpr std::uint64_t kSum = 0x4001;   // reads the whole bulk region, replies with the byte sum
+  constexpr std::uint64_t kFill = 0x4002;  // writes pattern(len, 5) into the bulk region at offset 16
+  constexpr std::uint64_t kBeyond = 0x4003;
+  std::vector<std::byte> server_mem(std::size_t{4} << 20);
+  env.srv.add(kSum, [&](rpc::server_call& call) -> awaitable<rpc::status> {
+    const std::size_t n = call.bulk().length;
+    co_await call.async_bulk_get(asio::buffer(server_mem.data(), n), use_awaitable);
+    std::uint64_t sum = 0;
+    for (std::size_t i = 0; i < n; ++i) sum += static_cast<std::uint8_t>(server_mem[i]);
+    call.reply(std::as_bytes(std::span(&sum, 1)));
+    co_return rpc::status{};
+  });
+  env.srv.add(kFill, [&](rpc::server_call& call) -> awaitable<rpc::status> {
+    const std::size_t n = call.bulk().length - 16;
+    auto p = pattern(n, 5);
+    std::memcpy(server_mem.data(), p.data(), n);
+    co_await call.async_bulk_put(asio::buffer(server_mem.data(), n), 16, use_awaitable);
+    co_return rpc::status{};
+  });
+  env.srv.add(kBeyond, [&](rpc::server_call& call) -> awaitable<rpc::status> {
+    auto [ec, n] = co_await call.async_bulk_get(asio::buffer(server_mem.data(), 64), call.bulk().length - 8,
+                                                asio::as_tuple(use_awaitable));
+    if (ec != ad::errc::out_of_range) co_return rpc::status{rpc::errc::internal, "expected out_of_range"};
+    auto [ec2, n2] = co_await call.async_bulk_put(asio::buffer(server_mem.data(), 1), asio::as_tuple(use_awaitable));
+    co_return rpc::status{rpc::errc::failed_precondition, ec2.message()};
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    const std::size_t n = std::size_t{3} << 20;
+    std::vector<std::byte> mine = pattern(n, 77);
+    ad::memory_region mr = env.client_fab.register_memory(
+        mine, ad::access::local_write | ad::access::remote_read | ad::access::remote_write);
+    std::uint64_t want = 0;
+    for (auto b : mine) want += static_cast<std::uint8_t>(b);
+    rpc::reply r = co_await cli.async_call(kSum, asio::const_buffer(), {.bulk = mr.remote()}, use_awaitable);
+    REQUIRE(r.size() == 8);
+    std::uint64_t got = 0;
+    std::memcpy(&got, r.data(), 8);
+    CHECK(got == want);
+    // A part of the region, by remote_region::at.
+    r = co_await cli.async_call(kFill, asio::const_buffer(), {.bulk = mr.remote().at(1000, 4096 + 16)},
+                                use_awaitable);
+    const auto filled = pattern(4096, 5);
+    CHECK(std::equal(filled.begin(), filled.end(), mine.begin() + 1016));
+    CHECK(mine[1015] == pattern(n, 77)[1015]);
+    CHECK(mine[1016 + 4096] == pattern(n, 77)[1016 + 4096]);
+    // Outside the region: out_of_range, locally; no region at all: invalid_argument.
+    auto [ec, r3] = co_await cli.async_call(kBeyond, asio::const_buffer(), {.bulk = mr.remote()},
+                                            asio::as_tuple(use_awaitable));
+    CHECK(ec == rpc::errc::failed_precondition);
+    auto [ec4, r4] = co_await cli.async_call(kBeyond, asio::const_buffer(), asio::as_tuple(use_awaitable));
+    CHECK(ec4 == rpc::errc::internal);  // bulk().length - 8 wraps: out_of_range too
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
+TEST_CASE("rpc: malformed requests from a raw peer get invalid_argument, unframeable ones end only that "
+          "connection",
+          "[rpc]") {
+  rpc_env env;
+  env.srv.add(m::echo, [](const std::string& s, rpc::server_call&) -> rpc::result<std::string> { return s; });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    ad::connection raw = co_await env.client_fab.async_connect(env.address, use_awaitable);
+    rpc::client good = co_await env.connect();  // another connection, unaffected throughout
+    struct bad {
+      const char* what;
+      std::vector<std::byte> bytes;
+    };
+    const std::vector<bad> framed = {
+        {"unknown flags", frame(1, 1, 0x80, 0, 0, 11, m::echo.id)},
+        {"reserved byte", frame(1, 1, 0, 7, 0, 12, m::echo.id)},
+        {"bulk flag without a region", frame(1, 1, 1, 0, 0, 13, m::echo.id, 8)},
+        {"bulk region that does not decode", frame(1, 1, 1, 0, 0, 14, m::echo.id, 32)},
+        {"payload inline and to follow", frame(1, 1, 2, 0, 0, 15, m::echo.id, 5)},
+    };
+    for (const auto& b : framed) {
+      INFO(b.what);
+      co_await raw.async_send(asio::buffer(b.bytes), use_awaitable);
+      if (b.bytes[2] == std::byte{2}) co_await raw.async_send(asio::buffer("payload", 7), use_awaitable);
+      ad::message msg = co_await raw.async_receive(use_awaitable);
+      const parsed_reply r = parse(msg);
+      CHECK(r.kind == 2);
+      CHECK(r.status == static_cast<std::uint32_t>(rpc::errc::invalid_argument));
+      CHECK(r.id == static_cast<std::uint64_t>(b.bytes[8]));
+      CHECK(r.payload.rfind("malformed request", 0) == 0);
+    }
+    // Still served: a well-formed request on the same connection.
+    auto ok = frame(1, 1, 0, 0, 0, 99, m::echo.id);
+    ok.resize(24);
+    ok.push_back(std::byte{'z'});
+    co_await raw.async_send(asio::buffer(ok), use_awaitable);
+    ad::message msg = co_await raw.async_receive(use_awaitable);
+    parsed_reply r = parse(msg);
+    CHECK(r.status == 0);
+    CHECK(r.id == 99);
+    CHECK(r.payload == "z");
+    CHECK(env.srv.stats().malformed == framed.size());
+    CHECK(env.srv.stats().protocol_errors == 0);
+    // Unframeable: too short, another version, a reply sent to the server.
+    co_await raw.async_send(asio::buffer("abc", 3), use_awaitable);
+    auto [ec, m2] = co_await raw.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec);  // the server ended this connection
+    CHECK(env.srv.stats().protocol_errors == 1);
+    for (auto bytes : {frame(2, 1, 0, 0, 0, 1, m::echo.id), frame(1, 2, 0, 0, 0, 1, 0)}) {
+      ad::connection raw2 = co_await env.client_fab.async_connect(env.address, use_awaitable);
+      co_await raw2.async_send(asio::buffer(bytes), use_awaitable);
+      auto [ec3, m3] = co_await raw2.async_receive(asio::as_tuple(use_awaitable));
+      CHECK(ec3);
+    }
+    CHECK(env.srv.stats().protocol_errors == 3);
+    {
+      const auto got1 = co_await good.async_call(m::echo, std::string("fine"), use_awaitable);
+      CHECK(got1 == "fine");
+    }
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
+TEST_CASE("rpc: a client drops garbage from a server and fails its calls with unavailable", "[rpc]") {
+  asio::io_context io;
+  ad::fabric sfab(io, test_options());
+  ad::fabric cfab(io, test_options());
+  ad::acceptor acc = sfab.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    // A raw server: answers the first request with a reply to an unknown id,
+    // then with garbage.
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message req = co_await c.async_receive(use_awaitable);
+    const auto unknown = frame(1, 2, 0, 0, 0, 0xdeadbeef12345678ull, 0);
+    co_await c.async_send(asio::buffer(unknown), use_awaitable);
+    co_await c.async_send(asio::buffer("junk", 4), use_awaitable);
+    auto [ec, m2] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    rpc::client cli(co_await cfab.async_connect(addr(acc), use_awaitable));
+    auto [ec, r] = co_await cli.async_call(m::raw_echo, asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec == rpc::errc::unavailable);
+    CHECK(cli.stats().late_replies == 1);
+    CHECK(cli.stats().unavailable == 1);
+    CHECK_FALSE(cli.is_open());
+    // Later calls fail at once.
+    auto [ec2, r2] = co_await cli.async_call(m::raw_echo, asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec2 == rpc::errc::unavailable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("rpc: a server killed mid-call fails the pending calls with unavailable", "[rpc]") {
+  const std::string peer = sibling("anydoor-rpc-test-server");
+  REQUIRE(::access(peer.c_str(), X_OK) == 0);
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    ::execl(peer.c_str(), peer.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  FILE* in = ::fdopen(out[0], "r");
+  unsigned port = 0;
+  const bool got_port = std::fscanf(in, "PORT %u", &port) == 1;
+  std::fclose(in);
+  if (!got_port) ::kill(pid, SIGKILL);
+  REQUIRE(got_port);
+  asio::io_context io;
+  ad::fabric fab(io, test_options());
+  failure f;
+  std::vector<ad::error_code> results;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    rpc::client cli(co_await fab.async_connect(test_host() + ":" + std::to_string(port), use_awaitable));
+    {
+      const auto got2 = co_await cli.async_call(m::echo, std::string("alive"), use_awaitable);
+      CHECK(got2 == "alive");
+    }
+    for (std::uint32_t i = 0; i < 3; ++i) {
+      cli.async_call(m::hang, i, [&](ad::error_code ec, std::uint32_t) { results.push_back(ec); });
+    }
+    asio::steady_timer t(io, std::chrono::milliseconds(100));
+    co_await t.async_wait(use_awaitable);
+    CHECK(results.empty());
+    ::kill(pid, SIGKILL);
+    co_await wait_until([&] { return results.size() == 3; });
+    CHECK_FALSE(cli.is_open());
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(60));
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  f.check();
+  CHECK(WIFSIGNALED(status));
+  REQUIRE(results.size() == 3);
+  for (auto ec : results) CHECK(ec == rpc::errc::unavailable);
+}
+
+TEST_CASE("rpc: a channel dials lazily, fails fast while it cannot connect, and reconnects", "[rpc]") {
+  asio::io_context io;
+  ad::fabric sfab(io, test_options());
+  ad::fabric cfab(io, test_options());
+  // A port nobody listens on (yet): take a free one and let it go.
+  std::uint16_t port = 0;
+  {
+    ad::acceptor probe = sfab.listen(test_host(), 0);
+    port = probe.port();
+  }
+  rpc::channel ch(cfab, test_host() + ":" + std::to_string(port),
+                  {.initial_backoff = std::chrono::milliseconds(300), .max_backoff = std::chrono::milliseconds(600)});
+  CHECK(ch.stats().dials == 0);  // lazily
+  auto srv = std::make_unique<rpc::server>();
+  auto add_echo = [](rpc::server& s) {
+    s.add(m::echo, [](const std::string& v, rpc::server_call&) -> rpc::result<std::string> { return v; });
+  };
+  add_echo(*srv);
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    // Nobody listens: the dial fails, the call with it.
+    auto [ec1, v1] = co_await ch.async_call(m::echo, std::string("a"), asio::as_tuple(use_awaitable));
+    CHECK(ec1 == rpc::errc::unavailable);
+    CHECK(ch.stats().dials == 1);
+    CHECK(ch.last_error() == ad::errc::connection_refused);
+    // During the backoff: at once, without dialling.
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [ec2, v2] = co_await ch.async_call(m::echo, std::string("b"), asio::as_tuple(use_awaitable));
+    CHECK(ec2 == rpc::errc::unavailable);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(100));
+    CHECK(ch.stats().fast_failures == 1);
+    CHECK(ch.stats().dials == 1);
+    // The server comes up; after the backoff the channel dials again.
+    srv->async_serve(sfab.listen(test_host(), port), [](ad::error_code) {});
+    co_await wait_until([&] { return std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(400); });
+    {
+      const auto got3 = co_await ch.async_call(m::echo, std::string("c"), use_awaitable);
+      CHECK(got3 == "c");
+    }
+    CHECK(ch.connected());
+    CHECK(ch.stats().dials == 2);
+    // The server goes away and comes back on the same port: the channel
+    // redials at once after a connection that worked fails (a call on the
+    // dead connection may fail first, with unavailable).
+    srv->stop();
+    srv = std::make_unique<rpc::server>();
+    add_echo(*srv);
+    // The old listening socket closes within about 100 ms of stop().
+    std::optional<ad::acceptor> again;
+    for (int i = 0; i < 200 && !again; ++i) {
+      try {
+        again.emplace(sfab.listen(test_host(), port));
+      } catch (const std::system_error&) {
+      }
+      if (!again) {
+        asio::steady_timer t(io, std::chrono::milliseconds(10));
+        co_await t.async_wait(use_awaitable);
+      }
+    }
+    REQUIRE(again);
+    srv->async_serve(std::move(*again), [](ad::error_code) {});
+    std::string got;
+    int unavailable = 0;
+    for (int i = 0; i < 3 && got.empty(); ++i) {
+      auto [ec, v] = co_await ch.async_call(m::echo, std::string("d"), asio::as_tuple(use_awaitable));
+      if (ec) {
+        CHECK(ec == rpc::errc::unavailable);
+        ++unavailable;
+      }
+      got = v;
+    }
+    CHECK(got == "d");
+    CHECK(unavailable <= 1);
+    CHECK(ch.stats().dials == 3);
+    CHECK(ch.stats().dial_failures == 1);
+    srv->stop();
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("rpc: calls made while a channel dials wait for the connection and go out in order", "[rpc]") {
+  rpc_env env;
+  std::vector<std::string> seen;
+  env.srv.add(m::echo, [&](const std::string& v, rpc::server_call&) -> rpc::result<std::string> {
+    seen.push_back(v);
+    return v;
+  });
+  env.serve();
+  rpc::channel ch(env.client_fab, env.address);
+  failure f;
+  std::vector<std::string> replies;
+  for (int i = 0; i < 5; ++i) {
+    ch.async_call(m::echo, std::to_string(i), [&](ad::error_code ec, std::string v) {
+      CHECK_FALSE(ec);
+      replies.push_back(v);
+    });
+  }
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    co_await wait_until([&] { return replies.size() == 5; });
+    CHECK(ch.stats().dials == 1);
+    CHECK(ch.connected());
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  CHECK(seen == std::vector<std::string>{"0", "1", "2", "3", "4"});
+}
+
+TEST_CASE("rpc: every completion token", "[rpc]") {
+  rpc_env env;
+  env.srv.add(m::add, [](const m::add_req& r, rpc::server_call&) -> rpc::result<std::int64_t> { return r.a + r.b; });
+  env.srv.add(m::raw_echo, [](rpc::server_call& call) -> rpc::status {
+    call.reply(call.request());
+    return {};
+  });
+  env.serve();
+  // The io_context runs on its own thread throughout (use_future needs a
+  // waiting thread); every call is made on the io thread.
+  auto guard = asio::make_work_guard(env.io);
+  std::thread runner([&] { env.io.run(); });
+  std::unique_ptr<rpc::client> cli;
+  std::future<void> first = asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    cli = std::make_unique<rpc::client>(co_await env.connect());
+    // use_awaitable (typed and untyped)
+    const std::int64_t a = co_await cli->async_call(m::add, m::add_req{1, 2}, use_awaitable);
+    CHECK(a == 3);
+    rpc::reply aw = co_await cli->async_call(m::raw_echo, asio::buffer("aw", 2), use_awaitable);
+    CHECK(str(aw.bytes()) == "aw");
+    // as_tuple
+    auto [ec, v] = co_await cli->async_call(m::add, m::add_req{2, 2}, asio::as_tuple(use_awaitable));
+    CHECK(!ec);
+    CHECK(v == 4);
+    // deferred: nothing happens until it is launched
+    auto op = cli->async_call(m::add, m::add_req{3, 3}, asio::deferred);
+    CHECK(cli->stats().calls == 3);
+    const std::int64_t d = co_await std::move(op)(use_awaitable);
+    CHECK(d == 6);
+    CHECK(cli->stats().calls == 4);
+    auto op2 = cli->async_call(m::raw_echo, asio::buffer("df", 2), asio::deferred);
+    rpc::reply r = co_await std::move(op2)(use_awaitable);
+    CHECK(str(r.bytes()) == "df");
+    // a callback
+    std::int64_t cb = 0;
+    cli->async_call(m::add, m::add_req{4, 4}, [&](ad::error_code e, std::int64_t x) { cb = e ? -1 : x; });
+    co_await wait_until([&] { return cb != 0; });
+    CHECK(cb == 8);
+  }, asio::use_future);
+  REQUIRE(first.wait_for(std::chrono::seconds(60)) == std::future_status::ready);
+  first.get();
+  // use_future: typed, and untyped with an error (the future throws it).
+  std::promise<std::future<std::int64_t>> made;
+  asio::post(env.io, [&] { made.set_value(cli->async_call(m::add, m::add_req{5, 5}, asio::use_future)); });
+  std::future<std::int64_t> result = made.get_future().get();
+  REQUIRE(result.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+  CHECK(result.get() == 10);
+  std::promise<std::future<rpc::reply>> made2;
+  asio::post(env.io, [&] { made2.set_value(cli->async_call(999, asio::const_buffer(), asio::use_future)); });
+  std::future<rpc::reply> result2 = made2.get_future().get();
+  REQUIRE(result2.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+  try {
+    result2.get();
+    FAIL("an unknown method did not fail");
+  } catch (const boost::system::system_error& e) {
+    CHECK(e.code() == rpc::errc::unimplemented);
+  }
+  asio::post(env.io, [&] {
+    cli.reset();
+    env.srv.stop();
+  });
+  guard.reset();
+  runner.join();
+}
+
+TEST_CASE("rpc: options, registration and status errors", "[rpc]") {
+  CHECK_THROWS_AS(rpc::server({.max_concurrent_calls = 0}), std::system_error);
+  CHECK_THROWS_AS(rpc::server({.max_concurrent_calls = 65537}), std::system_error);
+  rpc::server srv;
+  srv.add(m::echo, [](const std::string& v, rpc::server_call&) -> rpc::result<std::string> { return v; });
+  // The same method twice, a raw id that is taken, and two names with one id.
+  try {
+    srv.add(m::echo, [](const std::string& v, rpc::server_call&) -> rpc::result<std::string> { return v; });
+    FAIL("registered twice");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == rpc::errc::already_exists);
+    CHECK(std::string(e.what()).find("already registered") != std::string::npos);
+  }
+  CHECK_THROWS_AS(srv.add(m::echo.id, [](rpc::server_call&) -> rpc::status { return {}; }), std::system_error);
+  constexpr rpc::method<std::string, std::string> impostor("test.impostor", m::echo.id);
+  try {
+    srv.add(impostor, [](const std::string& v, rpc::server_call&) -> rpc::result<std::string> { return v; });
+    FAIL("a colliding id was accepted");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == rpc::errc::already_exists);
+    CHECK(std::string(e.what()).find("'test.impostor' collides with 'test.echo'") != std::string::npos);
+  }
+  static_assert(m::echo.id == rpc::method_id("test.echo"));
+  static_assert(m::echo.id != m::add.id);
+
+  asio::io_context io;
+  ad::fabric fab(io, test_options());
+  CHECK_THROWS_AS(rpc::client(ad::connection()), std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.initial_backoff = std::chrono::milliseconds(0)}),
+                  std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1",
+                               {.initial_backoff = std::chrono::milliseconds(10),
+                                .max_backoff = std::chrono::milliseconds(5)}),
+                  std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.client = {.max_calls = 0}}), std::system_error);
+
+  // Every status has a name; the category is rpc's own.
+  for (int c = 0; c <= static_cast<int>(rpc::errc_last); ++c) {
+    const std::error_code ec = rpc::make_error_code(static_cast<rpc::errc>(c));
+    CHECK(std::string(ec.category().name()) == "anydoor.rpc");
+    CHECK(ec.message().find("rpc status") == std::string::npos);
+  }
+  CHECK(rpc::make_error_code(static_cast<rpc::errc>(99)).message() == "rpc status 99");
+  rpc::result<int> bad_ok(rpc::status{});  // an ok status without a value is a handler bug
+  CHECK_FALSE(bad_ok.is_ok());
+  CHECK(bad_ok.error().code() == rpc::errc::internal);
+}
+
+TEST_CASE("rpc: max_calls bounds the calls in flight of one client", "[rpc]") {
+  rpc_env env;
+  env.srv.add(m::hang, [](const std::uint32_t&, rpc::server_call&) -> awaitable<rpc::result<std::uint32_t>> {
+    asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::seconds(30));
+    co_await t.async_wait(asio::as_tuple(use_awaitable));
+    co_return 0u;
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect({.max_calls = 2});
+    std::vector<ad::error_code> ecs;
+    for (std::uint32_t i = 0; i < 3; ++i) {
+      cli.async_call(m::hang, i, [&](ad::error_code ec, std::uint32_t) { ecs.push_back(ec); });
+    }
+    co_await wait_until([&] { return ecs.size() == 1; });
+    CHECK(ecs[0] == rpc::errc::resource_exhausted);
+    cli.abort();  // the two pending calls: unavailable
+    co_await wait_until([&] { return ecs.size() == 3; });
+    CHECK(ecs[1] == rpc::errc::unavailable);
+    CHECK(ecs[2] == rpc::errc::unavailable);
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
