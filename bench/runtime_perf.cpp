@@ -5,9 +5,12 @@
 //   anydoor-runtime-perf --server [--port P] [options]
 //   anydoor-runtime-perf --connect HOST [--port P] [options]
 // options (the server must be given the same --test and -s):
-//   --test echo|msg_rate|put_lat|get_lat|put_bw
+//   --test echo|echo_rate|msg_rate|put_lat|get_lat|put_bw
 //     echo:     co_await send + co_await receive round trips (one-way
 //               latency = half the round trip)
+//     echo_rate: echo round trips with --window in flight (default 32):
+//               each echo that comes back sends the next message (the
+//               baseline of anydoor-rpc-perf's rate test)
 //     msg_rate: the client streams messages (at most --window in flight: the
 //               connection's credits), the server receives them all and
 //               answers once
@@ -30,6 +33,7 @@
 // ping-pong does). Prints one line:
 //   RESULT test=echo size=64 iters=.. median_us=.. p99_us=.. mean_us=.. (one-way)
 //   RESULT test=msg_rate size=64 iters=.. window=64 Mmsgs=.. MBps=..
+//   RESULT test=echo_rate size=64 iters=.. window=32 Mmsgs=.. (round trips per second)
 //   RESULT test=put_lat|get_lat size=.. iters=.. median_us=.. p99_us=.. mean_us=..
 //   RESULT test=put_bw size=.. iters=.. window=.. MBps=.. (10^6 bytes per second)
 #include <anydoor/anydoor.hpp>
@@ -67,12 +71,12 @@ options parse(int argc, char** argv) {
   options o = anydoor::bench::parse_cli(
       argc, argv,
       "anydoor-runtime-perf (--server | --connect HOST) [--port P]\n"
-      "                            [--test echo|msg_rate|put_lat|get_lat|put_bw]\n"
+      "                            [--test echo|echo_rate|msg_rate|put_lat|get_lat|put_bw]\n"
       "                            [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]",
-      {.port = 7473, .test = "echo", .window = 0}, {"echo", "msg_rate", "put_lat", "get_lat", "put_bw"});
+      {.port = 7473, .test = "echo", .window = 0}, {"echo", "echo_rate", "msg_rate", "put_lat", "get_lat", "put_bw"});
   if (o.size == 0) o.size = 64;
-  if (o.window == 0) o.window = o.test == "put_bw" ? 16 : 64;
-  if (o.iters == 0) o.iters = o.test == "msg_rate" ? 1000000 : o.test == "put_bw" ? 20000 : 10000;
+  if (o.window == 0) o.window = o.test == "put_bw" ? 16 : o.test == "echo_rate" ? 32 : 64;
+  if (o.iters == 0) o.iters = o.test == "msg_rate" ? 1000000 : o.test == "put_bw" ? 20000 : o.test == "echo_rate" ? 200000 : 10000;
   if (o.window < 4 || o.window > 4096) {
     std::fprintf(stderr, "anydoor-runtime-perf: --window must be in 4..4096\n");
     std::exit(2);
@@ -205,6 +209,14 @@ awaitable<void> serve(ad::fabric& fab, const options& o) {
       co_await c.async_send(m.buffer(), use_awaitable);
     }
   }
+  if (o.test == "echo_rate") {
+    // The eager echo is copied when posted: the message can go at once.
+    for (;;) {
+      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      if (ec) co_return;
+      c.async_send(m.buffer(), [](ad::error_code, std::size_t) {});
+    }
+  }
   for (std::uint64_t i = 0; i < o.iters; ++i) co_await c.async_receive(use_awaitable);
   co_await c.async_send(asio::buffer("done", 4), use_awaitable);
   auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // the client's close
@@ -234,6 +246,29 @@ awaitable<void> run_client(ad::fabric& fab, const options& o) {
     const summary r = summarize(std::move(ns));
     std::printf("RESULT test=echo size=%u iters=%u median_us=%.3f p99_us=%.3f mean_us=%.3f\n", o.size, o.iters,
                 r.median / 2000, r.p99 / 2000, r.mean / 2000);
+  } else if (o.test == "echo_rate") {
+    // --window echoes in flight: each one back sends the next.
+    const std::uint32_t warm = std::min<std::uint32_t>(2000, o.iters);
+    bool failed = false;
+    auto rounds = [&](std::uint32_t count) -> awaitable<void> {
+      const std::uint32_t w = std::min(o.window, count);
+      for (std::uint32_t i = 0; i < w; ++i) {
+        c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) { failed |= static_cast<bool>(ec); });
+      }
+      for (std::uint32_t got = 0; got < count; ++got) {
+        ad::message m = co_await c.async_receive(use_awaitable);
+        if (m.size() != o.size || failed) throw std::runtime_error("echo_rate: a bad echo or a failed send");
+        if (got + w < count) {
+          c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) { failed |= static_cast<bool>(ec); });
+        }
+      }
+    };
+    co_await rounds(warm);
+    const auto t0 = clk::now();
+    co_await rounds(o.iters);
+    const double secs = std::chrono::duration<double>(clk::now() - t0).count();
+    std::printf("RESULT test=echo_rate size=%u iters=%u window=%u Mmsgs=%.3f\n", o.size, o.iters, o.window,
+                o.iters / secs / 1e6);
   } else {
     const auto t0 = clk::now();
     for (std::uint64_t i = 0; i < o.iters; ++i) co_await c.async_send(asio::buffer(out), use_awaitable);

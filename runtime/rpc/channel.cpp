@@ -23,6 +23,7 @@ class channel_state : public std::enable_shared_from_this<channel_state> {
     const auto now = clock::now();
     if (current_ && current_->current_state() == client_impl::state::failed) {
       if (current_->ever_open()) {
+        last_error_ = make_error_code(errc::unavailable);
         // A connection that worked has failed: dial again now.
         backoff_ = opts_.initial_backoff;
         retry_at_ = clock::time_point::min();
@@ -118,9 +119,10 @@ asio::io_context::executor_type channel_executor(const channel_state& ch) noexce
 
 channel::channel(fabric& fab, std::string address, channel_options options) {
   if (options.initial_backoff.count() < 1 || options.max_backoff < options.initial_backoff ||
-      options.client.max_calls < 1 || options.client.max_calls > (1u << 24) || options.client.timeout.count() < 0) {
+      options.client.max_calls < 1 || options.client.max_calls > (1u << 24) || options.client.timeout.count() < 0 ||
+      options.client.timeout > std::chrono::hours(1) || options.max_backoff > std::chrono::hours(1)) {
     throw std::system_error(make_error_code(anydoor::errc::invalid_argument),
-                            "rpc::channel: initial_backoff must be at least 1 ms and at most max_backoff; "
+                            "rpc::channel: initial_backoff must be at least 1 ms and at most max_backoff (at most 1 h); "
                             "client options as rpc::client's");
   }
   state_ = std::make_shared<detail::channel_state>(fab, std::move(address), options);
@@ -136,6 +138,11 @@ channel& channel::operator=(channel&& other) noexcept {
 }
 channel::~channel() {
   if (state_) state_->shutdown();
+}
+
+detail::channel_state& channel::state() const {
+  if (!state_) throw std::system_error(make_error_code(anydoor::errc::not_connected), "rpc::channel: moved from");
+  return *state_;
 }
 
 bool channel::connected() const noexcept { return state_ && state_->connected(); }

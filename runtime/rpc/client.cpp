@@ -5,6 +5,7 @@
 
 #include "log.hpp"
 
+#include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/post.hpp>
 
@@ -18,6 +19,8 @@ namespace detail {
 namespace {
 // A typed request's encoding buffer larger than this is not kept for reuse.
 constexpr std::size_t kRetainedEncoding = std::size_t{64} << 10;
+// The wire carries a deadline as 32-bit microseconds (71 min).
+constexpr std::chrono::microseconds kMaxTimeout = std::chrono::hours(1);
 
 std::uint32_t budget_us(clock::time_point deadline, clock::time_point now) noexcept {
   if (deadline == clock::time_point::max()) return 0;
@@ -80,7 +83,8 @@ call_op* client_impl::acquire(std::error_code& ec) noexcept {
     ec = make_error_code(errc::unavailable);
     return nullptr;
   }
-  if (pending_ >= opts_.max_calls) {
+  // Slots in use include calls that ended while their sends still run.
+  if (ops_.size() - free_.size() >= opts_.max_calls) {
     ec = make_error_code(errc::resource_exhausted);
     return nullptr;
   }
@@ -109,10 +113,13 @@ void client_impl::start(call_op* op, const call_options& o) noexcept {
   ++pending_;
   stats_.in_flight = pending_;
   const auto timeout = o.timeout.count() < 0 ? std::chrono::duration_cast<std::chrono::microseconds>(opts_.timeout)
-                                             : o.timeout;
+                                             : std::min<std::chrono::microseconds>(o.timeout, kMaxTimeout);
   op->deadline = timeout.count() > 0 ? clock::now() + timeout : clock::time_point::max();
   op->bulk = o.bulk;
-  if (op->bulk.length != 0) op->bulk_packed = op->bulk.pack();
+  if (op->bulk.length != 0) {
+    const auto packed = op->bulk.pack();
+    std::copy(packed.begin(), packed.end(), op->header.begin() + wire::kHeaderSize);
+  }
   op->st = call_op::state::unsent;
   insert_deadline(*op);
   if (state_ == state::connecting) {
@@ -142,11 +149,17 @@ void client_impl::unqueue(call_op& op) noexcept {
 }
 
 template <class Buffers>
-void client_impl::send(call_op* op, const Buffers& bufs) noexcept {
+void client_impl::send(call_op* op, const Buffers& bufs, bool cancellable, bool payload) noexcept {
   ++op->sends;
-  conn_.async_send(bufs, asio::bind_executor(ex_, [self = shared_from_this(), op](const error_code& ec, std::size_t) {
-                     self->on_sent(op, ec);
-                   }));
+  if (payload) op->payload_pending = true;
+  auto done = asio::bind_executor(ex_, [self = shared_from_this(), op, payload](const error_code& ec, std::size_t) {
+    self->on_sent(op, ec, payload);
+  });
+  if (cancellable) {
+    conn_.async_send(bufs, asio::bind_cancellation_slot(op->send_cancel.slot(), std::move(done)));
+  } else {
+    conn_.async_send(bufs, std::move(done));
+  }
 }
 
 void client_impl::send_request(call_op& op, bool post) noexcept {
@@ -158,7 +171,7 @@ void client_impl::send_request(call_op& op, bool post) noexcept {
   }
   const bool bulk = op.bulk.length != 0;
   const std::size_t head = wire::kHeaderSize + (bulk ? remote_region::packed_size : 0);
-  const bool follows = head + payload > conn_.eager_limit();
+  const bool follows = head + payload > conn_.eager_limit() && payload != 0;
   wire::header h;
   h.type = wire::kind::request;
   h.flags = static_cast<std::uint8_t>((bulk ? wire::kFlagBulk : 0) | (follows ? wire::kFlagPayloadFollows : 0));
@@ -168,16 +181,15 @@ void client_impl::send_request(call_op& op, bool post) noexcept {
   wire::encode(h, op.header.data());
   op.st = call_op::state::sent;
   ++sent_;
-  std::array<asio::const_buffer, 3> bufs{asio::buffer(op.header)};
-  std::size_t n = 1;
-  if (bulk) bufs[n++] = asio::buffer(op.bulk_packed);
+  const asio::const_buffer head_buf(op.header.data(), head);
   if (!follows) {
-    if (payload != 0) bufs[n++] = op.request;
-    send(&op, std::span<const asio::const_buffer>(bufs.data(), n));
+    // One message: while it waits for credits it can be withdrawn.
+    const std::array<asio::const_buffer, 2> bufs{head_buf, op.request};
+    send(&op, bufs, true, false);
   } else {
     ++stats_.large_requests;
-    send(&op, std::span<const asio::const_buffer>(bufs.data(), n));
-    send(&op, op.request);
+    send(&op, head_buf, false, false);
+    send(&op, op.request, false, true);
   }
   ensure_receiving();
 }
@@ -187,28 +199,47 @@ void client_impl::send_cancel(call_op& op) noexcept {
   h.type = wire::kind::cancel;
   h.call_id = op.id();
   wire::encode(h, op.cancel_frame.data());
-  send(&op, asio::buffer(op.cancel_frame));
+  send(&op, asio::buffer(op.cancel_frame), false, false);
 }
 
-void client_impl::on_sent(call_op* op, const error_code& ec) noexcept {
+void client_impl::on_sent(call_op* op, const error_code& ec, bool payload) noexcept {
+  auto keep = shared_from_this();
   --op->sends;
-  if (ec && state_ == state::open) {
-    // A refused send (no pool buffer in time, a registration failure) or a
-    // failing connection: the frames that follow would be misread, so the
-    // connection goes and every call with it.
-    log().warn("rpc client: a send failed ({}): the connection is aborted", ec.message());
-    auto keep = shared_from_this();
-    fail(make_error_code(errc::unavailable), false);
+  if (payload) op->payload_pending = false;
+  if (ec && ec != std::errc::operation_canceled && state_ == state::open) {
+    if (payload && ec == anydoor::errc::message_size) {
+      // The server could not take this payload (above its rendezvous
+      // memory): it answers the call with resource_exhausted and serves on.
+      if (op->st == call_op::state::sent) {
+        ++stats_.failed;
+        complete(*op, make_error_code(errc::resource_exhausted), {}, false);
+      }
+    } else {
+      // A refused send (no pool buffer in time, a registration failure) or a
+      // failing connection: the frames that follow would be misread, so the
+      // connection goes and every call with it.
+      log().warn("rpc client: a send failed ({}): the connection is aborted", ec.message());
+      fail(make_error_code(errc::unavailable), false);
+    }
   }
-  if (op->st == call_op::state::done && op->sends == 0) release(*op);
+  if (payload && op->deferred) {
+    op->deferred = false;
+    const std::error_code why = op->deferred_ec;
+    auto* fin = op->finish;
+    if (op->sends == 0) release(*op);
+    fin(*op, why, {}, false);
+    return;
+  }
+  if (op->st == call_op::state::done && op->sends == 0 && !op->deferred) release(*op);
 }
 
 void client_impl::ensure_receiving() noexcept {
   if (receiving_ || state_ != state::open || (sent_ == 0 && !awaiting_payload_)) return;
   receiving_ = true;
-  conn_.async_receive(asio::bind_executor(ex_, [self = shared_from_this()](const error_code& ec, message m) {
-    self->on_message(ec, std::move(m));
-  }));
+  conn_.async_receive(asio::bind_cancellation_slot(
+      recv_cancel_.slot(), asio::bind_executor(ex_, [self = shared_from_this()](const error_code& ec, message m) {
+        self->on_message(ec, std::move(m));
+      })));
 }
 
 void client_impl::protocol_failure(const char* what) noexcept {
@@ -219,6 +250,10 @@ void client_impl::protocol_failure(const char* what) noexcept {
 void client_impl::on_message(const error_code& ec, message m) noexcept {
   receiving_ = false;
   if (state_ != state::open) return;
+  if (ec == std::errc::operation_canceled) {  // withdrawn while idle (became_idle)
+    ensure_receiving();
+    return;
+  }
   if (ec) {
     log().debug("rpc client: the connection ended: {}", ec.message());
     fail(make_error_code(errc::unavailable), false);
@@ -274,12 +309,23 @@ void client_impl::deliver(std::uint64_t call_id, errc status, message m, std::si
            false);
 }
 
-void client_impl::complete(call_op& op, std::error_code ec, reply&& r, bool post) noexcept {
+void client_impl::complete(call_op& op, std::error_code ec, reply&& r, bool post, bool early) noexcept {
   remove_deadline(op);
   if (op.st == call_op::state::sent) --sent_;
   op.st = call_op::state::done;
   --pending_;
   stats_.in_flight = pending_;
+  if (early) {
+    op.send_cancel.emit(asio::cancellation_type::terminal);  // a one-message request still queued never goes
+    if (op.payload_pending) {
+      // The peer may still read the payload from the caller's memory: the
+      // call completes when that send does (on_sent).
+      op.deferred = true;
+      op.deferred_ec = ec;
+      if (pending_ == 0) became_idle();
+      return;
+    }
+  }
   auto* fin = op.finish;
   if (op.sends == 0) release(op);  // the handler is still in op until fin moves it out
   fin(op, ec, std::move(r), post);
@@ -306,7 +352,7 @@ void client_impl::cancel(call_op* op) noexcept {
     return;
   }
   ++stats_.cancelled;
-  complete(*op, std::make_error_code(std::errc::operation_canceled), {}, false);
+  complete(*op, std::make_error_code(std::errc::operation_canceled), {}, true, true);
 }
 
 void client_impl::insert_deadline(call_op& op) noexcept {
@@ -362,23 +408,27 @@ void client_impl::on_timer(std::uint64_t seq) noexcept {
     call_op& op = *dl_head_;
     if (op.st == call_op::state::unsent) unqueue(op);
     ++stats_.deadline_exceeded;
-    complete(op, make_error_code(errc::deadline_exceeded), {}, false);
+    complete(op, make_error_code(errc::deadline_exceeded), {}, false, true);
   }
   arm_timer();
 }
 
-// No call is pending: a timer still armed for an old deadline would keep
-// the io_context running, so it goes, unless a call comes first (a client
-// making one call at a time starts the next before this runs).
+// No call is pending: a timer still armed for an old deadline, or a receive
+// still waiting for a reply that will never come, would keep the io_context
+// running, so they go, unless a call comes first (a client making one call
+// at a time starts the next before this runs).
 void client_impl::became_idle() noexcept {
-  if (timer_at_ == clock::time_point::max() || idle_check_posted_) return;
+  if ((timer_at_ == clock::time_point::max() && !receiving_) || idle_check_posted_) return;
   idle_check_posted_ = true;
   asio::post(ex_, [self = shared_from_this()] {
     self->idle_check_posted_ = false;
-    if (self->pending_ != 0 || self->timer_at_ == clock::time_point::max()) return;
-    self->timer_.cancel();
-    self->timer_at_ = clock::time_point::max();
-    ++self->timer_seq_;
+    if (self->pending_ != 0) return;
+    if (self->timer_at_ != clock::time_point::max()) {
+      self->timer_.cancel();
+      self->timer_at_ = clock::time_point::max();
+      ++self->timer_seq_;
+    }
+    if (self->receiving_ && !self->awaiting_payload_) self->recv_cancel_.emit(asio::cancellation_type::terminal);
   });
 }
 
@@ -400,9 +450,10 @@ client::client() noexcept = default;
 
 client::client(anydoor::connection conn, client_options options) {
   if (!conn) throw std::system_error(make_error_code(anydoor::errc::invalid_argument), "rpc::client: no connection");
-  if (options.max_calls < 1 || options.max_calls > (1u << 24) || options.timeout.count() < 0) {
+  if (options.max_calls < 1 || options.max_calls > (1u << 24) || options.timeout.count() < 0 ||
+      options.timeout > detail::kMaxTimeout) {
     throw std::system_error(make_error_code(anydoor::errc::invalid_argument),
-                            "rpc::client: max_calls must be 1..2^24 and timeout at least 0");
+                            "rpc::client: max_calls must be 1..2^24 and timeout 0..1 h");
   }
   impl_ = std::make_shared<detail::client_impl>(conn.get_executor(), options);
   impl_->attach(std::move(conn));

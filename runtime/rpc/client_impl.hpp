@@ -51,14 +51,17 @@ class client_impl : public std::enable_shared_from_this<client_impl> {
   void send_request(call_op& op, bool post) noexcept;
   void send_cancel(call_op& op) noexcept;
   template <class Buffers>
-  void send(call_op* op, const Buffers& bufs) noexcept;
-  void on_sent(call_op* op, const error_code& ec) noexcept;
+  void send(call_op* op, const Buffers& bufs, bool cancellable, bool payload) noexcept;
+  void on_sent(call_op* op, const error_code& ec, bool payload) noexcept;
   void ensure_receiving() noexcept;
   void on_message(const error_code& ec, message m) noexcept;
   void deliver(std::uint64_t call_id, errc status, message m, std::size_t offset) noexcept;
   call_op* find_sent(std::uint64_t call_id) noexcept;
   // Takes the op out of every list and completes it.
-  void complete(call_op& op, std::error_code ec, reply&& r, bool post) noexcept;
+  // `early`: the call ends before its reply (deadline, cancel): a request
+  // still queued is withdrawn; one being read from the caller's memory is
+  // waited for.
+  void complete(call_op& op, std::error_code ec, reply&& r, bool post, bool early = false) noexcept;
   void unqueue(call_op& op) noexcept;
   void release(call_op& op) noexcept;
   void insert_deadline(call_op& op) noexcept;
@@ -75,6 +78,7 @@ class client_impl : public std::enable_shared_from_this<client_impl> {
   bool ever_open_ = false;
   bool receiving_ = false;
   bool idle_check_posted_ = false;
+  asio::cancellation_signal recv_cancel_;  // withdraws the receive when no call waits
   // A reply header that announced its payload as the next message.
   bool awaiting_payload_ = false;
   std::uint64_t payload_call_ = 0;

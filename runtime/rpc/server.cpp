@@ -54,6 +54,17 @@ void session::ensure_receiving() noexcept {
 void session::on_message(const error_code& ec, message m) noexcept {
   receiving_ = false;
   if (ended_) return;
+  if (ec == anydoor::errc::message_size && awaiting_payload_ != nullptr) {
+    // The payload was larger than this side's rendezvous memory: that call
+    // fails, the connection serves on.
+    call_slot& s = *awaiting_payload_;
+    awaiting_payload_ = nullptr;
+    s.request_msg = message();
+    if (s.pre.is_ok()) s.pre = status(errc::resource_exhausted, "the request is larger than the server takes");
+    dispatch(s);
+    ensure_receiving();
+    return;
+  }
   if (ec) {
     log().debug("rpc server: a connection ended: {}", ec.message());
     end(ec, false);
@@ -62,6 +73,7 @@ void session::on_message(const error_code& ec, message m) noexcept {
   if (awaiting_payload_ != nullptr) {
     call_slot& s = *awaiting_payload_;
     awaiting_payload_ = nullptr;
+    s.request_msg = message();  // the header's buffer (and credit) goes back: one held per call
     s.payload_msg = std::move(m);
     s.request_ = s.payload_msg.bytes();
     dispatch(s);
@@ -159,7 +171,7 @@ void session::cancel_running(call_slot& s) noexcept {
 
 void session::dispatch(call_slot& s) noexcept {
   if (!s.pre.is_ok()) {
-    ++st_->stats.malformed;
+    if (s.pre.code() == errc::invalid_argument) ++st_->stats.malformed;
     status st = std::move(s.pre);
     s.pre = status();
     finish(s, std::move(st));
@@ -234,11 +246,6 @@ void session::finish(call_slot& s, status st) noexcept {
   } else if (s.client_cancelled) {
     st = status(errc::cancelled, "the client cancelled the call");
   }
-  if (st.is_ok()) {
-    ++st_->stats.ok;
-  } else {
-    ++st_->stats.errors;
-  }
   send_reply(s, st);
 }
 
@@ -265,6 +272,11 @@ void session::send_reply(call_slot& s, const status& st) noexcept {
     const std::string& text = st.message();
     s.status_text.assign(text, 0, std::min(text.size(), wire::kMaxStatusMessage));
     payload = std::as_bytes(std::span(s.status_text));
+  }
+  if (code == static_cast<std::uint32_t>(errc::ok)) {
+    ++st_->stats.ok;
+  } else {
+    ++st_->stats.errors;
   }
   const bool follows = !payload.empty() && wire::kHeaderSize + payload.size() > conn_.eager_limit();
   wire::header h;

@@ -203,6 +203,8 @@ TEST_CASE("rpc: cancelling a call completes it with operation_canceled and cance
                    }));
     co_await wait_until([&] { return started; });
     sig.emit(asio::cancellation_type::terminal);
+    CHECK(completions == 0);  // posted, never inside emit()
+    co_await asio::post(env.io, use_awaitable);
     CHECK(completions == 1);  // at once, not when the server answers
     CHECK(got == std::errc::operation_canceled);
     co_await wait_until([&] { return saw_cancel; });
@@ -272,6 +274,10 @@ TEST_CASE("rpc: large requests and replies go as a second message, zero copy", "
       CHECK(std::equal(big.begin(), big.end(), r.bytes().begin()));
     }
     CHECK(cli.stats().large_requests == 3);
+    // Zero copy: the payloads above the eager limit (70000 B and 3 MiB; 8192 B
+    // needs a second message but fits it) went by rendezvous, read straight
+    // from the sender's memory.
+    CHECK(cli.connection().stats().rendezvous_sends == 2);
     const std::uint32_t n = 1 << 20;
     rpc::reply r = co_await cli.async_call(kMake, asio::buffer(&n, 4), use_awaitable);
     const auto want = pattern(n, 9);

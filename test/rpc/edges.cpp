@@ -84,12 +84,18 @@ TEST_CASE("rpc: bulk data: the handler reads and writes the caller's memory by R
     co_await call.async_bulk_put(asio::buffer(server_mem.data(), n), 16, use_awaitable);
     co_return rpc::status{};
   });
+  // Reports what a get past the region's end and a 1-byte put gave.
   env.srv.add(kBeyond, [&](rpc::server_call& call) -> awaitable<rpc::status> {
-    auto [ec, n] = co_await call.async_bulk_get(asio::buffer(server_mem.data(), 64), call.bulk().length - 8,
+    auto [ec, n] = co_await call.async_bulk_get(asio::buffer(server_mem.data(), 64), 8,
                                                 asio::as_tuple(use_awaitable));
-    if (ec != ad::errc::out_of_range) co_return rpc::status{rpc::errc::internal, "expected out_of_range"};
     auto [ec2, n2] = co_await call.async_bulk_put(asio::buffer(server_mem.data(), 1), asio::as_tuple(use_awaitable));
-    co_return rpc::status{rpc::errc::failed_precondition, ec2.message()};
+    auto name = [](const ad::error_code& e) -> std::string {
+      if (!e) return "ok";
+      if (e == ad::errc::out_of_range) return "out_of_range";
+      if (e == ad::errc::invalid_argument) return "invalid_argument";
+      return e.message();
+    };
+    co_return rpc::status{rpc::errc::failed_precondition, name(ec) + "/" + name(ec2) + "/" + std::to_string(n2)};
   });
   env.serve();
   failure f;
@@ -113,12 +119,15 @@ TEST_CASE("rpc: bulk data: the handler reads and writes the caller's memory by R
     CHECK(std::equal(filled.begin(), filled.end(), mine.begin() + 1016));
     CHECK(mine[1015] == pattern(n, 77)[1015]);
     CHECK(mine[1016 + 4096] == pattern(n, 77)[1016 + 4096]);
-    // Outside the region: out_of_range, locally; no region at all: invalid_argument.
-    auto [ec, r3] = co_await cli.async_call(kBeyond, asio::const_buffer(), {.bulk = mr.remote()},
+    // Outside the region: out_of_range (checked locally); the put fits.
+    auto [ec, r3] = co_await cli.async_call(kBeyond, asio::const_buffer(), {.bulk = mr.remote().at(0, 64)},
                                             asio::as_tuple(use_awaitable));
     CHECK(ec == rpc::errc::failed_precondition);
+    CHECK(r3.status_message() == "out_of_range/ok/1");
+    // No region at all: invalid_argument for both.
     auto [ec4, r4] = co_await cli.async_call(kBeyond, asio::const_buffer(), asio::as_tuple(use_awaitable));
-    CHECK(ec4 == rpc::errc::internal);  // bulk().length - 8 wraps: out_of_range too
+    CHECK(ec4 == rpc::errc::failed_precondition);
+    CHECK(r4.status_message() == "invalid_argument/invalid_argument/0");
     env.srv.stop();
   }, f.handler());
   run_to_completion(env.io);
@@ -519,4 +528,33 @@ TEST_CASE("rpc: max_calls bounds the calls in flight of one client", "[rpc]") {
   }, f.handler());
   run_to_completion(env.io);
   f.check();
+}
+
+TEST_CASE("rpc: after a deadline against a silent server, nothing keeps the io_context running", "[rpc]") {
+  asio::io_context io;
+  ad::fabric sfab(io, test_options());
+  ad::fabric cfab(io, test_options());
+  ad::acceptor acc = sfab.listen(test_host(), 0);
+  ad::connection silent;  // takes the request and never answers; stays open
+  failure f;
+  ad::error_code got;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    silent = co_await acc.async_accept(use_awaitable);
+    ad::message req = co_await silent.async_receive(use_awaitable);
+    CHECK(req.size() >= 24);
+  }, f.handler());
+  std::unique_ptr<rpc::client> cli;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    cli = std::make_unique<rpc::client>(co_await cfab.async_connect(addr(acc), use_awaitable));
+    auto [ec, r] = co_await cli->async_call(m::raw_echo, asio::buffer("x", 1),
+                                            {.timeout = std::chrono::milliseconds(50)}, asio::as_tuple(use_awaitable));
+    got = ec;
+    acc.close();
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(20));  // returns: the client's receive was withdrawn
+  f.check();
+  CHECK(got == rpc::errc::deadline_exceeded);
+  CHECK(cli->is_open());
+  cli.reset();
+  silent.abort();
 }

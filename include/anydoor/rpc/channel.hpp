@@ -65,8 +65,8 @@ class channel {
     return asio::async_initiate<Token, void(error_code, reply)>(
         [this](auto handler, std::uint64_t m, asio::const_buffer req, const call_options& opts) {
           std::error_code why;
-          detail::client_impl* c = detail::channel_client(*state_, why);
-          detail::initiate_untyped(c, why, detail::channel_executor(*state_), std::move(handler), m, req, opts);
+          detail::client_impl* c = detail::channel_client(state(), why);
+          detail::initiate_untyped(c, why, detail::channel_executor(state()), std::move(handler), m, req, opts);
         },
         token, method, request, o);
   }
@@ -79,8 +79,8 @@ class channel {
     return asio::async_initiate<Token, void(error_code, typename M::reply_type)>(
         [this](auto handler, const M& method, const typename M::request_type& req, const call_options& opts) {
           std::error_code why;
-          detail::client_impl* c = detail::channel_client(*state_, why);
-          detail::initiate_typed(c, why, detail::channel_executor(*state_), std::move(handler), method, req, opts);
+          detail::client_impl* c = detail::channel_client(state(), why);
+          detail::initiate_typed(c, why, detail::channel_executor(state()), std::move(handler), method, req, opts);
         },
         token, m, request, o);
   }
@@ -93,6 +93,8 @@ class channel {
   channel_stats stats() const noexcept;
 
  private:
+  // Throws std::system_error (errc::not_connected) on a moved-from channel.
+  detail::channel_state& state() const;
   std::shared_ptr<detail::channel_state> state_;
 };
 

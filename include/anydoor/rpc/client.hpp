@@ -7,6 +7,9 @@
 //   co_await cli.async_call(store, key, {.timeout = 5ms, .bulk = mr.remote()}, asio::use_awaitable);
 //
 // async_call(method, request, [call_options,] token):
+// (a call that ends early, by deadline or cancel, while the peer may still
+// read a large request from the caller's memory completes when that read is
+// done: the request buffer is free once the call completes.)
 //   untyped: method is an id, request a buffer; void(error_code, rpc::reply).
 //            The request buffer must stay valid until the call completes.
 //   typed:   method is an rpc::method<Request, Reply>; the request is encoded
@@ -24,7 +27,10 @@
 // message; a larger one as a header message and the payload as a second
 // message (rendezvous: the peer reads it straight from the sender's memory).
 // Like the connection, a client belongs to its fabric's io_context thread;
-// calls must be made there. Destroying the client aborts its connection and
+// calls must be made there, and a reply (like a message) must be destroyed
+// there (with use_future, copy what you need on the io thread or use a typed
+// call, whose reply is a value). A moved-from client throws
+// std::system_error from async_call. Destroying the client aborts its connection and
 // completes pending calls with operation_canceled.
 #pragma once
 
@@ -44,7 +50,8 @@ namespace anydoor::rpc {
 
 struct client_options {
   // The default deadline of a call (call_options::timeout overrides it);
-  // 0: none.
+  // 0: none; at most 1 hour (a longer per-call timeout is cut to 1 hour:
+  // the wire carries 32-bit microseconds).
   std::chrono::milliseconds timeout{30000};
   // Calls in flight at once; one more completes with resource_exhausted.
   // 1..2^24.

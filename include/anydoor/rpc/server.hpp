@@ -188,8 +188,11 @@ class server_call {
 
 struct server_options {
   // Handlers running (or replies being sent) at once per connection;
-  // beyond it the server stops taking requests. 1..65536.
-  std::uint32_t max_concurrent_calls = 64;
+  // beyond it the server stops taking requests. 1..65536. A running call
+  // holds one of the connection's receive buffers (its request, zero copy):
+  // keep this below the connection's credits (64 by default) so that a
+  // client's cancel can still get through.
+  std::uint32_t max_concurrent_calls = 32;
   // A call slot keeps a reply buffer up to this size for the next call.
   std::size_t retained_reply_bytes = std::size_t{64} << 10;
 };

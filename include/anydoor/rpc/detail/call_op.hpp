@@ -10,6 +10,7 @@
 #include <anydoor/rpc/status.hpp>
 
 #include <boost/asio/buffer.hpp>
+#include <boost/asio/cancellation_signal.hpp>
 #include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -81,15 +82,23 @@ struct call_op {
   state st = state::free;
   bool in_deadlines = false;
   std::uint8_t sends = 0;  // our sends that still read this op's memory
+  // A request's payload sent as its own message may be read (rendezvous)
+  // from the caller's memory until that send completes: a call that ends
+  // early (deadline, cancel) completes only then.
+  bool payload_pending = false;
+  bool deferred = false;
+  std::error_code deferred_ec;
   std::uint64_t method = 0;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   asio::const_buffer request{};  // the payload: the caller's memory, or `encoded`
   remote_region bulk{};
   void (*finish)(call_op& op, std::error_code ec, reply&& r, bool post) = nullptr;
   ::anydoor::detail::pending_handler handler;
-  std::array<std::byte, kFrameBytes> header{};
+  // The header and, when the call carries one, the packed bulk region after
+  // it (one buffer, so it can go in one work request at any eager limit).
+  std::array<std::byte, kFrameBytes + remote_region::packed_size> header{};
   std::array<std::byte, kFrameBytes> cancel_frame{};
-  std::array<std::byte, remote_region::packed_size> bulk_packed{};
+  asio::cancellation_signal send_cancel;  // withdraws a one-message request still queued
   std::vector<std::byte> encoded;  // a typed request, encoded
 
   std::uint64_t id() const noexcept { return (std::uint64_t{generation} << 32) | index; }
