@@ -370,7 +370,8 @@ TEST_CASE("rpc: calls made while a channel dials wait for the connection and go 
     return v;
   });
   env.serve();
-  rpc::channel ch(env.client_fab, env.address);
+  auto chp = std::make_unique<rpc::channel>(env.client_fab, env.address);
+  rpc::channel& ch = *chp;
   failure f;
   std::vector<std::string> replies;
   for (int i = 0; i < 5; ++i) {
@@ -383,6 +384,7 @@ TEST_CASE("rpc: calls made while a channel dials wait for the connection and go 
     co_await wait_until([&] { return replies.size() == 5; });
     CHECK(ch.stats().dials == 1);
     CHECK(ch.connected());
+    chp.reset();  // its connection goes while the io_context still runs
     env.srv.stop();
   }, f.handler());
   run_to_completion(env.io);
@@ -557,4 +559,5 @@ TEST_CASE("rpc: after a deadline against a silent server, nothing keeps the io_c
   CHECK(cli->is_open());
   cli.reset();
   silent.abort();
+  run_to_completion(io);  // the aborts' completions run (they hold the connections)
 }
