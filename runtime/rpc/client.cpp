@@ -114,14 +114,14 @@ void client_impl::start(call_op* op, const call_options& o) noexcept {
   stats_.in_flight = pending_;
   const auto timeout = o.timeout.count() < 0 ? std::chrono::duration_cast<std::chrono::microseconds>(opts_.timeout)
                                              : std::min<std::chrono::microseconds>(o.timeout, kMaxTimeout);
-  op->deadline = timeout.count() > 0 ? clock::now() + timeout : clock::time_point::max();
+  op->due = timeout.count() > 0 ? clock::now() + timeout : clock::time_point::max();
   op->bulk = o.bulk;
   if (op->bulk.length != 0) {
     const auto packed = op->bulk.pack();
     std::copy(packed.begin(), packed.end(), op->header.begin() + wire::kHeaderSize);
   }
   op->st = call_op::state::unsent;
-  insert_deadline(*op);
+  if (deadlines_.insert(*op)) arm_timer();
   if (state_ == state::connecting) {
     op->queue_next = nullptr;
     if (queue_tail_ != nullptr) {
@@ -175,7 +175,7 @@ void client_impl::send_request(call_op& op, bool post) noexcept {
   wire::header h;
   h.type = wire::kind::request;
   h.flags = static_cast<std::uint8_t>((bulk ? wire::kFlagBulk : 0) | (follows ? wire::kFlagPayloadFollows : 0));
-  h.aux = budget_us(op.deadline, clock::now());
+  h.aux = budget_us(op.due, clock::now());
   h.call_id = op.id();
   h.method = op.method;
   wire::encode(h, op.header.data());
@@ -310,7 +310,7 @@ void client_impl::deliver(std::uint64_t call_id, errc status, message m, std::si
 }
 
 void client_impl::complete(call_op& op, std::error_code ec, reply&& r, bool post, bool early) noexcept {
-  remove_deadline(op);
+  deadlines_.remove(op);
   if (op.st == call_op::state::sent) --sent_;
   op.st = call_op::state::done;
   --pending_;
@@ -335,7 +335,7 @@ void client_impl::complete(call_op& op, std::error_code ec, reply&& r, bool post
 void client_impl::release(call_op& op) noexcept {
   op.st = call_op::state::free;
   ++op.generation;
-  op.deadline = clock::time_point::max();
+  op.due = clock::time_point::max();
   op.request = {};
   op.bulk = {};
   if (op.encoded.capacity() > kRetainedEncoding) std::vector<std::byte>().swap(op.encoded);
@@ -355,45 +355,10 @@ void client_impl::cancel(call_op* op) noexcept {
   complete(*op, std::make_error_code(std::errc::operation_canceled), {}, true, true);
 }
 
-void client_impl::insert_deadline(call_op& op) noexcept {
-  if (op.deadline == clock::time_point::max()) return;
-  call_op* after = dl_tail_;
-  while (after != nullptr && after->deadline > op.deadline) after = after->prev;
-  op.prev = after;
-  op.next = after != nullptr ? after->next : dl_head_;
-  if (op.next != nullptr) {
-    op.next->prev = &op;
-  } else {
-    dl_tail_ = &op;
-  }
-  if (after != nullptr) {
-    after->next = &op;
-  } else {
-    dl_head_ = &op;
-  }
-  op.in_deadlines = true;
-  if (dl_head_ == &op) arm_timer();
-}
-
-void client_impl::remove_deadline(call_op& op) noexcept {
-  if (!op.in_deadlines) return;
-  if (op.prev != nullptr) {
-    op.prev->next = op.next;
-  } else {
-    dl_head_ = op.next;
-  }
-  if (op.next != nullptr) {
-    op.next->prev = op.prev;
-  } else {
-    dl_tail_ = op.prev;
-  }
-  op.next = op.prev = nullptr;
-  op.in_deadlines = false;
-}
-
 void client_impl::arm_timer() noexcept {
-  if (dl_head_ == nullptr || dl_head_->deadline >= timer_at_ || state_ == state::failed) return;
-  timer_at_ = dl_head_->deadline;
+  const deadline_hook* first = deadlines_.first();
+  if (first == nullptr || first->due >= timer_at_ || state_ == state::failed) return;
+  timer_at_ = first->due;
   const std::uint64_t seq = ++timer_seq_;
   timer_.expires_at(timer_at_);
   timer_.async_wait(
@@ -404,8 +369,8 @@ void client_impl::on_timer(std::uint64_t seq) noexcept {
   if (seq != timer_seq_) return;
   timer_at_ = clock::time_point::max();
   const auto now = clock::now();
-  while (dl_head_ != nullptr && dl_head_->deadline <= now) {
-    call_op& op = *dl_head_;
+  while (deadlines_.first() != nullptr && deadlines_.first()->due <= now) {
+    call_op& op = static_cast<call_op&>(*deadlines_.first());
     if (op.st == call_op::state::unsent) unqueue(op);
     ++stats_.deadline_exceeded;
     complete(op, make_error_code(errc::deadline_exceeded), {}, false, true);
@@ -488,9 +453,9 @@ void client::abort() noexcept {
   if (impl_) impl_->fail(make_error_code(errc::unavailable), true);
 }
 
-asio::io_context::executor_type client::get_executor() const { return executor(); }
+asio::io_context::executor_type client::get_executor() const { return call_executor(); }
 
-asio::io_context::executor_type client::executor() const {
+asio::io_context::executor_type client::call_executor() const {
   if (!impl_) throw std::system_error(make_error_code(anydoor::errc::not_connected), "rpc::client: empty");
   return impl_->executor();
 }

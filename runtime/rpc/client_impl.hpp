@@ -6,6 +6,8 @@
 
 #include <anydoor/rpc/client.hpp>
 
+#include "deadline_list.hpp"
+
 #include <boost/asio/steady_timer.hpp>
 
 #include <chrono>
@@ -64,8 +66,6 @@ class client_impl : public std::enable_shared_from_this<client_impl> {
   void complete(call_op& op, std::error_code ec, reply&& r, bool post, bool early = false) noexcept;
   void unqueue(call_op& op) noexcept;
   void release(call_op& op) noexcept;
-  void insert_deadline(call_op& op) noexcept;
-  void remove_deadline(call_op& op) noexcept;
   void arm_timer() noexcept;
   void on_timer(std::uint64_t seq) noexcept;
   void became_idle() noexcept;
@@ -90,8 +90,7 @@ class client_impl : public std::enable_shared_from_this<client_impl> {
   std::uint32_t sent_ = 0;     // waiting for a reply
   call_op* queue_head_ = nullptr;  // unsent, in call order
   call_op* queue_tail_ = nullptr;
-  call_op* dl_head_ = nullptr;  // by deadline, earliest first
-  call_op* dl_tail_ = nullptr;
+  deadline_list deadlines_;  // pending calls with a deadline
 
   asio::steady_timer timer_;
   clock::time_point timer_at_ = clock::time_point::max();  // armed for (max: not armed)

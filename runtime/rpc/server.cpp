@@ -185,7 +185,8 @@ void session::dispatch(call_slot& s) noexcept {
     finish(s, status(errc::unimplemented, text));
     return;
   }
-  insert_deadline(s);
+  s.due = s.deadline_;
+  if (deadlines_.insert(s)) arm_timer();
   const handler_entry& e = it->second;
   if (e.sync) {
     status st;
@@ -233,7 +234,7 @@ void session::on_handler_done(call_slot& s, std::exception_ptr e, status st) noe
 }
 
 void session::finish(call_slot& s, status st) noexcept {
-  remove_deadline(s);
+  deadlines_.remove(s);
   s.request_ = {};
   s.request_msg = message();  // the receive buffers (credits) go back now
   s.payload_msg = message();
@@ -341,45 +342,10 @@ void session::end(std::error_code why, bool post) noexcept {
   complete_done(done_, why, post);
 }
 
-void session::insert_deadline(call_slot& s) noexcept {
-  if (s.deadline_ == clock::time_point::max()) return;
-  call_slot* after = dl_tail_;
-  while (after != nullptr && after->deadline_ > s.deadline_) after = after->prev;
-  s.prev = after;
-  s.next = after != nullptr ? after->next : dl_head_;
-  if (s.next != nullptr) {
-    s.next->prev = &s;
-  } else {
-    dl_tail_ = &s;
-  }
-  if (after != nullptr) {
-    after->next = &s;
-  } else {
-    dl_head_ = &s;
-  }
-  s.in_deadlines = true;
-  if (dl_head_ == &s) arm_timer();
-}
-
-void session::remove_deadline(call_slot& s) noexcept {
-  if (!s.in_deadlines) return;
-  if (s.prev != nullptr) {
-    s.prev->next = s.next;
-  } else {
-    dl_head_ = s.next;
-  }
-  if (s.next != nullptr) {
-    s.next->prev = s.prev;
-  } else {
-    dl_tail_ = s.prev;
-  }
-  s.next = s.prev = nullptr;
-  s.in_deadlines = false;
-}
-
 void session::arm_timer() noexcept {
-  if (dl_head_ == nullptr || dl_head_->deadline_ >= timer_at_ || ended_) return;
-  timer_at_ = dl_head_->deadline_;
+  const deadline_hook* first = deadlines_.first();
+  if (first == nullptr || first->due >= timer_at_ || ended_) return;
+  timer_at_ = first->due;
   const std::uint64_t seq = ++timer_seq_;
   timer_.expires_at(timer_at_);
   timer_.async_wait(
@@ -390,9 +356,9 @@ void session::on_timer(std::uint64_t seq) noexcept {
   if (seq != timer_seq_) return;
   timer_at_ = clock::time_point::max();
   const auto now = clock::now();
-  while (dl_head_ != nullptr && dl_head_->deadline_ <= now) {
-    call_slot& s = *dl_head_;
-    remove_deadline(s);
+  while (deadlines_.first() != nullptr && deadlines_.first()->due <= now) {
+    call_slot& s = static_cast<call_slot&>(*deadlines_.first());
+    deadlines_.remove(s);
     s.expired = true;
     ++st_->stats.deadline_exceeded;
     cancel_running(s);

@@ -5,6 +5,7 @@
 
 #include <anydoor/rpc/server.hpp>
 
+#include "deadline_list.hpp"
 #include "wire.hpp"
 
 #include <boost/asio/cancellation_signal.hpp>
@@ -38,7 +39,9 @@ struct server_state {
   bool stopped = false;
 };
 
-struct call_slot : server_call {
+// Linked in its session's deadline list by deadline_hook::due (the
+// request's deadline, as server_call::deadline() shows it).
+struct call_slot : server_call, deadline_hook {
   session* owner = nullptr;
   std::uint32_t index = 0;
   bool busy = false;
@@ -50,9 +53,6 @@ struct call_slot : server_call {
   message request_msg;      // the request's receive buffer(s), held while the handler runs
   message payload_msg;
   asio::cancellation_signal signal;
-  call_slot* next = nullptr;  // the deadline list
-  call_slot* prev = nullptr;
-  bool in_deadlines = false;
   std::array<std::byte, wire::kHeaderSize> reply_header{};
   std::string status_text;  // an error reply's message
 };
@@ -84,8 +84,6 @@ class session : public std::enable_shared_from_this<session> {
   void on_sent(call_slot& s, const error_code& ec) noexcept;
   void free_slot(call_slot& s) noexcept;
   void cancel_running(call_slot& s) noexcept;
-  void insert_deadline(call_slot& s) noexcept;
-  void remove_deadline(call_slot& s) noexcept;
   void arm_timer() noexcept;
   void on_timer(std::uint64_t seq) noexcept;
 
@@ -99,8 +97,7 @@ class session : public std::enable_shared_from_this<session> {
   bool receiving_ = false;
   bool ended_ = false;
   call_slot* awaiting_payload_ = nullptr;
-  call_slot* dl_head_ = nullptr;
-  call_slot* dl_tail_ = nullptr;
+  deadline_list deadlines_;  // running calls with a deadline
   asio::steady_timer timer_;
   clock::time_point timer_at_ = clock::time_point::max();
   std::uint64_t timer_seq_ = 0;

@@ -22,14 +22,6 @@ namespace m = anydoor::test::rpc_methods;
 
 namespace {
 
-// The helper next to this test binary (built with the tests).
-std::string sibling(const char* name) {
-  std::array<char, 4096> self{};
-  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
-  REQUIRE(n > 0);
-  std::string dir(self.data(), static_cast<std::size_t>(n));
-  return dir.substr(0, dir.rfind('/') + 1) + name;
-}
 
 std::vector<std::byte> frame(std::uint8_t version, std::uint8_t kind, std::uint8_t flags, std::uint8_t reserved,
                              std::uint32_t aux, std::uint64_t id, std::uint64_t method, std::size_t extra = 0) {
@@ -201,9 +193,10 @@ TEST_CASE("rpc: malformed requests from a raw peer get invalid_argument, unframe
 }
 
 TEST_CASE("rpc: a client drops garbage from a server and fails its calls with unavailable", "[rpc]") {
-  asio::io_context io;
-  ad::fabric sfab(io, test_options());
-  ad::fabric cfab(io, test_options());
+  rpc_env env;  // its fabrics, without the rpc server
+  asio::io_context& io = env.io;
+  ad::fabric& sfab = env.server_fab;
+  ad::fabric& cfab = env.client_fab;
   ad::acceptor acc = sfab.listen(test_host(), 0);
   failure f;
   asio::co_spawn(io, [&]() -> awaitable<void> {
@@ -282,9 +275,10 @@ TEST_CASE("rpc: a server killed mid-call fails the pending calls with unavailabl
 }
 
 TEST_CASE("rpc: a channel dials lazily, fails fast while it cannot connect, and reconnects", "[rpc]") {
-  asio::io_context io;
-  ad::fabric sfab(io, test_options());
-  ad::fabric cfab(io, test_options());
+  rpc_env env;  // its fabrics, without the rpc server
+  asio::io_context& io = env.io;
+  ad::fabric& sfab = env.server_fab;
+  ad::fabric& cfab = env.client_fab;
   // A port nobody listens on (yet): take a free one and let it go.
   std::uint16_t port = 0;
   {
@@ -533,9 +527,10 @@ TEST_CASE("rpc: max_calls bounds the calls in flight of one client", "[rpc]") {
 }
 
 TEST_CASE("rpc: after a deadline against a silent server, nothing keeps the io_context running", "[rpc]") {
-  asio::io_context io;
-  ad::fabric sfab(io, test_options());
-  ad::fabric cfab(io, test_options());
+  rpc_env env;  // its fabrics, without the rpc server
+  asio::io_context& io = env.io;
+  ad::fabric& sfab = env.server_fab;
+  ad::fabric& cfab = env.client_fab;
   ad::acceptor acc = sfab.listen(test_host(), 0);
   ad::connection silent;  // takes the request and never answers; stays open
   failure f;

@@ -802,14 +802,6 @@ TEST_CASE("peer death: pending operations fail exactly once, other connections c
   CHECK(died == 1);
 }
 
-// The helper next to this test binary (built with the tests).
-std::string sibling(const char* name) {
-  std::array<char, 4096> self{};
-  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
-  REQUIRE(n > 0);
-  std::string dir(self.data(), static_cast<std::size_t>(n));
-  return dir.substr(0, dir.rfind('/') + 1) + name;
-}
 
 TEST_CASE("peer death: a killed peer process fails the pending receive of a sleeping reactor", "[runtime]") {
   const std::string peer = sibling("anydoor-test-peer");

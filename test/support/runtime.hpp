@@ -9,6 +9,9 @@
 
 #include <boost/asio/io_context.hpp>
 
+#include <unistd.h>
+
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -69,6 +72,15 @@ inline std::vector<std::byte> pattern(std::size_t n, std::uint32_t seed) {
 }
 
 inline std::string addr(const ad::acceptor& a) { return test_host() + ":" + std::to_string(a.port()); }
+
+// The helper program next to this test binary (built with the tests).
+inline std::string sibling(const char* name) {
+  std::array<char, 4096> self{};
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
+  REQUIRE(n > 0);
+  std::string dir(self.data(), static_cast<std::size_t>(n));
+  return dir.substr(0, dir.rfind('/') + 1) + name;
+}
 
 // Rethrows a coroutine's exception in the test.
 struct failure {

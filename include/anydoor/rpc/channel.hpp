@@ -18,6 +18,7 @@
 
 #include <anydoor/fabric.hpp>
 #include <anydoor/rpc/client.hpp>
+#include <anydoor/rpc/detail/caller.hpp>
 
 #include <boost/asio/async_result.hpp>
 
@@ -48,7 +49,7 @@ client_impl* channel_client(channel_state& ch, std::error_code& why);
 asio::io_context::executor_type channel_executor(const channel_state& ch) noexcept;
 }  // namespace detail
 
-class channel {
+class channel : public detail::caller<channel> {
  public:
   // Throws std::system_error (errc::invalid_argument) for bad options.
   channel(fabric& fab, std::string address, channel_options options = {});
@@ -56,34 +57,8 @@ class channel {
   channel& operator=(channel&&) noexcept;
   ~channel();
 
-  template <class Token>
-  auto async_call(std::uint64_t method, asio::const_buffer request, Token&& token) {
-    return async_call(method, request, call_options{}, std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_call(std::uint64_t method, asio::const_buffer request, const call_options& o, Token&& token) {
-    return asio::async_initiate<Token, void(error_code, reply)>(
-        [this](auto handler, std::uint64_t m, asio::const_buffer req, const call_options& opts) {
-          std::error_code why;
-          detail::client_impl* c = detail::channel_client(state(), why);
-          detail::initiate_untyped(c, why, detail::channel_executor(state()), std::move(handler), m, req, opts);
-        },
-        token, method, request, o);
-  }
-  template <typed_method M, class Token>
-  auto async_call(const M& m, const typename M::request_type& request, Token&& token) {
-    return async_call(m, request, call_options{}, std::forward<Token>(token));
-  }
-  template <typed_method M, class Token>
-  auto async_call(const M& m, const typename M::request_type& request, const call_options& o, Token&& token) {
-    return asio::async_initiate<Token, void(error_code, typename M::reply_type)>(
-        [this](auto handler, const M& method, const typename M::request_type& req, const call_options& opts) {
-          std::error_code why;
-          detail::client_impl* c = detail::channel_client(state(), why);
-          detail::initiate_typed(c, why, detail::channel_executor(state()), std::move(handler), method, req, opts);
-        },
-        token, m, request, o);
-  }
+  // async_call(method, request, [call_options,] token): as rpc::client's.
+  using detail::caller<channel>::async_call;
 
   // A connection is open now.
   bool connected() const noexcept;
@@ -93,8 +68,11 @@ class channel {
   channel_stats stats() const noexcept;
 
  private:
-  // Throws std::system_error (errc::not_connected) on a moved-from channel.
+  friend class detail::caller<channel>;
+  // Throw std::system_error (errc::not_connected) on a moved-from channel.
   detail::channel_state& state() const;
+  detail::client_impl* call_target(std::error_code& why) const { return detail::channel_client(state(), why); }
+  asio::io_context::executor_type call_executor() const { return detail::channel_executor(state()); }
   std::shared_ptr<detail::channel_state> state_;
 };
 

@@ -37,6 +37,7 @@
 #include <anydoor/connection.hpp>
 #include <anydoor/rpc/codec.hpp>
 #include <anydoor/rpc/detail/call_op.hpp>
+#include <anydoor/rpc/detail/caller.hpp>
 #include <anydoor/rpc/status.hpp>
 
 #include <boost/asio/async_result.hpp>
@@ -70,7 +71,7 @@ struct client_stats {
   std::uint64_t large_requests = 0;     // requests sent as header + payload messages
 };
 
-class client {
+class client : public detail::caller<client> {
  public:
   client() noexcept;
   // Takes the connection. Throws std::system_error (errc::invalid_argument)
@@ -80,32 +81,8 @@ class client {
   client& operator=(client&&) noexcept;
   ~client();
 
-  template <class Token>
-  auto async_call(std::uint64_t method, asio::const_buffer request, Token&& token) {
-    return async_call(method, request, call_options{}, std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_call(std::uint64_t method, asio::const_buffer request, const call_options& o, Token&& token) {
-    return asio::async_initiate<Token, void(error_code, reply)>(
-        [this](auto handler, std::uint64_t m, asio::const_buffer req, const call_options& opts) {
-          detail::initiate_untyped(impl_.get(), make_error_code(errc::unavailable), executor(), std::move(handler),
-                                   m, req, opts);
-        },
-        token, method, request, o);
-  }
-  template <typed_method M, class Token>
-  auto async_call(const M& m, const typename M::request_type& request, Token&& token) {
-    return async_call(m, request, call_options{}, std::forward<Token>(token));
-  }
-  template <typed_method M, class Token>
-  auto async_call(const M& m, const typename M::request_type& request, const call_options& o, Token&& token) {
-    return asio::async_initiate<Token, void(error_code, typename M::reply_type)>(
-        [this](auto handler, const M& method, const typename M::request_type& req, const call_options& opts) {
-          detail::initiate_typed(impl_.get(), make_error_code(errc::unavailable), executor(), std::move(handler),
-                                 method, req, opts);
-        },
-        token, m, request, o);
-  }
+  // async_call(method, request, [call_options,] token): see the top of this file.
+  using detail::caller<client>::async_call;
 
   // Still usable: the connection has not failed.
   bool is_open() const noexcept;
@@ -118,7 +95,12 @@ class client {
   asio::io_context::executor_type get_executor() const;
 
  private:
-  asio::io_context::executor_type executor() const;
+  friend class detail::caller<client>;
+  detail::client_impl* call_target(std::error_code& why) const noexcept {
+    why = make_error_code(errc::unavailable);
+    return impl_.get();
+  }
+  asio::io_context::executor_type call_executor() const;
   std::shared_ptr<detail::client_impl> impl_;
 };
 

@@ -70,17 +70,23 @@ class client_impl;
 
 inline constexpr std::size_t kFrameBytes = 24;  // the RPC header (runtime/rpc/wire.hpp)
 
-struct call_op {
+// A place in a deadline_list (runtime/rpc/deadline_list.hpp).
+struct deadline_hook {
+  using clock = std::chrono::steady_clock;
+  deadline_hook* dl_next = nullptr;
+  deadline_hook* dl_prev = nullptr;
+  clock::time_point due = clock::time_point::max();  // max: never
+  bool dl_linked = false;
+};
+
+struct call_op : deadline_hook {
   enum class state : std::uint8_t { free, unsent, sent, done };
 
-  call_op* next = nullptr;  // the deadline list
-  call_op* prev = nullptr;
   call_op* queue_next = nullptr;  // calls waiting for the connection (a channel's)
   client_impl* owner = nullptr;
   std::uint32_t index = 0;
   std::uint32_t generation = 1;
   state st = state::free;
-  bool in_deadlines = false;
   std::uint8_t sends = 0;  // our sends that still read this op's memory
   // A request's payload sent as its own message may be read (rendezvous)
   // from the caller's memory until that send completes: a call that ends
@@ -89,7 +95,6 @@ struct call_op {
   bool deferred = false;
   std::error_code deferred_ec;
   std::uint64_t method = 0;
-  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   asio::const_buffer request{};  // the payload: the caller's memory, or `encoded`
   remote_region bulk{};
   void (*finish)(call_op& op, std::error_code ec, reply&& r, bool post) = nullptr;
