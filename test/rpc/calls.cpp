@@ -314,3 +314,49 @@ TEST_CASE("rpc: requests and replies above the peer's max_message fail with reso
   run_to_completion(env.io);
   f.check();
 }
+
+TEST_CASE("rpc: a call that times out while its request waits for credits never sends it (the buffer is free)",
+          "[rpc]") {
+  // One call at a time on the server, 4 credits: while the first call runs,
+  // the server takes no message, three more requests fill its receive
+  // buffers and a fifth waits in the client for a credit.
+  rpc_env env({.max_concurrent_calls = 1}, {.credits = 4});
+  add_sleep(env.srv);
+  std::vector<std::string> seen;
+  env.srv.add(m::raw_echo, [&](rpc::server_call& call) -> rpc::status {
+    seen.push_back(str(call.request()));
+    call.reply(call.request());
+    return {};
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    int done = 0;
+    cli.async_call(m::sleep_us, 300000u, [&](ad::error_code ec, std::uint32_t) {
+      CHECK_FALSE(ec);
+      ++done;
+    });
+    for (const char* p : {"b", "c", "d"}) {
+      cli.async_call(m::raw_echo, asio::buffer(p, 1), [&](ad::error_code ec, rpc::reply) {
+        CHECK_FALSE(ec);
+        ++done;
+      });
+    }
+    auto late = std::make_unique<std::array<char, 5>>(std::array<char, 5>{'l', 'a', 't', 'e', '!'});
+    auto [ec, r] = co_await cli.async_call(m::raw_echo, asio::buffer(*late), {.timeout = std::chrono::milliseconds(50)},
+                                           asio::as_tuple(use_awaitable));
+    CHECK(ec == rpc::errc::deadline_exceeded);
+    CHECK(done == 0);  // the first call still runs: nothing moved
+    late->fill('X');   // the caller reuses and frees its buffer (ASan: any later read is use-after-free)
+    late.reset();
+    co_await wait_until([&] { return done == 4; });
+    rpc::reply after = co_await cli.async_call(m::raw_echo, asio::buffer("f", 1), use_awaitable);
+    CHECK(str(after.bytes()) == "f");
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  // The withdrawn request never reached the server.
+  CHECK(seen == std::vector<std::string>{"b", "c", "d", "f"});
+}
