@@ -21,6 +21,9 @@ class channel_state : public std::enable_shared_from_this<channel_state> {
 
   client_impl* client(std::error_code& why) noexcept {
     const auto now = clock::now();
+    if (current_ && current_->current_state() == client_impl::state::open && !current_->conn().is_open()) {
+      current_->fail(make_error_code(errc::unavailable), true);  // it died while idle: dial again
+    }
     if (current_ && current_->current_state() == client_impl::state::failed) {
       if (current_->ever_open()) {
         last_error_ = make_error_code(errc::unavailable);

@@ -47,7 +47,7 @@ void client_impl::attach(connection c) {
   while (queue_head_ != nullptr && state_ == state::open) {
     call_op* op = queue_head_;
     unqueue(*op);
-    send_request(*op, false);
+    send_request(*op, true);  // a call failing here completes later: the queue keeps its order
   }
 }
 
@@ -189,7 +189,10 @@ void client_impl::send_request(call_op& op, bool post) noexcept {
   } else {
     ++stats_.large_requests;
     send(&op, head_buf, false, false);
-    send(&op, op.request, false, true);
+    // Only the caller's memory needs waiting for when the call ends early
+    // (a typed request is the op's own copy, kept until its sends are done).
+    const bool callers_memory = op.request.data() != static_cast<const void*>(op.encoded.data());
+    send(&op, op.request, false, callers_memory);
   }
   ensure_receiving();
 }
@@ -251,6 +254,17 @@ void client_impl::on_message(const error_code& ec, message m) noexcept {
   receiving_ = false;
   if (state_ != state::open) return;
   if (ec == std::errc::operation_canceled) {  // withdrawn while idle (became_idle)
+    ensure_receiving();
+    return;
+  }
+  if (ec == anydoor::errc::message_size && awaiting_payload_) {
+    // A reply payload above this side's rendezvous memory: that call fails,
+    // the connection carries on (the server's send failed likewise).
+    awaiting_payload_ = false;
+    if (call_op* op = find_sent(payload_call_)) {
+      ++stats_.failed;
+      complete(*op, make_error_code(errc::resource_exhausted), {}, false);
+    }
     ensure_receiving();
     return;
   }

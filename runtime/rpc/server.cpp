@@ -251,10 +251,11 @@ void session::finish(call_slot& s, status st) noexcept {
 }
 
 template <class Buffers>
-void session::send(call_slot& s, const Buffers& bufs) noexcept {
+void session::send(call_slot& s, const Buffers& bufs, bool payload) noexcept {
   ++s.sends;
-  conn_.async_send(bufs, asio::bind_executor(ex_, [self = shared_from_this(), &s](const error_code& ec, std::size_t) {
-                     self->on_sent(s, ec);
+  conn_.async_send(bufs, asio::bind_executor(ex_, [self = shared_from_this(), &s, payload](const error_code& ec,
+                                                                                         std::size_t) {
+                     self->on_sent(s, ec, payload);
                    }));
 }
 
@@ -288,7 +289,7 @@ void session::send_reply(call_slot& s, const status& st) noexcept {
   wire::encode(h, s.reply_header.data());
   if (follows) {
     send(s, asio::buffer(s.reply_header));
-    send(s, asio::buffer(payload.data(), payload.size()));
+    send(s, asio::buffer(payload.data(), payload.size()), true);
   } else {
     const std::array<asio::const_buffer, 2> bufs{asio::buffer(s.reply_header),
                                                  asio::buffer(payload.data(), payload.size())};
@@ -296,9 +297,13 @@ void session::send_reply(call_slot& s, const status& st) noexcept {
   }
 }
 
-void session::on_sent(call_slot& s, const error_code& ec) noexcept {
+void session::on_sent(call_slot& s, const error_code& ec, bool payload) noexcept {
   --s.sends;
-  if (ec && !ended_) {
+  if (payload && ec == anydoor::errc::message_size) {
+    // The client could not take this reply (above its rendezvous memory):
+    // that call fails there with resource_exhausted; the connection serves on.
+    log().debug("rpc server: a {}-byte reply was refused by the client", s.reply_.size());
+  } else if (ec && !ended_) {
     log().warn("rpc server: sending a reply failed ({}): the connection is closed", ec.message());
     end(ec, false);
   }

@@ -80,8 +80,8 @@ class session : public std::enable_shared_from_this<session> {
   void finish(call_slot& s, status st) noexcept;
   void send_reply(call_slot& s, const status& st) noexcept;
   template <class Buffers>
-  void send(call_slot& s, const Buffers& bufs) noexcept;
-  void on_sent(call_slot& s, const error_code& ec) noexcept;
+  void send(call_slot& s, const Buffers& bufs, bool payload = false) noexcept;
+  void on_sent(call_slot& s, const error_code& ec, bool payload) noexcept;
   void free_slot(call_slot& s) noexcept;
   void cancel_running(call_slot& s) noexcept;
   void arm_timer() noexcept;

@@ -318,8 +318,9 @@ TEST_CASE("rpc: requests and replies above the peer's max_message fail with reso
 TEST_CASE("rpc: a call that times out while its request waits for credits never sends it (the buffer is free)",
           "[rpc]") {
   // One call at a time on the server, 4 credits: while the first call runs,
-  // the server takes no message, three more requests fill its receive
-  // buffers and a fifth waits in the client for a credit.
+  // the server takes no message; the next requests fill what credits the
+  // client has (a send needs two: one is kept for control messages) and the
+  // timed-out request waits in the client for a credit.
   rpc_env env({.max_concurrent_calls = 1}, {.credits = 4});
   add_sleep(env.srv);
   std::vector<std::string> seen;
@@ -359,4 +360,59 @@ TEST_CASE("rpc: a call that times out while its request waits for credits never 
   f.check();
   // The withdrawn request never reached the server.
   CHECK(seen == std::vector<std::string>{"b", "c", "d", "f"});
+}
+
+TEST_CASE("rpc: a reply above the client's rendezvous memory fails that call, the connection carries on", "[rpc]") {
+  asio::io_context io;
+  ad::fabric sfab(io, test_options());
+  ad::fabric cfab(io, test_options({.rendezvous_memory = 64 << 10}));
+  rpc::server srv;
+  srv.add(m::raw_echo, [](rpc::server_call& call) -> rpc::status {
+    if (call.request().size() == 1) call.reply_buffer(200000);  // above 64 KiB
+    else call.reply(call.request());
+    return {};
+  });
+  ad::acceptor acc = sfab.listen(test_host(), 0);
+  const std::string where = addr(acc);
+  srv.async_serve(std::move(acc), [](ad::error_code) {});
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    rpc::client cli(co_await cfab.async_connect(where, use_awaitable));
+    auto [ec, r] = co_await cli.async_call(m::raw_echo, asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec == rpc::errc::resource_exhausted);
+    CHECK(cli.is_open());
+    rpc::reply ok = co_await cli.async_call(m::raw_echo, asio::buffer("ok", 2), use_awaitable);
+    CHECK(str(ok.bytes()) == "ok");
+    CHECK(srv.stats().connections == 1);
+    srv.stop();
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("rpc: a large typed request ends on time at its deadline while the server reads nothing", "[rpc]") {
+  rpc_env env({.max_concurrent_calls = 1});
+  env.srv.add(m::hang, [](const std::uint32_t&, rpc::server_call&) -> awaitable<rpc::result<std::uint32_t>> {
+    asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::seconds(30));
+    co_await t.async_wait(asio::as_tuple(use_awaitable));
+    co_return 0u;
+  });
+  env.srv.add(m::echo, [](const std::string& s, rpc::server_call&) -> rpc::result<std::string> { return s; });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    // The server's only slot is taken by a call without a deadline.
+    cli.async_call(m::hang, 0u, {.timeout = std::chrono::microseconds(0)}, [](ad::error_code, std::uint32_t) {});
+    co_await wait_until([&] { return env.srv.stats().calls == 1; });
+    // 100 KB: a header and a rendezvous payload that nobody reads.
+    const auto t0 = std::chrono::steady_clock::now();
+    auto [ec, v] = co_await cli.async_call(m::echo, std::string(100000, 'p'), {.timeout = std::chrono::milliseconds(50)},
+                                           asio::as_tuple(use_awaitable));
+    CHECK(ec == rpc::errc::deadline_exceeded);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2));
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
 }

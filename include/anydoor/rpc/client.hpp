@@ -7,9 +7,12 @@
 //   co_await cli.async_call(store, key, {.timeout = 5ms, .bulk = mr.remote()}, asio::use_awaitable);
 //
 // async_call(method, request, [call_options,] token):
-// (a call that ends early, by deadline or cancel, while the peer may still
-// read a large request from the caller's memory completes when that read is
-// done: the request buffer is free once the call completes.)
+// The request buffer is free once the call completes. An untyped request
+// above the eager limit is read by the server straight from the caller's
+// memory (zero copy); if such a call ends early (deadline, cancel), it
+// completes when that read is done or the connection fails, so a server
+// that has stopped reading delays it. A typed request is the call's own
+// copy and ends on time.
 //   untyped: method is an id, request a buffer; void(error_code, rpc::reply).
 //            The request buffer must stay valid until the call completes.
 //   typed:   method is an rpc::method<Request, Reply>; the request is encoded

@@ -189,9 +189,11 @@ class server_call {
 struct server_options {
   // Handlers running (or replies being sent) at once per connection;
   // beyond it the server stops taking requests. 1..65536. A running call
-  // holds one of the connection's receive buffers (its request, zero copy):
-  // keep this below the connection's credits (64 by default) so that a
-  // client's cancel can still get through.
+  // holds one of the connection's receive buffers (its request, zero copy),
+  // so the credits (64 by default) bound it too. A server at the limit reads
+  // nothing from that connection, cancels included: a client's cancel
+  // reaches a handler only once a call ends (handlers with a deadline end
+  // by themselves).
   std::uint32_t max_concurrent_calls = 32;
   // A call slot keeps a reply buffer up to this size for the next call.
   std::size_t retained_reply_bytes = std::size_t{64} << 10;
