@@ -29,7 +29,7 @@ void complete_done(::anydoor::detail::pending_handler*& done, std::error_code wh
 // ---------------------------------------------------------------- session
 
 session::session(std::shared_ptr<server_state> st, connection c, ::anydoor::detail::pending_handler* done)
-    : st_(std::move(st)), conn_(std::move(c)), ex_(conn_.get_executor()), done_(done), timer_(ex_) {
+    : st_(std::move(st)), conn_(std::move(c)), ex_(conn_.get_executor()), done_(done), timer_(ex_), drain_timer_(ex_) {
   st_->sessions.push_back(this);
   ++st_->stats.connections;
   ++st_->stats.connections_served;
@@ -43,7 +43,7 @@ session::~session() {
 }
 
 void session::ensure_receiving() noexcept {
-  if (receiving_ || ended_) return;
+  if (receiving_ || ended_ || (draining_ && awaiting_payload_ == nullptr)) return;
   if (active_ >= st_->opts.max_concurrent_calls && awaiting_payload_ == nullptr) return;
   receiving_ = true;
   conn_.async_receive(asio::bind_executor(ex_, [self = shared_from_this()](const error_code& ec, message m) {
@@ -53,7 +53,7 @@ void session::ensure_receiving() noexcept {
 
 void session::on_message(const error_code& ec, message m) noexcept {
   receiving_ = false;
-  if (ended_) return;
+  if (ended_ || closing_) return;  // closing: what still arrives is dropped
   if (ec == anydoor::errc::message_size && awaiting_payload_ != nullptr) {
     // The payload was larger than this side's rendezvous memory: that call
     // fails, the connection serves on.
@@ -325,6 +325,30 @@ void session::free_slot(call_slot& s) noexcept {
   free_.push_back(s.index);
   --active_;
   ensure_receiving();
+  maybe_close();
+}
+
+void session::drain(std::chrono::milliseconds grace) noexcept {
+  if (ended_ || draining_) return;
+  draining_ = true;
+  drain_timer_.expires_after(grace);
+  drain_timer_.async_wait(asio::bind_executor(ex_, [self = shared_from_this()](const error_code& ec) {
+    if (ec || self->ended_) return;
+    log().warn("rpc server: a connection was still busy when the shutdown grace ran out: aborted");
+    self->end(std::make_error_code(std::errc::timed_out), false);
+  }));
+  maybe_close();
+}
+
+void session::maybe_close() noexcept {
+  // A request whose payload is still to come holds its slot (active_).
+  if (!draining_ || closing_ || ended_ || active_ != 0) return;
+  closing_ = true;
+  conn_.async_close(asio::bind_executor(ex_, [self = shared_from_this()](const error_code& ec) {
+    if (ec) log().debug("rpc server: closing a connection at shutdown: {}", ec.message());
+    self->drain_timer_.cancel();
+    self->end(std::error_code(), false);
+  }));
 }
 
 void session::end(std::error_code why, bool post) noexcept {
@@ -333,6 +357,7 @@ void session::end(std::error_code why, bool post) noexcept {
   auto keep = shared_from_this();
   conn_.abort();
   timer_.cancel();
+  drain_timer_.cancel();
   timer_at_ = clock::time_point::max();
   ++timer_seq_;
   if (awaiting_payload_ != nullptr) {
@@ -461,6 +486,18 @@ void server::stop() noexcept {
     if (auto p = s->weak_from_this().lock()) sessions.push_back(std::move(p));
   }
   for (auto& s : sessions) s->end(std::make_error_code(std::errc::operation_canceled), true);
+}
+
+void server::shutdown(std::chrono::milliseconds grace) noexcept {
+  if (!state_) return;
+  state_->stopped = true;
+  const std::vector<detail::accept_loop*> loops = state_->acceptors;
+  for (auto* l : loops) l->close();
+  std::vector<std::shared_ptr<detail::session>> sessions;
+  for (auto* s : state_->sessions) {
+    if (auto p = s->weak_from_this().lock()) sessions.push_back(std::move(p));
+  }
+  for (auto& s : sessions) s->drain(grace);
 }
 
 server_stats server::stats() const noexcept { return state_->stats; }

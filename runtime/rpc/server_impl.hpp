@@ -68,8 +68,12 @@ class session : public std::enable_shared_from_this<session> {
   // Ends the session: aborts the connection, cancels running handlers,
   // completes async_serve with `why`.
   void end(std::error_code why, bool post) noexcept;
+  // Graceful: no more requests; once the running calls have replied, the
+  // connection is closed cleanly; aborted when `grace` passes first.
+  void drain(std::chrono::milliseconds grace) noexcept;
 
  private:
+  void maybe_close() noexcept;
   void ensure_receiving() noexcept;
   void on_message(const error_code& ec, message m) noexcept;
   void on_request(const wire::header& h, message m) noexcept;
@@ -96,11 +100,14 @@ class session : public std::enable_shared_from_this<session> {
   std::uint32_t active_ = 0;
   bool receiving_ = false;
   bool ended_ = false;
+  bool draining_ = false;
+  bool closing_ = false;
   call_slot* awaiting_payload_ = nullptr;
   deadline_list deadlines_;  // running calls with a deadline
   asio::steady_timer timer_;
   clock::time_point timer_at_ = clock::time_point::max();
   std::uint64_t timer_seq_ = 0;
+  asio::steady_timer drain_timer_;
 };
 
 class accept_loop : public std::enable_shared_from_this<accept_loop> {

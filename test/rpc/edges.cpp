@@ -556,3 +556,67 @@ TEST_CASE("rpc: after a deadline against a silent server, nothing keeps the io_c
   silent.abort();
   run_to_completion(io);  // the aborts' completions run (they hold the connections)
 }
+
+TEST_CASE("rpc: shutdown lets running calls reply, then closes each connection cleanly", "[rpc]") {
+  rpc_env env;
+  env.srv.add(m::sleep_us, [](const std::uint32_t& us, rpc::server_call& call) -> awaitable<rpc::result<std::uint32_t>> {
+    asio::steady_timer t(call.get_executor(), std::chrono::microseconds(us));
+    co_await t.async_wait(use_awaitable);
+    co_return us;
+  });
+  env.srv.add(m::echo, [](const std::string& s, rpc::server_call&) -> rpc::result<std::string> { return s; });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client busy = co_await env.connect();
+    rpc::client idle = co_await env.connect();
+    const std::string first = co_await idle.async_call(m::echo, std::string("a"), use_awaitable);
+    CHECK(first == "a");
+    std::optional<std::pair<ad::error_code, std::uint32_t>> slow;
+    busy.async_call(m::sleep_us, 200000u, [&](ad::error_code ec, std::uint32_t v) { slow.emplace(ec, v); });
+    co_await wait_until([&] { return env.srv.stats().calls == 2; });
+    env.srv.shutdown(std::chrono::seconds(10));
+    // The idle connection closes at once; the busy one after its reply.
+    co_await wait_until([&] { return env.srv.stats().connections == 1; }, std::chrono::milliseconds(2000));
+    CHECK_FALSE(slow.has_value());
+    co_await wait_until([&] { return slow.has_value(); });
+    CHECK_FALSE(slow->first);
+    CHECK(slow->second == 200000u);
+    co_await wait_until([&] { return env.srv.stats().connections == 0 && env.serve_done; });
+    // The acceptor's loop ends with operation_canceled (closed); later calls
+    // on either connection fail, and nobody is listening any more.
+    CHECK(env.serve_ec == std::errc::operation_canceled);
+    auto [ec, r] = co_await busy.async_call(m::echo, std::string("b"), asio::as_tuple(use_awaitable));
+    CHECK(ec == rpc::errc::unavailable);
+    auto [ec2, r2] = co_await idle.async_call(m::echo, std::string("c"), asio::as_tuple(use_awaitable));
+    CHECK(ec2 == rpc::errc::unavailable);
+    auto [cec, c] = co_await env.client_fab.async_connect(env.address, asio::as_tuple(use_awaitable));
+    CHECK(cec);
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
+TEST_CASE("rpc: shutdown aborts a connection still busy when its grace runs out", "[rpc]") {
+  rpc_env env;
+  env.srv.add(m::hang, [](const std::uint32_t&, rpc::server_call& call) -> awaitable<rpc::result<std::uint32_t>> {
+    asio::steady_timer t(call.get_executor(), std::chrono::hours(1));
+    co_await t.async_wait(use_awaitable);
+    co_return 0u;
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    std::optional<ad::error_code> got;
+    cli.async_call(m::hang, 1u, [&](ad::error_code ec, std::uint32_t) { got = ec; });
+    co_await wait_until([&] { return env.srv.stats().calls == 1; });
+    const auto t0 = std::chrono::steady_clock::now();
+    env.srv.shutdown(std::chrono::milliseconds(100));
+    co_await wait_until([&] { return got.has_value(); });
+    CHECK(*got == rpc::errc::unavailable);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}

@@ -329,6 +329,12 @@ class server {
   // Closes the acceptors it serves and aborts its connections (running
   // handlers are cancelled; their replies are dropped).
   void stop() noexcept;
+  // Graceful stop: closes the acceptors, takes no more requests, lets the
+  // running calls finish and send their replies, then closes each
+  // connection cleanly (async_close: the client's later calls fail with
+  // unavailable); async_serve then completes without an error. A connection
+  // still busy after `grace` is aborted (as stop() does). On the io thread.
+  void shutdown(std::chrono::milliseconds grace = std::chrono::seconds(5)) noexcept;
   server_stats stats() const noexcept;
   const server_options& options() const noexcept;
 

@@ -1,0 +1,38 @@
+// anydoor-echo: an RPC echo service and a load generator for it.
+#pragma once
+
+#include "common/args.hpp"
+
+#include <anydoor/rpc.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace anydoor::apps::echo {
+
+// The one method: the reply is the request's bytes.
+inline constexpr rpc::method<std::string, std::string> method{"anydoor.echo"};
+
+struct server_options {
+  endpoint listen;
+  std::string provider = "auto";
+  std::uint64_t max_message = std::uint64_t{64} << 20;
+  std::uint32_t max_connections = 256;
+};
+int run_server(const server_options& o);
+
+struct client_options {
+  endpoint connect;
+  std::string provider = "auto";
+  std::uint64_t size = 64;
+  std::uint64_t count = 0;     // 0: --duration decides
+  double duration = 0;         // seconds; 0: --count decides (default 10000 messages)
+  std::uint32_t in_flight = 1;
+  std::uint32_t connections = 1;
+  double timeout = 10;         // seconds a reply may take before the server counts as gone
+  bool verify = false;
+  bool json = false;
+};
+int run_client(const client_options& o);
+
+}  // namespace anydoor::apps::echo

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# anydoor-echo from the command line: every option, sizes from 1 byte to
+# several MiB (eager and rendezvous), JSON, progress, and the failure paths
+# (unreachable, server killed, server stopped, bad options), and SIGINT/SIGTERM.
+# usage: echo.sh BIN_DIR
+source "$(dirname "$0")/lib.sh"
+echo_bin=$1/anydoor-echo
+
+start_server srv "$echo_bin" server --listen 127.0.0.1:0 --provider tcp
+expect_in "$tmp/srv.out" "listening on 127.0.0.1:$PORT \(provider tcp"
+
+for size in 1 7 64 4096 8191 8192 8193 65536 1M 3M; do
+  run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size $size --count 40 --in-flight 4 --verify
+  expect_in "$tmp/last.out" "^anydoor-echo: 40 messages of [0-9]+ B .*every byte verified"
+done
+pass "sizes 1 B .. 3 MiB, verified"
+
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 100 --count 2000 --in-flight 8 --connections 3 --json
+[ "$(wc -l <"$tmp/last.out")" = 1 ] || fail "--json printed more than one line"
+python3 - "$tmp/last.out" <<'PY' || fail "--json is not the expected object"
+import json, sys
+o = json.load(open(sys.argv[1]))
+keys = {"provider", "size", "connections", "in_flight", "messages", "seconds", "msgs_per_s", "mb_per_s",
+        "p50_us", "p99_us", "p999_us", "max_us", "verified"}
+assert keys <= o.keys(), keys - o.keys()
+assert o["messages"] == 2000 and o["size"] == 100 and o["connections"] == 3 and o["in_flight"] == 8
+assert o["msgs_per_s"] > 0 and 0 < o["p50_us"] <= o["p99_us"] <= o["p999_us"] <= o["max_us"]
+assert o["verified"] is False
+PY
+pass "--json, --connections"
+
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 3.2 --in-flight 2
+expect_in "$tmp/last.out" "messages/s [0-9.]+ +MB/s [0-9.]+"
+expect_in "$tmp/last.out" "latency us +p50 [0-9.]+ +p99 [0-9.]+ +p99.9 [0-9.]+ +max [0-9.]+"
+[ "$(grep -c '^anydoor-echo: [0-9] s: ' "$tmp/last.err")" -ge 2 ] || fail "no progress lines on a 3.2 s run"
+pass "--duration with progress lines"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 3.2 --json
+grep -q 's: ' "$tmp/last.err" && fail "progress lines with --json"
+pass "no progress with --json"
+
+# A size above the server's maximum message fails with the reason.
+start_server small "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-message 64K
+run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --size 65537 --count 1
+expect_in "$tmp/last.err" "resource exhausted"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 64K --count 3 --verify
+pass "--max-message"
+
+# Unreachable: a port nobody listens on.
+kill -TERM "$PID_small"; wait "$PID_small" 2>/dev/null
+run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --count 1
+expect_in "$tmp/last.err" "^anydoor-echo: cannot connect to 127.0.0.1:$PORT: "
+pass "unreachable server"
+
+# The server stops answering (SIGSTOP): the run ends within --timeout.
+start_server frozen "$echo_bin" server --listen 127.0.0.1:0 --provider tcp
+( sleep 1; kill -STOP "$PID_frozen" ) &
+start=$SECONDS
+run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --timeout 2
+expect_in "$tmp/last.err" "stopped answering: no reply within 2"
+[ $((SECONDS - start)) -le 10 ] || fail "a stopped server took $((SECONDS - start)) s to notice"
+kill -KILL "$PID_frozen"
+pass "stopped server noticed within --timeout"
+
+# The server dies mid-run (SIGKILL).
+start_server victim "$echo_bin" server --listen 127.0.0.1:0 --provider tcp
+( sleep 1; kill -KILL "$PID_victim" ) &
+run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --in-flight 4
+expect_in "$tmp/last.err" "lost the connection to the server"
+pass "killed server"
+
+# SIGTERM and SIGINT: connections closed, exit 0.
+for sig in TERM INT; do
+  start_server graceful "$echo_bin" server --listen 127.0.0.1:0 --provider tcp
+  timeout 60 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 >"$tmp/c.out" 2>"$tmp/c.err" &
+  cpid=$!
+  sleep 1
+  kill -$sig "$PID_graceful"
+  timeout 10 tail --pid="$PID_graceful" -f /dev/null || fail "the server did not exit within 10 s of SIG$sig"
+  wait "$PID_graceful"; rc=$?
+  [ "$rc" = 0 ] || fail "the server exited $rc after SIG$sig"
+  expect_in "$tmp/graceful.err" "SIG$sig: closing 1 connection"
+  expect_in "$tmp/graceful.out" "served [0-9]+ calls on 1 connection"
+  wait "$cpid"; [ $? = 1 ] || fail "the client did not fail when the server went away"
+  expect_in "$tmp/c.err" "lost the connection"
+done
+pass "SIGTERM and SIGINT exit 0"
+
+# Bad command lines: exit 2 with the reason.
+run_cmd 2 "$echo_bin" client --connect nowhere --count 1; expect_in "$tmp/last.err" "takes HOST:PORT"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --count 1 --duration 1; expect_in "$tmp/last.err" "not both"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --size 0; expect_in "$tmp/last.err" "--size takes a number"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --size 2G; expect_in "$tmp/last.err" "--size takes a number"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --in-flight x; expect_in "$tmp/last.err" "--in-flight takes"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --duration -1; expect_in "$tmp/last.err" "--duration takes"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --bogus; expect_in "$tmp/last.err" "unknown option --bogus"
+run_cmd 2 "$echo_bin" client --count 1; expect_in "$tmp/last.err" "needs --connect"
+run_cmd 2 "$echo_bin" server; expect_in "$tmp/last.err" "needs --listen"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --provider foo; expect_in "$tmp/last.err" "--provider takes"
+run_cmd 2 "$echo_bin" dance; expect_in "$tmp/last.err" "unknown mode"
+run_cmd 2 "$echo_bin"; expect_in "$tmp/last.err" "usage:"
+run_cmd 0 "$echo_bin" --help; expect_in "$tmp/last.out" "anydoor-echo server --listen"
+pass "bad command lines"
+echo "echo app: all passed"
