@@ -44,8 +44,10 @@ run_cmd() {
   local want=$1; shift
   timeout 60 "$@" >"$tmp/last.out" 2>"$tmp/last.err"
   local rc=$?
-  [ "$rc" = 124 ] && fail "hung (60 s): $*"
-  [ "$rc" = "$want" ] || fail "exit code $rc, expected $want: $*"
+  local cmd="$*"
+  [ ${#cmd} -le 300 ] || cmd="${cmd:0:300}..."
+  [ "$rc" = 124 ] && fail "hung (60 s): $cmd"
+  [ "$rc" = "$want" ] || fail "exit code $rc, expected $want: $cmd"
 }
 
 expect_in() {

@@ -1,0 +1,70 @@
+// A key-value client: PUT, GET, DEL by RPC, and GET by one-sided READ of
+// the server's table (fetch the layout once; then per GET one READ of the
+// key's neighbourhood and, unless the value sits in its slot, one READ of
+// the item), retrying a torn or moved read up to kReadAttempts times and
+// then asking by RPC. Coroutines on the connection's io thread.
+#pragma once
+
+#include "layout.hpp"
+#include "read.hpp"
+
+#include <anydoor/fabric.hpp>
+#include <anydoor/rpc.hpp>
+
+#include <boost/asio/awaitable.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace anydoor::apps::kv {
+
+inline constexpr int kReadAttempts = 4;
+
+struct read_stats {
+  std::uint64_t gets = 0;       // GETs by READ
+  std::uint64_t reads = 0;      // READs issued
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;     // not found, decided from the table
+  std::uint64_t retries = 0;    // torn or moved reads read again
+  std::uint64_t fallbacks = 0;  // asked by RPC (retries used up, an overflowed bucket, a value too large)
+};
+
+class client {
+ public:
+  client(fabric& fab, connection c, std::chrono::milliseconds timeout);
+
+  // Per concurrent GET by READ: its registered landing buffer.
+  struct reader {
+    std::unique_ptr<std::byte, void (*)(void*)> mem{nullptr, &std::free};
+    memory_region mr;  // over mem; deregistered first
+  };
+
+  asio::awaitable<rpc::status> put(std::string_view key, std::span<const std::byte> value);
+  asio::awaitable<rpc::status> get(std::string_view key, std::string& out);  // not_found: status
+  asio::awaitable<rpc::status> del(std::string_view key, bool& existed);
+
+  // Fetches and checks the layout; an unusable one leaves GETs by RPC.
+  asio::awaitable<rpc::status> fetch_layout();
+  bool can_read() const noexcept { return layout_.has_value(); }
+  reader make_reader();
+  asio::awaitable<rpc::status> read_get(reader& r, std::string_view key, std::string& out);
+
+  const read_stats& reads() const noexcept { return rs_; }
+  rpc::client& rpc() noexcept { return cli_; }
+
+ private:
+  fabric& fab_;
+  rpc::client cli_;
+  std::optional<layout> layout_;
+  remote_region table_;
+  read_stats rs_;
+};
+
+// An rpc call's outcome as a status: the server's, or the call's own.
+rpc::status call_status(const error_code& ec, const rpc::reply& r);
+
+}  // namespace anydoor::apps::kv

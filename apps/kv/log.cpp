@@ -1,0 +1,386 @@
+#include "log.hpp"
+
+#include "layout.hpp"
+
+#include <boost/asio/dispatch.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace anydoor::apps::kv {
+
+namespace {
+
+constexpr char kMagic[8] = {'A', 'D', 'K', 'V', 'L', 'O', 'G', '1'};
+constexpr std::uint32_t kLogVersion = 1;
+constexpr std::uint32_t kMaxKeyHard = 65535;
+constexpr std::uint32_t kMaxValueHard = std::uint32_t{1} << 30;
+
+std::uint32_t load32(const std::byte* p) {
+  std::uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+std::string sys_error(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+void file_header(std::vector<std::byte>& out) {
+  const auto* m = reinterpret_cast<const std::byte*>(kMagic);
+  out.insert(out.end(), m, m + 8);
+  const std::uint32_t v[2] = {kLogVersion, 0};
+  const auto* p = reinterpret_cast<const std::byte*>(v);
+  out.insert(out.end(), p, p + 8);
+}
+
+}  // namespace
+
+const char* to_string(sync_mode m) noexcept {
+  switch (m) {
+    case sync_mode::always: return "always";
+    case sync_mode::everysec: return "everysec";
+    case sync_mode::no: return "no";
+  }
+  return "?";
+}
+
+void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key,
+                   std::span<const std::byte> value) {
+  const std::size_t at = out.size();
+  out.resize(at + kRecordHeader + key.size() + value.size());
+  std::byte* p = out.data() + at;
+  const std::uint32_t k = static_cast<std::uint32_t>(key.size());
+  const std::uint32_t v = static_cast<std::uint32_t>(value.size());
+  p[4] = static_cast<std::byte>(t);
+  p[5] = p[6] = p[7] = std::byte{0};
+  std::memcpy(p + 8, &k, 4);
+  std::memcpy(p + 12, &v, 4);
+  std::memcpy(p + kRecordHeader, key.data(), key.size());
+  if (!value.empty()) std::memcpy(p + kRecordHeader + key.size(), value.data(), value.size());
+  const std::uint32_t crc = crc32c(0, p + 4, kRecordHeader - 4 + key.size() + value.size());
+  std::memcpy(p, &crc, 4);
+}
+
+log_parse parse_log(std::span<const std::byte> file,
+                    const std::function<void(record_type, std::string_view, std::span<const std::byte>)>& apply) {
+  log_parse r;
+  if (file.size() < kLogHeader || std::memcmp(file.data(), kMagic, 8) != 0) {
+    r.result = log_parse::outcome::not_a_log;
+    r.why = file.size() < kLogHeader ? "shorter than the log header" : "no anydoor-kv log header";
+    return r;
+  }
+  if (load32(file.data() + 8) != kLogVersion || load32(file.data() + 12) != 0) {
+    r.result = log_parse::outcome::not_a_log;
+    r.why = "log version " + std::to_string(load32(file.data() + 8)) + " (this server reads 1)";
+    return r;
+  }
+  std::size_t at = kLogHeader;
+  const std::size_t end = file.size();
+  auto zeros_to_end = [&](std::size_t from) {
+    for (std::size_t i = from; i < end; ++i) {
+      if (file[i] != std::byte{0}) return false;
+    }
+    return true;
+  };
+  while (at < end) {
+    const std::byte* p = file.data() + at;
+    const std::size_t left = end - at;
+    std::string bad;
+    std::size_t rec = 0;
+    if (left < kRecordHeader) {
+      bad = "a record header cut short";
+    } else {
+      const auto type = static_cast<std::uint8_t>(p[4]);
+      const std::uint32_t k = load32(p + 8), v = load32(p + 12);
+      if ((type != 1 && type != 2) || p[5] != std::byte{0} || p[6] != std::byte{0} || p[7] != std::byte{0}) {
+        bad = "an unknown record type";
+      } else if (k == 0 || k > kMaxKeyHard || v > kMaxValueHard || (type == 2 && v != 0)) {
+        bad = "impossible key or value lengths";
+      } else if (kRecordHeader + std::size_t{k} + v > left) {
+        bad = "a record cut short";
+      } else {
+        rec = kRecordHeader + std::size_t{k} + v;
+        if (crc32c(0, p + 4, rec - 4) != load32(p)) {
+          bad = "a CRC mismatch";
+        } else {
+          apply(static_cast<record_type>(type), std::string_view(reinterpret_cast<const char*>(p + kRecordHeader), k),
+                std::span<const std::byte>(p + kRecordHeader + k, v));
+          ++r.records;
+          at += rec;
+          continue;
+        }
+      }
+    }
+    // A bad record: the torn end of the last write, or corruption?
+    r.valid_end = at;
+    const bool last = rec == 0 ? bad != "an unknown record type" && bad != "impossible key or value lengths"
+                               : at + rec == end;
+    if (last || zeros_to_end(at)) {
+      r.result = log_parse::outcome::torn;
+      r.why = bad + " at offset " + std::to_string(at) + " (" + std::to_string(left) + " bytes to the end)";
+    } else {
+      r.result = log_parse::outcome::corrupt;
+      r.why = bad + " at offset " + std::to_string(at) + ", with " + std::to_string(left) +
+              " bytes after it: not a torn tail";
+    }
+    return r;
+  }
+  r.valid_end = at;
+  return r;
+}
+
+durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& apply) : io_(io), o_(std::move(o)) {
+  if (::mkdir(o_.dir.c_str(), 0755) != 0 && errno != EEXIST) throw std::runtime_error(sys_error("cannot create " + o_.dir));
+  dir_fd_ = ::open(o_.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd_ < 0) throw std::runtime_error(sys_error("cannot open the data dir " + o_.dir));
+  const std::string lock = o_.dir + "/LOCK";
+  lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) throw std::runtime_error(sys_error("cannot open " + lock));
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const std::string why = errno == EWOULDBLOCK ? "another anydoor-kv-server uses " + o_.dir : sys_error("flock " + lock);
+    ::close(lock_fd_);
+    ::close(dir_fd_);
+    throw std::runtime_error(why);
+  }
+  path_ = o_.dir + "/kv.log";
+  tmp_path_ = o_.dir + "/kv.log.compact";
+  ::unlink(tmp_path_.c_str());  // a compaction that did not finish
+  auto fail = [&](const std::string& why) {
+    if (fd_ >= 0) ::close(fd_);
+    ::close(lock_fd_);
+    ::close(dir_fd_);
+    throw std::runtime_error(why);
+  };
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(sys_error("cannot open " + path_));
+  struct stat st{};
+  if (::fstat(fd_, &st) != 0) fail(sys_error("stat " + path_));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::uint64_t size = static_cast<std::uint64_t>(st.st_size);
+  if (size == 0) {
+    std::vector<std::byte> h;
+    file_header(h);
+    if (write_all(fd_, h.data(), h.size()) || ::fsync(fd_) != 0 || ::fsync(dir_fd_) != 0) fail(sys_error("cannot write " + path_));
+    size = kLogHeader;
+  } else {
+    void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd_, 0);
+    if (m == MAP_FAILED) fail(sys_error("cannot map " + path_));
+    log_parse p;
+    try {
+      p = parse_log({static_cast<const std::byte*>(m), size}, apply);
+    } catch (const std::exception& e) {
+      ::munmap(m, size);
+      fail(path_ + ": " + e.what());
+    }
+    ::munmap(m, size);
+    if (p.result == log_parse::outcome::not_a_log) fail(path_ + " is not an anydoor-kv log: " + p.why);
+    if (p.result == log_parse::outcome::corrupt) {
+      fail(path_ + " is corrupt: " + p.why + "; refusing to start (move the file away to start empty)");
+    }
+    report_.records = p.records;
+    if (p.result == log_parse::outcome::torn) {
+      report_.torn_bytes = size - p.valid_end;
+      report_.torn_why = p.why;
+      if (::ftruncate(fd_, static_cast<off_t>(p.valid_end)) != 0 || ::fsync(fd_) != 0) {
+        fail(sys_error("cannot cut the torn tail of " + path_));
+      }
+      size = p.valid_end;
+    }
+    if (::lseek(fd_, static_cast<off_t>(size), SEEK_SET) < 0) fail(sys_error("lseek " + path_));
+  }
+  report_.bytes = size;
+  report_.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  logical_bytes_ = size;
+  thread_ = std::thread([this] { run(); });
+}
+
+durable_log::~durable_log() {
+  close();
+  if (fd_ >= 0) ::close(fd_);
+  ::close(lock_fd_);
+  ::close(dir_fd_);
+}
+
+std::error_code durable_log::error() const noexcept {
+  std::lock_guard lk(m_);
+  return write_error_;
+}
+
+std::string durable_log::error_text() const {
+  std::lock_guard lk(m_);
+  return write_error_what_;
+}
+
+std::uint64_t durable_log::append(record_type t, std::string_view key, std::span<const std::byte> value) {
+  if (failed_) return 0;
+  const std::size_t n = kRecordHeader + key.size() + value.size();
+  {
+    std::lock_guard lk(m_);
+    if (stop_) return 0;
+    encode_record(pending_, t, key, value);
+    lsn_ += n;
+    pending_end_ = lsn_;
+  }
+  cv_.notify_one();
+  logical_bytes_ += n;
+  ++stats_.records;
+  return lsn_;
+}
+
+void durable_log::maybe_compact(std::uint64_t live_bytes,
+                                const std::function<void(std::vector<std::byte>&)>& snapshot) {
+  if (compacting_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
+    return;
+  }
+  compaction c;
+  file_header(c.snapshot);
+  snapshot(c.snapshot);
+  logical_bytes_ = c.snapshot.size();
+  compacting_ = true;
+  {
+    std::lock_guard lk(m_);
+    c.marker = pending_.size();
+    compact_ = std::move(c);
+  }
+  cv_.notify_one();
+}
+
+log_stats durable_log::stats() const noexcept {
+  log_stats s = stats_;
+  s.file_bytes = logical_bytes_;
+  s.fsyncs = fsyncs_.load(std::memory_order_relaxed);
+  return s;
+}
+
+void durable_log::close() noexcept {
+  {
+    std::lock_guard lk(m_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::error_code durable_log::write_all(int fd, const std::byte* p, std::size_t n) noexcept {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return {errno, std::generic_category()};
+    }
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return {};
+}
+
+std::error_code durable_log::compact(const compaction& c, const std::vector<std::byte>& buf) noexcept {
+  const int fd = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return {errno, std::generic_category()};
+  std::error_code ec = write_all(fd, c.snapshot.data(), c.snapshot.size());
+  if (!ec && buf.size() > c.marker) ec = write_all(fd, buf.data() + c.marker, buf.size() - c.marker);
+  if (!ec && ::fsync(fd) != 0) ec = {errno, std::generic_category()};
+  if (!ec && ::rename(tmp_path_.c_str(), path_.c_str()) != 0) ec = {errno, std::generic_category()};
+  if (!ec && ::fsync(dir_fd_) != 0) ec = {errno, std::generic_category()};
+  if (ec) {
+    ::close(fd);
+    ::unlink(tmp_path_.c_str());
+    return ec;
+  }
+  fsyncs_.fetch_add(2, std::memory_order_relaxed);
+  ::close(fd_);
+  fd_ = fd;
+  return {};
+}
+
+void durable_log::run() noexcept {
+  using clock = std::chrono::steady_clock;
+  std::unique_lock lk(m_);
+  bool dirty = false;
+  clock::time_point last_sync = clock::now();
+  bool failed = false;
+  for (;;) {
+    auto ready = [&] { return stop_ || !pending_.empty() || compact_.has_value(); };
+    if (o_.sync == sync_mode::everysec && dirty) {
+      cv_.wait_until(lk, last_sync + std::chrono::seconds(1), ready);
+    } else {
+      cv_.wait(lk, ready);
+    }
+    const bool stopping = stop_;
+    std::vector<std::byte> buf;
+    buf.swap(pending_);
+    pending_.swap(spare_);  // the buffer the last round used, emptied
+    const std::uint64_t end = pending_end_;
+    std::optional<compaction> c = std::move(compact_);
+    compact_.reset();
+    lk.unlock();
+
+    std::error_code ec;
+    if (!failed) {
+      if (c) {
+        ec = compact(*c, buf);
+        dirty = false;
+        last_sync = clock::now();
+      } else if (!buf.empty()) {
+        ec = write_all(fd_, buf.data(), buf.size());
+        dirty = true;
+      }
+      const bool sync_now = o_.sync == sync_mode::always ||
+                            (o_.sync == sync_mode::everysec && clock::now() - last_sync >= std::chrono::seconds(1)) ||
+                            (stopping && o_.sync != sync_mode::no);
+      if (!ec && dirty && sync_now) {
+        if (::fdatasync(fd_) != 0) {
+          ec = {errno, std::generic_category()};
+        } else {
+          fsyncs_.fetch_add(1, std::memory_order_relaxed);
+          dirty = false;
+          last_sync = clock::now();
+        }
+      }
+      if (!buf.empty() || c || ec) {
+        asio::post(io_, [this, end, ec, compacted = c.has_value()] { on_durable(end, ec, compacted); });
+      }
+    }
+    buf.clear();
+    lk.lock();
+    if (ec && !failed) {
+      failed = true;
+      write_error_ = ec;
+      write_error_what_ = "the log " + path_ + " cannot be written: " + ec.message();
+    }
+    if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
+    if (stopping && pending_.empty() && !compact_) break;
+  }
+}
+
+void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted) noexcept {
+  if (compacted) {
+    compacting_ = false;
+    if (!ec) ++stats_.compactions;
+  }
+  if (ec) {
+    failed_ = true;
+    while (!waiters_.empty()) {
+      auto h = std::move(waiters_.front().second);
+      waiters_.pop_front();
+      std::move(h)(ec);
+    }
+    return;
+  }
+  durable_ = std::max(durable_, lsn);
+  while (!waiters_.empty() && waiters_.front().first <= durable_) {
+    auto h = std::move(waiters_.front().second);
+    waiters_.pop_front();
+    std::move(h)(std::error_code());
+  }
+}
+
+}  // namespace anydoor::apps::kv

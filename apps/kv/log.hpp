@@ -1,0 +1,174 @@
+// The store's durability: an append-only log of PUT and DEL records, each
+// with a CRC-32C, written by its own thread.
+//
+//   sync always:   a write is acknowledged once an fsync covers it; writers
+//                  waiting at the same time share one fsync (group commit)
+//   sync everysec: written at once, fsynced about once a second (a power
+//                  failure loses at most about a second)
+//   sync no:       written at once; the OS decides when it reaches the disk
+// (Redis's appendfsync terms, on purpose.) A write is visible to readers
+// as soon as it is applied, before it is durable, as in Redis.
+//
+// On start the log is replayed; a torn tail (a record cut short, or a last
+// record whose CRC fails, or zeros to the end) is cut off and reported; a
+// bad record with valid data after it is corruption: the server refuses to
+// start. The log is compacted (rewritten from the live data into
+// kv.log.compact, fsynced, renamed over kv.log) when it grows past twice
+// the live data and compact_min. DIR/LOCK keeps a second server out.
+//
+// File: "ADKVLOG1" + u32 version (1) + u32 0, then records:
+//   u32 crc (of the rest), u8 type (1 put, 2 del), u8 0, u16 0,
+//   u32 key length, u32 value length, key, value.
+#pragma once
+
+#include <boost/asio/any_completion_handler.hpp>
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace anydoor::apps::kv {
+
+namespace asio = boost::asio;
+
+enum class sync_mode { always, everysec, no };
+const char* to_string(sync_mode m) noexcept;
+
+inline constexpr std::size_t kLogHeader = 16;
+inline constexpr std::size_t kRecordHeader = 16;
+enum class record_type : std::uint8_t { put = 1, del = 2 };
+
+// Parses a whole log file. `apply` sees every good record in order.
+struct log_parse {
+  enum class outcome { ok, torn, corrupt, not_a_log };
+  outcome result = outcome::ok;
+  std::size_t valid_end = 0;  // bytes of good records (with the file header)
+  std::size_t records = 0;
+  std::string why;            // torn or corrupt: what was wrong, and where
+};
+log_parse parse_log(std::span<const std::byte> file,
+                    const std::function<void(record_type, std::string_view, std::span<const std::byte>)>& apply);
+
+// Appends one record to `out`.
+void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value);
+
+struct log_options {
+  std::string dir;
+  sync_mode sync = sync_mode::everysec;
+  std::uint64_t compact_min = std::uint64_t{1} << 20;  // no compaction below this file size
+};
+
+struct log_stats {
+  std::uint64_t file_bytes = 0;   // the log's size as it will be once written
+  std::uint64_t records = 0;      // appended since start
+  std::uint64_t fsyncs = 0;
+  std::uint64_t compactions = 0;
+};
+
+struct replay_report {
+  std::uint64_t records = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t torn_bytes = 0;  // cut off the tail
+  std::string torn_why;
+  double ms = 0;
+};
+
+class durable_log {
+ public:
+  using apply_fn = std::function<void(record_type, std::string_view, std::span<const std::byte>)>;
+  // Opens DIR/kv.log (creating DIR and the log), replays it through
+  // `apply`, cuts a torn tail. Throws std::runtime_error (refusal to start:
+  // corruption, another server, an unreadable file) with the reason.
+  durable_log(asio::io_context& io, log_options o, const apply_fn& apply);
+  ~durable_log();
+  durable_log(const durable_log&) = delete;
+  durable_log& operator=(const durable_log&) = delete;
+
+  const replay_report& replayed() const noexcept { return report_; }
+  const log_options& options() const noexcept { return o_; }
+
+  // On the io thread. The record's log sequence number (its end); 0 when
+  // the log has failed (error() says why): the write must not be acknowledged.
+  std::uint64_t append(record_type t, std::string_view key, std::span<const std::byte> value);
+  std::error_code error() const noexcept;
+  std::string error_text() const;
+
+  // void(std::error_code): once the record `lsn` is as durable as the sync
+  // mode promises (always: fsynced; the others: at once).
+  template <class Token>
+  auto async_wait(std::uint64_t lsn, Token&& token) {
+    return asio::async_initiate<Token, void(std::error_code)>(
+        [this, lsn](auto handler) {
+          if (o_.sync != sync_mode::always || lsn <= durable_ || failed_) {
+            const std::error_code ec = failed_ ? error() : std::error_code();
+            asio::post(io_, [h = std::move(handler), ec]() mutable { std::move(h)(ec); });
+            return;
+          }
+          waiters_.emplace_back(lsn, std::move(handler));
+        },
+        token);
+  }
+
+  // On the io thread after writes: starts a compaction when the log holds
+  // more than twice `live_bytes` (the records the live data needs) and at
+  // least compact_min; `snapshot` appends one put record per live key.
+  void maybe_compact(std::uint64_t live_bytes, const std::function<void(std::vector<std::byte>&)>& snapshot);
+
+  // Writes and fsyncs what is pending, stops the thread (a clean stop).
+  void close() noexcept;
+  log_stats stats() const noexcept;
+
+ private:
+  struct compaction {
+    std::vector<std::byte> snapshot;
+    std::size_t marker = 0;  // pending bytes the snapshot already covers
+  };
+  void run() noexcept;
+  std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
+  std::error_code compact(const compaction& c, const std::vector<std::byte>& buf) noexcept;
+  void on_durable(std::uint64_t lsn, std::error_code ec, bool compacted) noexcept;
+
+  asio::io_context& io_;
+  log_options o_;
+  replay_report report_;
+  std::string path_, tmp_path_;
+  int fd_ = -1;
+  int lock_fd_ = -1;
+  int dir_fd_ = -1;
+
+  // io thread only
+  std::uint64_t lsn_ = 0;
+  std::uint64_t durable_ = 0;
+  std::uint64_t logical_bytes_ = 0;
+  bool compacting_ = false;
+  bool failed_ = false;
+  std::deque<std::pair<std::uint64_t, asio::any_completion_handler<void(std::error_code)>>> waiters_;
+  log_stats stats_;
+
+  // shared with the thread, under m_
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<std::byte> pending_, spare_;
+  std::uint64_t pending_end_ = 0;
+  std::optional<compaction> compact_;
+  bool stop_ = false;
+  std::error_code write_error_;
+  std::string write_error_what_;
+  std::atomic<std::uint64_t> fsyncs_{0};
+  std::thread thread_;
+};
+
+}  // namespace anydoor::apps::kv

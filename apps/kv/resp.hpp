@@ -1,0 +1,75 @@
+// The Redis protocol front door (RESP2 over plain TCP, through Asio): the
+// same store and durability as the RPC door. Requests in RESP arrays or
+// inline; pipelined (replies go out in order, one write per batch; with
+// --sync always a batch's replies wait for the fsync covering its writes).
+// Commands: PING ECHO GET SET (NX XX) DEL EXISTS MGET MSET INCR DBSIZE INFO
+// SELECT(0) QUIT COMMAND (COUNT, DOCS, INFO: empty) CONFIG GET. Anything
+// else: "-ERR unknown command ...", as Redis answers. A request that
+// breaks the protocol gets "-ERR Protocol error: ..." and its connection is
+// closed; nobody else notices.
+#pragma once
+
+#include "service.hpp"
+
+#include <boost/asio/awaitable.hpp>
+#include <boost/asio/ip/tcp.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace anydoor::apps::kv {
+
+// One command parsed from the front of `in`.
+struct resp_limits {
+  std::size_t max_args = 1024 * 1024;
+  std::size_t max_bulk = std::size_t{512} << 20;
+  std::size_t max_inline = 64 * 1024;
+};
+enum class resp_parse { command, incomplete, error };
+// On `command`: `args` views into `in`, `consumed` bytes used (an empty
+// command, "*0" or a blank inline line, yields no args). On `error`: `why`.
+resp_parse parse_resp(std::string_view in, const resp_limits& lim, std::vector<std::string_view>& args,
+                      std::size_t& consumed, std::string& why);
+
+struct resp_stats {
+  std::uint64_t connections = 0;       // open now
+  std::uint64_t connections_total = 0;
+  std::uint64_t commands = 0;
+  std::uint64_t protocol_errors = 0;
+  std::uint64_t rejected = 0;          // over max_clients
+};
+
+class resp_door {
+ public:
+  // Listens on host:port (0: any). Throws std::system_error.
+  resp_door(asio::io_context& io, service& svc, const std::string& host, std::uint16_t port,
+            std::size_t max_clients = 10000);
+  ~resp_door();
+  std::uint16_t port() const noexcept { return port_; }
+  // Stops listening and closes every connection.
+  void stop();
+  const resp_stats& stats() const noexcept { return st_; }
+
+  // Runs one command: appends the reply to `out`; `lsn` grows to the log
+  // position the reply must wait for; false: close after the reply (QUIT).
+  bool execute(const std::vector<std::string_view>& args, std::string& out, std::uint64_t& lsn);
+
+ private:
+  asio::awaitable<void> accept_loop();
+  asio::awaitable<void> session(asio::ip::tcp::socket s);
+  void info(std::string_view section, std::string& out) const;
+
+  asio::io_context& io_;
+  service& svc_;
+  asio::ip::tcp::acceptor acc_;
+  std::uint16_t port_ = 0;
+  std::size_t max_clients_;
+  resp_limits lim_;
+  std::vector<asio::ip::tcp::socket*> open_;
+  bool stopped_ = false;
+  resp_stats st_;
+};
+
+}  // namespace anydoor::apps::kv

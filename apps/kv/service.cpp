@@ -1,0 +1,134 @@
+#include "service.hpp"
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <cstring>
+
+namespace anydoor::apps::kv {
+
+std::string oom_message(const store& st, std::size_t key, std::size_t value) {
+  return "OOM command not allowed when used memory > 'maxmemory' (" + std::to_string(st.stats().used_bytes) +
+         " of " + std::to_string(st.options().max_memory) + " bytes in use; this item needs about " +
+         std::to_string(kItemHeader + key + value) + ")";
+}
+
+rpc::status service::check(std::string_view key, std::size_t value_size) const {
+  if (key.empty()) return {rpc::errc::invalid_argument, "empty key"};
+  if (key.size() > st_.options().max_key) {
+    return {rpc::errc::invalid_argument, "key of " + std::to_string(key.size()) + " bytes is above the limit of " +
+                                             std::to_string(st_.options().max_key) + " (--max-key)"};
+  }
+  if (value_size > st_.options().max_value) {
+    return {rpc::errc::invalid_argument, "value of " + std::to_string(value_size) +
+                                             " bytes is above the limit of " +
+                                             std::to_string(st_.options().max_value) + " (--max-value)"};
+  }
+  if (log_ != nullptr && log_->error()) return {rpc::errc::unavailable, log_->error_text()};
+  return {};
+}
+
+void service::after_write() {
+  if (log_ == nullptr) return;
+  log_->maybe_compact(st_.stats().live_bytes + st_.stats().keys * kRecordHeader, [this](std::vector<std::byte>& out) {
+    st_.for_each([&](std::string_view k, std::span<const std::byte> v) { encode_record(out, record_type::put, k, v); });
+  });
+}
+
+rpc::status service::put(std::string_view key, std::span<const std::byte> value, std::uint64_t& lsn) {
+  lsn = 0;
+  ++stats_.puts;
+  if (auto st = check(key, value.size()); !st.is_ok()) {
+    ++stats_.errors;
+    return st;
+  }
+  if (st_.put(key, value) == put_status::out_of_memory) {
+    ++stats_.errors;
+    ++stats_.oom;
+    return {rpc::errc::resource_exhausted, oom_message(st_, key.size(), value.size())};
+  }
+  if (log_ != nullptr) {
+    lsn = log_->append(record_type::put, key, value);
+    if (lsn == 0) return {rpc::errc::unavailable, log_->error_text()};
+    after_write();
+  }
+  return {};
+}
+
+rpc::status service::del(std::string_view key, bool& existed, std::uint64_t& lsn) {
+  lsn = 0;
+  existed = false;
+  ++stats_.dels;
+  if (auto st = check(key, 0); !st.is_ok()) {
+    ++stats_.errors;
+    return st;
+  }
+  existed = st_.del(key);
+  if (existed && log_ != nullptr) {
+    lsn = log_->append(record_type::del, key, {});
+    if (lsn == 0) return {rpc::errc::unavailable, log_->error_text()};
+    after_write();
+  }
+  return {};
+}
+
+std::optional<std::span<const std::byte>> service::get(std::string_view key) {
+  ++stats_.gets;
+  auto v = st_.get(key);
+  if (v) ++stats_.get_hits;
+  return v;
+}
+
+asio::awaitable<rpc::status> service::durable(std::uint64_t lsn) {
+  if (!must_wait(lsn)) co_return rpc::status();
+  auto [ec] = co_await log_->async_wait(lsn, asio::as_tuple(asio::use_awaitable));
+  if (ec) co_return rpc::status(rpc::errc::unavailable, log_->error_text());
+  co_return rpc::status();
+}
+
+void service::add_methods(rpc::server& srv, const memory_region& table) {
+  layout l = st_.describe();
+  const auto packed = table.remote().pack();
+  std::memcpy(l.region, packed.data(), packed.size());
+  srv.add(kLayoutMethod, [l](rpc::server_call& call) -> rpc::status {
+    call.reply(std::span<const std::byte>(reinterpret_cast<const std::byte*>(&l), sizeof l));
+    return {};
+  });
+  srv.add(kGetMethod, [this](rpc::server_call& call) -> rpc::status {
+    const auto req = call.request();
+    const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
+    if (key.empty() || key.size() > st_.options().max_key) return check(key, 0);  // the key's error
+    auto v = get(key);
+    if (!v) return {rpc::errc::not_found, "not found"};
+    call.reply(*v);
+    return {};
+  });
+  srv.add(kPutMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
+    const auto req = call.request();
+    std::uint32_t klen = 0;
+    if (req.size() < 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: shorter than 4 bytes");
+    std::memcpy(&klen, req.data(), 4);
+    if (klen > req.size() - 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: key length past the end");
+    const std::string_view key(reinterpret_cast<const char*>(req.data() + 4), klen);
+    std::uint64_t lsn = 0;
+    rpc::status st = put(key, req.subspan(4 + klen), lsn);
+    if (!st.is_ok()) co_return st;
+    co_return co_await durable(lsn);
+  });
+  srv.add(kDelMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
+    const auto req = call.request();
+    const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
+    bool existed = false;
+    std::uint64_t lsn = 0;
+    rpc::status st = del(key, existed, lsn);
+    if (!st.is_ok()) co_return st;
+    st = co_await durable(lsn);
+    if (st.is_ok()) {
+      const std::byte b{static_cast<unsigned char>(existed ? 1 : 0)};
+      call.reply(std::span<const std::byte>(&b, 1));
+    }
+    co_return st;
+  });
+}
+
+}  // namespace anydoor::apps::kv

@@ -1,0 +1,68 @@
+// The key-value service: the store and its log behind both front doors
+// (RPC here, the Redis protocol in resp.hpp). One io thread.
+//
+// RPC methods (untyped; little-endian):
+//   kv.layout  ()                         -> layout (layout.hpp), the table's region inside
+//   kv.get     key                        -> value | not_found
+//   kv.put     u32 key length, key, value -> () ; answered when durable (sync always)
+//   kv.del     key                        -> u8 1 (deleted) | 0 (absent)
+// Errors: invalid_argument (an empty key, a key or value above the limits,
+// a malformed request), resource_exhausted ("OOM ...": --max-memory),
+// unavailable (the log cannot be written).
+#pragma once
+
+#include "log.hpp"
+#include "store.hpp"
+
+#include <anydoor/rpc.hpp>
+
+#include <boost/asio/awaitable.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace anydoor::apps::kv {
+
+inline constexpr std::uint64_t kLayoutMethod = rpc::method_id("kv.layout");
+inline constexpr std::uint64_t kGetMethod = rpc::method_id("kv.get");
+inline constexpr std::uint64_t kPutMethod = rpc::method_id("kv.put");
+inline constexpr std::uint64_t kDelMethod = rpc::method_id("kv.del");
+
+struct service_stats {
+  std::uint64_t gets = 0, get_hits = 0, puts = 0, dels = 0, errors = 0;
+  std::uint64_t oom = 0;
+};
+
+class service {
+ public:
+  // `log` may be null (memory-only).
+  service(store& st, durable_log* log) : st_(st), log_(log) {}
+
+  // Applies a write; `lsn` is its log position (0: nothing to wait for).
+  rpc::status put(std::string_view key, std::span<const std::byte> value, std::uint64_t& lsn);
+  rpc::status del(std::string_view key, bool& existed, std::uint64_t& lsn);
+  std::optional<std::span<const std::byte>> get(std::string_view key);
+  // Waits until `lsn` is as durable as --sync promises.
+  asio::awaitable<rpc::status> durable(std::uint64_t lsn);
+  bool must_wait(std::uint64_t lsn) const noexcept { return lsn != 0 && log_ != nullptr && log_->options().sync == sync_mode::always; }
+
+  // Adds the four methods; `table` is the registered table (its remote()).
+  void add_methods(rpc::server& srv, const memory_region& table);
+
+  store& data() noexcept { return st_; }
+  durable_log* log() noexcept { return log_; }
+  const service_stats& stats() const noexcept { return stats_; }
+
+ private:
+  rpc::status check(std::string_view key, std::size_t value_size) const;
+  void after_write();
+  store& st_;
+  durable_log* log_;
+  service_stats stats_;
+};
+
+// "OOM ..." as Redis words it, with the numbers.
+std::string oom_message(const store& st, std::size_t key, std::size_t value);
+
+}  // namespace anydoor::apps::kv

@@ -1,0 +1,305 @@
+#include "store.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <random>
+#include <stdexcept>
+#include <system_error>
+
+#include <sys/mman.h>
+
+namespace anydoor::apps::kv {
+
+namespace {
+
+constexpr std::uint64_t kPage = 4096;
+
+std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
+
+// Publishes a slot's version after everything it covers is written (a NIC
+// reads the memory without our locks; a reader checks the CRC anyway).
+void publish(slot& s, std::uint64_t version) noexcept {
+  std::atomic_thread_fence(std::memory_order_release);
+  std::atomic_ref<std::uint64_t>(s.version).store(version, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+store::store(const store_options& o) : o_(o) {
+  if (o_.max_memory < 4096 || o_.max_memory > (std::uint64_t{1} << 40)) {
+    throw std::invalid_argument("max memory must be 4 KiB .. 1 TiB");
+  }
+  if (o_.max_key < 1 || o_.max_key > 65535 || o_.max_value > (std::uint32_t{1} << 30)) {
+    throw std::invalid_argument("max key must be 1 .. 65535 bytes, max value at most 1 GiB");
+  }
+  buckets_ = o_.buckets != 0 ? o_.buckets : std::max<std::uint64_t>(1024, o_.max_memory / 1024);
+  buckets_ = std::bit_ceil(buckets_);
+  arena_offset_ = round_up((buckets_ + 1) * kBucketSize, kPage);
+  total_ = static_cast<std::size_t>(arena_offset_ + round_up(o_.max_memory, kPage));
+  void* p = ::mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    throw std::system_error(errno, std::generic_category(), "cannot map " + std::to_string(total_) + " bytes");
+  }
+  base_ = static_cast<std::byte*>(p);
+  std::random_device rd;
+  seed_ = (std::uint64_t{rd()} << 32) ^ rd();
+  // Size classes: 32 .. 64 by 8, then four per power of two, up to the largest item.
+  const std::size_t largest = kItemHeader + o_.max_key + o_.max_value;
+  std::vector<std::size_t> sizes;
+  for (std::size_t s = 32; s <= 64; s += 8) sizes.push_back(s);
+  for (std::size_t p2 = 64; sizes.back() < largest; p2 *= 2) {
+    for (std::size_t q = 1; q <= 4; ++q) sizes.push_back(p2 + q * (p2 / 4));
+  }
+  class_sizes_ = std::move(sizes);
+  free_lists_.resize(class_sizes_.size());
+}
+
+store::~store() { ::munmap(base_, total_); }
+
+layout store::describe() const noexcept {
+  layout l;
+  l.seed = seed_;
+  l.buckets = buckets_;
+  l.arena_offset = arena_offset_;
+  l.arena_size = total_ - arena_offset_;
+  l.max_key = o_.max_key;
+  l.max_value = o_.max_value;
+  return l;
+}
+
+std::size_t store::size_class(std::size_t n) const noexcept {
+  return static_cast<std::size_t>(std::lower_bound(class_sizes_.begin(), class_sizes_.end(), n) -
+                                  class_sizes_.begin());
+}
+
+std::optional<std::uint64_t> store::allocate(std::size_t c) noexcept {
+  auto& fl = free_lists_[c];
+  const std::size_t bytes = class_sizes_[c];
+  if (st_.used_bytes + bytes > o_.max_memory) return std::nullopt;
+  std::uint64_t off;
+  if (!fl.empty()) {
+    off = fl.back();
+    fl.pop_back();
+  } else {
+    if (bump_ + bytes > o_.max_memory) return std::nullopt;
+    off = bump_;
+    bump_ += bytes;
+  }
+  st_.used_bytes += bytes;
+  return off;
+}
+
+std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value) {
+  const std::size_t c = size_class(kItemHeader + key.size() + value.size());
+  auto off = allocate(c);
+  if (!off) return ~std::uint64_t{0};
+  std::byte* p = base_ + arena_offset_ + *off;
+  item_header h{version, static_cast<std::uint32_t>(key.size()), static_cast<std::uint32_t>(value.size()), 0,
+                static_cast<std::uint32_t>(c)};
+  h.crc = item_crc(h, key, value);
+  std::memcpy(p, &h, sizeof h);
+  std::memcpy(p + kItemHeader, key.data(), key.size());
+  if (!value.empty()) std::memcpy(p + kItemHeader + key.size(), value.data(), value.size());
+  return *off;
+}
+
+void store::release_item(std::uint64_t offset) noexcept {
+  item_header h;
+  std::memcpy(&h, base_ + arena_offset_ + offset, sizeof h);
+  // The old bytes stay as they are until the memory is reused: a reader
+  // still on its way sees either the whole old item or a CRC mismatch.
+  free_lists_[h.reserved].push_back(offset);
+  st_.used_bytes -= class_sizes_[h.reserved];
+}
+
+store::view store::item_view(std::uint64_t offset) const noexcept {
+  const std::byte* p = base_ + arena_offset_ + offset;
+  item_header h;
+  std::memcpy(&h, p, sizeof h);
+  return {std::string_view(reinterpret_cast<const char*>(p + kItemHeader), h.key_len),
+          std::span<const std::byte>(p + kItemHeader + h.key_len, h.value_len)};
+}
+
+store::view store::slot_view(const slot& s) const noexcept {
+  if ((s.length & kInlineFlag) == 0) return item_view(s.offset);
+  std::uint16_t k, v;
+  std::memcpy(&k, s.data, 2);
+  std::memcpy(&v, s.data + 2, 2);
+  const auto* d = reinterpret_cast<const std::byte*>(s.data + 4);
+  return {std::string_view(reinterpret_cast<const char*>(d), k), std::span<const std::byte>(d + k, v)};
+}
+
+std::optional<store::found> store::find(std::uint64_t h, std::string_view key) const noexcept {
+  const std::uint64_t home = h & (buckets_ - 1);
+  for (std::uint64_t b = home; b < home + kNeighborhood; ++b) {
+    for (std::size_t i = 0; i < kSlotsPerBucket; ++i) {
+      slot& s = slot_at(b, i);
+      if (s.version != 0 && s.hash == h && slot_view(s).key == key) return found{&s, {}, false};
+    }
+  }
+  if (header(home).overflow != 0) {
+    auto it = overflow_.find(std::string(key));
+    if (it != overflow_.end()) return found{nullptr, it, true};
+  }
+  return std::nullopt;
+}
+
+slot* store::free_slot(std::uint64_t home, const slot* except) const noexcept {
+  for (std::uint64_t b = home; b < home + kNeighborhood; ++b) {
+    for (std::size_t i = 0; i < kSlotsPerBucket; ++i) {
+      slot& s = slot_at(b, i);
+      if (s.version == 0 && &s != except) return &s;
+    }
+  }
+  return nullptr;
+}
+
+void store::fill_inline(slot& s, std::uint64_t version, std::uint64_t h, std::string_view key,
+                        std::span<const std::byte> value) noexcept {
+  const auto k = static_cast<std::uint16_t>(key.size());
+  const auto v = static_cast<std::uint16_t>(value.size());
+  std::memcpy(s.data, &k, 2);
+  std::memcpy(s.data + 2, &v, 2);
+  std::memcpy(s.data + 4, key.data(), k);
+  if (v != 0) std::memcpy(s.data + 4 + k, value.data(), v);
+  s.hash = h;
+  s.offset = 0;
+  s.length = kInlineFlag | static_cast<std::uint32_t>(k + v);
+  std::uint64_t keep = s.version;
+  s.version = version;
+  s.crc = slot_crc(s);
+  s.version = keep;
+  publish(s, version);
+}
+
+void store::point(slot& s, std::uint64_t version, std::uint64_t h, std::uint64_t offset,
+                  std::uint32_t length) noexcept {
+  // In place when the slot holds the key already: a reader catching the
+  // slot half-written fails its CRC and retries.
+  const std::uint64_t keep = s.version;
+  s.hash = h;
+  s.offset = offset;
+  s.length = length;
+  s.version = version;
+  s.crc = slot_crc(s);
+  s.version = keep;
+  publish(s, version);
+}
+
+void store::forget(const found& f, std::uint64_t home) noexcept {
+  if (f.in_overflow) {
+    release_item(f.of->second);
+    const view v = item_view(f.of->second);
+    st_.live_bytes -= v.key.size() + v.value.size();
+    overflow_.erase(f.of);
+    --header(home).overflow;
+    --st_.overflow_keys;
+  } else {
+    const view v = slot_view(*f.s);
+    st_.live_bytes -= v.key.size() + v.value.size();
+    const bool inl = (f.s->length & kInlineFlag) != 0;
+    publish(*f.s, 0);
+    if (inl) {
+      --st_.inline_keys;
+    } else {
+      release_item(f.s->offset);
+    }
+  }
+  --st_.keys;
+}
+
+put_status store::put(std::string_view key, std::span<const std::byte> value) {
+  if (key.empty() || key.size() > o_.max_key || value.size() > o_.max_value) return put_status::too_large;
+  const std::uint64_t h = key_hash(seed_, key);
+  const std::uint64_t home = h & (buckets_ - 1);
+  const auto old = find(h, key);
+  const std::uint64_t version = next_version_++;
+  const std::size_t kv = key.size() + value.size();
+
+  // Small: a fresh slot (the old one, if any, is dropped after).
+  if (kv <= kInlineBytes) {
+    if (slot* s = free_slot(home, old && !old->in_overflow ? old->s : nullptr)) {
+      fill_inline(*s, version, h, key, value);
+      if (old) {
+        forget(*old, home);
+      }
+      ++st_.keys;
+      ++st_.inline_keys;
+      st_.live_bytes += kv;
+      return put_status::ok;
+    }
+  }
+  // An item in the arena.
+  const std::uint64_t off = write_item(version, key, value);
+  if (off == ~std::uint64_t{0}) return put_status::out_of_memory;
+  const auto len = static_cast<std::uint32_t>(kItemHeader + kv);
+  if (old && !old->in_overflow) {
+    const bool was_inline = (old->s->length & kInlineFlag) != 0;
+    const view ov = slot_view(*old->s);
+    st_.live_bytes -= ov.key.size() + ov.value.size();
+    const std::uint64_t old_off = old->s->offset;
+    point(*old->s, version, h, off, len);
+    if (was_inline) {
+      --st_.inline_keys;
+    } else {
+      release_item(old_off);
+    }
+  } else if (old) {
+    const view ov = item_view(old->of->second);
+    st_.live_bytes -= ov.key.size() + ov.value.size();
+    release_item(old->of->second);
+    old->of->second = off;
+  } else if (slot* s = free_slot(home, nullptr)) {
+    point(*s, version, h, off, len);
+    ++st_.keys;
+  } else {
+    overflow_.emplace(std::string(key), off);
+    ++header(home).overflow;
+    ++st_.overflow_keys;
+    ++st_.keys;
+  }
+  st_.live_bytes += kv;
+  return put_status::ok;
+}
+
+bool store::del(std::string_view key) noexcept {
+  if (key.empty() || key.size() > o_.max_key) return false;
+  const std::uint64_t h = key_hash(seed_, key);
+  const auto f = find(h, key);
+  if (!f) return false;
+  forget(*f, h & (buckets_ - 1));
+  return true;
+}
+
+std::optional<std::span<const std::byte>> store::get(std::string_view key) const noexcept {
+  if (key.empty() || key.size() > o_.max_key) return std::nullopt;
+  const auto f = find(key_hash(seed_, key), key);
+  if (!f) return std::nullopt;
+  return f->in_overflow ? item_view(f->of->second).value : slot_view(*f->s).value;
+}
+
+void store::clear() noexcept {
+  std::memset(base_, 0, static_cast<std::size_t>(arena_offset_));
+  overflow_.clear();
+  for (auto& fl : free_lists_) fl.clear();
+  bump_ = 0;
+  st_ = {};
+}
+
+void store::for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
+  for (std::uint64_t b = 0; b <= buckets_; ++b) {
+    for (std::size_t i = 0; i < kSlotsPerBucket; ++i) {
+      const slot& s = slot_at(b, i);
+      if (s.version == 0) continue;
+      const view v = slot_view(s);
+      f(v.key, v.value);
+    }
+  }
+  for (const auto& [k, off] : overflow_) {
+    const view v = item_view(off);
+    f(v.key, v.value);
+  }
+}
+
+}  // namespace anydoor::apps::kv

@@ -1,0 +1,116 @@
+// The store: the hash table of layout.hpp in one memory area (the index and
+// the arena), which the server registers for remote reads. Updates are out
+// of place (a new item or slot, then the slot points at it). Keys whose
+// neighbourhood is full go to a server-only overflow table (their items
+// still in the arena), counted in their home bucket's header so a reader
+// knows to ask by RPC.
+//
+// Memory: --max-memory bounds the arena (items: header, key, value,
+// rounded to a size class); small items live inline in their slot. A put
+// that does not fit fails with out_of_memory and changes nothing.
+// Single-threaded (the server's io thread).
+#pragma once
+
+#include "layout.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace anydoor::apps::kv {
+
+struct store_options {
+  std::uint64_t max_memory = std::uint64_t{64} << 20;  // arena bytes
+  std::uint32_t max_key = 1024;
+  std::uint32_t max_value = std::uint32_t{1} << 20;
+  std::uint64_t buckets = 0;  // 0: one per 1 KiB of max_memory (a power of two, at least 1024)
+};
+
+struct store_stats {
+  std::uint64_t keys = 0;
+  std::uint64_t inline_keys = 0;
+  std::uint64_t overflow_keys = 0;
+  std::uint64_t used_bytes = 0;  // arena bytes held by items
+  std::uint64_t live_bytes = 0;  // key + value bytes of every key
+};
+
+enum class put_status { ok, too_large, out_of_memory };
+
+class store {
+ public:
+  explicit store(const store_options& o);
+  ~store();
+  store(const store&) = delete;
+  store& operator=(const store&) = delete;
+
+  // The whole table (index + arena), to register with remote read access.
+  std::span<std::byte> memory() const noexcept { return {base_, total_}; }
+  // The layout descriptor, without the region (the server adds it).
+  layout describe() const noexcept;
+  const store_options& options() const noexcept { return o_; }
+
+  put_status put(std::string_view key, std::span<const std::byte> value);
+  bool del(std::string_view key) noexcept;
+  // A view of the value, valid until the next put or del.
+  std::optional<std::span<const std::byte>> get(std::string_view key) const noexcept;
+  bool contains(std::string_view key) const noexcept { return get(key).has_value(); }
+  void clear() noexcept;
+
+  // Every key and value (order unspecified); `f` must not modify the store.
+  void for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+  store_stats stats() const noexcept { return st_; }
+
+ private:
+  struct found {
+    slot* s = nullptr;                          // in the index
+    std::unordered_map<std::string, std::uint64_t>::iterator of;  // else in the overflow table
+    bool in_overflow = false;
+  };
+  struct view {
+    std::string_view key;
+    std::span<const std::byte> value;
+  };
+  bucket_header& header(std::uint64_t b) const noexcept {
+    return *reinterpret_cast<bucket_header*>(base_ + b * kBucketSize);
+  }
+  slot& slot_at(std::uint64_t b, std::size_t i) const noexcept {
+    return *reinterpret_cast<slot*>(base_ + b * kBucketSize + kBucketHeader + i * kSlotSize);
+  }
+  view item_view(std::uint64_t offset) const noexcept;
+  view slot_view(const slot& s) const noexcept;
+  std::optional<found> find(std::uint64_t h, std::string_view key) const noexcept;
+  slot* free_slot(std::uint64_t home, const slot* except) const noexcept;
+
+  std::uint64_t write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value);
+  void release_item(std::uint64_t offset) noexcept;
+  void fill_inline(slot& s, std::uint64_t version, std::uint64_t h, std::string_view key,
+                   std::span<const std::byte> value) noexcept;
+  void point(slot& s, std::uint64_t version, std::uint64_t h, std::uint64_t offset, std::uint32_t length) noexcept;
+  void forget(const found& f, std::uint64_t home) noexcept;
+
+  // The arena: size classes (each a quarter step between powers of two),
+  // free lists, a bump pointer.
+  std::size_t size_class(std::size_t n) const noexcept;
+  std::optional<std::uint64_t> allocate(std::size_t c) noexcept;
+
+  store_options o_;
+  std::byte* base_ = nullptr;
+  std::size_t total_ = 0;
+  std::uint64_t buckets_ = 0;
+  std::uint64_t arena_offset_ = 0;
+  std::uint64_t seed_ = 0;
+  std::uint64_t next_version_ = 1;
+  std::uint64_t bump_ = 0;  // arena bytes handed out from the top
+  std::vector<std::size_t> class_sizes_;
+  std::vector<std::vector<std::uint64_t>> free_lists_;
+  // Overflowed keys: key -> item offset.
+  mutable std::unordered_map<std::string, std::uint64_t> overflow_;
+  store_stats st_;
+};
+
+}  // namespace anydoor::apps::kv

@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# anydoor-kv-server and anydoor-kv from the command line: every CLI path and
+# exit code, sizes 1 B .. MiB, limits (--max-key, --max-value,
+# --max-memory), durability (kill -9 and restart in each sync mode, a torn
+# tail, a corrupt middle, compaction), garbage and half-requests on both
+# ports, one-sided GETs racing PUTs of the same keys, redis-cli and
+# redis-benchmark against the Redis door, SIGTERM.
+# usage: kv.sh BIN_DIR
+source "$(dirname "$0")/lib.sh"
+server=$1/anydoor-kv-server
+kv=$1/anydoor-kv
+
+resp_port() { sed -n 's/.*redis protocol on [^ ]*:\([0-9][0-9]*\).*/\1/p' "$tmp/$1.out" | head -1; }
+stop() {  # stop NAME SIGNAL: the server exits, and with 0 for TERM
+  local pid_var=PID_$1
+  kill -"$2" "${!pid_var}"
+  timeout 20 tail --pid="${!pid_var}" -f /dev/null || fail "$1 did not exit within 20 s of SIG$2"
+  wait "${!pid_var}" 2>/dev/null; local rc=$?
+  [ "$2" != TERM ] || [ "$rc" = 0 ] || fail "$1 exited $rc after SIGTERM"
+}
+
+# --- memory-only, CLI paths
+start_server mem "$server" --listen 127.0.0.1:0 --provider tcp --max-value 4M --resp-listen 127.0.0.1:0
+expect_in "$tmp/mem.out" "memory-only \(no --data-dir\)"
+P=$PORT; RP=$(resp_port mem)
+run_cmd 0 "$kv" --connect 127.0.0.1:$P put k1 "hello world"; expect_in "$tmp/last.out" "^OK$"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P get k1; [ "$(cat "$tmp/last.out")" = "hello world" ] || fail "get k1"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P get k1 --get read; [ "$(cat "$tmp/last.out")" = "hello world" ] || fail "get --get read k1"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P put -- --dashes; run_cmd 0 "$kv" --connect 127.0.0.1:$P get -- ; [ "$(cat "$tmp/last.out")" = "--dashes" ] || fail "a key and value that look like options"
+run_cmd 1 "$kv" --connect 127.0.0.1:$P get nothing; expect_in "$tmp/last.out" "^not found$"
+run_cmd 1 "$kv" --connect 127.0.0.1:$P get nothing --get read; expect_in "$tmp/last.out" "^not found$"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P del k1; expect_in "$tmp/last.out" "^deleted$"
+run_cmd 1 "$kv" --connect 127.0.0.1:$P del k1; expect_in "$tmp/last.out" "^not found$"
+run_cmd 1 "$kv" --connect 127.0.0.1:$P get k1 --get read
+pass "put, get (rpc and read), del, exit codes"
+for size in 1 70 80 8000 9000 100000; do
+  v=$(head -c $size /dev/zero | tr '\0' v)
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P put "s$size" "$v"
+  for how in rpc read; do
+    run_cmd 0 "$kv" --connect 127.0.0.1:$P get "s$size" --get $how
+    [ "$(wc -c <"$tmp/last.out")" = $((size + 1)) ] || fail "get --get $how of a $size-byte value"
+  done
+done
+for how in rpc read; do  # MiB values (above a command line's argument limit): the bench verifies them
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 3 --value-size 3M --duration 0.5 --in-flight 2 --get $how --json
+done
+pass "values of 1 B .. 3 MiB (inline, arena, rendezvous), by rpc and by read"
+
+# --- one-sided GETs racing PUTs of the same 20 keys: every value read must be one written for its key
+"$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --duration 3 --in-flight 8 --json >"$tmp/w.out" 2>"$tmp/w.err" &
+wpid=$!
+run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --get read --duration 3 --in-flight 8 --json
+wait $wpid || fail "the writing bench failed: $(cat "$tmp/w.err")"
+python3 - "$tmp/last.out" <<'PY' || fail "racing bench: $(cat "$tmp/last.out")"
+import json, sys
+o = json.load(open(sys.argv[1]))
+assert o["get"] == "read" and o["get_ops"] > 100 and o["put_ops"] > 100, o
+assert o["read_hits"] + o["read_fallbacks"] == o["get_ops"], o
+PY
+pass "one-sided GETs racing PUTs: every value read was written for its key"
+
+# --- the bench's output and options
+run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --workload b --keys 500 --value-size 32 --duration 3.5 --in-flight 4
+expect_in "$tmp/last.out" "^anydoor-kv bench: workload b \(95% get, 5% put\), 500 zipfian keys of 32 B, 4 in flight, get by rpc"
+expect_in "$tmp/last.out" "ops/s [0-9.]+ \(get [0-9]+, put [0-9]+\)"
+expect_in "$tmp/last.out" "get latency us +p50 [0-9.]+ +p99 [0-9.]+ +p99.9 [0-9.]+ +max"
+[ "$(grep -c '^anydoor-kv: [0-9] s: ' "$tmp/last.err")" -ge 2 ] || fail "no progress lines on a 3.5 s bench"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --workload c --keys 300 --duration 1 --get read
+expect_in "$tmp/last.out" "one-sided: [0-9]+ READs for [0-9]+ gets"
+pass "bench: workloads, progress, one-sided summary"
+
+# --- the Redis door: redis-cli, pipelining, inline commands, errors
+R() { timeout 10 redis-cli -p "$RP" "$@"; }
+[ "$(R ping)" = PONG ] || fail "PING"
+[ "$(R set rk 41)" = OK ] || fail "SET"
+[ "$(R incr rk)" = 42 ] || fail "INCR"
+[ "$(R get rk)" = 42 ] || fail "GET after INCR"
+[ "$(R set rk x nx)" = "" ] || fail "SET NX on an existing key"
+[ "$(R mset m1 a m2 b)" = OK ] || fail "MSET"
+[ "$(R mget m1 m2 nope | tr '\n' ,)" = "a,b,," ] || fail "MGET"
+[ "$(R exists m1 m2 nope)" = 2 ] || fail "EXISTS"
+[ "$(R del m1 m2 nope)" = 2 ] || fail "DEL"
+[ "$(R echo 'two words')" = "two words" ] || fail "ECHO"
+[ "$(R select 0)" = OK ] || fail "SELECT 0"
+R select 1 | grep -q "DB index is out of range" || fail "SELECT 1"
+R incr s1 | grep -q "not an integer" || fail "INCR of a non-number"
+R frob x | grep -q "^ERR unknown command 'frob', with args beginning with: 'x'" || fail "unknown command"
+R get | grep -q "wrong number of arguments for 'get'" || fail "arity"
+R info | grep -q "^redis_version:" || fail "INFO server"
+R info keyspace | grep -q "^db0:keys=[0-9]*,expires=0" || fail "INFO keyspace"
+R info stats | grep -q "^total_commands_processed:" || fail "INFO stats"
+[ "$(R config get appendonly | tr '\n' ,)" = "appendonly,no," ] || fail "CONFIG GET appendonly (memory-only)"
+[ "$(R dbsize)" -ge 5 ] || fail "DBSIZE"
+python3 - "$RP" <<'PY' || fail "pipelined and inline requests"
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+# RESP and inline commands in one write, some split across writes.
+s.sendall(b"*3\r\n$3\r\nSET\r\n$2\r\np1\r\n$5\r\nhello\r\nPING\r\nset p2 \"a b\"\r\n*2\r\n$3\r\nGET\r\n$2\r\np1\r\n*2\r\n$3\r")
+s.sendall(b"\nGET\r\n$2\r\np2\r\nQUIT\r\n")
+want = b"+OK\r\n+PONG\r\n+OK\r\n$5\r\nhello\r\n$3\r\na b\r\n+OK\r\n"
+got = b""
+while True:
+    d = s.recv(65536)
+    if not d: break
+    got += d
+assert got == want, got
+PY
+pass "redis-cli commands, pipelining, inline commands, QUIT"
+run_cmd 0 timeout 120 redis-benchmark -p "$RP" -t set,get -n 5000 -c 20 -P 8 -q
+expect_in "$tmp/last.out" "SET: [0-9.]+ requests per second"
+expect_in "$tmp/last.out" "GET: [0-9.]+ requests per second"
+run_cmd 0 timeout 120 redis-benchmark -p "$RP" -t set,get -n 500 -c 1 -q
+pass "redis-benchmark against the door"
+
+# --- garbage and half-requests on both ports: the connection ends, nobody else notices
+python3 - "$RP" "$P" <<'PY' || fail "garbage"
+import socket, sys, time
+rp, p = int(sys.argv[1]), int(sys.argv[2])
+def talk(port, data, read=True):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(data)
+    got = b""
+    if read:
+        try:
+            while True:
+                d = s.recv(65536)
+                if not d: break
+                got += d
+        except (ConnectionResetError, socket.timeout):
+            pass
+    s.close()
+    return got
+assert talk(rp, b"*abc\r\n").startswith(b"-ERR Protocol error: invalid multibulk length"), "bad count"
+assert talk(rp, b"*1\r\n$99999999999\r\n").startswith(b"-ERR Protocol error: invalid bulk length")
+assert talk(rp, b"*1\r\n#3\r\nGET\r\n").startswith(b"-ERR Protocol error: expected '$'")
+assert talk(rp, b"\"unbalanced\r\n").startswith(b"-ERR Protocol error: unbalanced quotes")
+talk(rp, b"*3\r\n$3\r\nSET\r\n$4\r\nhalf\r\n$10\r\nabc", read=False)  # a half request, then gone
+talk(p, b"\x00" * 64 + b"GET / HTTP/1.0\r\n\r\n")                     # garbage at the RPC port
+talk(p, b"", read=False)                                                # connect and go
+s = socket.create_connection(("127.0.0.1", rp), timeout=10)
+s.sendall(b"EXISTS half\r\n")
+assert s.recv(100) == b":0\r\n"
+PY
+[ "$(R ping)" = PONG ] || fail "the door after garbage"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P get s1
+pass "garbage and half-requests on both ports"
+stop mem TERM
+
+# --- limits
+start_server lim "$server" --listen 127.0.0.1:0 --provider tcp --max-key 8 --max-value 100 --max-memory 64K
+P=$PORT
+run_cmd 2 "$kv" --connect 127.0.0.1:$P put 123456789 v; expect_in "$tmp/last.err" "key of 9 bytes is above the limit of 8 \(--max-key\)"
+run_cmd 2 "$kv" --connect 127.0.0.1:$P put k "$(head -c 101 /dev/zero | tr '\0' v)"; expect_in "$tmp/last.err" "value of 101 bytes is above the limit of 100 \(--max-value\)"
+run_cmd 2 "$kv" --connect 127.0.0.1:$P get 123456789; expect_in "$tmp/last.err" "above the limit"
+v100=$(head -c 100 /dev/zero | tr '\0' m)
+i=0; while :; do
+  i=$((i + 1)); [ $i -lt 2000 ] || fail "--max-memory 64K never filled"
+  timeout 60 "$kv" --connect 127.0.0.1:$P put "m$i" "$v100" >"$tmp/last.out" 2>"$tmp/last.err" || break
+done
+expect_in "$tmp/last.err" "OOM command not allowed when used memory > 'maxmemory'"
+for j in 1 $((i / 2)) $((i - 1)); do
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P get "m$j"; [ "$(cat "$tmp/last.out")" = "$v100" ] || fail "m$j after OOM"
+done
+run_cmd 0 "$kv" --connect 127.0.0.1:$P del m1
+run_cmd 0 "$kv" --connect 127.0.0.1:$P put "m$i" "$v100"
+pass "--max-key, --max-value, --max-memory (OOM after $((i - 1)) values, nothing lost, room again after a del)"
+stop lim TERM
+
+# --- durability: kill -9 after acknowledged writes, restart, read back (each sync mode)
+for mode in always everysec no; do
+  d=$tmp/data-$mode
+  start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d" --sync $mode --resp-listen 127.0.0.1:0
+  expect_in "$tmp/dur.out" "data dir .*, sync $mode: replayed 0 records"
+  P=$PORT; RP=$(resp_port dur)
+  for i in $(seq 1 20); do run_cmd 0 "$kv" --connect 127.0.0.1:$P put "d$i" "value-$i"; done
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P del d3
+  printf 'SET r%d rv%d\r\n' $(seq 1 300 | awk '{print $1, $1}') | timeout 10 redis-cli -p "$RP" >/dev/null
+  [ "$(redis-cli -p "$RP" dbsize)" = 319 ] || fail "dbsize before kill"
+  [ $mode = always ] || sleep 1.5   # everysec: within about a second; no: in the OS's page cache
+  stop dur KILL
+  start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d" --sync $mode --resp-listen 127.0.0.1:0
+  expect_in "$tmp/dur.out" "replayed 321 records \(319 keys"
+  P=$PORT; RP=$(resp_port dur)
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P get d20; [ "$(cat "$tmp/last.out")" = value-20 ] || fail "d20 after kill -9 ($mode)"
+  run_cmd 1 "$kv" --connect 127.0.0.1:$P get d3
+  [ "$(redis-cli -p "$RP" get r300)" = rv300 ] || fail "r300 after kill -9 ($mode)"
+  stop dur TERM
+done
+pass "kill -9 and restart: every acknowledged write is back (always, everysec, no)"
+
+# A second server on the same data dir is refused.
+d=$tmp/data-always
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
+expect_in "$tmp/last.err" "another anydoor-kv-server uses"
+stop dur TERM
+# A torn tail is cut off and reported; the records before it survive.
+printf '\x12\x34\x56\x78\x01\x00\x00\x00\x05\x00' >>"$d/kv.log"
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
+expect_in "$tmp/dur.out" "cut a torn tail of 10 bytes off the log: a record header cut short at offset"
+run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get d20
+stop dur TERM
+# A bad record with good ones after it is corruption: refused, nothing changed.
+size=$(stat -c %s "$d/kv.log")
+cp "$d/kv.log" "$tmp/kv.log.good"
+printf 'X' | dd of="$d/kv.log" bs=1 seek=40 conv=notrunc 2>/dev/null
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
+expect_in "$tmp/last.err" "is corrupt: a CRC mismatch at offset 16, with [0-9]+ bytes after it: not a torn tail; refusing to start"
+[ "$(stat -c %s "$d/kv.log")" = "$size" ] || fail "a refused start changed the log"
+cp "$tmp/kv.log.good" "$d/kv.log"
+printf 'garbage!garbage!' >"$tmp/notalog"; mkdir "$tmp/bad"; cp "$tmp/notalog" "$tmp/bad/kv.log"
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$tmp/bad"
+expect_in "$tmp/last.err" "is not an anydoor-kv log"
+pass "torn tail cut, corruption refused, a second server refused, not-a-log refused"
+
+# --- compaction: the log is rewritten once it holds more than twice the live data
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d" --compact-min 64K --resp-listen 127.0.0.1:0
+RP=$(resp_port dur)
+before=$(stat -c %s "$d/kv.log")
+run_cmd 0 timeout 120 redis-benchmark -p "$RP" -t set -n 20000 -d 200 -q  # one key, rewritten 20000 times (~4.4 MB of log)
+redis-cli -p "$RP" info persistence | grep -q "^aof_rewrites:[1-9]" || fail "no compaction: $(redis-cli -p "$RP" info persistence)"
+sleep 0.5
+after=$(stat -c %s "$d/kv.log")
+[ "$after" -lt 300000 ] || fail "the log is $after bytes after compaction (was $before)"
+[ "$(redis-cli -p "$RP" dbsize)" = 320 ] || fail "dbsize after compaction"
+stop dur KILL
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d" --resp-listen 127.0.0.1:0
+RP=$(resp_port dur)
+[ "$(redis-cli -p "$RP" dbsize)" = 320 ] || fail "dbsize after compaction and kill -9"
+[ "$(redis-cli -p "$RP" get key:__rand_int__ | wc -c)" = 201 ] || fail "the rewritten key after compaction"
+run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get d20
+stop dur TERM
+pass "compaction (log $before -> $after bytes), data intact after kill -9"
+
+# --- bad command lines: exit 2 with the reason
+run_cmd 2 "$server"; expect_in "$tmp/last.err" "needs --listen"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --sync sometimes; expect_in "$tmp/last.err" "--sync takes always, everysec or no"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --max-memory 1K; expect_in "$tmp/last.err" "--max-memory takes"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --resp-listen nope; expect_in "$tmp/last.err" "--resp-listen takes HOST:PORT"
+run_cmd 2 "$kv" put a b; expect_in "$tmp/last.err" "needs --connect"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 put a; expect_in "$tmp/last.err" "put takes 2 argument"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 frob; expect_in "$tmp/last.err" "unknown command 'frob'"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --workload z; expect_in "$tmp/last.err" "--workload takes a, b or c"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --get write; expect_in "$tmp/last.err" "--get takes rpc or read"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 get a; expect_in "$tmp/last.err" "cannot connect to 127.0.0.1:1"
+run_cmd 0 "$kv" --help; expect_in "$tmp/last.out" "bench \[--workload a\|b\|c\]"
+pass "bad command lines"
+echo "kv app: all passed"
