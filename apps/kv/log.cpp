@@ -229,6 +229,7 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
     pending_end_ = lsn_;
   }
   cv_.notify_one();
+  if (!work_) work_.emplace(io_.get_executor());
   logical_bytes_ += n;
   ++stats_.records;
   return lsn_;
@@ -244,6 +245,7 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
   snapshot(c.snapshot);
   logical_bytes_ = c.snapshot.size();
   compacting_ = true;
+  if (!work_) work_.emplace(io_.get_executor());
   {
     std::lock_guard lk(m_);
     c.marker = pending_.size();
@@ -368,6 +370,7 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
   }
   if (ec) {
     failed_ = true;
+    work_.reset();
     while (!waiters_.empty()) {
       auto h = std::move(waiters_.front().second);
       waiters_.pop_front();
@@ -376,6 +379,7 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
     return;
   }
   durable_ = std::max(durable_, lsn);
+  if (durable_ >= lsn_ && !compacting_) work_.reset();
   while (!waiters_.empty() && waiters_.front().first <= durable_) {
     auto h = std::move(waiters_.front().second);
     waiters_.pop_front();

@@ -23,6 +23,7 @@
 
 #include <boost/asio/any_completion_handler.hpp>
 #include <boost/asio/async_result.hpp>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
@@ -155,6 +156,8 @@ class durable_log {
   std::uint64_t logical_bytes_ = 0;
   bool compacting_ = false;
   bool failed_ = false;
+  // Keeps io_context::run() going while the thread has something to report.
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   std::deque<std::pair<std::uint64_t, asio::any_completion_handler<void(std::error_code)>>> waiters_;
   log_stats stats_;
 

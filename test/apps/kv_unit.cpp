@@ -1,0 +1,482 @@
+// The key-value store's parts without a network: the table and its
+// one-sided read checks (including torn, moved and hostile reads), the log
+// format (torn tails at every byte, corruption), the durable log (group
+// commit, compaction, replay) and the Redis protocol parser and commands.
+#include "kv/log.hpp"
+#include "kv/read.hpp"
+#include "kv/resp.hpp"
+#include "kv/service.hpp"
+#include "kv/store.hpp"
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+
+using namespace anydoor::apps::kv;
+
+namespace {
+
+std::span<const std::byte> B(std::string_view s) { return {reinterpret_cast<const std::byte*>(s.data()), s.size()}; }
+std::string S(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
+
+// What a one-sided GET concludes from the table's bytes as they are now
+// (`nb` may be an older copy of the neighbourhood).
+struct outcome {
+  enum { found, absent, torn, ask_server } kind;
+  std::string value;
+};
+outcome read_from(const store& st, std::string_view key, const std::vector<std::byte>* old_nb = nullptr) {
+  const layout l = st.describe();
+  const auto mem = st.memory();
+  const std::uint64_t h = key_hash(l.seed, key);
+  const std::uint64_t home = h & (l.buckets - 1);
+  std::vector<std::byte> nbb(mem.begin() + static_cast<std::ptrdiff_t>(home * kBucketSize),
+                             mem.begin() + static_cast<std::ptrdiff_t>(home * kBucketSize + kNeighbourhoodBytes));
+  if (old_nb != nullptr) nbb = *old_nb;
+  const neighbourhood nb = scan_neighbourhood(nbb, h);
+  bool torn = nb.torn;
+  for (std::size_t i = 0; i < nb.n; ++i) {
+    const slot& s = nb.cand[i];
+    std::span<const std::byte> v;
+    match m;
+    if ((s.length & kInlineFlag) != 0) {
+      m = check_inline(s, key, v);
+    } else if (!item_in_bounds(s, l)) {
+      m = match::torn;
+    } else {
+      m = check_item(mem.subspan(l.arena_offset + s.offset, s.length), s, key, v);
+    }
+    if (m == match::yes) return {outcome::found, S(v)};
+    if (m == match::torn) torn = true;
+  }
+  if (torn) return {outcome::torn, {}};
+  return {nb.overflow != 0 ? outcome::ask_server : outcome::absent, {}};
+}
+
+std::string tmpdir() {
+  char t[] = "/tmp/anydoor-kv-XXXXXX";
+  REQUIRE(::mkdtemp(t) != nullptr);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("kv store: put, get, del, overwrite across inline and arena items", "[kv]") {
+  store st({.max_memory = 1 << 20});
+  CHECK(st.put("a", B("small")) == put_status::ok);
+  CHECK(st.stats().inline_keys == 1);
+  const std::string big(500, 'x');
+  CHECK(st.put("a", B(big)) == put_status::ok);  // inline -> arena
+  CHECK(S(*st.get("a")) == big);
+  CHECK(st.stats().inline_keys == 0);
+  CHECK(st.stats().keys == 1);
+  CHECK(st.put("a", B("tiny")) == put_status::ok);  // arena -> inline
+  CHECK(S(*st.get("a")) == "tiny");
+  CHECK(st.stats().used_bytes == 0);
+  CHECK(st.put("a", B("")) == put_status::ok);  // an empty value
+  CHECK(st.get("a")->empty());
+  CHECK(st.del("a"));
+  CHECK_FALSE(st.del("a"));
+  CHECK_FALSE(st.get("a"));
+  CHECK(st.stats().keys == 0);
+  CHECK(st.stats().live_bytes == 0);
+  CHECK(st.put("", B("x")) == put_status::too_large);
+  CHECK(st.put(std::string(1025, 'k'), B("x")) == put_status::too_large);
+  CHECK(st.put("k", std::vector<std::byte>((1 << 20) + 1)) == put_status::too_large);
+}
+
+TEST_CASE("kv store: a full neighbourhood overflows to the server-only table, readers are told to ask", "[kv]") {
+  store st({.max_memory = 1 << 20, .buckets = 1});  // 2 buckets: 8 slots in all
+  std::map<std::string, std::string> want;
+  for (int i = 0; i < 40; ++i) {
+    const std::string k = "key" + std::to_string(i), v = (i % 2 != 0 ? std::string(100, 'v') : "s") + std::to_string(i);
+    REQUIRE(st.put(k, B(v)) == put_status::ok);
+    want[k] = v;
+  }
+  CHECK(st.stats().overflow_keys == 32);
+  std::size_t found = 0, ask = 0;
+  for (const auto& [k, v] : want) {
+    CHECK(S(*st.get(k)) == v);
+    const outcome o = read_from(st, k);
+    if (o.kind == outcome::found) {
+      CHECK(o.value == v);
+      ++found;
+    } else {
+      CHECK(o.kind == outcome::ask_server);
+      ++ask;
+    }
+  }
+  CHECK(found == 8);
+  CHECK(ask == 32);
+  std::size_t seen = 0;
+  st.for_each([&](std::string_view k, std::span<const std::byte> v) {
+    CHECK(want.at(std::string(k)) == S(v));
+    ++seen;
+  });
+  CHECK(seen == 40);
+  for (const auto& [k, v] : want) CHECK(st.del(k));
+  CHECK(st.stats().keys == 0);
+  CHECK(st.stats().used_bytes == 0);
+  CHECK(read_from(st, "key1").kind == outcome::absent);  // the overflow count went back to 0
+}
+
+TEST_CASE("kv store: --max-memory fails a put with out_of_memory and keeps the old value", "[kv]") {
+  store st({.max_memory = 8192, .max_value = 4096});
+  const std::string v(1000, 'm');
+  int n = 0;
+  while (st.put("k" + std::to_string(n), B(v)) == put_status::ok) ++n;
+  CHECK(n >= 4);
+  CHECK(st.stats().used_bytes <= 8192);
+  REQUIRE(st.put("k0", B(std::string(2000, 'n'))) == put_status::out_of_memory);
+  CHECK(S(*st.get("k0")) == v);
+  for (int i = 0; i < n; ++i) CHECK(S(*st.get("k" + std::to_string(i))) == v);
+  CHECK(st.del("k1"));
+  CHECK(st.put("k" + std::to_string(n), B(v)) == put_status::ok);
+}
+
+TEST_CASE("kv read: one-sided reads find what the store holds; stale and moved reads are never taken as values",
+          "[kv]") {
+  store st({.max_memory = 1 << 20});
+  std::mt19937 rng(7);
+  std::map<std::string, std::vector<std::string>> written;  // every value each key ever had
+  auto value = [&](int key, int n) {
+    const std::size_t len = (rng() % 3 == 0) ? 10 : 40 + rng() % 300;
+    std::string v(len, static_cast<char>('a' + n % 26));
+    v += "#" + std::to_string(key) + "/" + std::to_string(n);
+    return v;
+  };
+  std::size_t stale_reads = 0, stale_torn = 0;
+  for (int round = 0; round < 3000; ++round) {
+    const int key = static_cast<int>(rng() % 50);
+    const std::string k = "key" + std::to_string(key);
+    // A reader that took the neighbourhood before this update and reads
+    // the item after it (a moved or reused item).
+    const layout l = st.describe();
+    const std::uint64_t home = key_hash(l.seed, k) & (l.buckets - 1);
+    const auto mem = st.memory();
+    const std::vector<std::byte> before(mem.begin() + static_cast<std::ptrdiff_t>(home * kBucketSize),
+                                        mem.begin() + static_cast<std::ptrdiff_t>(home * kBucketSize + kNeighbourhoodBytes));
+    if (rng() % 5 == 0) {
+      st.del(k);
+    } else {
+      const std::string v = value(key, round);
+      REQUIRE(st.put(k, B(v)) == put_status::ok);
+      written[k].push_back(v);
+    }
+    // Another key's update may reuse the freed memory.
+    const std::string other = "key" + std::to_string((key + 1) % 50);
+    const std::string ov = value(key + 1, round);
+    REQUIRE(st.put(other, B(ov)) == put_status::ok);
+    written[other].push_back(ov);
+
+    const outcome o = read_from(st, k, &before);
+    ++stale_reads;
+    if (o.kind == outcome::found) {
+      const auto& w = written[k];
+      CHECK(std::find(w.begin(), w.end(), o.value) != w.end());
+    } else if (o.kind == outcome::torn) {
+      ++stale_torn;
+    }
+    // A fresh read sees exactly the current value.
+    const outcome now = read_from(st, k);
+    if (auto cur = st.get(k)) {
+      REQUIRE(now.kind == outcome::found);
+      CHECK(now.value == S(*cur));
+    } else {
+      CHECK(now.kind == outcome::absent);
+    }
+  }
+  CHECK(stale_torn > 0);  // the checks did catch moved items
+  INFO(stale_reads);
+}
+
+TEST_CASE("kv read: flipped bytes in a neighbourhood never yield a value that was not written", "[kv]") {
+  store st({.max_memory = 1 << 20, .buckets = 1});
+  std::map<std::string, std::string> want;
+  for (int i = 0; i < 8; ++i) {
+    const std::string k = "k" + std::to_string(i);
+    want[k] = (i % 2 == 0 ? std::string(20, 'i') : std::string(200, 'a')) + std::to_string(i);
+    REQUIRE(st.put(k, B(want[k])) == put_status::ok);
+  }
+  const auto mem = st.memory();
+  std::mt19937 rng(11);
+  std::size_t torn = 0;
+  for (int iter = 0; iter < 20000; ++iter) {
+    std::vector<std::byte> nb(mem.begin(), mem.begin() + static_cast<std::ptrdiff_t>(kNeighbourhoodBytes));
+    const int flips = 1 + static_cast<int>(rng() % 4);
+    for (int f = 0; f < flips; ++f) nb[rng() % nb.size()] ^= static_cast<std::byte>(1u << (rng() % 8));
+    const std::string k = "k" + std::to_string(rng() % 8);
+    const outcome o = read_from(st, k, &nb);
+    if (o.kind == outcome::found) {
+      CHECK(o.value == want[k]);
+    } else {
+      torn += o.kind == outcome::torn ? 1 : 0;
+    }
+  }
+  CHECK(torn > 1000);
+}
+
+TEST_CASE("kv read: hostile slots and layouts are refused before any READ", "[kv]") {
+  layout l;
+  l.buckets = 1024;
+  l.arena_offset = (1024 + 1) * kBucketSize;
+  l.arena_size = 1 << 20;
+  l.max_key = 1024;
+  l.max_value = 4096;
+  const std::uint64_t region = l.arena_offset + l.arena_size;
+  CHECK(layout_usable(l, region));
+  CHECK_FALSE(layout_usable(l, region - 1));
+  layout bad = l;
+  bad.buckets = 1000;
+  CHECK_FALSE(layout_usable(bad, region));
+  bad = l;
+  bad.arena_offset = 100;  // overlaps the index
+  CHECK_FALSE(layout_usable(bad, region));
+  bad = l;
+  bad.arena_size = ~std::uint64_t{0};
+  CHECK_FALSE(layout_usable(bad, region));
+  bad = l;
+  bad.buckets = std::uint64_t{1} << 62;  // (buckets + 1) * size would wrap
+  CHECK_FALSE(layout_usable(bad, region));
+  bad = l;
+  bad.slot_size = 64;
+  CHECK_FALSE(layout_usable(bad, region));
+  bad = l;
+  bad.magic = 0;
+  CHECK_FALSE(layout_usable(bad, region));
+
+  slot s{};
+  s.length = 100;
+  s.offset = (1 << 20) - 100;
+  CHECK(item_in_bounds(s, l));
+  s.offset = (1 << 20) - 99;
+  CHECK_FALSE(item_in_bounds(s, l));
+  s.offset = ~std::uint64_t{0} - 10;
+  CHECK_FALSE(item_in_bounds(s, l));
+  s.offset = 0;
+  s.length = static_cast<std::uint32_t>(kItemHeader + 1024 + 4096 + 1);  // above the stated limits
+  CHECK_FALSE(item_in_bounds(s, l));
+  s.length = kItemHeader;  // no key
+  CHECK_FALSE(item_in_bounds(s, l));
+}
+
+TEST_CASE("kv log: records round-trip; a cut at every byte of the last record is a torn tail", "[kv]") {
+  std::vector<std::byte> file;
+  {
+    // The file header, as a fresh log writes it, then three records.
+    durable_log* none = nullptr;
+    (void)none;
+    const char magic[16] = {'A', 'D', 'K', 'V', 'L', 'O', 'G', '1', 1, 0, 0, 0, 0, 0, 0, 0};
+    file.assign(reinterpret_cast<const std::byte*>(magic), reinterpret_cast<const std::byte*>(magic) + 16);
+  }
+  encode_record(file, record_type::put, "alpha", B("one"));
+  encode_record(file, record_type::del, "beta", {});
+  const std::size_t last = file.size();
+  encode_record(file, record_type::put, "gamma", B(std::string(300, 'g')));
+  std::vector<std::string> seen;
+  auto apply = [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+    seen.push_back((t == record_type::put ? "put " : "del ") + std::string(k) + "=" + S(v).substr(0, 3));
+  };
+  log_parse p = parse_log(file, apply);
+  CHECK(p.result == log_parse::outcome::ok);
+  CHECK(p.records == 3);
+  CHECK(seen == std::vector<std::string>{"put alpha=one", "del beta=", "put gamma=ggg"});
+  for (std::size_t cut = last + 1; cut < file.size(); ++cut) {
+    seen.clear();
+    p = parse_log(std::span(file).first(cut), apply);
+    INFO("cut at " << cut);
+    CHECK(p.result == log_parse::outcome::torn);
+    CHECK(p.valid_end == last);
+    CHECK(p.records == 2);
+  }
+  // The last record complete but with a bad CRC: torn (its write did not finish).
+  auto bad = file;
+  bad[file.size() - 1] ^= std::byte{1};
+  CHECK(parse_log(bad, apply).result == log_parse::outcome::torn);
+  // Zeros after the good records (a file extended but not written): torn.
+  auto zeros = std::vector<std::byte>(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(last));
+  zeros.resize(zeros.size() + 4096);
+  p = parse_log(zeros, apply);
+  CHECK(p.result == log_parse::outcome::torn);
+  CHECK(p.valid_end == last);
+  // A bad record with a good one after it: corruption.
+  auto mid = file;
+  mid[16 + 4 + 12 + 2] ^= std::byte{0x40};  // a byte of alpha's key
+  p = parse_log(mid, apply);
+  CHECK(p.result == log_parse::outcome::corrupt);
+  CHECK(p.valid_end == 16);
+  CHECK(p.why.find("CRC mismatch at offset 16") != std::string::npos);
+  // An impossible length in the middle: corruption, not a reason to read past the end.
+  auto len = file;
+  len[16 + 8] = std::byte{0xff};
+  len[16 + 9] = std::byte{0xff};
+  len[16 + 10] = std::byte{0xff};
+  CHECK(parse_log(len, apply).result == log_parse::outcome::corrupt);
+  // Not a log at all.
+  CHECK(parse_log(B("hello, this is not a log file"), apply).result == log_parse::outcome::not_a_log);
+  auto v2 = file;
+  v2[8] = std::byte{2};
+  CHECK(parse_log(v2, apply).result == log_parse::outcome::not_a_log);
+}
+
+TEST_CASE("kv log: sync always shares fsyncs between concurrent writers, compaction keeps the live data", "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  store st({.max_memory = 4 << 20});
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always, .compact_min = 16 << 10},
+                    [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+    service svc(st, &log);
+    int acked = 0;
+    for (int i = 0; i < 200; ++i) {
+      std::uint64_t lsn = 0;
+      REQUIRE(svc.put("key" + std::to_string(i % 10), B(std::string(200, static_cast<char>('a' + i % 26))), lsn).is_ok());
+      log.async_wait(lsn, [&](std::error_code ec) {
+        CHECK_FALSE(ec);
+        ++acked;
+      });
+    }
+    io.run();
+    CHECK(acked == 200);
+    CHECK(log.stats().fsyncs < 200);  // group commit: the writers shared fsyncs
+    CHECK(log.stats().compactions >= 1);  // 200 x 216 B of log for 10 live keys
+    // The writes made while that compaction ran grew the log again: the
+    // next write compacts it again.
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.put("key0", B("last"), lsn).is_ok());
+    io.restart();
+    io.run();
+    CHECK(log.stats().compactions >= 2);
+    log.close();
+    CHECK(std::filesystem::file_size(dir + "/kv.log") < 12000);
+  }
+  store back({.max_memory = 4 << 20});
+  io.restart();
+  durable_log again(io, {.dir = dir, .sync = sync_mode::always},
+                    [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+                      if (t == record_type::put) back.put(k, v); else back.del(k);
+                    });
+  CHECK(back.stats().keys == 10);
+  st.for_each([&](std::string_view k, std::span<const std::byte> v) { CHECK(S(*back.get(k)) == S(v)); });
+  again.close();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv resp: pipelined, split and inline requests parse; broken ones are errors", "[kv]") {
+  const resp_limits lim{.max_args = 8, .max_bulk = 100, .max_inline = 64};
+  std::vector<std::string_view> args;
+  std::size_t used = 0;
+  std::string why;
+  const std::string two = "*2\r\n$3\r\nGET\r\n$1\r\nk\r\n*1\r\n$4\r\nPING\r\n";
+  REQUIRE(parse_resp(two, lim, args, used, why) == resp_parse::command);
+  CHECK(args == std::vector<std::string_view>{"GET", "k"});
+  REQUIRE(parse_resp(std::string_view(two).substr(used), lim, args, used, why) == resp_parse::command);
+  CHECK(args == std::vector<std::string_view>{"PING"});
+  // Every prefix of a command is incomplete, never an error or a command.
+  const std::string one = "*3\r\n$3\r\nSET\r\n$3\r\nkey\r\n$5\r\nva\r\nl\r\n";
+  for (std::size_t cut = 0; cut < one.size(); ++cut) {
+    INFO("cut " << cut);
+    CHECK(parse_resp(std::string_view(one).substr(0, cut), lim, args, used, why) == resp_parse::incomplete);
+  }
+  REQUIRE(parse_resp(one, lim, args, used, why) == resp_parse::command);
+  CHECK(args[2] == "va\r\nl");  // binary-safe
+  CHECK(used == one.size());
+  REQUIRE(parse_resp("set k \"a \\\"b\\\" c\"  x\r\n", lim, args, used, why) == resp_parse::command);
+  CHECK(args == std::vector<std::string_view>{"set", "k", "a \"b\" c", "x"});
+  REQUIRE(parse_resp("\r\n", lim, args, used, why) == resp_parse::command);
+  CHECK(args.empty());
+  REQUIRE(parse_resp("*0\r\n", lim, args, used, why) == resp_parse::command);
+  CHECK(args.empty());
+  const std::pair<std::string, std::string> errors[] = {
+      {"*x\r\n", "invalid multibulk length"},
+      {"*9\r\n", "invalid multibulk length"},  // above max_args
+      {"*1\r\n$-1\r\n", "invalid bulk length"},
+      {"*1\r\n$101\r\n", "invalid bulk length"},
+      {"*1\r\n$2x\r\n", "invalid bulk length"},
+      {"*1\r\n+OK\r\n", "expected '$', got '+'"},
+      {"*1\r\n$2\r\nabcd", "expected CRLF"},
+      {"\"open\r\n", "unbalanced quotes"},
+      {std::string(65, 'x'), "too big inline request"},
+      {"*" + std::string(40, '1'), "invalid multibulk length"},
+  };
+  for (const auto& [in, want] : errors) {
+    INFO(in);
+    why.clear();
+    CHECK(parse_resp(in, lim, args, used, why) == resp_parse::error);
+    CHECK(why.find(want) != std::string::npos);
+  }
+}
+
+TEST_CASE("kv resp: commands answer as Redis does", "[kv]") {
+  asio::io_context io;
+  store st({.max_memory = 1 << 20, .max_key = 16, .max_value = 64});
+  service svc(st, nullptr);
+  resp_door door(io, svc, "127.0.0.1", 0);
+  auto run = [&](std::vector<std::string_view> a) {
+    std::string out;
+    std::uint64_t lsn = 0;
+    const bool keep = door.execute(a, out, lsn);
+    CHECK(lsn == 0);  // memory-only: nothing to wait for
+    return keep ? out : "(closed)" + out;
+  };
+  CHECK(run({"PING"}) == "+PONG\r\n");
+  CHECK(run({"ping", "hi"}) == "$2\r\nhi\r\n");
+  CHECK(run({"SET", "a", "1"}) == "+OK\r\n");
+  CHECK(run({"set", "a", "2", "NX"}) == "$-1\r\n");
+  CHECK(run({"set", "b", "2", "XX"}) == "$-1\r\n");
+  CHECK(run({"set", "a", "5", "XX"}) == "+OK\r\n");
+  CHECK(run({"set", "a", "1", "EX", "10"}).find("-ERR expiry") == 0);
+  CHECK(run({"set", "a", "1", "BOGUS"}) == "-ERR syntax error\r\n");
+  CHECK(run({"INCR", "a"}) == ":6\r\n");
+  CHECK(run({"INCR", "fresh"}) == ":1\r\n");
+  CHECK(run({"SET", "n", "9223372036854775807"}) == "+OK\r\n");
+  CHECK(run({"INCR", "n"}) == "-ERR increment or decrement would overflow\r\n");
+  CHECK(run({"SET", "t", "text"}) == "+OK\r\n");
+  CHECK(run({"INCR", "t"}) == "-ERR value is not an integer or out of range\r\n");
+  CHECK(run({"GET", "a"}) == "$1\r\n6\r\n");
+  CHECK(run({"GET", "zz"}) == "$-1\r\n");
+  CHECK(run({"GET", std::string_view("waytoolongakeyname")}) == "$-1\r\n");
+  CHECK(run({"MSET", "x", "1", "y", "2"}) == "+OK\r\n");
+  CHECK(run({"MSET", "x", "1", "y"}) == "-ERR wrong number of arguments for 'mset' command\r\n");
+  CHECK(run({"MGET", "x", "nope", "y"}) == "*3\r\n$1\r\n1\r\n$-1\r\n$1\r\n2\r\n");
+  CHECK(run({"EXISTS", "x", "y", "nope", "x"}) == ":3\r\n");
+  CHECK(run({"DEL", "x", "nope"}) == ":1\r\n");
+  CHECK(run({"DBSIZE"}) == ":5\r\n");  // a, fresh, n, t, y
+  CHECK(run({"SET", "big", std::string_view(std::string(65, 'v'))}).find("-ERR value of 65 bytes is above") == 0);
+  CHECK(run({"SET", std::string_view("k2345678901234567"), "v"}).find("-ERR key of 17 bytes") == 0);
+  CHECK(run({"SELECT", "0"}) == "+OK\r\n");
+  CHECK(run({"SELECT", "3"}) == "-ERR DB index is out of range\r\n");
+  CHECK(run({"ECHO", "a\r\nb"}) == "$4\r\na\r\nb\r\n");
+  CHECK(run({"GET"}) == "-ERR wrong number of arguments for 'get' command\r\n");
+  CHECK(run({"NOPE", "x\r\ny"}) == "-ERR unknown command 'NOPE', with args beginning with: 'x  y' \r\n");
+  CHECK(run({"COMMAND", "DOCS"}) == "*0\r\n");
+  CHECK(run({"CONFIG", "GET", "append*"}) ==
+        "*4\r\n$10\r\nappendonly\r\n$2\r\nno\r\n$11\r\nappendfsync\r\n$2\r\nno\r\n");
+  CHECK(run({"CONFIG", "SET", "x", "y"}).find("-ERR only CONFIG GET") == 0);
+  const std::string info = run({"INFO"});
+  CHECK(info.find("redis_version:") != std::string::npos);
+  CHECK(info.find("db0:keys=5,expires=0,avg_ttl=0") != std::string::npos);
+  CHECK(run({"QUIT"}) == "(closed)+OK\r\n");
+  // OOM in Redis's words.
+  store tiny({.max_memory = 4096, .max_value = 200});
+  service tsvc(tiny, nullptr);
+  resp_door tdoor(io, tsvc, "127.0.0.1", 0);
+  std::string out;
+  std::uint64_t lsn = 0;
+  for (int i = 0; i < 200 && out.find("-OOM") == std::string::npos; ++i) {
+    const std::string k = "k" + std::to_string(i);
+    const std::string v(100, 'x');  // not inline: in the arena
+    tdoor.execute({"SET", k, v}, out, lsn);
+  }
+  CHECK(out.find("-OOM command not allowed when used memory > 'maxmemory'") != std::string::npos);
+  door.stop();
+  tdoor.stop();
+  io.run();
+}
