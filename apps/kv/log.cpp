@@ -33,11 +33,11 @@ std::uint32_t load32(const std::byte* p) {
 std::string sys_error(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 void file_header(std::vector<std::byte>& out) {
-  const auto* m = reinterpret_cast<const std::byte*>(kMagic);
-  out.insert(out.end(), m, m + 8);
+  const std::size_t at = out.size();
+  out.resize(at + kLogHeader);
   const std::uint32_t v[2] = {kLogVersion, 0};
-  const auto* p = reinterpret_cast<const std::byte*>(v);
-  out.insert(out.end(), p, p + 8);
+  std::memcpy(out.data() + at, kMagic, 8);
+  std::memcpy(out.data() + at + 8, v, 8);
 }
 
 }  // namespace
