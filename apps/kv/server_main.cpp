@@ -33,7 +33,7 @@ struct options {
   kv::sync_mode sync = kv::sync_mode::everysec;
   kv::store_options store;
   std::uint64_t compact_min = std::uint64_t{1} << 20;
-  std::uint32_t max_connections = 256;
+  std::uint32_t max_connections = 128;  // x (send queue + credits) must fit the device's CQ (rxe: 32767)
   std::string provider = "auto";
 };
 

@@ -28,6 +28,9 @@ suite conformance bin/anydoor-conformance --warn NoTests ${filter:+"$filter"}
 suite runtime bin/anydoor-runtime-tests --warn NoTests ${filter:+"$filter"}
 suite onesided bin/anydoor-onesided-tests --warn NoTests ${filter:+"$filter"}
 suite rpc bin/anydoor-rpc-tests --warn NoTests ${filter:+"$filter"}
+if [ -z "$filter" ] && [ -x bin/anydoor-kv-server ]; then
+  suite kv bash ./kv.sh
+fi
 if [ "$(cat bench 2>/dev/null)" = 1 ] && [ -x bin/anydoor-perf ]; then
   bash ./bench.sh || fail=$((fail + 1))
 fi
