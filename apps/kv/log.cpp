@@ -5,8 +5,11 @@
 #include <boost/asio/dispatch.hpp>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <stdexcept>
 
 #include <fcntl.h>
@@ -118,10 +121,23 @@ log_parse parse_log(std::span<const std::byte> file,
         }
       }
     }
-    // A bad record: the torn end of the last write, or corruption?
+    // A bad record: the torn end of the last write, or corruption? A tail
+    // is torn when nothing valid follows the bad spot: no complete record
+    // with a good CRC starts anywhere after it (a corrupted length can
+    // make a record in the middle look cut short).
     r.valid_end = at;
-    const bool last = rec == 0 ? bad != "an unknown record type" && bad != "impossible key or value lengths"
-                               : at + rec == end;
+    auto valid_record_after = [&](std::size_t from) {
+      for (std::size_t o = from; o + kRecordHeader <= end; ++o) {
+        const std::byte* q = file.data() + o;
+        const auto t = static_cast<std::uint8_t>(q[4]);
+        if ((t != 1 && t != 2) || q[5] != std::byte{0} || q[6] != std::byte{0} || q[7] != std::byte{0}) continue;
+        const std::uint64_t k = load32(q + 8), v = load32(q + 12);
+        if (k == 0 || k > kMaxKeyHard || v > kMaxValueHard || kRecordHeader + k + v > end - o) continue;
+        if (crc32c(0, q + 4, kRecordHeader - 4 + k + v) == load32(q)) return true;
+      }
+      return false;
+    };
+    const bool last = rec == 0 ? !valid_record_after(at + 1) : at + rec == end;
     if (last || zeros_to_end(at)) {
       r.result = log_parse::outcome::torn;
       r.why = bad + " at offset " + std::to_string(at) + " (" + std::to_string(left) + " bytes to the end)";
@@ -179,6 +195,18 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       ::munmap(m, size);
       fail(path_ + ": " + e.what());
     }
+    if (p.result == log_parse::outcome::torn) {
+      // Keep what is cut off (kv.log.torn-<time>): nothing is destroyed for good.
+      report_.torn_copy = o_.dir + "/kv.log.torn-" + std::to_string(::time(nullptr));
+      const int t = ::open(report_.torn_copy.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      const auto* tail = static_cast<const std::byte*>(m) + p.valid_end;
+      if (t < 0 || write_all(t, tail, size - p.valid_end) || ::fsync(t) != 0) {
+        if (t >= 0) ::close(t);
+        ::munmap(m, size);
+        fail(sys_error("cannot save the torn tail of " + path_ + " to " + report_.torn_copy));
+      }
+      ::close(t);
+    }
     ::munmap(m, size);
     if (p.result == log_parse::outcome::not_a_log) fail(path_ + " is not an anydoor-kv log: " + p.why);
     if (p.result == log_parse::outcome::corrupt) {
@@ -231,18 +259,21 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
   cv_.notify_one();
   if (!work_) work_.emplace(io_.get_executor());
   logical_bytes_ += n;
+  if (compacting_) logical_if_failed_ += n;
   ++stats_.records;
   return lsn_;
 }
 
 void durable_log::maybe_compact(std::uint64_t live_bytes,
                                 const std::function<void(std::vector<std::byte>&)>& snapshot) {
-  if (compacting_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
+  if (compacting_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ < retry_compact_at_ ||
+      logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
   compaction c;
   file_header(c.snapshot);
   snapshot(c.snapshot);
+  logical_if_failed_ = logical_bytes_;
   logical_bytes_ = c.snapshot.size();
   compacting_ = true;
   if (!work_) work_.emplace(io_.get_executor());
@@ -325,12 +356,19 @@ void durable_log::run() noexcept {
     compact_.reset();
     lk.unlock();
 
-    std::error_code ec;
+    std::error_code ec, compact_ec;
     if (!failed) {
       if (c) {
-        ec = compact(*c, buf);
-        dirty = false;
-        last_sync = clock::now();
+        compact_ec = compact(*c, buf);
+        if (compact_ec) {
+          // The old log stays; it lacks everything in buf (the records
+          // before the marker were never written to it either).
+          ec = write_all(fd_, buf.data(), buf.size());
+          dirty = true;
+        } else {
+          dirty = false;
+          last_sync = clock::now();
+        }
       } else if (!buf.empty()) {
         ec = write_all(fd_, buf.data(), buf.size());
         dirty = true;
@@ -348,7 +386,9 @@ void durable_log::run() noexcept {
         }
       }
       if (!buf.empty() || c || ec) {
-        asio::post(io_, [this, end, ec, compacted = c.has_value()] { on_durable(end, ec, compacted); });
+        asio::post(io_, [this, end, ec, compact_ec, compacted = c.has_value()] {
+          on_durable(end, ec, compacted, compact_ec);
+        });
       }
     }
     buf.clear();
@@ -363,10 +403,20 @@ void durable_log::run() noexcept {
   }
 }
 
-void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted) noexcept {
+void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted,
+                             std::error_code compact_ec) noexcept {
   if (compacted) {
     compacting_ = false;
-    if (!ec) ++stats_.compactions;
+    if (compact_ec) {
+      // The log keeps growing in the old file; try again after another compact_min.
+      logical_bytes_ = logical_if_failed_;
+      retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
+      ++stats_.compaction_failures;
+      std::fprintf(stderr, "anydoor-kv: compacting %s failed (%s): the log keeps growing; trying again later\n",
+                   path_.c_str(), compact_ec.message().c_str());
+    } else if (!ec) {
+      ++stats_.compactions;
+    }
   }
   if (ec) {
     failed_ = true;

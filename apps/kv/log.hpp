@@ -9,10 +9,10 @@
 // (Redis's appendfsync terms, on purpose.) A write is visible to readers
 // as soon as it is applied, before it is durable, as in Redis.
 //
-// On start the log is replayed; a torn tail (a record cut short, or a last
-// record whose CRC fails, or zeros to the end) is cut off and reported; a
-// bad record with valid data after it is corruption: the server refuses to
-// start. The log is compacted (rewritten from the live data into
+// On start the log is replayed; a torn tail (a bad record with no valid
+// record anywhere after it: cut short, a CRC that fails, zeros) is cut off,
+// saved to kv.log.torn-<time> and reported; a bad record with a valid one
+// after it is corruption: the server refuses to start. The log is compacted (rewritten from the live data into
 // kv.log.compact, fsynced, renamed over kv.log) when it grows past twice
 // the live data and compact_min. DIR/LOCK keeps a second server out.
 //
@@ -77,6 +77,7 @@ struct log_stats {
   std::uint64_t records = 0;      // appended since start
   std::uint64_t fsyncs = 0;
   std::uint64_t compactions = 0;
+  std::uint64_t compaction_failures = 0;  // the old log kept, retried later
 };
 
 struct replay_report {
@@ -84,6 +85,7 @@ struct replay_report {
   std::uint64_t bytes = 0;
   std::uint64_t torn_bytes = 0;  // cut off the tail
   std::string torn_why;
+  std::string torn_copy;         // where the cut bytes were saved
   double ms = 0;
 };
 
@@ -140,7 +142,7 @@ class durable_log {
   void run() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
   std::error_code compact(const compaction& c, const std::vector<std::byte>& buf) noexcept;
-  void on_durable(std::uint64_t lsn, std::error_code ec, bool compacted) noexcept;
+  void on_durable(std::uint64_t lsn, std::error_code ec, bool compacted, std::error_code compact_ec) noexcept;
 
   asio::io_context& io_;
   log_options o_;
@@ -154,6 +156,8 @@ class durable_log {
   std::uint64_t lsn_ = 0;
   std::uint64_t durable_ = 0;
   std::uint64_t logical_bytes_ = 0;
+  std::uint64_t logical_if_failed_ = 0;  // the old file's size, should the compaction under way fail
+  std::uint64_t retry_compact_at_ = 0;
   bool compacting_ = false;
   bool failed_ = false;
   // Keeps io_context::run() going while the thread has something to report.

@@ -128,78 +128,90 @@ bool split_inline(std::string_view line, std::vector<std::string_view>& args, st
 
 }  // namespace
 
-resp_parse parse_resp(std::string_view in, const resp_limits& lim, std::vector<std::string_view>& args,
-                      std::size_t& consumed, std::string& why) {
-  thread_local std::vector<std::string> unquoted;  // inline words with quotes (rare)
+void resp_parser::reset() noexcept {
+  pos_ = 0;
+  want_ = -1;
+  spans_.clear();
+}
+
+resp_parse resp_parser::next(std::string_view in, std::vector<std::string_view>& args, std::size_t& consumed,
+                             std::string& why) {
   args.clear();
   consumed = 0;
   if (in.empty()) return resp_parse::incomplete;
+  auto error = [&](std::string w) {
+    why = std::move(w);
+    reset();
+    return resp_parse::error;
+  };
   if (in[0] != '*') {
-    const std::size_t nl = in.find('\n');
+    // Inline: a line. pos_ is how far we have looked for its end.
+    const std::size_t nl = in.find('\n', pos_);
     if (nl == std::string_view::npos) {
-      if (in.size() > lim.max_inline) {
-        why = "Protocol error: too big inline request";
-        return resp_parse::error;
-      }
+      if (in.size() > lim_.max_inline) return error("Protocol error: too big inline request");
+      pos_ = in.size();
       return resp_parse::incomplete;
     }
     std::string_view line = in.substr(0, nl);
-    if (line.size() > lim.max_inline) {
-      why = "Protocol error: too big inline request";
+    if (line.size() > lim_.max_inline) return error("Protocol error: too big inline request");
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    unquoted_.clear();
+    if (!split_inline(line, args, why, unquoted_)) {
+      reset();
       return resp_parse::error;
     }
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    unquoted.clear();
-    if (!split_inline(line, args, why, unquoted)) return resp_parse::error;
     consumed = nl + 1;
+    reset();
     return resp_parse::command;
   }
-  const std::size_t eol = in.find("\r\n");
-  if (eol == std::string_view::npos) {
-    if (in.size() > 32) {
-      why = "Protocol error: invalid multibulk length";
-      return resp_parse::error;
+  if (want_ < 0) {
+    const std::size_t eol = in.find("\r\n");
+    if (eol == std::string_view::npos) {
+      if (in.size() > 32) return error("Protocol error: invalid multibulk length");
+      return resp_parse::incomplete;
     }
-    return resp_parse::incomplete;
+    long long n = 0;
+    if (!parse_int(in.substr(1, eol - 1), n) || n > static_cast<long long>(lim_.max_args)) {
+      return error("Protocol error: invalid multibulk length");
+    }
+    want_ = std::max(n, 0LL);
+    pos_ = eol + 2;
+    spans_.clear();
   }
-  long long n = 0;
-  if (!parse_int(in.substr(1, eol - 1), n) || n > static_cast<long long>(lim.max_args)) {
-    why = "Protocol error: invalid multibulk length";
-    return resp_parse::error;
-  }
-  std::size_t at = eol + 2;
-  for (long long i = 0; i < n; ++i) {
+  while (static_cast<long long>(spans_.size()) < want_) {
+    const std::size_t at = pos_;
     if (at >= in.size()) return resp_parse::incomplete;
-    if (in[at] != '$') {
-      why = std::string("Protocol error: expected '$', got '") + in[at] + "'";
-      return resp_parse::error;
-    }
+    if (in[at] != '$') return error(std::string("Protocol error: expected '$', got '") + in[at] + "'");
     const std::size_t le = in.find("\r\n", at + 1);
     if (le == std::string_view::npos) {
-      if (in.size() - at > 32) {
-        why = "Protocol error: invalid bulk length";
-        return resp_parse::error;
-      }
+      if (in.size() - at > 32) return error("Protocol error: invalid bulk length");
       return resp_parse::incomplete;
     }
     long long len = 0;
     if (!parse_int(in.substr(at + 1, le - at - 1), len) || len < 0 ||
-        static_cast<unsigned long long>(len) > lim.max_bulk) {
-      why = "Protocol error: invalid bulk length";
-      return resp_parse::error;
+        static_cast<unsigned long long>(len) > lim_.max_bulk) {
+      return error("Protocol error: invalid bulk length");
     }
     const std::size_t data = le + 2;
     const auto ulen = static_cast<std::size_t>(len);
-    if (in.size() - data < ulen + 2 || data > in.size()) return resp_parse::incomplete;
+    if (data > in.size() || in.size() - data < ulen + 2) return resp_parse::incomplete;
     if (in[data + ulen] != '\r' || in[data + ulen + 1] != '\n') {
-      why = "Protocol error: expected CRLF after a bulk string";
-      return resp_parse::error;
+      return error("Protocol error: expected CRLF after a bulk string");
     }
-    args.push_back(in.substr(data, ulen));
-    at = data + ulen + 2;
+    spans_.emplace_back(data, ulen);
+    pos_ = data + ulen + 2;
   }
-  consumed = at;
+  args.reserve(spans_.size());
+  for (const auto& [off, len] : spans_) args.push_back(in.substr(off, len));
+  consumed = pos_;
+  reset();
   return resp_parse::command;
+}
+
+resp_parse parse_resp(std::string_view in, const resp_limits& lim, std::vector<std::string_view>& args,
+                      std::size_t& consumed, std::string& why) {
+  resp_parser p(lim);
+  return p.next(in, args, consumed, why);
 }
 
 resp_door::resp_door(asio::io_context& io, service& svc, const std::string& host, std::uint16_t port,
@@ -212,6 +224,7 @@ resp_door::resp_door(asio::io_context& io, service& svc, const std::string& host
   acc_.listen();
   port_ = acc_.local_endpoint().port();
   lim_.max_bulk = std::max<std::size_t>(svc.data().options().max_value, svc.data().options().max_key) + 1024;
+  max_request_ = std::max<std::size_t>(std::size_t{4} << 20, 2 * lim_.max_bulk + (1 << 20));
   asio::co_spawn(io_, accept_loop(), asio::detached);
 }
 
@@ -253,7 +266,8 @@ asio::awaitable<void> resp_door::session(tcp::socket s) {
   open_.push_back(&s);
   ++st_.connections;
   ++st_.connections_total;
-  const std::size_t limit = std::max<std::size_t>(std::size_t{64} << 20, 2 * lim_.max_bulk + (1 << 20));
+  const std::size_t limit = max_request_;
+  resp_parser parser(lim_);
   std::string in(16 * 1024, '\0');
   std::size_t start = 0, end = 0;
   std::string out;
@@ -265,7 +279,7 @@ asio::awaitable<void> resp_door::session(tcp::socket s) {
     for (;;) {
       std::size_t used = 0;
       std::string why;
-      const resp_parse r = parse_resp(std::string_view(in.data() + start, end - start), lim_, args, used, why);
+      const resp_parse r = parser.next(std::string_view(in.data() + start, end - start), args, used, why);
       if (r == resp_parse::incomplete) break;
       if (r == resp_parse::error) {
         ++st_.protocol_errors;
@@ -424,15 +438,23 @@ bool resp_door::execute(const std::vector<std::string_view>& a, std::string& out
     integer(out, count);
   } else if (iequals(cmd, "MGET")) {
     if (n < 2) return wrong_args(out, cmd), true;
+    const std::size_t before = out.size();
     array(out, n - 1);
     for (std::size_t i = 1; i < n; ++i) {
       std::optional<std::span<const std::byte>> v;
       if (!a[i].empty() && a[i].size() <= svc_.data().options().max_key) v = svc_.get(a[i]);
       if (v) bulk(out, *v); else nil(out);
+      if (out.size() - before > max_request_) {  // a reply is bounded like a request
+        out.resize(before);
+        return error(out, "ERR the MGET reply would exceed " + std::to_string(max_request_) +
+                              " bytes: ask for fewer keys"), true;
+      }
     }
   } else if (iequals(cmd, "MSET")) {
     if (n < 3 || n % 2 == 0) return wrong_args(out, cmd), true;
-    for (std::size_t i = 1; i < n; i += 2) {  // check all first: nothing applied on a bad one
+    // Checked first: a bad pair applies nothing. (Not atomic when memory or
+    // the log fails midway: the pairs before stay written.)
+    for (std::size_t i = 1; i < n; i += 2) {
       if (a[i].empty() || a[i].size() > svc_.data().options().max_key ||
           a[i + 1].size() > svc_.data().options().max_value) {
         return error(out, "ERR a key or value of MSET is empty or above the limits"), true;

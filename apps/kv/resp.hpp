@@ -28,8 +28,28 @@ struct resp_limits {
   std::size_t max_inline = 64 * 1024;
 };
 enum class resp_parse { command, incomplete, error };
-// On `command`: `args` views into `in`, `consumed` bytes used (an empty
-// command, "*0" or a blank inline line, yields no args). On `error`: `why`.
+
+// Parses one command at a time from a buffer that grows at its end: after
+// `incomplete`, call again with the same bytes and more after them; what
+// was parsed is not parsed again (a request trickling in byte by byte
+// costs linear time, not quadratic). On `command`: `args` view into `in`,
+// `consumed` bytes were used (an empty command, "*0" or a blank inline
+// line, yields no args), and the parser starts afresh at the next call.
+// On `error`: `why` (then reset()).
+class resp_parser {
+ public:
+  explicit resp_parser(const resp_limits& lim) : lim_(lim) {}
+  resp_parse next(std::string_view in, std::vector<std::string_view>& args, std::size_t& consumed, std::string& why);
+  void reset() noexcept;
+
+ private:
+  resp_limits lim_;
+  std::size_t pos_ = 0;    // bytes of the command parsed so far
+  long long want_ = -1;    // arguments of the array (-1: its header is not read yet)
+  std::vector<std::pair<std::size_t, std::size_t>> spans_;  // arguments so far: offset, length
+  std::vector<std::string> unquoted_;  // inline words in quotes
+};
+// One command from the front of `in` (a fresh parser).
 resp_parse parse_resp(std::string_view in, const resp_limits& lim, std::vector<std::string_view>& args,
                       std::size_t& consumed, std::string& why);
 
@@ -44,8 +64,11 @@ struct resp_stats {
 class resp_door {
  public:
   // Listens on host:port (0: any). Throws std::system_error.
+  // At most max_clients connections (one more is told so and closed);
+  // each buffers at most one request of max(4 MiB, 2 x max value + 1 MiB)
+  // and builds at most one reply of that size before writing it.
   resp_door(asio::io_context& io, service& svc, const std::string& host, std::uint16_t port,
-            std::size_t max_clients = 10000);
+            std::size_t max_clients = 1000);
   ~resp_door();
   std::uint16_t port() const noexcept { return port_; }
   // Stops listening and closes every connection.
@@ -67,6 +90,7 @@ class resp_door {
   std::uint16_t port_ = 0;
   std::size_t max_clients_;
   resp_limits lim_;
+  std::size_t max_request_ = 0;  // bytes one connection buffers for a request; also the largest reply
   std::vector<asio::ip::tcp::socket*> open_;
   bool stopped_ = false;
   resp_stats st_;

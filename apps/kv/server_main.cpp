@@ -19,7 +19,7 @@ namespace {
 constexpr const char* kUsage =
     "anydoor-kv-server --listen HOST:PORT [--data-dir DIR] [--sync always|everysec|no] [--resp-listen HOST:PORT]\n"
     "       [--max-memory BYTES] [--max-key BYTES] [--max-value BYTES] [--compact-min BYTES]\n"
-    "       [--max-connections N] [--provider auto|tcp|verbs]";
+    "       [--max-connections N] [--resp-max-clients N] [--provider auto|tcp|verbs]";
 
 namespace kv = anydoor::apps::kv;
 namespace asio = boost::asio;
@@ -33,6 +33,7 @@ struct options {
   kv::sync_mode sync = kv::sync_mode::everysec;
   kv::store_options store;
   std::uint64_t compact_min = std::uint64_t{1} << 20;
+  std::uint32_t resp_max_clients = 1000;
   std::uint32_t max_connections = 128;  // x (send queue + credits) must fit the device's CQ (rxe: 32767)
   std::string provider = "auto";
 };
@@ -75,6 +76,8 @@ options parse(int argc, char** argv) {
       o.store.max_value = static_cast<std::uint32_t>(a.size_value(0, std::uint64_t{1} << 30));
     } else if (opt == "--compact-min") {
       o.compact_min = a.size_value(0);
+    } else if (opt == "--resp-max-clients") {
+      o.resp_max_clients = static_cast<std::uint32_t>(a.size_value(1, 100000));
     } else if (opt == "--max-connections") {
       o.max_connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
     } else if (opt == "--provider") {
@@ -102,7 +105,7 @@ int run(const options& o) {
             st.del(k);
             return;
           }
-          const auto r = st.put(k, v);
+          const auto r = st.put(k, v, true);
           if (r == kv::put_status::ok) return;
           throw std::runtime_error(r == kv::put_status::out_of_memory
                                        ? "the log holds more data than --max-memory " +
@@ -116,8 +119,8 @@ int run(const options& o) {
                 o.data_dir.c_str(), kv::to_string(o.sync), static_cast<unsigned long long>(rep.records),
                 static_cast<unsigned long long>(st.stats().keys), static_cast<unsigned long long>(rep.bytes), rep.ms);
     if (rep.torn_bytes != 0) {
-      std::printf("anydoor-kv-server: cut a torn tail of %llu bytes off the log: %s\n",
-                  static_cast<unsigned long long>(rep.torn_bytes), rep.torn_why.c_str());
+      std::printf("anydoor-kv-server: cut a torn tail of %llu bytes off the log: %s (saved to %s)\n",
+                  static_cast<unsigned long long>(rep.torn_bytes), rep.torn_why.c_str(), rep.torn_copy.c_str());
     }
   } else {
     std::printf("anydoor-kv-server: memory-only (no --data-dir): the data is lost when the server stops\n");
@@ -159,7 +162,7 @@ int run(const options& o) {
     }
   });
   if (o.resp) {
-    door = std::make_unique<kv::resp_door>(io, svc, o.resp->host, o.resp->port);
+    door = std::make_unique<kv::resp_door>(io, svc, o.resp->host, o.resp->port, o.resp_max_clients);
     endpoint rb = *o.resp;
     rb.port = door->port();
     std::printf("anydoor-kv-server: redis protocol on %s\n", rb.str().c_str());

@@ -36,7 +36,8 @@ store::store(const store_options& o) : o_(o) {
   buckets_ = o_.buckets != 0 ? o_.buckets : std::max<std::uint64_t>(1024, o_.max_memory / 1024);
   buckets_ = std::bit_ceil(buckets_);
   arena_offset_ = round_up((buckets_ + 1) * kBucketSize, kPage);
-  total_ = static_cast<std::size_t>(arena_offset_ + round_up(o_.max_memory, kPage));
+  arena_size_ = round_up(o_.max_memory + o_.max_memory / 4, kPage);  // the slack only a replay uses
+  total_ = static_cast<std::size_t>(arena_offset_ + arena_size_);
   void* p = ::mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     throw std::system_error(errno, std::generic_category(), "cannot map " + std::to_string(total_) + " bytes");
@@ -73,35 +74,49 @@ std::size_t store::size_class(std::size_t n) const noexcept {
                                   class_sizes_.begin());
 }
 
-std::optional<std::uint64_t> store::allocate(std::size_t c) noexcept {
-  auto& fl = free_lists_[c];
+std::optional<std::pair<std::uint64_t, std::size_t>> store::allocate(std::size_t c, bool replay) noexcept {
+  // Clients get --max-memory; a replay may use the arena's slack (an item
+  // may land in the arena on replay where it sat inline before: the
+  // neighbourhoods differ under another seed).
+  const std::uint64_t limit = replay ? arena_size_ : o_.max_memory;
   const std::size_t bytes = class_sizes_[c];
-  if (st_.used_bytes + bytes > o_.max_memory) return std::nullopt;
-  std::uint64_t off;
-  if (!fl.empty()) {
-    off = fl.back();
-    fl.pop_back();
-  } else {
-    if (bump_ + bytes > o_.max_memory) return std::nullopt;
-    off = bump_;
-    bump_ += bytes;
+  if (!free_lists_[c].empty() && st_.used_bytes + bytes <= limit) {
+    const std::uint64_t off = free_lists_[c].back();
+    free_lists_[c].pop_back();
+    st_.used_bytes += bytes;
+    return std::pair{off, c};
   }
-  st_.used_bytes += bytes;
-  return off;
+  if (bump_ + bytes <= limit && st_.used_bytes + bytes <= limit) {
+    const std::uint64_t off = bump_;
+    bump_ += bytes;
+    st_.used_bytes += bytes;
+    return std::pair{off, c};
+  }
+  // A freed block of a larger class (no split: the item keeps the whole
+  // block, and gives it back to that class when freed).
+  for (std::size_t k = c + 1; k < class_sizes_.size(); ++k) {
+    if (free_lists_[k].empty() || st_.used_bytes + class_sizes_[k] > limit) continue;
+    const std::uint64_t off = free_lists_[k].back();
+    free_lists_[k].pop_back();
+    st_.used_bytes += class_sizes_[k];
+    return std::pair{off, k};
+  }
+  return std::nullopt;
 }
 
-std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value) {
-  const std::size_t c = size_class(kItemHeader + key.size() + value.size());
-  auto off = allocate(c);
-  if (!off) return ~std::uint64_t{0};
-  std::byte* p = base_ + arena_offset_ + *off;
+std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value,
+                                bool replay) {
+  const auto got = allocate(size_class(kItemHeader + key.size() + value.size()), replay);
+  if (!got) return ~std::uint64_t{0};
+  const std::uint64_t off = got->first;
+  std::byte* p = base_ + arena_offset_ + off;
   item_header h{version, static_cast<std::uint32_t>(key.size()), static_cast<std::uint32_t>(value.size()), 0,
-                static_cast<std::uint32_t>(c)};
+                static_cast<std::uint32_t>(got->second)};
   h.crc = item_crc(h, key, value);
   std::memcpy(p, &h, sizeof h);
   std::memcpy(p + kItemHeader, key.data(), key.size());
   if (!value.empty()) std::memcpy(p + kItemHeader + key.size(), value.data(), value.size());
-  return *off;
+  return off;
 }
 
 void store::release_item(std::uint64_t offset) noexcept {
@@ -209,7 +224,7 @@ void store::forget(const found& f, std::uint64_t home) noexcept {
   --st_.keys;
 }
 
-put_status store::put(std::string_view key, std::span<const std::byte> value) {
+put_status store::put(std::string_view key, std::span<const std::byte> value, bool replay) {
   if (key.empty() || key.size() > o_.max_key || value.size() > o_.max_value) return put_status::too_large;
   const std::uint64_t h = key_hash(seed_, key);
   const std::uint64_t home = h & (buckets_ - 1);
@@ -217,21 +232,35 @@ put_status store::put(std::string_view key, std::span<const std::byte> value) {
   const std::uint64_t version = next_version_++;
   const std::size_t kv = key.size() + value.size();
 
-  // Small: a fresh slot (the old one, if any, is dropped after).
-  if (kv <= kInlineBytes) {
-    if (slot* s = free_slot(home, old && !old->in_overflow ? old->s : nullptr)) {
-      fill_inline(*s, version, h, key, value);
+  // Small: inline, in the key's own slot when it has one (rewritten in
+  // place: a reader catching it half-written fails the slot's CRC and
+  // retries; moving the key to a fresh slot could let a reader see neither
+  // slot), else in a free slot. A key in the overflow table stays there.
+  if (kv <= kInlineBytes && (!old || !old->in_overflow)) {
+    if (slot* s = old ? old->s : free_slot(home, nullptr)) {
+      std::size_t old_kv = 0;
+      bool old_arena = false;
+      std::uint64_t old_off = 0;
       if (old) {
-        forget(*old, home);
+        const view ov = slot_view(*s);
+        old_kv = ov.key.size() + ov.value.size();
+        old_arena = (s->length & kInlineFlag) == 0;
+        old_off = s->offset;
       }
-      ++st_.keys;
-      ++st_.inline_keys;
-      st_.live_bytes += kv;
+      fill_inline(*s, version, h, key, value);
+      if (!old) {
+        ++st_.keys;
+        ++st_.inline_keys;
+      } else if (old_arena) {
+        release_item(old_off);  // after the slot stopped pointing at it
+        ++st_.inline_keys;
+      }
+      st_.live_bytes += kv - old_kv;
       return put_status::ok;
     }
   }
   // An item in the arena.
-  const std::uint64_t off = write_item(version, key, value);
+  const std::uint64_t off = write_item(version, key, value, replay);
   if (off == ~std::uint64_t{0}) return put_status::out_of_memory;
   const auto len = static_cast<std::uint32_t>(kItemHeader + kv);
   if (old && !old->in_overflow) {

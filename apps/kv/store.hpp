@@ -6,8 +6,9 @@
 // knows to ask by RPC.
 //
 // Memory: --max-memory bounds the arena (items: header, key, value,
-// rounded to a size class); small items live inline in their slot. A put
-// that does not fit fails with out_of_memory and changes nothing.
+// rounded to a size class; a class without a free block borrows a larger
+// freed one); small items live inline in their slot. A put that does not
+// fit fails with out_of_memory and changes nothing.
 // Single-threaded (the server's io thread).
 #pragma once
 
@@ -54,7 +55,9 @@ class store {
   layout describe() const noexcept;
   const store_options& options() const noexcept { return o_; }
 
-  put_status put(std::string_view key, std::span<const std::byte> value);
+  // `replay`: from the log at start (may use the arena's slack above
+  // max_memory, since items can be placed differently than before).
+  put_status put(std::string_view key, std::span<const std::byte> value, bool replay = false);
   bool del(std::string_view key) noexcept;
   // A view of the value, valid until the next put or del.
   std::optional<std::span<const std::byte>> get(std::string_view key) const noexcept;
@@ -86,7 +89,8 @@ class store {
   std::optional<found> find(std::uint64_t h, std::string_view key) const noexcept;
   slot* free_slot(std::uint64_t home, const slot* except) const noexcept;
 
-  std::uint64_t write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value);
+  std::uint64_t write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value,
+                           bool replay);
   void release_item(std::uint64_t offset) noexcept;
   void fill_inline(slot& s, std::uint64_t version, std::uint64_t h, std::string_view key,
                    std::span<const std::byte> value) noexcept;
@@ -96,13 +100,15 @@ class store {
   // The arena: size classes (each a quarter step between powers of two),
   // free lists, a bump pointer.
   std::size_t size_class(std::size_t n) const noexcept;
-  std::optional<std::uint64_t> allocate(std::size_t c) noexcept;
+  // {offset, the class actually given} (a larger free block when c has none).
+  std::optional<std::pair<std::uint64_t, std::size_t>> allocate(std::size_t c, bool replay) noexcept;
 
   store_options o_;
   std::byte* base_ = nullptr;
   std::size_t total_ = 0;
   std::uint64_t buckets_ = 0;
   std::uint64_t arena_offset_ = 0;
+  std::uint64_t arena_size_ = 0;  // max_memory and a quarter more (for replays)
   std::uint64_t seed_ = 0;
   std::uint64_t next_version_ = 1;
   std::uint64_t bump_ = 0;  // arena bytes handed out from the top
