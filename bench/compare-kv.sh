@@ -5,8 +5,13 @@
 # redis-benchmark against both (SET and GET, -c 50 -P 16 and -c 1 -P 1),
 # REPS interleaved rounds (default 3), medians. Servers on CPU 0, clients on
 # CPU 1. Then GET latency with 1 in flight: anydoor-kv bench (tcp provider,
-# --get rpc and --get read, workload c) against redis-benchmark's GET p50
-# against redis-server. Prints a table and one JSON object per figure
+# --get rpc and --get read, workload c, values of 100 B (an arena item: 2
+# READs) and 32 B (inline in its slot: 1 READ); server and client busy
+# polling, as latency-sensitive RDMA services run) against redis-benchmark's
+# GET p50 against redis-server (epoll; it has no busy-poll mode). With the
+# tcp provider a READ is a round trip the server's process serves, so a GET
+# by READ costs what an RPC does per READ; a NIC serves it without the
+# server. Prints a table and one JSON object per figure
 # (JSON=path also writes them there).
 #   bench/compare-kv.sh [BUILD_DIR]   (default build/)
 # Targets (issue 13): the door at least 1.0x redis-server's requests/s in
@@ -109,20 +114,23 @@ done
 
 echo
 echo "compare-kv: GET latency, 1 in flight (redis-benchmark -c 1 -P 1 against redis-server, appendfsync everysec)"
-start_kv no
+ANYDOOR_POLL=busy start_kv no
 redis_p50_us=$(awk -v m="${med[everysec,getp50]}" 'BEGIN{printf "%.1f", m * 1000}')
 printf '%-44s %10s %7s\n' client "GET p50 us" "ratio"
 printf '%-44s %10s %7s\n' "redis-benchmark -> redis-server" "$redis_p50_us" "1.00"
-for how in rpc read; do
-  vals=""
-  for r in $(seq 1 "$REPS"); do
-    out=$(ANYDOOR_POLL=busy timeout 120 taskset -c 1 "$kv" --connect 127.0.0.1:$KPORT bench --workload c --keys 10000 \
-          --duration "$KV_SECONDS" --in-flight 1 --get $how --json 2>/dev/null)
-    vals+="$(sed -n 's/.*"get_p50_us":\([0-9.]*\).*/\1/p' <<<"$out") "
+for vs in 100 32; do
+  for how in rpc read; do
+    vals=""
+    for r in $(seq 1 "$REPS"); do
+      out=$(ANYDOOR_POLL=busy timeout 120 taskset -c 1 "$kv" --connect 127.0.0.1:$KPORT bench --workload c \
+            --keys 10000 --value-size $vs --duration "$KV_SECONDS" --in-flight 1 --get $how --json 2>/dev/null)
+      vals+="$(sed -n 's/.*"get_p50_us":\([0-9.]*\).*/\1/p' <<<"$out") "
+    done
+    p50=$(tr ' ' '\n' <<<"$vals" | grep -v '^$' | median)
+    ratio=$(awk -v a="$p50" -v b="$redis_p50_us" 'BEGIN{printf "%.2f", a / b}')
+    printf '%-44s %10s %7s\n' "anydoor-kv bench --get $how, $vs B values" "$p50" "$ratio"
+    emit test=get_latency get=$how value_size=$vs anydoor_p50_us="$p50" redis_benchmark_p50_us="$redis_p50_us" \
+      ratio="$ratio" >/dev/null
   done
-  p50=$(tr ' ' '\n' <<<"$vals" | grep -v '^$' | median)
-  ratio=$(awk -v a="$p50" -v b="$redis_p50_us" 'BEGIN{printf "%.2f", a / b}')
-  printf '%-44s %10s %7s\n' "anydoor-kv bench --get $how (tcp provider)" "$p50" "$ratio"
-  emit test=get_latency get=$how anydoor_p50_us="$p50" redis_benchmark_p50_us="$redis_p50_us" ratio="$ratio" >/dev/null
 done
 kill -TERM "$APID"; wait "$APID" 2>/dev/null || true

@@ -256,7 +256,17 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
     lsn_ += n;
     pending_end_ = lsn_;
   }
-  cv_.notify_one();
+  // The thread is woken once per io_context turn, after the handlers that
+  // are ready ran (their replies went out first, their records form one
+  // batch), as Redis writes its AOF buffer once per event-loop iteration;
+  // not once per record (a context switch each on a busy core).
+  if (!wake_posted_) {
+    wake_posted_ = true;
+    asio::post(io_, [this] {
+      wake_posted_ = false;
+      cv_.notify_one();
+    });
+  }
   if (!work_) work_.emplace(io_.get_executor());
   logical_bytes_ += n;
   if (compacting_) logical_if_failed_ += n;

@@ -96,6 +96,8 @@ class durable_log {
   // `apply`, cuts a torn tail. Throws std::runtime_error (refusal to start:
   // corruption, another server, an unreadable file) with the reason.
   durable_log(asio::io_context& io, log_options o, const apply_fn& apply);
+  // Closes. Destroy it once the io_context has run out of work (the log
+  // posts to it while records are pending) or is destroyed unrun.
   ~durable_log();
   durable_log(const durable_log&) = delete;
   durable_log& operator=(const durable_log&) = delete;
@@ -160,6 +162,7 @@ class durable_log {
   std::uint64_t retry_compact_at_ = 0;
   bool compacting_ = false;
   bool failed_ = false;
+  bool wake_posted_ = false;
   // Keeps io_context::run() going while the thread has something to report.
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   std::deque<std::pair<std::uint64_t, asio::any_completion_handler<void(std::error_code)>>> waiters_;
