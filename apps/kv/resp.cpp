@@ -208,11 +208,6 @@ resp_parse resp_parser::next(std::string_view in, std::vector<std::string_view>&
   return resp_parse::command;
 }
 
-resp_parse parse_resp(std::string_view in, const resp_limits& lim, std::vector<std::string_view>& args,
-                      std::size_t& consumed, std::string& why) {
-  resp_parser p(lim);
-  return p.next(in, args, consumed, why);
-}
 
 resp_door::resp_door(asio::io_context& io, service& svc, const std::string& host, std::uint16_t port,
                      std::size_t max_clients)

@@ -35,7 +35,8 @@ enum class resp_parse { command, incomplete, error };
 // costs linear time, not quadratic). On `command`: `args` view into `in`,
 // `consumed` bytes were used (an empty command, "*0" or a blank inline
 // line, yields no args), and the parser starts afresh at the next call.
-// On `error`: `why` (then reset()).
+// On `error`: `why` (then reset()). Arguments of an inline command with
+// quotes view into the parser: valid until its next call.
 class resp_parser {
  public:
   explicit resp_parser(const resp_limits& lim) : lim_(lim) {}
@@ -49,9 +50,7 @@ class resp_parser {
   std::vector<std::pair<std::size_t, std::size_t>> spans_;  // arguments so far: offset, length
   std::vector<std::string> unquoted_;  // inline words in quotes
 };
-// One command from the front of `in` (a fresh parser).
-resp_parse parse_resp(std::string_view in, const resp_limits& lim, std::vector<std::string_view>& args,
-                      std::size_t& consumed, std::string& why);
+
 
 struct resp_stats {
   std::uint64_t connections = 0;       // open now

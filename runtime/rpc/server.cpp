@@ -475,29 +475,29 @@ void server::add_entry(std::uint64_t id, std::string_view name, detail::sync_fn 
   state_->methods.emplace(id, detail::handler_entry{std::string(name), std::move(s), std::move(c)});
 }
 
-void server::stop() noexcept {
-  if (!state_) return;
-  state_->stopped = true;
-  // Copies: ending a session or a loop may remove it from the list.
-  const std::vector<detail::accept_loop*> loops = state_->acceptors;
+namespace {
+// Marks the server stopped, closes its acceptors and returns its sessions
+// (copies: ending a session or a loop removes it from the lists).
+std::vector<std::shared_ptr<detail::session>> stop_listening(detail::server_state& st) {
+  st.stopped = true;
+  const std::vector<detail::accept_loop*> loops = st.acceptors;
   for (auto* l : loops) l->close();
   std::vector<std::shared_ptr<detail::session>> sessions;
-  for (auto* s : state_->sessions) {
+  for (auto* s : st.sessions) {
     if (auto p = s->weak_from_this().lock()) sessions.push_back(std::move(p));
   }
-  for (auto& s : sessions) s->end(std::make_error_code(std::errc::operation_canceled), true);
+  return sessions;
+}
+}  // namespace
+
+void server::stop() noexcept {
+  if (!state_) return;
+  for (auto& s : stop_listening(*state_)) s->end(std::make_error_code(std::errc::operation_canceled), true);
 }
 
 void server::shutdown(std::chrono::milliseconds grace) noexcept {
   if (!state_) return;
-  state_->stopped = true;
-  const std::vector<detail::accept_loop*> loops = state_->acceptors;
-  for (auto* l : loops) l->close();
-  std::vector<std::shared_ptr<detail::session>> sessions;
-  for (auto* s : state_->sessions) {
-    if (auto p = s->weak_from_this().lock()) sessions.push_back(std::move(p));
-  }
-  for (auto& s : sessions) s->drain(grace);
+  for (auto& s : stop_listening(*state_)) s->drain(grace);
 }
 
 server_stats server::stats() const noexcept { return state_->stats; }
