@@ -28,7 +28,7 @@ rpc::status service::check(std::string_view key, std::size_t value_size) const {
   return {};
 }
 
-void service::after_write() {
+void service::maybe_compact() {
   if (log_ == nullptr) return;
   log_->maybe_compact(st_.stats().live_bytes + st_.stats().keys * kRecordHeader, [this](std::vector<std::byte>& out) {
     st_.for_each([&](std::string_view k, std::span<const std::byte> v) { encode_record(out, record_type::put, k, v); });
@@ -50,7 +50,7 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
   if (log_ != nullptr) {
     lsn = log_->append(record_type::put, key, value);
     if (lsn == 0) return {rpc::errc::unavailable, log_->error_text()};
-    after_write();
+    maybe_compact();
   }
   return {};
 }
@@ -67,7 +67,7 @@ rpc::status service::del(std::string_view key, bool& existed, std::uint64_t& lsn
   if (existed && log_ != nullptr) {
     lsn = log_->append(record_type::del, key, {});
     if (lsn == 0) return {rpc::errc::unavailable, log_->error_text()};
-    after_write();
+    maybe_compact();
   }
   return {};
 }

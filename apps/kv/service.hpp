@@ -50,13 +50,16 @@ class service {
   // Adds the four methods; `table` is the registered table (its remote()).
   void add_methods(rpc::server& srv, const memory_region& table);
 
+  // Compacts the log when it has grown past twice the live data (after
+  // writes, and once at start after the replay).
+  void maybe_compact();
+
   store& data() noexcept { return st_; }
   durable_log* log() noexcept { return log_; }
   const service_stats& stats() const noexcept { return stats_; }
 
  private:
   rpc::status check(std::string_view key, std::size_t value_size) const;
-  void after_write();
   store& st_;
   durable_log* log_;
   service_stats stats_;
