@@ -53,13 +53,23 @@ void op_list::remove(op_node* n) noexcept {
 // ---------------------------------------------------------------- setup
 
 connection_impl::connection_impl(std::shared_ptr<fabric_state> fab)
-    : fab_(std::move(fab)), opt_(fab_->options.connection), buffer_timer_(fab_->io) {
+    : fab_(std::move(fab)), opt_(fab_->options.connection), setup_timer_(fab_->io), buffer_timer_(fab_->io) {
   send_op_.c = this;
   recv_op_.c = this;
 }
 
 connection_impl::~connection_impl() {
   buffer_timer_.cancel();
+  setup_timer_.cancel();
+  if (early_auth_ != buffer_pool::npos) fab_->pool->put(early_auth_);
+  if (auth_ != nullptr && auth_->waiter != nullptr) {
+    // Every ending reports to the waiter (end_auth): this is a last resort,
+    // so that a connect or an accept never waits forever.
+    log().error("connection: destroyed while authenticating");
+    fab_->own_nonces.forget(auth_->exchange);
+    fab_->idle();
+    auth_->waiter->done(errc::connection_closed, nullptr);
+  }
   // Normally empty: flush() or fail() completes them within the pass.
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, errc::connection_closed);
   while (op_node* n = parked_.pop_front()) complete(n, true, errc::connection_closed);
@@ -134,15 +144,26 @@ void connection_impl::prepare() {
   self_ = shared_from_this();
 }
 
-void connection_impl::on_connected(const protocol::hello& peer) {
+void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<auth_setup> auth) {
   peer_ = {peer.credits, peer.recv_buffer, peer.eager_limit, peer.max_message};
-  credits_ += peer.credits;
-  peer_view_ += opt_.credits;
+  if (auth != nullptr) {
+    // Until the peer proves the token it gets one credit (its auth message)
+    // and we use one (ours): protocol.hpp.
+    auth_ = std::move(auth);
+    credits_ += 1;
+    peer_view_ += 1;
+    withheld_ = opt_.credits - 1u;
+    fab_->busy();  // the reactor watches for the peer's proof
+  } else {
+    credits_ += peer.credits;
+    peer_view_ += opt_.credits;
+  }
   eager_limit_ = std::min<std::uint32_t>(opt_.eager_limit, peer.recv_buffer - static_cast<std::uint32_t>(protocol::kHeaderSize));
   if (state_ == state::failed) {
     // It failed while the setup thread still held the queue pair (a
     // malformed early message): the queue pair goes to error only now.
     if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+    end_auth(error_);
     return;
   }
   if (state_ == state::setup) state_ = state::open;
@@ -154,6 +175,40 @@ void connection_impl::on_connected(const protocol::hello& peer) {
                credits_, peer.credits);
     fail(errc::protocol_error);
     return;
+  }
+  if (auth_ == nullptr && early_auth_ != buffer_pool::npos) {
+    log().warn("connection qp {}: the peer sent an auth message to a connection without authentication",
+               qp_->qp_num());
+    fail(errc::protocol_error);
+    return;
+  }
+  if (auth_ != nullptr) {
+    if (inbox_tail_ != inbox_head_ || notes_tail_ != notes_head_ || peer_closed_) {
+      log().warn("connection qp {}: the peer sent messages before authenticating", qp_->qp_num());
+      fail(errc::protocol_error);
+      return;
+    }
+    setup_timer_.expires_after(opt_.handshake_timeout);
+    setup_timer_.async_wait([w = weak_from_this()](const boost::system::error_code& ec) {
+      auto self = w.lock();
+      if (ec || self == nullptr || self->auth_ == nullptr) return;
+      if (self->state_ == state::failed || self->state_ == state::closed) {
+        self->end_auth(self->error_);  // ended some other way: the waiter hears it at the latest now
+        return;
+      }
+      log().warn("connection qp {}: the peer did not authenticate within the handshake timeout ({} ms)",
+                 self->qp_ != nullptr ? self->qp_->qp_num() : 0, self->opt_.handshake_timeout.count());
+      self->fail(errc::timed_out);
+    });
+    if (auth_->exchange.local == auth::role::client && !send_auth(protocol::auth_status::proof)) {
+      fail(errc::no_buffer_space);
+      return;
+    }
+    if (early_auth_ != buffer_pool::npos) {
+      const std::uint32_t b = std::exchange(early_auth_, buffer_pool::npos);
+      handle_auth(early_auth_header_, b);
+      return;
+    }
   }
   log().debug("connection qp {}: open (peer credits {}, receive buffer {}, eager limit {}, max message {})",
               qp_->qp_num(), peer.credits, peer.recv_buffer, eager_limit_, peer.max_message);
@@ -377,6 +432,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   }
   while (op_node* n = flushes_.pop_front()) complete(n, true, error_);
   deliver(true);
+  end_auth(error_);
 }
 
 bool connection_impl::fail_unless_ending(const transport::completion& wc, std::string_view queue) noexcept {

@@ -6,6 +6,7 @@
 #include <anydoor/connection.hpp>
 #include <anydoor/reactor.hpp>
 
+#include "auth.hpp"
 #include "fabric_state.hpp"
 #include "protocol.hpp"
 
@@ -27,6 +28,22 @@ struct op_list {
   void remove(op_node* n) noexcept;
 };
 
+class connection_impl;
+
+// The setup path's end of an authenticating connection: done() runs once,
+// posted on the io thread, when the peer has proven the token (ec empty)
+// or never will (the reason; conn is null only when the connection is being
+// destroyed). Until then nobody but the setup path holds the connection.
+struct setup_waiter {
+  virtual ~setup_waiter() = default;
+  virtual void done(std::error_code ec, const std::shared_ptr<connection_impl>& conn) noexcept = 0;
+};
+
+struct auth_setup {
+  auth::exchange exchange;
+  std::unique_ptr<setup_waiter> waiter;
+};
+
 class connection_impl : public std::enable_shared_from_this<connection_impl> {
  public:
   enum class state : std::uint8_t { setup, open, closing, closed, failed };
@@ -41,8 +58,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void prepare();
   transport::queue_pair& qp() noexcept { return *qp_; }
   transport::path_info path() const noexcept { return qp_ != nullptr ? qp_->path() : transport::path_info{}; }
-  // The handshake is done: the peer's parameters are known.
-  void on_connected(const protocol::hello& peer);
+  // The handshake is done: the peer's parameters are known. With `auth`
+  // the connection then runs the authentication exchange (protocol.hpp)
+  // within the handshake timeout and reports to auth->waiter.
+  void on_connected(const protocol::hello& peer, std::unique_ptr<auth_setup> auth = nullptr);
   void on_setup_failed() noexcept;  // the queue pair never connected
 
   // Operations (connection.hpp's templates call these).
@@ -117,6 +136,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     return wc.status == transport::wc_status::fatal && (wc.wr_id & 0xffffffff00000000ull) == reactor::kPersistent;
   }
   void handle_message(std::uint32_t buffer, std::uint32_t length) noexcept;
+  // authentication
+  void handle_auth(const protocol::header& h, std::uint32_t buffer) noexcept;
+  bool send_auth(protocol::auth_status status) noexcept;
+  void end_auth(std::error_code ec) noexcept;  // reports to the waiter (once)
+  bool authenticating() const noexcept { return auth_ != nullptr; }
   void retire_through(std::uint64_t seq, transport::wc_status status) noexcept;
   std::uint64_t full_seq(std::uint32_t tag, std::uint64_t base) const noexcept;
   // The bits of a queue position that travel in a persistent wr_id's tag.
@@ -246,6 +270,16 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::vector<op_node*> free_nodes_;
   std::vector<std::unique_ptr<op_node>> all_nodes_;
   std::uint32_t next_cookie_ = 1;
+
+  // Authentication: set from on_connected until the peer has proven the
+  // token (or failed to); the credits we withhold from it until then; its
+  // auth message when it came before on_connected.
+  std::unique_ptr<auth_setup> auth_;
+  std::uint32_t withheld_ = 0;
+  std::uint32_t early_auth_ = buffer_pool::npos;
+  protocol::header early_auth_header_{};
+  std::uint64_t refusal_seq_ = ~std::uint64_t{0};  // our refusal's send queue position: fail once it is out
+  asio::steady_timer setup_timer_;
 
   asio::steady_timer buffer_timer_;
   bool buffer_timer_armed_ = false;

@@ -6,6 +6,8 @@
 
 #include "log.hpp"
 
+#include <boost/asio/post.hpp>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -69,6 +71,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
       error_ = errc::connection_closed;
       park_partial_reads();
       begin_drain();
+      end_auth(error_);
     }
   } else {
     handle_message(buffer, wc.byte_len);
@@ -97,7 +100,27 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     fail(errc::protocol_error);
     return;
   }
+  if (h.type == protocol::msg_type::auth) {
+    if (state_ == state::setup && early_auth_ == buffer_pool::npos) {  // before on_connected: it waits for it
+      early_auth_ = buffer;
+      early_auth_header_ = h;
+      return;
+    }
+    handle_auth(h, buffer);
+    return;
+  }
+  // Before the peer has proven the token nothing but its proof is taken:
+  // during setup (on_connected has not run yet) the fabric says whether it
+  // will have to.
+  if (auth_ != nullptr || (state_ == state::setup && fab_->auth)) {
+    log().warn("connection qp {}: a message (type {}) before authentication", qp_->qp_num(),
+               static_cast<int>(h.type));
+    fab_->put_buffer(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
   switch (h.type) {
+    case protocol::msg_type::auth: break;  // above
     case protocol::msg_type::eager:
     case protocol::msg_type::rts: {
       if (h.type == protocol::msg_type::rts) {
@@ -164,6 +187,78 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       fab_->put_buffer(buffer);
       on_peer_close();
       return;
+  }
+}
+
+void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffer) noexcept {
+  if (auth_ == nullptr || auth_->waiter == nullptr) {
+    log().warn("connection qp {}: an auth message {}", qp_->qp_num(),
+               auth_ == nullptr ? "after authentication (or without it)" : "after refusing the peer");
+    fab_->put_buffer(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
+  const bool client = auth_->exchange.local == auth::role::client;
+  if (h.status == static_cast<std::uint8_t>(protocol::auth_status::refused)) {
+    fab_->put_buffer(buffer);
+    log().warn("connection qp {}: the peer refused our proof of the auth token", qp_->qp_num());
+    fail(errc::authentication_failed);
+    return;
+  }
+  const bool ok = auth::equal({fab_->pool->data(buffer) + protocol::kHeaderSize, protocol::kMacSize},
+                              auth_->exchange.expect);
+  repost(buffer);
+  if (!ok) {
+    log().warn("connection qp {}: the peer's proof of the auth token is wrong", qp_->qp_num());
+    if (client || !send_auth(protocol::auth_status::refused)) {
+      fail(errc::authentication_failed);
+      return;
+    }
+    // The listener tells the peer why before it disconnects: once the
+    // refusal is out (retire_through), or at the handshake deadline.
+    refusal_seq_ = sq_queued_ - 1;
+    end_auth(errc::authentication_failed);
+    return;
+  }
+  // Proven: the withheld credits go to the peer (with the listener's answer,
+  // else with the next header or a credit message).
+  owed_ += std::exchange(withheld_, 0u);
+  if (!client && !send_auth(protocol::auth_status::proof)) {
+    fail(errc::no_buffer_space);
+    return;
+  }
+  schedule();
+  end_auth({});
+}
+
+bool connection_impl::send_auth(protocol::auth_status status) noexcept {
+  if (credits_ < 1 || sq_free() == 0) return false;
+  const bool proof = status == protocol::auth_status::proof;
+  const auto wire = static_cast<std::uint32_t>(proof ? protocol::kAuthSize : protocol::kHeaderSize);
+  std::uint32_t buf = buffer_pool::npos;
+  if (wire > fab_->inline_cap) {
+    buf = fab_->pool->try_get();
+    if (buf == buffer_pool::npos) return false;
+  }
+  std::byte* out = stage_send(slot_kind::control, buf, nullptr, wire);
+  --credits_;
+  protocol::encode(protocol::header{protocol::msg_type::auth, static_cast<std::uint8_t>(status), take_owed(), 0}, out);
+  if (proof) std::memcpy(out + protocol::kHeaderSize, auth_->exchange.send.data(), protocol::kMacSize);
+  schedule();
+  return true;
+}
+
+void connection_impl::end_auth(std::error_code ec) noexcept {
+  if (auth_ == nullptr || auth_->waiter == nullptr) return;
+  if (refusal_seq_ == ~std::uint64_t{0}) setup_timer_.cancel();
+  fab_->idle();  // on_connected's busy()
+  // Posted: the waiter's handlers (the user's connect or accept) never run
+  // inside this connection's completion handling.
+  fab_->own_nonces.forget(auth_->exchange);
+  asio::post(fab_->io, [w = std::move(auth_->waiter), ec, self = shared_from_this()] { w->done(ec, self); });
+  if (!ec) {
+    auth_.reset();
+    log().debug("connection qp {}: the peer is authenticated", qp_ != nullptr ? qp_->qp_num() : 0);
   }
 }
 

@@ -207,6 +207,7 @@ bool connection_impl::progress_sends(bool post) noexcept {
 
 void connection_impl::maybe_send_credits() noexcept {
   if (state_ != state::open && state_ != state::closing) return;
+  if (auth_ != nullptr) return;  // nothing but the auth message before the peer is authenticated
   if (peer_closed_ || owed_ < 2) return;
   if (owed_ >= opt_.credits / 2u || peer_view_ <= 1) (void)enqueue_control(protocol::msg_type::credit, 0, 0);
 }
@@ -351,6 +352,9 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
       // its close arrived, so it has closed too.
       if (st == transport::wc_status::success || peer_closed_) on_close_acked();
     }
+  }
+  if (refusal_seq_ < sq_retired_ && state_ != state::failed && state_ != state::closed) {
+    fail(errc::authentication_failed);  // our refusal of the peer's proof is out
   }
   // A flush covers the work requests before its target: those before a
   // failed one succeeded.

@@ -12,6 +12,8 @@
 #include <atomic>
 #include <charconv>
 #include <condition_variable>
+#include <cstring>
+#include <deque>
 #include <mutex>
 #include <stop_token>
 #include <thread>
@@ -47,6 +49,7 @@ const fabric_options& checked(const fabric_options& o) {
   require(o.cache_max_entries >= 1 && o.cache_max_entries <= (std::size_t{1} << 20),
           "fabric: cache_max_entries must be in 1..2^20");
   require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");
+  require(c.auth_token.size() <= 1024, "fabric: connection.auth_token must be at most 1024 bytes");
   return o;
 }
 
@@ -103,7 +106,12 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
   reactor->set_before_poll(&fabric_state::flush_before_poll, this);
-  token = protocol::token_digest(c.auth_token);
+  auth = !c.auth_token.empty();
+  if (auth && c.auth_token.size() < 16) {
+    log().warn("fabric: the auth token has {} bytes: a sniffed handshake lets an attacker guess short tokens "
+               "offline; use at least 16 random bytes",
+               c.auth_token.size());
+  }
   log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}",
              device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
              to_string(reactor->mode()));
@@ -207,13 +215,13 @@ protocol::hello fabric_state::local_hello() const noexcept {
   h.recv_buffer = recv_buffer;
   h.eager_limit = c.eager_limit;
   h.max_message = c.max_message;
-  h.token = token;
+  h.flags = auth ? protocol::kAuth : 0;
   return h;
 }
 
 std::error_code fabric_state::check_peer(const protocol::hello& peer) const noexcept {
   if (peer.version != protocol::kVersion) return errc::version_mismatch;
-  if (peer.token != token) return errc::authentication_failed;
+  if (((peer.flags & protocol::kAuth) != 0) != auth) return errc::authentication_failed;
   return {};
 }
 
@@ -273,14 +281,53 @@ bool parse_address(std::string_view a, std::string& host, std::uint16_t& port) {
   return true;
 }
 
+// The client's end of the authentication exchange: completes the user's
+// connect.
+struct connect_waiter final : detail::setup_waiter {
+  std::unique_ptr<detail::pending_handler> handler;
+  std::string host;
+  std::uint16_t port = 0;
+  connect_waiter(std::unique_ptr<detail::pending_handler> h, std::string hst, std::uint16_t p)
+      : handler(std::move(h)), host(std::move(hst)), port(p) {}
+  void done(std::error_code ec, const std::shared_ptr<detail::connection_impl>& conn) noexcept override {
+    if (conn == nullptr) {  // the connection is being destroyed
+      handler->complete(false, ec, connection{});
+      return;
+    }
+    detail::fabric_state& f = conn->fabric();
+    if (ec) {
+      if (ec == errc::authentication_failed) ++f.refused;
+      log().warn("fabric: connect to {}:{} failed: {}", host, port, ec.message());
+      handler->complete(false, ec, connection{});
+      return;
+    }
+    ++f.connected;
+    log().info("fabric: connected to {}:{} (qp {}, authenticated)", host, port, conn->qp().qp_num());
+    handler->complete(false, std::error_code{}, connection(conn));
+  }
+};
+
 // The io thread, with a connect helper's result (or aborted: the fabric is
 // going away).
 void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pending_handler> h,
-                            const std::string& host, std::uint16_t port, bool aborted,
-                            const transport::connect_result& res) {
+                    const std::string& host, std::uint16_t port, bool aborted,
+                    std::span<const std::byte> hello_sent, const transport::connect_result& res) {
   auto impl = conn.shared_from_this();
   detail::fabric_state& f = conn.fabric();
   f.idle();
+  detail::auth::nonce mine{};
+  if (hello_sent.size() >= protocol::kHelloSize) {
+    std::memcpy(mine.data(), hello_sent.data() + protocol::kHelloSize - protocol::kNonceSize, mine.size());
+  }
+  // Every ending but a started authentication (it forgets at its end).
+  struct forget_unless_started {
+    detail::fabric_state& f;
+    const detail::auth::nonce& n;
+    bool active;
+    ~forget_unless_started() {
+      if (active) f.own_nonces.forget(n);
+    }
+  } forget{f, mine, f.auth};
   if (aborted) {  // the fabric is going away
     impl->on_setup_failed();
     h->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
@@ -299,6 +346,11 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
       ec = errc::protocol_error;
     } else {
       ec = f.check_peer(peer);
+      if (!ec && f.auth && f.own_nonces.contains(peer.nonce)) {
+        log().warn("fabric: connect to {}:{}: the welcome carries a nonce of our own handshakes (a reflection)",
+                   host, port);
+        ec = errc::authentication_failed;
+      }
     }
     if (ec) {
       impl->on_connected(peer);  // so that fail() can tear it down
@@ -310,6 +362,25 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
     log().warn("fabric: connect to {}:{} failed: {}", host, port, ec.message());
     if (res.ec) impl->on_setup_failed();
     h->complete(false, ec, connection{});
+    return;
+  }
+  if (f.auth) {
+    // The welcome names the listener's nonce: both proofs are known now.
+    // The connect completes when the listener has proven the token too.
+    auto setup = std::make_unique<detail::auth_setup>();
+    try {
+      setup->exchange = detail::auth::prepare(f.options.connection.auth_token, detail::auth::role::client,
+                                              hello_sent, res.private_data);
+    } catch (const std::system_error& e) {
+      log().warn("fabric: connect to {}:{}: {}", host, port, e.what());
+      impl->on_connected(peer);
+      impl->abort();
+      h->complete(false, e.code(), connection{});
+      return;
+    }
+    setup->waiter = std::make_unique<connect_waiter>(std::move(h), host, port);
+    forget.active = false;  // end_auth forgets it
+    impl->on_connected(peer, std::move(setup));
     return;
   }
   impl->on_connected(peer);
@@ -346,16 +417,30 @@ void fabric::start_connect(std::shared_ptr<detail::fabric_state> fab, std::strin
     std::unique_ptr<detail::pending_handler> handler;
     std::string host;
     std::uint16_t port;
+    std::array<std::byte, protocol::kHelloSize> hello;
     transport::connect_result res;
   };
+  protocol::hello hello = fab->local_hello();
+  try {
+    if (fab->auth) {
+      hello.nonce = detail::auth::fresh_nonce();
+      fab->own_nonces.remember(hello.nonce);  // finish_connect or the exchange forgets it
+    }
+  } catch (const std::system_error& e) {
+    log().warn("fabric: connect to {}: {}", address, e.what());
+    conn->on_setup_failed();
+    fab->idle();
+    h->complete(true, e.code(), connection{});
+    delete h;
+    return;
+  }
   auto at = std::make_shared<attempt>(attempt{std::move(conn), std::unique_ptr<detail::pending_handler>(h),
-                                              std::move(host), port, {}});
-  auto work = [at, dev = fab->device.get(), pdata = protocol::encode(fab->local_hello()),
-               timeout = fab->options.connection.connect_timeout](std::stop_token stop) {
-    at->res = dev->connect(at->conn->qp(), at->host, at->port, pdata, timeout, stop);
+                                              std::move(host), port, protocol::encode(hello), {}});
+  auto work = [at, dev = fab->device.get(), timeout = fab->options.connection.connect_timeout](std::stop_token stop) {
+    at->res = dev->connect(at->conn->qp(), at->host, at->port, at->hello, timeout, stop);
   };
   auto finish = [at](bool aborted) {
-    finish_connect(*at->conn, std::move(at->handler), at->host, at->port, aborted, at->res);
+    finish_connect(*at->conn, std::move(at->handler), at->host, at->port, aborted, at->hello, at->res);
   };
   try {
     fab->helpers.start(std::move(work), std::move(finish));
@@ -386,6 +471,15 @@ struct acceptor::state : std::enable_shared_from_this<state> {
   bool closed = false;
   std::error_code failed;  // the listener's own failure
   std::shared_ptr<detail::connection_impl> in_use;  // the candidate the worker holds
+  // With an auth token: accepted connections whose peers are still proving
+  // it (each within the handshake timeout; the worker goes on meanwhile),
+  // and those that have, waiting for the user's next accept.
+  std::vector<std::weak_ptr<detail::connection_impl>> authenticating;
+  struct ready_connection {
+    std::shared_ptr<detail::connection_impl> conn;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<ready_connection> ready;
 
   // shared by the worker and the io thread
   std::mutex m;
@@ -399,6 +493,7 @@ struct acceptor::state : std::enable_shared_from_this<state> {
     worker.request_stop();
     if (worker.joinable()) worker.join();
     if (in_use != nullptr) in_use->on_setup_failed();
+    drop_unaccepted();
     if (pending != nullptr) {
       fab->idle();
       pending->complete(true, std::make_error_code(std::errc::operation_canceled), connection{});
@@ -408,7 +503,15 @@ struct acceptor::state : std::enable_shared_from_this<state> {
   void run(std::stop_token stop);
   void serve(const std::stop_token& stop);
   void offer_candidate();
-  void finish(std::error_code ec, const protocol::hello& peer);
+  void finish(std::error_code ec, const protocol::hello& peer, const detail::auth::exchange& ex);
+  void deliver(std::shared_ptr<detail::connection_impl> conn);  // an accepted, authenticated connection
+  // The listener's end of the authentication exchange.
+  struct waiter final : detail::setup_waiter {
+    std::weak_ptr<state> acc;
+    explicit waiter(std::weak_ptr<state> a) : acc(std::move(a)) {}
+    void done(std::error_code ec, const std::shared_ptr<detail::connection_impl>& conn) noexcept override;
+  };
+  void drop_unaccepted() noexcept;  // closed: nobody takes them
   void on_failed(std::error_code ec);
   void count_listener_refusals();
 };
@@ -469,6 +572,10 @@ void acceptor::state::serve(const std::stop_token& stop) {
       req->reject(protocol::encode(r));
       log().warn("fabric: accept: refused a connection attempt: {}", why.message());
     };
+    if (!ec && fab->auth && fab->own_nonces.contains(peer.nonce)) {
+      log().warn("fabric: accept: the hello carries a nonce of our own handshakes (a reflection)");
+      ec = errc::authentication_failed;
+    }
     if (ec) {
       refuse(ec);
       continue;
@@ -513,9 +620,32 @@ void acceptor::state::serve(const std::stop_token& stop) {
     }
     protocol::hello welcome = fab->local_hello();
     welcome.kind = protocol::hello_kind::welcome;
+    detail::auth::exchange ex;
+    if (fab->auth) {
+      try {
+        welcome.nonce = detail::auth::fresh_nonce();
+        ex = detail::auth::prepare(fab->options.connection.auth_token, detail::auth::role::server,
+                                   req->private_data(), protocol::encode(welcome));
+        fab->own_nonces.remember(welcome.nonce);  // finish() or the exchange forgets it
+      } catch (const std::system_error& e) {
+        log().error("fabric: accept: {}", e.what());
+        refuse(e.code());
+        asio::post(io, [weak] {  // the candidate was never used
+          auto s = weak.lock();
+          if (s == nullptr || s->in_use == nullptr) return;
+          std::exchange(s->in_use, nullptr)->on_setup_failed();
+          s->offer_candidate();
+        });
+        continue;
+      }
+    }
     ec = req->accept(cand->qp(), protocol::encode(welcome), stop);
-    asio::post(io, [weak, ec, peer] {
-      if (auto s = weak.lock()) s->finish(ec, peer);
+    asio::post(io, [weak, f = std::weak_ptr<detail::fabric_state>(fab), ec, peer, ex] {
+      if (auto s = weak.lock()) {
+        s->finish(ec, peer, ex);
+      } else if (auto fs = f.lock()) {
+        fs->own_nonces.forget(ex);
+      }
     });
   }
 }
@@ -554,8 +684,9 @@ void acceptor::state::offer_candidate() {
   cv.notify_one();
 }
 
-void acceptor::state::finish(std::error_code ec, const protocol::hello& peer) {
+void acceptor::state::finish(std::error_code ec, const protocol::hello& peer, const detail::auth::exchange& ex) {
   auto cand = std::move(in_use);
+  if (ec || cand == nullptr || !fab->auth || closed) fab->own_nonces.forget(ex);  // no exchange starts
   if (cand == nullptr) return;
   if (ec) {
     // The attempt failed after all (the peer went away during accept): the
@@ -566,17 +697,66 @@ void acceptor::state::finish(std::error_code ec, const protocol::hello& peer) {
     offer_candidate();
     return;
   }
+  if (fab->auth && !closed) {
+    // The peer proves the token on the connection; the worker takes the next
+    // attempt meanwhile (an idle or slow peer holds nobody up).
+    auto setup = std::make_unique<detail::auth_setup>();
+    setup->exchange = ex;
+    setup->waiter = std::make_unique<waiter>(weak_from_this());
+    std::erase_if(authenticating, [](const auto& w) { return w.expired(); });
+    authenticating.push_back(cand);
+    cand->on_connected(peer, std::move(setup));
+    offer_candidate();
+    return;
+  }
   cand->on_connected(peer);
-  if (pending == nullptr) {  // closed meanwhile: nobody takes it
-    cand->abort();
+  deliver(std::move(cand));
+}
+
+void acceptor::state::waiter::done(std::error_code ec,
+                                   const std::shared_ptr<detail::connection_impl>& conn) noexcept {
+  auto s = acc.lock();
+  if (s == nullptr || conn == nullptr) {  // the acceptor is gone (nobody takes it), or the connection
+    if (!ec && conn != nullptr) conn->abort();
+    return;
+  }
+  std::erase_if(s->authenticating, [&](const auto& w) { return w.expired() || w.lock() == conn; });
+  if (ec && s->closed) return;  // aborted by close(): not a refusal
+  if (ec) {
+    s->fab->refused.fetch_add(1, std::memory_order_relaxed);
+    log().warn("fabric: accept: a peer did not authenticate: {}", ec.message());
+    return;
+  }
+  s->deliver(conn);
+}
+
+void acceptor::state::deliver(std::shared_ptr<detail::connection_impl> conn) {
+  if (closed) {  // nobody takes it
+    conn->abort();
+    return;
+  }
+  if (!conn->is_open()) return;  // the peer went away meanwhile
+  if (pending == nullptr) {
+    // Authenticated while no accept waits: the next accept takes it if it
+    // comes within the handshake timeout, else it is dropped (start_accept).
+    ready.push_back({std::move(conn), std::chrono::steady_clock::now() + fab->options.connection.handshake_timeout});
     return;
   }
   detail::pending_handler* h = std::exchange(pending, nullptr);
   fab->idle();
   ++fab->accepted;
-  log().info("fabric: accepted a connection (qp {})", cand->qp().qp_num());
-  h->complete(false, std::error_code{}, connection(std::move(cand)));
+  log().info("fabric: accepted a connection (qp {}{})", conn->qp().qp_num(), fab->auth ? ", authenticated" : "");
+  h->complete(false, std::error_code{}, connection(std::move(conn)));
   delete h;
+}
+
+void acceptor::state::drop_unaccepted() noexcept {
+  for (auto& r : ready) r.conn->abort();
+  ready.clear();
+  auto waiting = std::move(authenticating);
+  for (auto& w : waiting) {
+    if (auto c = w.lock()) c->abort();
+  }
 }
 
 void acceptor::state::on_failed(std::error_code ec) {
@@ -613,6 +793,7 @@ void acceptor::close() noexcept {
   if (!state_) return;
   state& s = *state_;
   s.closed = true;
+  s.drop_unaccepted();
   s.worker.request_stop();  // the listener thread ends within its 100 ms wait; ~state joins it
   if (s.pending != nullptr) {
     detail::pending_handler* h = std::exchange(s.pending, nullptr);
@@ -630,6 +811,23 @@ void acceptor::start_accept(const std::shared_ptr<state>& sp, detail::pending_ha
   else if (s.pending != nullptr) ec = errc::invalid_state;
   if (ec) {
     h->complete(true, ec, connection{});
+    delete h;
+    return;
+  }
+  while (!s.ready.empty()) {  // authenticated while no accept waited
+    auto [conn, deadline] = std::move(s.ready.front());
+    s.ready.pop_front();
+    if (!conn->is_open()) continue;  // failed meanwhile (the peer went away)
+    if (std::chrono::steady_clock::now() > deadline) {
+      // Nobody accepted it within the handshake timeout, as for a waiting attempt.
+      s.fab->refused.fetch_add(1, std::memory_order_relaxed);
+      log().warn("fabric: accept: nobody accepted an authenticated connection within the handshake timeout");
+      conn->abort();
+      continue;
+    }
+    ++s.fab->accepted;
+    log().info("fabric: accepted a connection (qp {}, authenticated)", conn->qp().qp_num());
+    h->complete(true, std::error_code{}, connection(std::move(conn)));
     delete h;
     return;
   }

@@ -5,6 +5,7 @@
 #include <anydoor/fabric.hpp>
 #include <anydoor/reactor.hpp>
 
+#include "auth.hpp"
 #include "protocol.hpp"
 #include "setup_helpers.hpp"
 
@@ -34,7 +35,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::unique_ptr<buffer_pool> pool;
   std::unique_ptr<registration_cache> cache;
   std::unique_ptr<anydoor::reactor> reactor;
-  std::array<std::byte, 16> token{};  // digest of options.connection.auth_token
+  bool auth = false;                  // options.connection.auth_token is set: peers must prove it
+  auth::own_nonces own_nonces;        // of our handshakes in progress (reflections are refused)
   std::uint32_t inline_cap = 0;       // max_inline_data of our queue pairs
   std::uint32_t recv_buffer = 0;      // bytes per receive buffer (pool buffer size)
 
@@ -82,8 +84,10 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // The connect helpers (fabric::~fabric stops them).
   setup_helpers helpers{io};
 
+  // Our hello (kind hello, no nonce: each attempt adds its own).
   protocol::hello local_hello() const noexcept;
-  // Checks a peer's hello or welcome against ours; errc on refusal.
+  // Checks a peer's hello or welcome against ours (version, whether both
+  // sides authenticate); errc on refusal.
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
 
  private:

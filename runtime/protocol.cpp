@@ -21,11 +21,11 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept {
   put_le<std::uint8_t>(p, static_cast<std::uint8_t>(h.kind));
   put_le<std::uint8_t>(p, static_cast<std::uint8_t>(h.reason));
   put_le<std::uint16_t>(p, h.credits);
-  put_le<std::uint16_t>(p, 0);
+  put_le<std::uint16_t>(p, h.flags);
   put_le<std::uint32_t>(p, h.recv_buffer);
   put_le<std::uint32_t>(p, h.eager_limit);
   put_le<std::uint64_t>(p, h.max_message);
-  std::memcpy(p, h.token.data(), h.token.size());
+  std::memcpy(p, h.nonce.data(), h.nonce.size());
   return out;
 }
 
@@ -43,34 +43,15 @@ decode_status decode(std::span<const std::byte> in, hello& out) noexcept {
   if (out.version != kVersion) return decode_status::ok;         // the caller refuses it by version
   if (in.size() < kHelloSize) return decode_status::truncated;
   out.credits = get_le<std::uint16_t>(p);
-  (void)get_le<std::uint16_t>(p);
+  out.flags = get_le<std::uint16_t>(p);
   out.recv_buffer = get_le<std::uint32_t>(p);
   out.eager_limit = get_le<std::uint32_t>(p);
   out.max_message = get_le<std::uint64_t>(p);
-  std::memcpy(out.token.data(), p, out.token.size());
-  if (out.credits < 2 || out.recv_buffer <= kHeaderSize || out.max_message == 0) return decode_status::bad_field;
+  std::memcpy(out.nonce.data(), p, out.nonce.size());
+  if (out.credits < 2 || out.recv_buffer <= kHeaderSize || out.max_message == 0 || (out.flags & ~kAuth) != 0) {
+    return decode_status::bad_field;
+  }
   return decode_status::ok;
-}
-
-std::array<std::byte, 16> token_digest(std::string_view token) noexcept {
-  std::array<std::byte, 16> out{};
-  if (token.empty()) return out;
-  // Two FNV-1a 64 passes with different bases over a domain-separated input.
-  std::uint64_t a = 0xcbf29ce484222325ull, b = 0x84222325cbf29ce4ull;
-  auto mix = [](std::uint64_t& h, unsigned char c) { h = (h ^ c) * 0x100000001b3ull; };
-  auto feed = [&](std::string_view text) {
-    for (char ch : text) {
-      const auto c = static_cast<unsigned char>(ch);
-      mix(a, c);
-      mix(b, static_cast<unsigned char>(c ^ 0x5a));
-    }
-  };
-  feed("anydoor-auth-v1");
-  feed(token);
-  std::byte* p = out.data();
-  put_le(p, a);
-  put_le(p, b);
-  return out;
 }
 
 void encode(const header& h, std::byte* p) noexcept {
@@ -94,7 +75,7 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
   h.status = get_le<std::uint8_t>(p);
   h.credits = get_le<std::uint16_t>(p);
   h.aux = get_le<std::uint32_t>(p);
-  if (type < 1 || type > 6) return false;
+  if (type < 1 || type > 7) return false;
   h.type = static_cast<msg_type>(type);
   switch (h.type) {
     case msg_type::eager: return true;
@@ -103,6 +84,9 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
     case msg_type::fin: return in.size() == kHeaderSize && h.status <= 3;
     case msg_type::credit:
     case msg_type::close: return in.size() == kHeaderSize;
+    case msg_type::auth:
+      return (h.status == static_cast<std::uint8_t>(auth_status::proof) && in.size() == kAuthSize) ||
+             (h.status == static_cast<std::uint8_t>(auth_status::refused) && in.size() == kHeaderSize);
   }
   return false;
 }

@@ -5,6 +5,20 @@
 // kind=hello; the listener answers kind=welcome in its accept, or kind=refuse
 // with a reason in its reject.
 //
+// Authentication (both sides configured with the same auth token; flag
+// kAuth in hello and welcome, each with a fresh random 16-byte nonce):
+// right after the connection is established, the connecting side sends an
+// auth message whose body is HMAC-SHA256(token, "anydoor-auth-v3 client" ||
+// hello || welcome) (the 44 bytes of each as sent). The listener checks it
+// in constant time and answers with an auth message carrying the same MAC
+// under the label "... server", or with status auth_refused and no body.
+// Until a side has checked its peer's MAC it accepts nothing but the auth
+// message and grants the peer one credit (the auth message itself): the
+// hello's credits are the total, the rest travel in the header of the
+// listener's auth answer and of the connecting side's first credit message
+// after it checked the answer. Nothing of the token travels: a sniffer sees
+// two nonces and two MACs bound to them, useless on another connection.
+//
 // Messages: every SEND starts with an 8-byte header
 //   u8 type | u8 status | u16 credits | u32 aux
 // `credits` returns receive buffers the sender has re-posted since its last
@@ -15,6 +29,8 @@
 //   fin    rendezvous done: aux = cookie, status = fin_status
 //   credit only returns credits
 //   close  graceful close: the sender sends nothing after it
+//   auth   the authentication step above: body = 32-byte MAC (status 0), or
+//          no body (status 1: refused)
 //   notify follows an RDMA WRITE (async_put_with_notify) on the same queue
 //          pair: aux = the user's value, body as rts { length, addr, rkey,
 //          0 } = the range written (RC order: the data is in place when the
@@ -25,15 +41,20 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
-#include <string_view>
 
 namespace anydoor::protocol {
 
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
-inline constexpr std::uint16_t kVersion = 2;  // 2: fin status 3 is no_memory
+// 2: fin status 3 is no_memory; 3: challenge-response authentication
+inline constexpr std::uint16_t kVersion = 3;
 inline constexpr std::size_t kHelloSize = 44;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;
+inline constexpr std::size_t kMacSize = 32;  // HMAC-SHA256
+inline constexpr std::size_t kAuthSize = kHeaderSize + kMacSize;
+inline constexpr std::size_t kNonceSize = 16;
+// hello.flags
+inline constexpr std::uint16_t kAuth = 1;  // the sender has an auth token and requires the peer to prove it
 
 enum class hello_kind : std::uint8_t { hello = 1, welcome = 2, refuse = 3 };
 enum class refuse_reason : std::uint8_t { none = 0, version = 1, authentication = 2, malformed = 3, resources = 4 };
@@ -46,23 +67,21 @@ struct hello {
   std::uint32_t recv_buffer = 0;    // bytes per receive buffer, header included
   std::uint32_t eager_limit = 0;    // payload bytes the sender sends eagerly
   std::uint64_t max_message = 0;    // largest message the sender accepts
-  std::array<std::byte, 16> token{};  // digest of the auth token (zero: none)
+  std::uint16_t flags = 0;          // kAuth
+  std::array<std::byte, kNonceSize> nonce{};  // fresh per attempt with kAuth, else zero
 };
 
 enum class decode_status : std::uint8_t { ok, truncated, bad_magic, bad_field };
 
 std::array<std::byte, kHelloSize> encode(const hello& h) noexcept;
 // Decodes and validates a hello: the magic, the kind, and for hello/welcome
-// credits >= 2 and recv_buffer > kHeaderSize. The version is returned as sent
-// (the caller decides what it accepts).
+// credits >= 2, recv_buffer > kHeaderSize, max_message > 0 and only known
+// flags. The version is returned as sent (the caller decides what it
+// accepts).
 decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 
-// A 128-bit digest of an auth token (all zero for an empty token). A check
-// against misconfiguration, not a cryptographic protection: the digest is a
-// fixed function of the token and travels in clear.
-std::array<std::byte, 16> token_digest(std::string_view token) noexcept;
-
-enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6 };
+enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6, auth = 7 };
+enum class auth_status : std::uint8_t { proof = 0, refused = 1 };
 // ok; message_size: larger than the receiver's buffer or its rendezvous
 // memory budget; read_failed: the RDMA READ failed; no_memory: the receiver
 // could not allocate or register the destination.
@@ -85,8 +104,8 @@ struct rts_body {
 void encode(const header& h, std::byte* out) noexcept;           // kHeaderSize bytes
 void encode(const rts_body& b, std::byte* out) noexcept;         // 24 bytes
 // Validates a received message of byte_len bytes: a known type, and a length
-// that fits it (eager >= header, rts and notify == kRtsSize, others ==
-// kHeaderSize).
+// that fits it (eager >= header, rts and notify == kRtsSize, auth ==
+// kAuthSize with a proof and kHeaderSize refused, others == kHeaderSize).
 bool decode(std::span<const std::byte> in, header& h) noexcept;
 rts_body decode_rts(const std::byte* body) noexcept;              // 24 bytes
 

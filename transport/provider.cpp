@@ -34,7 +34,7 @@ class anydoor_category final : public std::error_category {
       case errc::no_device: return "no such device";
       case errc::registration_failed: return "memory registration failed";
       case errc::message_size: return "message larger than the receiving buffer or the peer's maximum";
-      case errc::authentication_failed: return "authentication failed (auth tokens differ)";
+      case errc::authentication_failed: return "authentication failed (the peer did not prove the auth token, or only one side has one)";
       case errc::connection_closed: return "connection closed";
       case errc::no_buffer_space: return "no pool buffer became free in time";
       case errc::too_many_connections: return "too many connections on this fabric";

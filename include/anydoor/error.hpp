@@ -22,7 +22,7 @@ enum class errc {
   no_device,             // no device matches the request
   registration_failed,   // memory could not be registered
   message_size,          // a message is larger than the receiving buffer or the peer's maximum
-  authentication_failed, // the peer's auth token does not match (or one side has none)
+  authentication_failed, // the peer did not prove the shared auth token (or only one side has one)
   connection_closed,     // the connection was closed (by either side) before the operation finished
   no_buffer_space,       // no pool buffer became free within the bounded wait
   too_many_connections,  // the fabric's connection limit (its CQ sizing) is reached

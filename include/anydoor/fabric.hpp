@@ -42,10 +42,14 @@ struct connection_options {
   std::uint64_t max_message = std::uint64_t{1} << 30;  // largest message sent or accepted: 1..2^40
   std::uint32_t send_queue = 128;        // send work requests in flight: 8..4096
   std::uint32_t signal_interval = 16;    // signal every k-th send (and the last of each doorbell): 1..send_queue
-  std::string auth_token;                // shared secret; both sides must agree (empty: none)
+  // Shared secret each side proves to the other (HMAC-SHA256 over fresh
+  // nonces: nothing of it travels, nothing is replayable); empty: no
+  // authentication. At most 1024 bytes; use 16 or more random bytes.
+  std::string auth_token;
   std::chrono::milliseconds connect_timeout{10000};
   // An accepted connection attempt must complete its handshake within this
-  // (listen side); attempts in progress never delay each other. A good
+  // (listen side), and with an auth token a peer must prove it within this
+  // (both sides); attempts in progress never delay each other. A good
   // attempt that no async_accept takes within this is refused too (the
   // client gets too_many_connections).
   std::chrono::milliseconds handshake_timeout{2000};

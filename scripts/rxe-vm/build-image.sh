@@ -17,8 +17,8 @@ IMG=$WORK/rxe-guest.img
 
 # ibverbs-providers (librxe) and zstd are only *Recommends* -> must be listed,
 # debootstrap never installs Recommends.
-# + the shared libraries anydoor's binaries link (spdlog, fmt).
-PKGS=linux-image-amd64,zstd,rdma-core,ibverbs-providers,ibverbs-utils,perftest,rdmacm-utils,iproute2,kmod,iputils-ping,procps,libspdlog1.10,libfmt9
+# + the shared libraries anydoor's binaries link (spdlog, fmt, libcrypto).
+PKGS=linux-image-amd64,zstd,rdma-core,ibverbs-providers,ibverbs-utils,perftest,rdmacm-utils,iproute2,kmod,iputils-ping,procps,libspdlog1.10,libfmt9,libssl3
 
 # --- host prerequisites ---------------------------------------------------
 need=()

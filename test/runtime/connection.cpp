@@ -40,9 +40,12 @@ using asio::use_awaitable;
 
 namespace {
 
+// The runtime's wire version (runtime/protocol.hpp's kVersion).
+constexpr std::uint16_t kWireVersion = 3;
+
 // A runtime hello as a raw provider-level client would send it (see
-// runtime/protocol.hpp): magic, version, kind hello, credits, receive
-// buffer, eager limit, max message, no token.
+// runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:
+// no authentication), receive buffer, eager limit, max message, no nonce.
 std::array<std::byte, 44> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
   std::array<std::byte, 44> h{};
   const std::uint16_t credits = 8;
@@ -410,7 +413,7 @@ TEST_CASE("handshake: an unknown protocol version or a malformed hello is refuse
     for (int i = 0; i < 2; ++i) {
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
       // version 2, then a bad magic
-      const auto hello = i == 0 ? raw_hello(9) : raw_hello(2, 0x31524400);
+      const auto hello = i == 0 ? raw_hello(9) : raw_hello(kWireVersion, 0x31524400);
       results.push_back(dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10)));
     }
     asio::post(io, [&] { acc.close(); });  // both refused: the accept was still waiting
@@ -893,7 +896,7 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
     for (std::size_t ci = 0; ci < cases.size(); ++ci) {
       const bad& b = cases[ci];
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(2), std::chrono::seconds(10));
+      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(kWireVersion), std::chrono::seconds(10));
       std::vector<std::byte> out = b.bytes;
       auto mr = pd->register_memory(out.data(), out.size(), tp::access::local_write);
       const tp::sge sg = mr->slice(0, static_cast<std::uint32_t>(out.size()));

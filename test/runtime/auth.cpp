@@ -1,0 +1,417 @@
+// Connection authentication (runtime/protocol.hpp): a challenge-response
+// with fresh nonces and HMAC-SHA256. The runtime meets raw provider-level
+// peers that follow (or break) the protocol; their proofs are computed here
+// with OpenSSL from the protocol's description, not with the runtime's code.
+#include "../support/runtime.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <thread>
+
+using namespace anydoor::test;
+namespace asio = boost::asio;
+namespace ad = anydoor;
+using asio::awaitable;
+using asio::use_awaitable;
+
+namespace {
+
+constexpr std::uint16_t kWireVersion = 3;
+constexpr std::size_t kHello = 44;
+constexpr std::uint8_t kTypeEager = 1, kTypeAuth = 7;
+const std::string kToken = "0123456789abcdef-the-shared-secret";
+
+using bytes = std::vector<std::byte>;
+
+template <class T>
+void put(bytes& b, std::size_t at, T v) {
+  std::memcpy(b.data() + at, &v, sizeof v);  // little-endian host (x86-64)
+}
+template <class T>
+T get(std::span<const std::byte> b, std::size_t at) {
+  T v{};
+  std::memcpy(&v, b.data() + at, sizeof v);
+  return v;
+}
+
+// A hello (kind 1) or welcome (kind 2): magic | version | kind | reason |
+// credits | flags | receive buffer | eager limit | max message | nonce.
+bytes make_hello(std::uint8_t kind, bool auth, std::uint16_t credits = 8) {
+  bytes h(kHello);
+  put<std::uint32_t>(h, 0, 0x31524441);
+  put<std::uint16_t>(h, 4, kWireVersion);
+  h[6] = std::byte{kind};
+  put<std::uint16_t>(h, 8, credits);
+  put<std::uint16_t>(h, 10, auth ? 1 : 0);
+  put<std::uint32_t>(h, 12, 256);  // receive buffer
+  put<std::uint32_t>(h, 16, 248);  // eager limit
+  put<std::uint64_t>(h, 20, 1 << 20);
+  if (auth) REQUIRE(RAND_bytes(reinterpret_cast<unsigned char*>(h.data() + 28), 16) == 1);
+  return h;
+}
+
+// HMAC-SHA256(token, "anydoor-auth-v3 <role>\0" || hello || welcome).
+bytes proof(const std::string& token, const char* role, std::span<const std::byte> hello,
+            std::span<const std::byte> welcome) {
+  std::string input = std::string("anydoor-auth-v3 ") + role;
+  input.push_back('\0');
+  input.append(reinterpret_cast<const char*>(hello.data()), kHello);
+  input.append(reinterpret_cast<const char*>(welcome.data()), kHello);
+  bytes out(32);
+  unsigned len = 0;
+  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()), reinterpret_cast<const unsigned char*>(input.data()),
+       input.size(), reinterpret_cast<unsigned char*>(out.data()), &len);
+  return out;
+}
+
+// A runtime message: header (type, status, credits, aux) + body.
+bytes message(std::uint8_t type, std::uint8_t status, std::uint16_t credits, std::span<const std::byte> body = {}) {
+  bytes m(8 + body.size());
+  m[0] = std::byte{type};
+  m[1] = std::byte{status};
+  put<std::uint16_t>(m, 2, credits);
+  if (!body.empty()) std::memcpy(m.data() + 8, body.data(), body.size());
+  return m;
+}
+
+// A provider-level peer: one queue pair with 8 receives of 256 bytes posted.
+// Its methods run on the raw thread only; failures are recorded in `notes`.
+struct raw_peer {
+  std::unique_ptr<tp::device> dev = open_test_device();
+  std::unique_ptr<tp::protection_domain> pd = dev->alloc_pd();
+  std::unique_ptr<tp::completion_queue> cq = dev->create_cq(64);
+  std::unique_ptr<tp::queue_pair> qp;
+  std::vector<std::byte> mem = std::vector<std::byte>(16 * 256);
+  std::unique_ptr<tp::memory_region> mr = pd->register_memory(mem.data(), mem.size(), tp::access::local_write);
+  std::array<tp::sge, 16> sges{};
+  std::uint64_t sent = 0;
+
+  // A fresh queue pair in init with its receives posted; false when the
+  // provider refused (no Catch2 assertion: it runs on the raw thread).
+  bool reset() {
+    qp.reset();
+    std::error_code ec;
+    std::array<tp::completion, 16> wc;
+    while (cq->poll(wc, ec) > 0) {  // what the old queue pair left
+    }
+    qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get(), .max_send_wr = 8, .max_recv_wr = 8});
+    if (qp->modify(tp::qp_state::init)) return false;
+    std::vector<tp::recv_request> rr;
+    for (std::uint32_t i = 0; i < 8; ++i) {
+      sges[i] = mr->slice(i * 256, 256);
+      rr.push_back({.wr_id = 100 + i, .sg_list = {&sges[i], 1}});
+    }
+    return !qp->post_recv(rr);
+  }
+  bool send(std::span<const std::byte> m) {
+    const std::uint32_t slot = 8 + static_cast<std::uint32_t>(sent++ % 8);
+    std::memcpy(mem.data() + slot * 256, m.data(), m.size());
+    sges[slot] = mr->slice(slot * 256, static_cast<std::uint32_t>(m.size()));
+    return !qp->post_send(std::array{send_wr(slot, {&sges[slot], 1})});
+  }
+  // The next received message; nullopt when none came within `limit` or the
+  // queue pair failed (then *failed is set).
+  std::optional<bytes> receive(std::chrono::milliseconds limit, bool* failed = nullptr) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    std::array<tp::completion, 16> wc;
+    std::error_code ec;
+    while (std::chrono::steady_clock::now() < deadline) {
+      const std::size_t n = cq->poll(wc, ec);
+      for (std::size_t i = 0; i < n; ++i) {
+        if (wc[i].status != tp::wc_status::success) {
+          if (failed != nullptr) *failed = true;
+          return std::nullopt;
+        }
+        if (wc[i].wr_id >= 100) {
+          const std::size_t at = (wc[i].wr_id - 100) * 256;
+          return bytes(mem.begin() + static_cast<std::ptrdiff_t>(at),
+                       mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
+        }
+      }
+      if (n == 0) std::this_thread::sleep_for(1ms);
+    }
+    return std::nullopt;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("auth: proofs follow the protocol and a replayed proof or a message before authenticating or a silent peer "
+          "is refused while the accept loop carries on",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.auth_token = kToken;
+  co.handshake_timeout = std::chrono::milliseconds(500);
+  co.credits = 16;
+  ad::fabric server(io, test_options(co));
+  ad::fabric client(io, test_options({.auth_token = kToken}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  auto guard = asio::make_work_guard(io);
+  failure f;
+  std::vector<ad::error_code> accepted;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 2; ++i) {  // the raw client that proves the token, then the runtime client
+      auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+      accepted.push_back(ec);
+      if (ec) co_return;
+      auto [rec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      if (!rec) co_await c.async_send(m.buffer(), use_awaitable);
+    }
+  }, f.handler());
+
+  // What the raw thread saw (checked on this thread afterwards).
+  struct seen_t {
+    bool welcome_auth = false, answer_ok = false, echoed = false;
+    std::uint16_t answer_credits = 0;
+    bool fresh_nonce = false, replay_refused = false;
+    bool early_answered = false, silent_answered = false;
+    bool early_dropped = false, silent_dropped = false;  // the listener disconnected it
+    std::chrono::steady_clock::duration early_took{}, silent_took{};
+    std::chrono::steady_clock::duration client_took{};
+    bool client_ok = false;
+  } seen;
+  std::atomic<bool> raw_ok{true};
+  std::thread raw([&] {
+    raw_peer p;
+    if (!p.reset()) return void(raw_ok = false);
+    // 1. A peer that follows the protocol.
+    const bytes hello = make_hello(1, true);
+    auto res = p.dev->connect(*p.qp, test_host(), acc.port(), hello, std::chrono::seconds(10));
+    if (res.ec || res.private_data.size() < kHello) return;
+    const bytes welcome1(res.private_data.begin(), res.private_data.begin() + kHello);
+    seen.welcome_auth = get<std::uint16_t>(welcome1, 10) == 1;
+    const bytes auth1 = message(kTypeAuth, 0, 0, proof(kToken, "client", hello, welcome1));
+    p.send(auth1);
+    if (auto a = p.receive(5s); a && a->size() == 40 && std::to_integer<int>((*a)[0]) == kTypeAuth) {
+      seen.answer_credits = get<std::uint16_t>(*a, 2);
+      seen.answer_ok = std::to_integer<int>((*a)[1]) == 0 &&
+                       bytes(a->begin() + 8, a->end()) == proof(kToken, "server", hello, welcome1);
+    }
+    // Authenticated: our withheld credits go with the first message, which is echoed.
+    const std::array<std::byte, 4> ping{std::byte{'p'}, std::byte{'i'}, std::byte{'n'}, std::byte{'g'}};
+    p.send(message(kTypeEager, 0, 7, ping));
+    if (auto e = p.receive(5s); e && e->size() == 12) seen.echoed = std::memcmp(e->data() + 8, "ping", 4) == 0;
+
+    // 2. A sniffer replays the same hello and proof: the listener's nonce differs.
+    if (!p.reset()) return void(raw_ok = false);
+    res = p.dev->connect(*p.qp, test_host(), acc.port(), hello, std::chrono::seconds(10));
+    if (res.ec || res.private_data.size() < kHello) return;
+    seen.fresh_nonce = !std::equal(res.private_data.begin() + 28, res.private_data.begin() + 44, welcome1.begin() + 28);
+    p.send(auth1);
+    if (auto a = p.receive(5s); a && a->size() == 8) {
+      seen.replay_refused = std::to_integer<int>((*a)[0]) == kTypeAuth && std::to_integer<int>((*a)[1]) == 1;
+    }
+
+    // 3. A peer that sends a message before authenticating gets no answer.
+    if (!p.reset()) return void(raw_ok = false);
+    res = p.dev->connect(*p.qp, test_host(), acc.port(), make_hello(1, true), std::chrono::seconds(10));
+    if (res.ec) return;
+    p.send(message(kTypeEager, 0, 0, ping));
+    auto t0 = std::chrono::steady_clock::now();
+    seen.early_answered = p.receive(2s, &seen.early_dropped).has_value();
+    seen.early_took = std::chrono::steady_clock::now() - t0;
+
+    // 4. A peer that never speaks holds nobody up: a runtime client connects
+    // meanwhile; the silent one is refused at the handshake timeout.
+    if (!p.reset()) return void(raw_ok = false);
+    res = p.dev->connect(*p.qp, test_host(), acc.port(), make_hello(1, true), std::chrono::seconds(10));
+    if (res.ec) return;
+    std::atomic<bool> done{false};
+    asio::post(io, [&] {
+      asio::co_spawn(io, [&]() -> awaitable<void> {
+        const auto start = std::chrono::steady_clock::now();
+        ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+        seen.client_took = std::chrono::steady_clock::now() - start;
+        co_await c.async_send(asio::buffer("hi", 2), use_awaitable);
+        ad::message m = co_await c.async_receive(use_awaitable);
+        seen.client_ok = m.size() == 2;
+        done = true;
+      }, f.handler());
+    });
+    t0 = std::chrono::steady_clock::now();
+    seen.silent_answered = p.receive(3s, &seen.silent_dropped).has_value();
+    seen.silent_took = std::chrono::steady_clock::now() - t0;
+    while (!done) std::this_thread::sleep_for(1ms);
+  });
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    // Releases the io once the raw thread is through (it never touches io's objects but by post).
+    asio::steady_timer t(io);
+    for (;;) {
+      t.expires_after(10ms);
+      co_await t.async_wait(use_awaitable);
+      if (accepted.size() == 2 && seen.client_ok) break;
+    }
+  }, f.handler());
+  std::thread releaser([&] {
+    raw.join();
+    asio::post(io, [&] { guard.reset(); });
+  });
+  run_to_completion(io);
+  releaser.join();
+  f.check();
+  CHECK(raw_ok);
+  CHECK(seen.welcome_auth);
+  CHECK(seen.answer_ok);
+  CHECK(seen.answer_credits == 16);  // the 15 withheld plus the re-posted receive of our proof
+  CHECK(seen.echoed);
+  CHECK(seen.fresh_nonce);
+  CHECK(seen.replay_refused);
+  CHECK_FALSE(seen.early_answered);
+  CHECK_FALSE(seen.silent_answered);
+  if (testing_tcp()) {  // (verbs: a queue pair in error tells its peer nothing until it is destroyed)
+    using ms = std::chrono::milliseconds;
+    INFO("early: dropped after " << std::chrono::duration_cast<ms>(seen.early_took).count() << " ms, silent: after "
+                                 << std::chrono::duration_cast<ms>(seen.silent_took).count() << " ms");
+    CHECK(seen.early_dropped);
+    CHECK(seen.early_took < ms(300));  // at once, not at the 500 ms handshake timeout
+    CHECK(seen.silent_dropped);
+    CHECK(seen.silent_took > ms(300));  // at the handshake timeout
+    CHECK(seen.silent_took < ms(2000));
+  }
+  CHECK(seen.client_ok);
+  INFO("the runtime client waited " << std::chrono::duration_cast<std::chrono::milliseconds>(seen.client_took).count()
+                                    << " ms");
+  CHECK(seen.client_took < std::chrono::milliseconds(400));
+  REQUIRE(accepted.size() == 2);
+  CHECK_FALSE(accepted[0]);
+  CHECK_FALSE(accepted[1]);
+  CHECK(server.stats().accepted == 2);
+  CHECK(server.stats().refused == 3);  // the replay, the early message, the silent peer
+}
+
+TEST_CASE("auth: the connecting side checks the listener's proof and withholds its credits until then", "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.auth_token = kToken;
+  co.handshake_timeout = std::chrono::milliseconds(500);
+  ad::fabric client(io, test_options(co));
+  raw_peer p;  // verbs accepts only on a queue pair of the listener's device
+  auto listener = p.dev->listen(test_host(), 0, {});
+  const std::uint16_t port = listener->port();
+  enum class answer { right, wrong, none, no_auth_welcome };
+  const std::array rounds{answer::right, answer::wrong, answer::none, answer::no_auth_welcome};
+  struct round_seen {
+    bool hello_auth = false, client_proof_ok = false;
+    std::uint16_t proof_credits = 0xffff;
+    int next_type = -1;  // what the client sent after our answer
+    std::uint16_t next_credits = 0;
+  };
+  std::array<round_seen, 4> seen{};
+  std::thread raw([&] {
+    for (std::size_t r = 0; r < rounds.size(); ++r) {
+      std::error_code ec;
+      auto req = listener->get_request(std::chrono::seconds(10), ec);
+      if (req == nullptr) return;
+      const bytes hello(req->private_data().begin(), req->private_data().begin() + kHello);
+      seen[r].hello_auth = get<std::uint16_t>(hello, 10) == 1;
+      if (!p.reset()) return;
+      const bytes welcome = make_hello(2, rounds[r] != answer::no_auth_welcome);
+      if (req->accept(*p.qp, welcome)) return;
+      if (rounds[r] == answer::no_auth_welcome) continue;
+      auto m = p.receive(5s);
+      if (!m || m->size() != 40) continue;
+      seen[r].proof_credits = get<std::uint16_t>(*m, 2);
+      seen[r].client_proof_ok = bytes(m->begin() + 8, m->end()) == proof(kToken, "client", hello, welcome);
+      if (rounds[r] == answer::none) {
+        (void)p.receive(1s);  // nothing: the client gives up at its handshake timeout
+        continue;
+      }
+      bytes mac = proof(kToken, "server", hello, welcome);
+      if (rounds[r] == answer::wrong) mac[5] ^= std::byte{1};
+      p.send(message(kTypeAuth, 0, 7, mac));
+      if (auto next = p.receive(500ms); next && next->size() >= 8) {  // the client's credits once it checked us
+        seen[r].next_type = std::to_integer<int>((*next)[0]);
+        seen[r].next_credits = get<std::uint16_t>(*next, 2);
+      }
+    }
+  });
+  std::vector<ad::error_code> results;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (std::size_t r = 0; r < rounds.size(); ++r) {
+      auto [ec, c] = co_await client.async_connect(test_host() + ":" + std::to_string(port),
+                                                   asio::as_tuple(use_awaitable));
+      results.push_back(ec);
+      if (!ec) c.abort();
+    }
+  }, f.handler());
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  REQUIRE(results.size() == 4);
+  CHECK_FALSE(results[0]);
+  CHECK(results[1] == ad::errc::authentication_failed);
+  CHECK(results[2] == ad::errc::timed_out);
+  CHECK(results[3] == ad::errc::authentication_failed);
+  for (std::size_t r = 0; r < 3; ++r) {
+    INFO("round " << r);
+    CHECK(seen[r].hello_auth);
+    CHECK(seen[r].client_proof_ok);
+    CHECK(seen[r].proof_credits == 0);  // the client grants its receives only to a proven listener
+  }
+  CHECK(client.stats().connected == 1);
+  // Proven: the client returns its withheld receives (64 credits: 63 withheld
+  // plus the re-posted receive of our answer) in a credit message.
+  CHECK(seen[0].next_type == 4);
+  CHECK(seen[0].next_credits == 64);
+  CHECK(seen[1].next_type == -1);  // a wrong proof gets nothing
+}
+
+TEST_CASE("auth: a handshake reflected back to its own fabric is refused", "[runtime]") {
+  // The fabric connects out to an attacker, who relays its hello to the
+  // fabric's own listener: proving the token to itself must not work.
+  asio::io_context io;
+  ad::connection_options co;
+  co.auth_token = kToken;
+  co.handshake_timeout = std::chrono::milliseconds(500);
+  co.connect_timeout = std::chrono::milliseconds(3000);
+  ad::fabric victim(io, test_options(co));
+  ad::acceptor acc = victim.listen(test_host(), 0);
+  raw_peer attacker;
+  auto listener = attacker.dev->listen(test_host(), 0, {});
+  const std::uint16_t port = listener->port();
+  tp::connect_result relayed;
+  bool got_hello = false;
+  std::thread raw([&] {
+    std::error_code ec;
+    auto req = listener->get_request(std::chrono::seconds(10), ec);
+    if (req == nullptr) return;
+    got_hello = true;
+    const bytes hello(req->private_data().begin(), req->private_data().begin() + kHello);
+    if (!attacker.reset()) return;
+    relayed = attacker.dev->connect(*attacker.qp, test_host(), acc.port(), hello, std::chrono::seconds(5));
+    req->reject({});
+  });
+  ad::error_code connect_ec;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    auto [ec, c] = co_await victim.async_connect(test_host() + ":" + std::to_string(port),
+                                                 asio::as_tuple(use_awaitable));
+    connect_ec = ec;
+    acc.close();
+  }, f.handler());
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  REQUIRE(got_hello);
+  CHECK(relayed.ec == ad::errc::connection_rejected);
+  REQUIRE(relayed.private_data.size() >= 8);
+  CHECK(std::to_integer<int>(relayed.private_data[7]) == 2);  // refuse reason: authentication
+  CHECK(connect_ec);
+  CHECK(victim.stats().refused >= 1);
+}
