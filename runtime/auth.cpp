@@ -56,7 +56,7 @@ exchange prepare(std::string_view token, role local, std::span<const std::byte> 
   exchange ex{local, proof(token, local, hello, welcome), proof(token, peer, hello, welcome), {}};
   const std::span<const std::byte> mine = local == role::client ? hello : welcome;
   if (mine.size() >= protocol::kHelloSize) {
-    std::memcpy(ex.own.data(), mine.data() + protocol::kHelloSize - protocol::kNonceSize, ex.own.size());
+    std::memcpy(ex.own.data(), mine.data() + protocol::kNonceOffset, ex.own.size());
   }
   return ex;
 }

@@ -76,6 +76,7 @@ connection_impl::~connection_impl() {
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   fab_->forget(this);
+  if (registered_) fab_->remove(this);
   // Buffers still posted when the queue pair goes away (it never connected,
   // or the peer tore it down with nothing flushed) return to the pool.
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
@@ -112,6 +113,8 @@ void connection_impl::prepare() {
   }
   ++f.open_connections;
   counted_ = true;
+  f.add(this);
+  registered_ = true;
   const std::size_t q = opt_.send_queue;
   sq_.assign(q, sq_slot{});
   sq_sge_.assign(q * sge_per_wr_, transport::sge{});
@@ -159,6 +162,17 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
     peer_view_ += opt_.credits;
   }
   eager_limit_ = std::min<std::uint32_t>(opt_.eager_limit, peer.recv_buffer - static_cast<std::uint32_t>(protocol::kHeaderSize));
+  // Heartbeats serve the stricter of the two keepalives (the peer's held
+  // to our own bounds).
+  const auto own = static_cast<std::uint64_t>(opt_.keepalive.count());
+  const std::uint64_t theirs =
+      peer.keepalive_ms == 0 ? 0 : std::clamp<std::uint64_t>(peer.keepalive_ms, kMinKeepalive, kMaxKeepalive);
+  const std::uint64_t strict = own == 0 ? theirs : theirs == 0 ? own : std::min(own, theirs);
+  heartbeat_ = std::chrono::milliseconds(strict / 4);
+  if (strict != 0 && heartbeat_ < fabric_state::kMinTick) heartbeat_ = fabric_state::kMinTick;
+  last_rx_ = last_tx_ = std::chrono::steady_clock::now();
+  if (heartbeat_.count() > 0) fab_->want_tick(heartbeat_);
+  if (opt_.keepalive.count() > 0) fab_->want_tick(opt_.keepalive / 8);
   if (state_ == state::failed) {
     // It failed while the setup thread still held the queue pair (a
     // malformed early message): the queue pair goes to error only now.
@@ -400,6 +414,55 @@ connection_stats connection_impl::stats() const noexcept {
     s.rnr_naks = c.rnr_naks_sent + c.rnr_naks_received;
   }
   return s;
+}
+
+// ---------------------------------------------------------------- liveness
+
+std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::time_point now) noexcept {
+  constexpr std::chrono::milliseconds idle = fabric_state::kMaxTick;
+  // Setup and authentication have their own deadlines; an ended connection
+  // has nothing to watch.
+  if ((state_ != state::open && state_ != state::closing) || auth_ != nullptr || qp_ == nullptr || peer_closed_) {
+    return idle;
+  }
+  // Silence is excused while the peer cannot speak: it holds at most the
+  // credit kept for control messages (our application has not taken its
+  // messages).
+  if (rx_count_ != rx_mark_ || peer_view_ <= 1) {
+    rx_mark_ = rx_count_;
+    last_rx_ = now;
+  }
+  if (tx_count_ != tx_mark_) {
+    tx_mark_ = tx_count_;
+    last_tx_ = now;
+  }
+  // Silent for 7/8 of keepalive (ticks come every keepalive/8 at most, so
+  // it is noticed within keepalive); the peer's heartbeats come at least
+  // every keepalive/2.
+  const auto keepalive = opt_.keepalive;
+  if (keepalive.count() > 0 && now - last_rx_ >= keepalive * 7 / 8) {
+    log().warn("connection qp {}: the peer has been silent for {} ms (keepalive {} ms): failing the connection",
+               qp_->qp_num(), std::chrono::duration_cast<std::chrono::milliseconds>(now - last_rx_).count(),
+               keepalive.count());
+    auto keep = shared_from_this();
+    fail(errc::timed_out);
+    return idle;
+  }
+  if (heartbeat_.count() == 0) return keepalive.count() > 0 ? std::max(fabric_state::kMinTick, keepalive / 8) : idle;
+  if (now - last_tx_ >= heartbeat_ && !close_sent_ && (credits_ >= 2 || owed_ > 0)) {
+    // A credit message returns what we owe and shows we are alive. The last
+    // credit stays for control messages unless the heartbeat returns some:
+    // two sides both down to it would otherwise spend it at once and be
+    // left unable to return credits.
+    if (enqueue_control(protocol::msg_type::credit, 0, 0)) {
+      ++stats_.heartbeats;
+      --stats_.credit_messages;  // counted as a heartbeat, not a credit update
+      last_tx_ = now;
+      tx_mark_ = tx_count_;
+    }
+  }
+  const auto next = keepalive.count() > 0 ? std::min(heartbeat_, keepalive / 8) : heartbeat_;
+  return std::max(fabric_state::kMinTick, std::min(next, idle));
 }
 
 // ---------------------------------------------------------------- ending

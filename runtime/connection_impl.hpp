@@ -76,6 +76,13 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void abort() noexcept;
   void on_handle_released() noexcept;
 
+  // Liveness (fabric_state's tick): fails the connection when the peer has
+  // been silent for keepalive, sends a heartbeat when we have been; returns
+  // how soon it wants the next tick.
+  std::chrono::milliseconds liveness(std::chrono::steady_clock::time_point now) noexcept;
+  static constexpr std::uint64_t kMinKeepalive = 200;      // ms (connection_options::keepalive)
+  static constexpr std::uint64_t kMaxKeepalive = 3600000;  // ms
+
   // Flushing (fabric_state).
   void flush() noexcept;
   void flush_now() noexcept;
@@ -280,6 +287,14 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   protocol::header early_auth_header_{};
   std::uint64_t refusal_seq_ = ~std::uint64_t{0};  // our refusal's send queue position: fail once it is out
   asio::steady_timer setup_timer_;
+
+  // liveness: completions received and sends staged (counted on the data
+  // path), and when the tick last saw each change
+  std::uint64_t rx_count_ = 0, rx_mark_ = 0;
+  std::uint64_t tx_count_ = 0, tx_mark_ = 0;
+  std::chrono::steady_clock::time_point last_rx_{}, last_tx_{};
+  std::chrono::milliseconds heartbeat_{0};  // 0: none
+  bool registered_ = false;                 // in fabric_state's list
 
   asio::steady_timer buffer_timer_;
   bool buffer_timer_armed_ = false;

@@ -64,6 +64,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
   }
   const std::uint32_t buffer = rq_[seq % rq_.size()];
   ++rq_done_;
+  ++rx_count_;
   if (wc.status != transport::wc_status::success) {
     fab_->put_buffer(buffer);
     if (fail_unless_ending(wc, "receive") && peer_closed_ && state_ != state::failed && state_ != state::closed) {
@@ -259,6 +260,9 @@ void connection_impl::end_auth(std::error_code ec) noexcept {
   if (!ec) {
     auth_.reset();
     log().debug("connection qp {}: the peer is authenticated", qp_ != nullptr ? qp_->qp_num() : 0);
+    last_rx_ = last_tx_ = std::chrono::steady_clock::now();  // liveness starts now
+    if (heartbeat_.count() > 0) fab_->want_tick(heartbeat_);
+    if (opt_.keepalive.count() > 0) fab_->want_tick(opt_.keepalive / 8);
   }
 }
 

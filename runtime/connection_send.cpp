@@ -38,6 +38,7 @@ transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t 
 
 std::byte* connection_impl::stage_send(slot_kind kind, std::uint32_t buf, op_node* op, std::uint32_t wire) noexcept {
   const bool inl = buf == buffer_pool::npos;
+  ++tx_count_;
   transport::work_request& wr = next_wr(kind, buf, op);
   const std::size_t slot = (sq_queued_ - 1) % sq_.size();
   std::byte* out = inl ? inline_stage_.data() + slot * fab_->inline_cap : fab_->pool->data(buf);

@@ -50,6 +50,8 @@ const fabric_options& checked(const fabric_options& o) {
           "fabric: cache_max_entries must be in 1..2^20");
   require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");
   require(c.auth_token.size() <= 1024, "fabric: connection.auth_token must be at most 1024 bytes");
+  require(c.keepalive.count() == 0 || (c.keepalive >= std::chrono::milliseconds(200) && c.keepalive <= std::chrono::hours(1)),
+          "fabric: connection.keepalive must be 0 or in 200 ms..1 h");
   return o;
 }
 
@@ -106,6 +108,9 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
   reactor->set_before_poll(&fabric_state::flush_before_poll, this);
+  if (c.keepalive.count() > 0) {
+    tick_ms_ = std::max(kMinTick, std::min(kMaxTick, std::chrono::milliseconds(c.keepalive / 8))).count();
+  }
   auth = !c.auth_token.empty();
   if (auth && c.auth_token.size() < 16) {
     log().warn("fabric: the auth token has {} bytes: a sniffed handshake lets an attacker guess short tokens "
@@ -117,7 +122,66 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
              to_string(reactor->mode()));
 }
 
+void fabric_state::start_liveness() {
+  // A thread, not an Asio timer: a timer would keep io_context::run() from
+  // returning while connections are open. The thread only posts ticks; one
+  // at a time.
+  // It never holds the fabric (the destructor stops and joins it before
+  // anything it reads goes away); the ticks it posts hold a weak reference.
+  liveness_ = std::jthread([this, w = weak_from_this()](std::stop_token stop) {
+    std::unique_lock lock(tick_m_);
+    while (!stop.stop_requested()) {
+      const std::chrono::milliseconds period(tick_ms_.load(std::memory_order_relaxed));
+      // Woken early by want_tick (a new connection wants ticks sooner).
+      tick_cv_.wait_for(lock, stop, period, [this] { return std::exchange(tick_wanted_, false); });
+      if (stop.stop_requested()) return;
+      if (tick_posted_.exchange(true)) continue;
+      asio::post(io, [w] {
+        if (auto f = w.lock()) f->liveness_tick();
+      });
+    }
+  });
+}
+
+void fabric_state::stop_liveness() noexcept {
+  liveness_.request_stop();
+  if (liveness_.joinable()) liveness_.join();
+}
+
+void fabric_state::want_tick(std::chrono::milliseconds within) {
+  const std::int64_t ms = std::max(within, kMinTick).count();
+  if (ms >= tick_ms_.load(std::memory_order_relaxed)) return;
+  tick_ms_.store(ms, std::memory_order_relaxed);
+  {
+    std::lock_guard lock(tick_m_);
+    tick_wanted_ = true;
+  }
+  tick_cv_.notify_one();
+}
+
+void fabric_state::add(connection_impl* c) { conns_.push_back(c); }
+
+void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); }
+
+void fabric_state::liveness_tick() noexcept {
+  tick_posted_ = false;
+  // Completions that came while nothing was pending here (a peer's
+  // heartbeat to an idle fabric) are taken now, so that they count.
+  reactor->poll_now();
+  const auto now = std::chrono::steady_clock::now();
+  std::chrono::milliseconds next = kMaxTick;
+  // (connection_impl::liveness may fail a connection: that never removes it from conns_ here.)
+  for (std::size_t i = 0; i < conns_.size(); ++i) next = std::min(next, conns_[i]->liveness(now));
+  next = std::max(next, kMinTick);
+  if (next.count() < tick_ms_.load(std::memory_order_relaxed)) {
+    want_tick(next);  // sooner than the thread's current wait: wake it
+  } else {
+    tick_ms_.store(next.count(), std::memory_order_relaxed);
+  }
+}
+
 fabric_state::~fabric_state() {
+  stop_liveness();
   helpers.stop_all();
   reactor.reset();
   cache.reset();
@@ -216,6 +280,7 @@ protocol::hello fabric_state::local_hello() const noexcept {
   h.eager_limit = c.eager_limit;
   h.max_message = c.max_message;
   h.flags = auth ? protocol::kAuth : 0;
+  h.keepalive_ms = static_cast<std::uint32_t>(c.keepalive.count());
   return h;
 }
 
@@ -230,10 +295,18 @@ std::error_code fabric_state::check_peer(const protocol::hello& peer) const noex
 // ---------------------------------------------------------------- fabric
 
 fabric::fabric(asio::io_context& io, fabric_options options)
-    : state_(std::make_shared<detail::fabric_state>(io, options)) {}
+    : state_(std::make_shared<detail::fabric_state>(io, options)) {
+  state_->start_liveness();
+}
 // Connection attempts in progress end now (their handlers complete with
 // operation_canceled); connections and acceptors must be gone already.
-fabric::~fabric() { state_->helpers.stop_all(); }
+fabric::~fabric() {
+  // No liveness tick is posted to the io_context after this: a connection
+  // kept past its fabric (against the rule above) must not have a thread
+  // posting to an io_context that may go next.
+  state_->stop_liveness();
+  state_->helpers.stop_all();
+}
 
 std::string_view fabric::provider() const noexcept { return state_->device->provider(); }
 transport::device& fabric::device() noexcept { return *state_->device; }
@@ -317,7 +390,7 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
   f.idle();
   detail::auth::nonce mine{};
   if (hello_sent.size() >= protocol::kHelloSize) {
-    std::memcpy(mine.data(), hello_sent.data() + protocol::kHelloSize - protocol::kNonceSize, mine.size());
+    std::memcpy(mine.data(), hello_sent.data() + protocol::kNonceOffset, mine.size());
   }
   // Every ending but a started authentication (it forgets at its end).
   struct forget_unless_started {
@@ -735,7 +808,8 @@ void acceptor::state::deliver(std::shared_ptr<detail::connection_impl> conn) {
     conn->abort();
     return;
   }
-  if (!conn->is_open()) return;  // the peer went away meanwhile
+  // (A connection that failed during setup is still delivered: its first
+  // operation reports why.)
   if (pending == nullptr) {
     // Authenticated while no accept waits: the next accept takes it if it
     // comes within the handshake timeout, else it is dropped (start_accept).

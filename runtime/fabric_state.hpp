@@ -13,6 +13,10 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -84,6 +88,18 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // The connect helpers (fabric::~fabric stops them).
   setup_helpers helpers{io};
 
+  // Liveness (connection_options::keepalive): a thread posts a tick every
+  // tick_ms_; each tick takes what the completion queue holds and lets
+  // every connection check its peer's silence and send its heartbeat.
+  void start_liveness();
+  void stop_liveness() noexcept;  // joins the thread (~fabric, ~fabric_state)
+  void liveness_tick() noexcept;
+  void want_tick(std::chrono::milliseconds within);  // the next tick within this (a new connection)
+  void add(connection_impl* c);        // prepare()
+  void remove(connection_impl* c) noexcept;  // ~connection_impl
+  static constexpr std::chrono::milliseconds kMinTick{20};
+  static constexpr std::chrono::milliseconds kMaxTick{1000};
+
   // Our hello (kind hello, no nonce: each attempt adds its own).
   protocol::hello local_hello() const noexcept;
   // Checks a peer's hello or welcome against ours (version, whether both
@@ -99,6 +115,13 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::vector<connection_impl*> dirty_;
   std::vector<connection_impl*> flushing_;
   std::vector<connection_impl*> buffer_waiters_;
+  std::vector<connection_impl*> conns_;  // every prepared connection
+  std::atomic<std::int64_t> tick_ms_{kMaxTick.count()};
+  std::atomic<bool> tick_posted_{false};
+  std::mutex tick_m_;
+  std::condition_variable_any tick_cv_;
+  bool tick_wanted_ = false;  // under tick_m_
+  std::jthread liveness_;  // last: stopped first
 };
 
 }  // namespace anydoor::detail

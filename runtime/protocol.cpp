@@ -26,6 +26,8 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept {
   put_le<std::uint32_t>(p, h.eager_limit);
   put_le<std::uint64_t>(p, h.max_message);
   std::memcpy(p, h.nonce.data(), h.nonce.size());
+  p += h.nonce.size();
+  put_le<std::uint32_t>(p, h.keepalive_ms);
   return out;
 }
 
@@ -48,6 +50,8 @@ decode_status decode(std::span<const std::byte> in, hello& out) noexcept {
   out.eager_limit = get_le<std::uint32_t>(p);
   out.max_message = get_le<std::uint64_t>(p);
   std::memcpy(out.nonce.data(), p, out.nonce.size());
+  p += out.nonce.size();
+  out.keepalive_ms = get_le<std::uint32_t>(p);
   if (out.credits < 2 || out.recv_buffer <= kHeaderSize || out.max_message == 0 || (out.flags & ~kAuth) != 0) {
     return decode_status::bad_field;
   }

@@ -45,14 +45,16 @@
 namespace anydoor::protocol {
 
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
-// 2: fin status 3 is no_memory; 3: challenge-response authentication
-inline constexpr std::uint16_t kVersion = 3;
-inline constexpr std::size_t kHelloSize = 44;
+// 2: fin status 3 is no_memory; 3: challenge-response authentication;
+// 4: keepalive in the hello (48 bytes)
+inline constexpr std::uint16_t kVersion = 4;
+inline constexpr std::size_t kHelloSize = 48;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;
 inline constexpr std::size_t kMacSize = 32;  // HMAC-SHA256
 inline constexpr std::size_t kAuthSize = kHeaderSize + kMacSize;
 inline constexpr std::size_t kNonceSize = 16;
+inline constexpr std::size_t kNonceOffset = 28;  // in the encoded hello
 // hello.flags
 inline constexpr std::uint16_t kAuth = 1;  // the sender has an auth token and requires the peer to prove it
 
@@ -69,6 +71,10 @@ struct hello {
   std::uint64_t max_message = 0;    // largest message the sender accepts
   std::uint16_t flags = 0;          // kAuth
   std::array<std::byte, kNonceSize> nonce{};  // fresh per attempt with kAuth, else zero
+  // The sender's connection_options::keepalive in ms (0: it detects no
+  // silence). Each side sends a heartbeat when idle for a quarter of the
+  // smaller nonzero keepalive of the two.
+  std::uint32_t keepalive_ms = 0;
 };
 
 enum class decode_status : std::uint8_t { ok, truncated, bad_magic, bad_field };

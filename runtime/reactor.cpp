@@ -187,6 +187,15 @@ std::size_t reactor::drain() {
   }
 }
 
+std::size_t reactor::poll_now() {
+  if (failed_) return 0;
+  const std::size_t n = drain();
+  // Stopped: armed again, as stop() leaves it (the tcp provider sends the
+  // acknowledgements it holds back when armed).
+  if (!running_ && !failed_) (void)cq_.arm();
+  return n;
+}
+
 void reactor::start() {
   if (running_ || failed_) return;
   running_ = true;

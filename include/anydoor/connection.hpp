@@ -172,6 +172,7 @@ struct connection_stats {
   std::uint64_t bytes_got = 0;
   std::uint64_t notifications_sent = 0;
   std::uint64_t notifications_received = 0;
+  std::uint64_t heartbeats = 0;        // sent while idle (connection_options::keepalive)
 };
 
 // What the peer announced in the handshake.

@@ -54,6 +54,17 @@ struct connection_options {
   // client gets too_many_connections).
   std::chrono::milliseconds handshake_timeout{2000};
   std::chrono::milliseconds buffer_wait{5000};  // a send waits this long for a pool buffer
+  // A peer silent this long (no message and no heartbeat: a host powered
+  // off, a process frozen, a cut link) fails the connection: every pending
+  // operation completes with errc::timed_out. Both sides send a heartbeat
+  // when they have sent nothing for a quarter of the smaller nonzero
+  // keepalive of the two (so the peer's setting is served too). Checked
+  // while the fabric's io_context runs. 0: this side detects nothing (it
+  // still sends the heartbeats its peer asks for). 0 or 200 ms..1 h. An
+  // application whose io thread does not run for this long looks dead to
+  // its peer; so may a single transfer longer than this on a slow link (a
+  // put, a get or a rendezvous message: the heartbeats queue behind it).
+  std::chrono::milliseconds keepalive{10000};
   // Memory the runtime allocates for rendezvous messages being received on
   // one connection (async_receive() without a buffer): a message larger
   // than this fails with message_size on both sides, and reads wait while

@@ -127,6 +127,11 @@ class reactor {
 
   void start();  // begin polling (idempotent)
   void stop();   // stop polling; io_context::run() returns once nothing else is pending
+  // Polls the completion queue now (also while stopped), dispatching what
+  // is there: the fabric's liveness tick, so that a peer's heartbeats to an
+  // idle side count. Not from inside a completion's handler. Returns the
+  // completions dispatched.
+  std::size_t poll_now();
 
   poll_mode mode() const noexcept { return mode_; }
   // Whether the notify fd is in the io_context's descriptor set (event mode

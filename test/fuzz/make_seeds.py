@@ -48,15 +48,16 @@ def tcp_handshake(kind, pdata):
     return b"ADTP" + struct.pack("<BBHIII4x", WIRE_VERSION, kind, len(pdata), 7, 128, 64) + pdata
 
 
-def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=3, reason=0):
-    return struct.pack("<IHBBHHIIQ", 0x31524441, version, kind, reason, credits, flags, 8256, 8192, 1 << 30) + nonce
+def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=4, reason=0, keepalive=10000):
+    return (struct.pack("<IHBBHHIIQ", 0x31524441, version, kind, reason, credits, flags, 8256, 8192, 1 << 30) + nonce
+            + struct.pack("<I", keepalive))
 
 
 write("handshake", {
     "hello": tcp_handshake(1, hello(1)),
     "hello_auth": tcp_handshake(1, hello(1, 1, nonce=bytes(range(16)))),
     "welcome_auth": tcp_handshake(2, hello(2, 1, nonce=bytes(range(16, 32)))),
-    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 3, 3, 2)),
+    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 4, 3, 2)),
     "old_version": tcp_handshake(1, hello(1, version=2)),
 })
 

@@ -30,8 +30,8 @@ using asio::use_awaitable;
 
 namespace {
 
-constexpr std::uint16_t kWireVersion = 3;
-constexpr std::size_t kHello = 44;
+constexpr std::uint16_t kWireVersion = 4;
+constexpr std::size_t kHello = 48;
 constexpr std::uint8_t kTypeEager = 1, kTypeAuth = 7;
 const std::string kToken = "0123456789abcdef-the-shared-secret";
 
@@ -49,7 +49,8 @@ T get(std::span<const std::byte> b, std::size_t at) {
 }
 
 // A hello (kind 1) or welcome (kind 2): magic | version | kind | reason |
-// credits | flags | receive buffer | eager limit | max message | nonce.
+// credits | flags | receive buffer | eager limit | max message | nonce |
+// keepalive (0: none).
 bytes make_hello(std::uint8_t kind, bool auth, std::uint16_t credits = 8) {
   bytes h(kHello);
   put<std::uint32_t>(h, 0, 0x31524441);

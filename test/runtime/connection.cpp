@@ -41,13 +41,13 @@ using asio::use_awaitable;
 namespace {
 
 // The runtime's wire version (runtime/protocol.hpp's kVersion).
-constexpr std::uint16_t kWireVersion = 3;
+constexpr std::uint16_t kWireVersion = 4;
 
 // A runtime hello as a raw provider-level client would send it (see
 // runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:
 // no authentication), receive buffer, eager limit, max message, no nonce.
-std::array<std::byte, 44> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
-  std::array<std::byte, 44> h{};
+std::array<std::byte, 48> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
+  std::array<std::byte, 48> h{};
   const std::uint16_t credits = 8;
   const std::uint32_t recv_buffer = 8256, eager = 8192;
   const std::uint64_t max_message = 1 << 20;

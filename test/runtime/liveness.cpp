@@ -1,0 +1,252 @@
+// Liveness (connection_options::keepalive): a peer that stops answering
+// without closing is detected, and idle connections stay up on heartbeats.
+#include "../support/runtime.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <thread>
+
+using namespace anydoor::test;
+namespace asio = boost::asio;
+namespace ad = anydoor;
+using asio::awaitable;
+using asio::use_awaitable;
+using ms = std::chrono::milliseconds;
+
+namespace {
+
+awaitable<void> sleep_for(ms d) {
+  asio::steady_timer t(co_await asio::this_coro::executor, d);
+  co_await t.async_wait(use_awaitable);
+}
+
+// Waits up to `limit` for the child to exit; its wait status, or -1.
+int wait_exit(pid_t pid, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (::waitpid(pid, &status, WNOHANG) == pid) return status;
+    std::this_thread::sleep_for(ms(10));
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("liveness: a frozen peer (SIGSTOP) is detected within keepalive and every pending operation ends once "
+          "with timed_out and after SIGCONT the peer finds its connection failed",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.keepalive = ms(1000);
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  const std::string peer = sibling("anydoor-test-peer");
+  const std::string where = addr(acc);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::execl(peer.c_str(), peer.c_str(), where.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  std::vector<ad::error_code> ends;
+  std::chrono::steady_clock::duration first{}, last{};
+  bool stopped = false;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message ready = co_await c.async_receive(use_awaitable);
+    CHECK(ready.size() == 5);
+    co_await sleep_for(ms(300));  // a few heartbeats both ways first
+    REQUIRE(::kill(child, SIGSTOP) == 0);
+    stopped = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto ended = [&](ad::error_code ec) {
+      const auto t = std::chrono::steady_clock::now() - t0;
+      if (ends.empty()) first = t;
+      last = t;
+      ends.push_back(ec);
+    };
+    // Two operations pending on the frozen peer: a receive, and a
+    // rendezvous send whose fin will never come.
+    c.async_receive([&](ad::error_code ec, ad::message) { ended(ec); });
+    static std::vector<std::byte> big(std::size_t{1} << 20, std::byte{7});
+    c.async_send(asio::buffer(big), [&](ad::error_code ec, std::size_t) { ended(ec); });
+    for (int i = 0; i < 500 && ends.size() < 2; ++i) co_await sleep_for(ms(10));
+    co_await sleep_for(ms(200));  // nothing completes twice
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(30));
+  if (stopped) ::kill(child, SIGCONT);
+  const int status = wait_exit(child, std::chrono::seconds(15));
+  if (status == -1) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+  f.check();
+  REQUIRE(ends.size() == 2);
+  CHECK(ends[0] == ad::errc::timed_out);
+  CHECK(ends[1] == ad::errc::timed_out);
+  std::printf("liveness: SIGSTOP to first error %lld ms, to the last %lld ms (keepalive 1000 ms)\n",
+              static_cast<long long>(std::chrono::duration_cast<ms>(first).count()),
+              static_cast<long long>(std::chrono::duration_cast<ms>(last).count()));
+  INFO("detected after " << std::chrono::duration_cast<ms>(first).count() << " ms");
+  // Silence counts from the peer's last heartbeat, up to 250 ms before the stop.
+  CHECK(first >= ms(500));
+  CHECK(first <= ms(2000));   // within keepalive (plus scheduling, generous for sanitizer builds)
+  CHECK(last - first < ms(500));  // together
+  // Resumed, the peer finds its connection gone and ends normally.
+  REQUIRE(status != -1);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("liveness: idle connections stay up on heartbeats at the stricter side's rate", "[runtime]") {
+  // The server detects nothing (keepalive 0) but sends the heartbeats its
+  // client's 400 ms keepalive asks for. The client has nothing pending for
+  // 1.6 s: its fabric's reactor sleeps and its liveness tick takes the
+  // heartbeats from the completion queue.
+  asio::io_context io;
+  ad::connection_options server_co;
+  server_co.keepalive = ms(0);
+  ad::connection_options client_co;
+  client_co.keepalive = ms(400);
+  ad::fabric server(io, test_options(server_co));
+  ad::fabric client(io, test_options(client_co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  ad::connection_stats server_stats, client_stats;
+  std::string got;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message m = co_await c.async_receive(use_awaitable);
+    got.assign(reinterpret_cast<const char*>(m.data()), m.size());
+    server_stats = c.stats();
+    auto [ec, m2] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // the client's close
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    co_await sleep_for(ms(1600));  // four keepalives of silence from the application
+    CHECK(c.is_open());
+    co_await c.async_send(asio::buffer("late", 4), use_awaitable);
+    client_stats = c.stats();
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(got == "late");
+  INFO("server heartbeats " << server_stats.heartbeats << ", client heartbeats " << client_stats.heartbeats);
+  CHECK(server_stats.heartbeats >= 8);   // every 100 ms (a quarter of 400 ms) for 1.6 s
+  CHECK(client_stats.heartbeats >= 8);
+}
+
+TEST_CASE("liveness: a receiver that stops taking messages longer than keepalive does not fail its live peer",
+          "[runtime]") {
+  // The client fills the server's 4 receives (all but the one kept for
+  // control messages) and waits for credits; the server's application
+  // takes nothing for three keepalives. Heartbeats still flow both ways on
+  // the reserved credit (a control message's receive is re-posted at once),
+  // so neither side mistakes the other for dead; then everything arrives.
+  asio::io_context io;
+  ad::connection_options co;
+  co.keepalive = ms(400);
+  co.credits = 4;
+  ad::fabric server(io, test_options(co));
+  ad::fabric client(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  int received = 0;
+  int sent = 0;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    co_await sleep_for(ms(1200));
+    for (int i = 0; i < 20; ++i) {
+      ad::message m = co_await c.async_receive(use_awaitable);
+      if (m.size() == 100) ++received;
+    }
+    auto [ec, m2] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // the client's close
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::vector<std::byte> payload(100, std::byte{1});
+    for (int i = 0; i < 20; ++i) {
+      co_await c.async_send(asio::buffer(payload), use_awaitable);
+      ++sent;
+    }
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(sent == 20);
+  CHECK(received == 20);
+}
+
+TEST_CASE("liveness: both sides that stop taking messages longer than keepalive still recover", "[runtime]") {
+  // Each side fills the other's receives and then takes nothing for three
+  // keepalives: both are down to the credit kept for control messages.
+  // Heartbeats must not spend it (both at once would leave neither able to
+  // return credits), and a peer without credits is not silent.
+  asio::io_context io;
+  ad::connection_options co;
+  co.keepalive = ms(400);
+  co.credits = 4;
+  ad::fabric server(io, test_options(co));
+  ad::fabric client(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  std::array<int, 2> received{};
+  failure f;
+  auto side = [&](ad::connection c, int who) -> awaitable<void> {
+    const std::vector<std::byte> payload(100, std::byte{1});
+    int sent = 0;
+    asio::co_spawn(co_await asio::this_coro::executor, [&c, &sent, &payload]() -> awaitable<void> {
+      for (int i = 0; i < 20; ++i) {
+        co_await c.async_send(asio::buffer(payload), use_awaitable);
+        ++sent;
+      }
+    }, f.handler());
+    co_await sleep_for(ms(1200));
+    for (int i = 0; i < 20; ++i) {
+      ad::message m = co_await c.async_receive(use_awaitable);
+      if (m.size() == 100) ++received[static_cast<std::size_t>(who)];
+    }
+    while (sent < 20) co_await sleep_for(ms(5));
+    co_await sleep_for(ms(100));
+  };
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    co_await side(co_await acc.async_accept(use_awaitable), 0);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    co_await side(co_await client.async_connect(addr(acc), use_awaitable), 1);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(received[0] == 20);
+  CHECK(received[1] == 20);
+}
+
+TEST_CASE("liveness: keepalive is 0 or 200 ms to 1 h", "[runtime]") {
+  asio::io_context io;
+  for (const ms bad : {ms(1), ms(199), ms(3600001)}) {
+    INFO(bad.count() << " ms");
+    ad::connection_options co;
+    co.keepalive = bad;
+    CHECK_THROWS_AS(ad::fabric(io, test_options(co)), std::system_error);
+  }
+  for (const ms good : {ms(0), ms(200), ms(3600000)}) {
+    ad::connection_options co;
+    co.keepalive = good;
+    CHECK_NOTHROW(ad::fabric(io, test_options(co)));
+  }
+}
