@@ -165,7 +165,7 @@ std::unique_ptr<device> open_device(const device_options& options) {
     if (!name.empty() && name != "tcp0") {
       throw std::system_error(errc::no_device, "tcp provider: no device named '" + name + "' (it has tcp0)");
     }
-    return std::make_unique<tcp::tcp_device>("tcp0");
+    return std::make_unique<tcp::tcp_device>("tcp0", tcp::faults_from_environment());
   }
   if (provider == "verbs") {
 #ifdef ANYDOOR_HAVE_VERBS

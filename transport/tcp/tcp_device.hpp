@@ -12,7 +12,8 @@ namespace anydoor::transport::tcp {
 
 class tcp_device final : public device {
  public:
-  explicit tcp_device(std::string name) : name_(std::move(name)), caps_(make_caps()) {}
+  // faults: what its queue pairs inject (faults.hpp); inactive by default.
+  explicit tcp_device(std::string name, fault_plan faults = {});
   std::string_view provider() const noexcept override { return "tcp"; }
   std::string_view name() const noexcept override { return name_; }
   const capabilities& caps() const noexcept override { return caps_; }
@@ -30,7 +31,7 @@ class tcp_device final : public device {
   static capabilities make_caps() noexcept;
   std::string name_;
   capabilities caps_;
-  std::shared_ptr<rnr_totals> totals_ = std::make_shared<rnr_totals>();
+  std::shared_ptr<device_state> shared_ = std::make_shared<device_state>();
 };
 
 }  // namespace anydoor::transport::tcp

@@ -125,7 +125,7 @@ std::unique_ptr<memory_region> tcp_pd::register_memory(void* addr, std::size_t l
 }
 
 std::unique_ptr<queue_pair> tcp_pd::create_qp(const qp_attributes& attr) {
-  return std::make_unique<tcp_qp>(*table_, attr, totals_);
+  return std::make_unique<tcp_qp>(*table_, attr, shared_);
 }
 
 // ---------------------------------------------------------------- completion queue
@@ -284,6 +284,13 @@ std::size_t tcp_cq::ack_events() noexcept {
 
 // ---------------------------------------------------------------- device
 
+tcp_device::tcp_device(std::string name, fault_plan faults) : name_(std::move(name)), caps_(make_caps()) {
+  shared_->faults = faults;
+  if (faults.active()) {
+    log().warn("tcp provider: fault injection is on ({}={})", kFaultsVariable, to_string(faults));
+  }
+}
+
 capabilities tcp_device::make_caps() noexcept {
   capabilities c;
   c.max_qp_wr = 1u << 15;
@@ -298,12 +305,12 @@ capabilities tcp_device::make_caps() noexcept {
   return c;
 }
 
-std::unique_ptr<protection_domain> tcp_device::alloc_pd() { return std::make_unique<tcp_pd>(totals_); }
+std::unique_ptr<protection_domain> tcp_device::alloc_pd() { return std::make_unique<tcp_pd>(shared_); }
 
 device_counters tcp_device::counters() const {
-  return {.rnr_naks_sent = totals_->sent.load(std::memory_order_relaxed),
-          .rnr_naks_received = totals_->received.load(std::memory_order_relaxed),
-          .rnr_retry_exceeded = totals_->retry_exceeded.load(std::memory_order_relaxed),
+  return {.rnr_naks_sent = shared_->sent.load(std::memory_order_relaxed),
+          .rnr_naks_received = shared_->received.load(std::memory_order_relaxed),
+          .rnr_retry_exceeded = shared_->retry_exceeded.load(std::memory_order_relaxed),
           .source = "tcp provider (the device's queue pairs)"};
 }
 

@@ -7,6 +7,7 @@
 
 #include <anydoor/transport/provider.hpp>
 
+#include "tcp/faults.hpp"
 #include "tcp/wire.hpp"
 
 #include <sys/uio.h>
@@ -86,26 +87,29 @@ class tcp_mr final : public memory_region {
   std::shared_ptr<registration_table> table_;
 };
 
-// A device's RNR counters, summed over its queue pairs (any thread).
-struct rnr_totals {
+// What a device's queue pairs share: RNR counters summed over them (any
+// thread), and the faults to inject (see faults.hpp).
+struct device_state {
   std::atomic<std::uint64_t> sent{0};
   std::atomic<std::uint64_t> received{0};
   std::atomic<std::uint64_t> retry_exceeded{0};
+  fault_plan faults;
+  std::atomic<std::uint32_t> connected{0};  // queue pairs that attached a socket, for fault_plan::qp
 };
 
 class tcp_pd final : public protection_domain {
  public:
-  explicit tcp_pd(std::shared_ptr<rnr_totals> totals = std::make_shared<rnr_totals>())
-      : totals_(std::move(totals)) {}
+  explicit tcp_pd(std::shared_ptr<device_state> shared = std::make_shared<device_state>())
+      : shared_(std::move(shared)) {}
   // Deterministic keys (see registration_table); for fuzzing only.
   explicit tcp_pd(std::uint32_t generation)
-      : table_(std::make_shared<registration_table>(generation)), totals_(std::make_shared<rnr_totals>()) {}
+      : table_(std::make_shared<registration_table>(generation)), shared_(std::make_shared<device_state>()) {}
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
 
  private:
   std::shared_ptr<registration_table> table_ = std::make_shared<registration_table>();
-  std::shared_ptr<rnr_totals> totals_;
+  std::shared_ptr<device_state> shared_;
 };
 
 class tcp_cq final : public completion_queue {
@@ -160,7 +164,7 @@ class tcp_cq final : public completion_queue {
 class tcp_qp final : public queue_pair {
  public:
   tcp_qp(const registration_table& table, const qp_attributes& attr,
-         std::shared_ptr<rnr_totals> totals = std::make_shared<rnr_totals>());
+         std::shared_ptr<device_state> shared = std::make_shared<device_state>());
   ~tcp_qp() override;
 
   std::uint32_t qp_num() const noexcept override { return qpn_; }
@@ -193,10 +197,12 @@ class tcp_qp final : public queue_pair {
   bool has_pending_work() const noexcept {
     if (!wants_progress()) return false;
     const bool input = phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_;
-    return input || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
+    return (input && !rx_stalled_) || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
   }
 
  private:
+  using clock = std::chrono::steady_clock;
+  using clock_point = clock::time_point;
   struct sq_entry {
     work_request wr;               // sg_list points into sges_ (or inline_)
     std::uint32_t psn = 0;
@@ -234,6 +240,7 @@ class tcp_qp final : public queue_pair {
   enum class iov_kind : std::uint8_t { plain, request_payload, read_payload, read_end };
   struct iov_ref {
     iov_kind kind = iov_kind::plain;
+    bool header = false;         // the first iovec of a frame
     std::uint32_t key = 0;       // request_payload (lkey), read_payload (rkey)
     std::uint64_t resp = 0;      // read_payload, read_end: the response's ring position
   };
@@ -249,11 +256,17 @@ class tcp_qp final : public queue_pair {
   void queue_response(const frame_header& h) noexcept;
   void queue_read_response(const frame_header& request) noexcept;
   void add_iov(const void* p, std::size_t n, iov_ref ref) noexcept;
+  void add_header(const void* p, iov_ref ref) noexcept;
+  void add_header(const void* p) noexcept;
   bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
   bool pin_iov() noexcept;                                  // false: the stream must be cut
   void unpin_iov() noexcept;
   void poison_read(std::uint64_t pos) noexcept;
   bool iov_holds_requests() const noexcept;
+  // fault injection (faults_ set): applied to each new transmit batch
+  void inject_tx_faults() noexcept;
+  bool tx_held(clock_point now) noexcept;  // delay: not yet
+  void begin_rx_stall() noexcept;
   void check_fatal() noexcept;
   void update_interest() noexcept;
   bool only_ack_pending() const noexcept;
@@ -293,7 +306,7 @@ class tcp_qp final : public queue_pair {
   std::atomic<bool> live_{false};
   bool close_when_flushed_ = false;
   qp_counters counters_;
-  std::shared_ptr<rnr_totals> totals_;  // the device's
+  std::shared_ptr<device_state> shared_;  // the device's
   path_info path_;                      // the socket's addresses, from attach_socket
 
   // send queue: [head_, ack_) acknowledged but not yet retired (unsignaled),
@@ -334,6 +347,7 @@ class tcp_qp final : public queue_pair {
   std::size_t npinned_ = 0;
   std::size_t iov_count_ = 0, iov_pos_ = 0;
   bool want_write_ = false;
+  bool want_read_ = true;
 
   // receive: staging buffer and the current frame
   std::vector<std::byte> rx_buf_;
@@ -350,6 +364,15 @@ class tcp_qp final : public queue_pair {
   std::uint64_t rd_done_ = 0;
   std::size_t rd_sge_ = 0;
   std::uint64_t rd_off_ = 0;
+
+  // fault injection: the device's plan when it applies to this queue pair
+  const fault_plan* faults_ = nullptr;
+  std::uint64_t frames_sent_ = 0, frames_received_ = 0;
+  bool cut_pending_ = false;     // the batch ends at the cut: close once it is out
+  bool rx_stalled_ = false;      // stop_reading: the socket is not read
+  bool rx_stall_done_ = false;
+  clock_point tx_hold_until_{}, rx_stall_until_{};
+  std::array<std::byte, kHeaderSize> corrupt_hdr_{};
 };
 
 }  // namespace anydoor::transport::tcp

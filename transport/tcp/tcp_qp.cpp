@@ -76,8 +76,8 @@ void check_attr(const qp_attributes& a) {
 
 }  // namespace
 
-tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::shared_ptr<rnr_totals> totals)
-    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)), totals_(std::move(totals)) {
+tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::shared_ptr<device_state> shared)
+    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)), shared_(std::move(shared)) {
   check_attr(attr_);
   sq_.resize(attr_.max_send_wr);
   sq_sges_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
@@ -166,6 +166,16 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
   fatal_pending_ = false;
   reset_stream();
   want_write_ = false;
+  want_read_ = true;
+  const std::uint32_t ordinal = shared_->connected.fetch_add(1, std::memory_order_relaxed) + 1;
+  faults_ = shared_->faults.applies_to(ordinal) ? &shared_->faults : nullptr;
+  frames_sent_ = frames_received_ = 0;
+  cut_pending_ = rx_stalled_ = rx_stall_done_ = false;
+  tx_hold_until_ = rx_stall_until_ = {};
+  if (faults_ != nullptr) {
+    log().warn("qp {}: fault injection for this queue pair (connection {} of the device): {}", qpn_, ordinal,
+               to_string(*faults_));
+  }
   log().debug("qp {}: {} -> rts (connected)", qpn_, to_string(state_));
   state_ = qp_state::rts;
   static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, false);

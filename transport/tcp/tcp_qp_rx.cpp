@@ -64,7 +64,26 @@ void tcp_qp::on_events(std::uint32_t /*events*/) noexcept {
 }
 
 void tcp_qp::on_timer(std::chrono::steady_clock::time_point now) noexcept {
-  if (!wants_progress() || !rnr_waiting_) return;
+  if (!wants_progress()) return;
+  if (faults_ != nullptr) {
+    if (rx_stalled_ && faults_->stall_ms != 0) {
+      if (now < rx_stall_until_) {
+        static_cast<tcp_cq*>(attr_.send_cq)->schedule(rx_stall_until_);
+      } else {
+        rx_stalled_ = false;
+        log().warn("qp {}: fault injection: reads again", qpn_);
+        update_interest();
+        progress();
+        if (!wants_progress()) return;
+      }
+    }
+    if (tx_hold_until_ != clock_point{}) {
+      flush();  // sends the held batch, or schedules the timer again
+      check_fatal();
+      if (!wants_progress()) return;
+    }
+  }
+  if (!rnr_waiting_) return;
   if (now < rnr_until_) {
     static_cast<tcp_cq*>(attr_.send_cq)->schedule(rnr_until_);
     return;
@@ -99,6 +118,12 @@ void tcp_qp::receive() noexcept {
   // A NAK that ends a poisoned read is on its way: the queue pair goes to
   // error once it is out, so no later request may execute meanwhile.
   for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;) {
+    if (faults_ != nullptr && phase_ == rx_phase::header) {
+      if (!rx_stall_done_ && faults_->stop_reading_after && frames_received_ >= *faults_->stop_reading_after) {
+        begin_rx_stall();
+      }
+      if (rx_stalled_) return;
+    }
     if (phase_ == rx_phase::header) {
       if (rx_end_ - rx_begin_ < kHeaderSize) {
         if (rx_begin_ > 0) {
@@ -135,6 +160,7 @@ void tcp_qp::receive() noexcept {
       }
       rx_begin_ += kHeaderSize;
       ++frames;
+      ++frames_received_;
       seg_count_ = seg_index_ = 0;
       payload_left_ = cur_.length;
       after_ = after_payload::none;
@@ -321,7 +347,7 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
 // requests after it are dropped until the requester sends it again.
 bool tcp_qp::rnr_nak(std::uint32_t psn) noexcept {
   ++counters_.rnr_naks_sent;
-  totals_->sent.fetch_add(1, std::memory_order_relaxed);
+  shared_->sent.fetch_add(1, std::memory_order_relaxed);
   rnr_discard_ = true;
   nak(psn, nak_code::rnr, false);
   return true;
@@ -461,10 +487,10 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
       const auto code = static_cast<nak_code>(h.imm);
       if (code == nak_code::rnr) {
         ++counters_.rnr_naks_received;
-        totals_->received.fetch_add(1, std::memory_order_relaxed);
+        shared_->received.fetch_add(1, std::memory_order_relaxed);
         if (attr_.rnr_retry != 7) {
           if (rnr_left_ == 0) {
-            totals_->retry_exceeded.fetch_add(1, std::memory_order_relaxed);
+            shared_->retry_exceeded.fetch_add(1, std::memory_order_relaxed);
             log().warn("qp {}: receiver not ready, {} retries exhausted", qpn_, attr_.rnr_retry);
             close_when_flushed_ = false;
             enter_error(wc_status::rnr_retry_exceeded);

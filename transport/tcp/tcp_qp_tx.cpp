@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 namespace anydoor::transport::tcp {
 using namespace detail;
@@ -40,6 +41,13 @@ void tcp_qp::add_iov(const void* p, std::size_t n, iov_ref ref) noexcept {
   iov_[iov_count_++] = {const_cast<void*>(p), n};
 }
 
+void tcp_qp::add_header(const void* p, iov_ref ref) noexcept {
+  ref.header = true;
+  add_iov(p, kHeaderSize, ref);
+}
+
+void tcp_qp::add_header(const void* p) noexcept { add_header(p, iov_ref{}); }
+
 bool tcp_qp::fill_iov() noexcept {
   frag_used_ = 0;
   const std::size_t cap = resp_.size();
@@ -49,7 +57,7 @@ bool tcp_qp::fill_iov() noexcept {
       if (!fill_read(r, resp_queued_)) return true;
     } else {
       if (iov_count_ + 1 > kMaxIov) return iov_count_ > 0;
-      add_iov(r.header.data(), kHeaderSize, {});
+      add_header(r.header.data());
     }
     ++resp_queued_;
   }
@@ -71,13 +79,13 @@ bool tcp_qp::fill_iov() noexcept {
       if (rd_atomic_out_ >= kMaxReadAtomic) break;  // sent when earlier ones are answered
       ++rd_atomic_out_;
     }
-    add_iov(e.header.data(), kHeaderSize, {});
+    add_header(e.header.data());
     if (carries_data(e.wr.op)) {
       for (const sge& s : e.wr.sg_list) {
         if (s.length == 0) continue;
         // Inline data lives in the provider (lkey 0); the rest is pinned per sendmsg.
         add_iov(reinterpret_cast<const void*>(s.addr), s.length,
-            {e.wr.inline_data ? iov_kind::plain : iov_kind::request_payload, s.lkey, 0});
+            {e.wr.inline_data ? iov_kind::plain : iov_kind::request_payload, false, s.lkey, 0});
       }
     }
     ++sq_tx_;
@@ -96,7 +104,7 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   if (r.poisoned) {
     if (iov_count_ + 1 > kMaxIov) return false;
     encode(nak_header(r.h.psn, nak_code::remote_access), r.header);
-    add_iov(r.header.data(), kHeaderSize, {});
+    add_header(r.header.data());
     fatal_pending_ = true;
     return true;
   }
@@ -110,8 +118,8 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
     f.remote_addr = r.offset;
     auto& hdr = frag_hdr_[frag_used_++];
     encode(f, hdr);
-    add_iov(hdr.data(), kHeaderSize, {});
-    add_iov(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, r.key, pos});
+    add_header(hdr.data());
+    add_iov(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, false, r.key, pos});
     r.addr += n;
     r.offset += n;
     r.left -= n;
@@ -124,7 +132,7 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   last.remote_addr = r.offset;
   auto& hdr = frag_hdr_[frag_used_++];
   encode(last, hdr);
-  add_iov(hdr.data(), kHeaderSize, {iov_kind::read_end, 0, pos});
+  add_header(hdr.data(), {iov_kind::read_end, false, 0, pos});
   return true;
 }
 
@@ -198,6 +206,11 @@ void tcp_qp::check_fatal() noexcept {
 void tcp_qp::flush() noexcept {
   while (fd_ >= 0) {
     if (iov_pos_ == iov_count_) {
+      if (cut_pending_) {
+        cut_pending_ = false;
+        peer_gone("fault injection: connection cut after " + std::to_string(frames_sent_) + " frames");
+        return;
+      }
       resp_head_ = resp_queued_;
       iov_count_ = iov_pos_ = 0;
       if (rewind_pending_) {
@@ -215,7 +228,9 @@ void tcp_qp::flush() noexcept {
         return;
       }
       if (!fill_iov()) break;
+      if (faults_ != nullptr) inject_tx_faults();
     }
+    if (faults_ != nullptr && tx_held(std::chrono::steady_clock::now())) break;
     if (!pin_iov()) {
       log().warn("qp {}: memory of a request in flight was deregistered; the connection is cut", qpn_);
       close_when_flushed_ = false;
@@ -248,18 +263,71 @@ void tcp_qp::flush() noexcept {
   }
   if (rx_paused_ && resp_tail_ - resp_head_ < resp_.size()) {
     rx_paused_ = false;  // room again: read on (what arrived meanwhile waits in the socket)
-    want_write_ = !want_write_;  // force the update below
   }
   update_interest();
 }
 
 void tcp_qp::update_interest() noexcept {
   if (fd_ < 0) return;
-  const bool want = iov_pos_ < iov_count_;
-  if (want == want_write_ && !rx_paused_) return;
+  // A batch held back by an injected delay waits for the timer, not for room.
+  const bool want = iov_pos_ < iov_count_ && !(faults_ != nullptr && tx_hold_until_ != clock_point{});
+  const bool read = !rx_paused_ && !rx_stalled_;
+  if (want == want_write_ && read == want_read_) return;
   want_write_ = want;
-  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want, !rx_paused_);
-  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want, !rx_paused_);
+  want_read_ = read;
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want, read);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want, read);
+}
+
+// ---------------------------------------------------------------- fault injection
+
+// A new batch: counts its frames, corrupts or cuts where the plan says,
+// and starts its delay.
+void tcp_qp::inject_tx_faults() noexcept {
+  const fault_plan& f = *faults_;
+  for (std::size_t i = 0; i < iov_count_; ++i) {
+    if (!iov_ref_[i].header) continue;
+    ++frames_sent_;
+    if (f.corrupt && frames_sent_ == *f.corrupt) {
+      // A header the peer's checks refuse (its version byte inverted).
+      std::memcpy(corrupt_hdr_.data(), iov_[i].iov_base, kHeaderSize);
+      corrupt_hdr_[0] = ~corrupt_hdr_[0];
+      iov_[i].iov_base = corrupt_hdr_.data();
+      log().warn("qp {}: fault injection: frame {} goes out corrupt", qpn_, frames_sent_);
+    }
+    if (f.cut_after && frames_sent_ == *f.cut_after) {
+      std::size_t end = i + 1;  // this frame's payload still goes
+      while (end < iov_count_ && !iov_ref_[end].header) ++end;
+      iov_count_ = end;
+      cut_pending_ = true;
+      break;
+    }
+  }
+  if (f.delay_ms != 0) tx_hold_until_ = clock::now() + std::chrono::milliseconds(f.delay_ms);
+}
+
+// True while the batch waits out its injected delay (the timer flushes it).
+bool tcp_qp::tx_held(clock_point now) noexcept {
+  if (tx_hold_until_ == clock_point{}) return false;
+  if (now < tx_hold_until_) {
+    static_cast<tcp_cq*>(attr_.send_cq)->schedule(tx_hold_until_);
+    update_interest();
+    return true;
+  }
+  tx_hold_until_ = {};
+  return false;
+}
+
+void tcp_qp::begin_rx_stall() noexcept {
+  rx_stalled_ = true;
+  rx_stall_done_ = true;
+  log().warn("qp {}: fault injection: stops reading after {} frames{}", qpn_, frames_received_,
+             faults_->stall_ms != 0 ? " for " + std::to_string(faults_->stall_ms) + " ms" : std::string{});
+  if (faults_->stall_ms != 0) {
+    rx_stall_until_ = clock::now() + std::chrono::milliseconds(faults_->stall_ms);
+    static_cast<tcp_cq*>(attr_.send_cq)->schedule(rx_stall_until_);
+  }
+  update_interest();
 }
 
 void tcp_qp::queue_response(const frame_header& h) noexcept {

@@ -1,0 +1,427 @@
+// Faults injected into the tcp provider (ANYDOOR_TCP_FAULTS, see
+// transport/tcp/faults.hpp) under the runtime: a connection cut after N
+// frames, a corrupt frame, delayed frames, and a peer that stops reading.
+// For each: every operation completes exactly once; what succeeded arrived
+// (in order, intact); other connections carry on; a new connection to the
+// same peer works. The sanitizer build adds LeakSanitizer's verdict.
+#include "../support/runtime.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+
+using namespace anydoor::test;
+namespace asio = boost::asio;
+namespace ad = anydoor;
+using asio::awaitable;
+using asio::use_awaitable;
+using ms = std::chrono::milliseconds;
+
+namespace {
+
+constexpr const char* kVariable = "ANYDOOR_TCP_FAULTS";
+constexpr std::size_t kTargetSize = std::size_t{1} << 20;
+constexpr std::size_t kPutArea = kTargetSize / 2;           // puts land in [0, kPutArea)
+constexpr std::size_t kCounterAt = kTargetSize - 8;         // fetch_add's word
+constexpr std::size_t kSmall = 200, kLarge = 300 * 1024, kChunk = 4096;
+constexpr std::uint32_t kDone = 0xffffffffu;                // the sender's last message
+
+awaitable<void> sleep_for(ms d) {
+  asio::steady_timer t(co_await asio::this_coro::executor, d);
+  co_await t.async_wait(use_awaitable);
+}
+
+// A fabric whose device reads `spec` from the environment when it opens.
+std::unique_ptr<ad::fabric> faulty_fabric(asio::io_context& io, const char* spec,
+                                          const ad::fabric_options& o = test_options()) {
+  REQUIRE(::setenv(kVariable, spec, 1) == 0);
+  std::unique_ptr<ad::fabric> f;
+  try {
+    f = std::make_unique<ad::fabric>(io, o);
+  } catch (...) {
+    ::unsetenv(kVariable);
+    throw;
+  }
+  ::unsetenv(kVariable);
+  return f;
+}
+
+std::size_t rss_kib() {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      std::size_t v = 0;
+      in >> v;
+      return v;
+    }
+    in.ignore(4096, '\n');
+  }
+  return 0;
+}
+
+std::vector<std::byte> message_bytes(std::uint32_t seq, std::size_t n) {
+  std::vector<std::byte> m = pattern(n, seq);
+  std::memcpy(m.data(), &seq, 4);
+  return m;
+}
+
+// The accepting side of one connection: sends its region, then checks
+// every message (sequence and content) until the connection ends or the
+// sender says it is done.
+struct target {
+  std::vector<std::byte> mem = std::vector<std::byte>(kTargetSize);
+  std::optional<ad::memory_region> mr;
+  std::uint32_t next_seq = 0;  // messages received in order so far
+  bool bad_message = false;
+  bool done = false;
+  ad::error_code ended;
+  ad::connection conn;
+
+  awaitable<void> serve() {
+    const auto packed = mr->remote().pack();
+    auto [ec0, n0] = co_await conn.async_send(asio::buffer(packed), asio::as_tuple(use_awaitable));
+    if (ec0) {
+      ended = ec0;
+      co_return;
+    }
+    for (;;) {
+      auto [ec, m] = co_await conn.async_receive(asio::as_tuple(use_awaitable));
+      if (ec) {
+        ended = ec;
+        co_return;
+      }
+      std::uint32_t seq = 0;
+      if (m.size() >= 4) std::memcpy(&seq, m.data(), 4);
+      if (m.size() == 4 && seq == kDone) {
+        done = true;
+        co_return;
+      }
+      const std::size_t expect = next_seq % 3 == 2 ? kLarge : kSmall;
+      if (seq != next_seq || m.size() != expect || message_bytes(seq, m.size()) != std::vector<std::byte>(m.bytes().begin(), m.bytes().end())) {
+        bad_message = true;
+        co_return;
+      }
+      ++next_seq;
+    }
+  }
+};
+
+// The connecting side: a mix of operations all in flight at once, each
+// recorded as it completes.
+struct traffic {
+  static constexpr std::size_t kOps = 150;
+  enum kind { send, put, get, add };
+  struct op {
+    kind k{};
+    std::uint32_t seq = 0;          // send: its sequence number
+    std::size_t offset = 0;         // put, get: where in the target
+    std::vector<std::byte> data;    // send, put: what goes; get: where it lands
+    int completions = 0;
+    ad::error_code ec;
+  };
+  std::vector<op> ops = std::vector<op>(kOps);
+  std::size_t finished = 0;
+  ad::connection conn;
+  ad::remote_region region;
+  const std::vector<std::byte> get_source = pattern(kPutArea - 8, 777);  // the target's upper half
+
+  static kind kind_of(std::size_t i) {
+    static constexpr kind cycle[] = {send, put, send, get, send, add};
+    return cycle[i % 6];
+  }
+
+  auto recorder(std::size_t i) {
+    return [this, i](ad::error_code ec, auto&&...) {
+      ++ops[i].completions;
+      ops[i].ec = ec;
+      ++finished;
+    };
+  }
+
+  awaitable<void> run(ms settle = ms(200)) {
+    auto [ec, m] = co_await conn.async_receive(asio::as_tuple(use_awaitable));
+    REQUIRE_FALSE(ec);
+    REQUIRE_FALSE(ad::remote_region::unpack(m.bytes(), region));
+    std::uint32_t seq = 0;
+    for (std::size_t i = 0; i < kOps; ++i) {
+      op& o = ops[i];
+      o.k = kind_of(i);
+      switch (o.k) {
+        case send:
+          o.seq = seq++;
+          o.data = message_bytes(o.seq, o.seq % 3 == 2 ? kLarge : kSmall);
+          conn.async_send(asio::buffer(o.data), recorder(i));
+          break;
+        case put:
+          o.offset = (i * kChunk) % kPutArea;
+          o.data = pattern(kChunk, static_cast<std::uint32_t>(1000 + i));
+          conn.async_put(asio::buffer(o.data), region.at(o.offset, kChunk), recorder(i));
+          break;
+        case get:
+          o.offset = kPutArea + (i * 97) % (kPutArea - 8 - kChunk);
+          o.data.assign(kChunk, std::byte{0});
+          conn.async_get(asio::buffer(o.data), region.at(o.offset, kChunk), recorder(i));
+          break;
+        case add:
+          conn.async_fetch_add(region.at(kCounterAt, 8), 1, recorder(i));
+          break;
+      }
+    }
+    for (int waited = 0; finished < kOps && waited < 3000; ++waited) co_await sleep_for(ms(10));
+    co_await sleep_for(settle);  // nothing completes twice
+    if (conn.is_open()) {
+      const std::uint32_t done = kDone;
+      co_await conn.async_send(asio::buffer(&done, 4), asio::as_tuple(use_awaitable));
+    }
+  }
+
+  std::size_t failed() const {
+    std::size_t n = 0;
+    for (const op& o : ops) n += o.ec ? 1u : 0u;
+    return n;
+  }
+};
+
+// Checks one connection's outcome: every operation completed exactly once;
+// the target took a prefix of the messages, in order and intact; each
+// rendezvous send that succeeded arrived (an eager send completes once
+// posted: success says nothing about delivery), each successful put is in
+// the target, each successful get read the target's bytes; the counter
+// counts at least the successful adds and at most all of them.
+void check(const traffic& t, const target& g, bool expect_all_ok) {
+  REQUIRE(t.finished == traffic::kOps);
+  std::size_t adds_ok = 0, adds = 0;
+  std::uint32_t sends = 0;
+  for (const auto& o : t.ops) {
+    REQUIRE(o.completions == 1);
+    if (expect_all_ok) CHECK_FALSE(o.ec);
+    switch (o.k) {
+      case traffic::send:
+        ++sends;
+        if (!o.ec && o.data.size() == kLarge) CHECK(g.next_seq > o.seq);
+        break;
+      case traffic::put:
+        if (!o.ec) CHECK(std::memcmp(g.mem.data() + o.offset, o.data.data(), kChunk) == 0);
+        break;
+      case traffic::get:
+        if (!o.ec) CHECK(std::memcmp(o.data.data(), t.get_source.data() + (o.offset - kPutArea), kChunk) == 0);
+        break;
+      case traffic::add:
+        ++adds;
+        adds_ok += o.ec ? 0u : 1u;
+        break;
+    }
+  }
+  CHECK_FALSE(g.bad_message);  // what arrived is in order and intact
+  std::uint64_t counter = 0;
+  std::memcpy(&counter, g.mem.data() + kCounterAt, 8);
+  CHECK(counter >= adds_ok);
+  CHECK(counter <= adds);
+  if (expect_all_ok) {
+    CHECK(g.done);
+    CHECK(g.next_seq == sends);
+  }
+}
+
+// A server fabric and a client fabric on one io_context; connections made
+// one at a time, so the client device numbers them 1, 2, 3 (fault_plan::qp).
+struct setup {
+  asio::io_context io;
+  std::unique_ptr<ad::fabric> server, client;
+  std::optional<ad::acceptor> acc;
+  std::vector<std::unique_ptr<target>> targets;
+  std::vector<std::unique_ptr<traffic>> clients;
+
+  setup(const char* server_faults, const char* client_faults, const ad::fabric_options& server_options = test_options()) {
+    server = faulty_fabric(io, server_faults, server_options);
+    client = faulty_fabric(io, client_faults);
+    acc.emplace(server->listen(test_host(), 0));
+  }
+  ~setup() {
+    for (auto& t : targets) t->conn = {};
+    for (auto& c : clients) c->conn = {};
+    io.restart();
+    io.run_for(std::chrono::seconds(10));
+  }
+  setup(const setup&) = delete;
+  setup& operator=(const setup&) = delete;
+
+  // Connects one more pair; returns its index.
+  std::size_t connect() {
+    auto g = std::make_unique<target>();
+    g->mr.emplace(server->register_memory(
+        g->mem, ad::access::local_write | ad::access::remote_write | ad::access::remote_read | ad::access::remote_atomic));
+    const auto upper = pattern(kPutArea - 8, 777);
+    std::memcpy(g->mem.data() + kPutArea, upper.data(), upper.size());
+    auto t = std::make_unique<traffic>();
+    failure f;
+    asio::co_spawn(io, [&]() -> awaitable<void> { g->conn = co_await acc->async_accept(use_awaitable); }, f.handler());
+    asio::co_spawn(io, [&]() -> awaitable<void> {
+      t->conn = co_await client->async_connect(addr(*acc), use_awaitable);
+    }, f.handler());
+    run_to_completion(io, std::chrono::seconds(20));
+    f.check();
+    targets.push_back(std::move(g));
+    clients.push_back(std::move(t));
+    return targets.size() - 1;
+  }
+
+  // Runs the traffic of the given pairs together.
+  void run(std::initializer_list<std::size_t> which, ms settle = ms(200)) {
+    failure f;
+    for (std::size_t i : which) {
+      asio::co_spawn(io, targets[i]->serve(), f.handler());
+      asio::co_spawn(io, clients[i]->run(settle), f.handler());
+    }
+    run_to_completion(io, std::chrono::seconds(60));
+    f.check();
+  }
+};
+
+// The common shape: connection 1 has the fault, connection 2 runs beside
+// it untouched, connection 3 (opened afterwards, same peer) works.
+void faulty_first_then_fresh(const char* server_faults, const char* client_faults, bool first_fails) {
+  setup s(server_faults, client_faults);
+  const std::size_t a = s.connect(), b = s.connect();
+  s.run({a, b});
+  const std::size_t failed = s.clients[a]->failed();
+  INFO("faulty connection: " << failed << " of " << traffic::kOps << " operations failed");
+  if (first_fails) {
+    CHECK(failed > 0);
+    CHECK_FALSE(s.clients[a]->conn.is_open());
+  }
+  check(*s.clients[a], *s.targets[a], !first_fails);
+  check(*s.clients[b], *s.targets[b], true);
+  const std::size_t c = s.connect();
+  s.run({c});
+  check(*s.clients[c], *s.targets[c], true);
+}
+
+}  // namespace
+
+TEST_CASE("faults: a connection cut after N frames fails every pending operation once, the others carry on",
+          "[runtime][faults]") {
+  // The client's 30th frame is its last: the cut lands mid-traffic.
+  faulty_first_then_fresh("", "cut=30,qp=1", true);
+}
+
+TEST_CASE("faults: a corrupt frame fails its connection (the peer refuses it), the others carry on",
+          "[runtime][faults]") {
+  faulty_first_then_fresh("", "corrupt=25,qp=1", true);
+}
+
+TEST_CASE("faults: a corrupt response frame from the target fails the initiator's connection",
+          "[runtime][faults]") {
+  // The server's 20th frame: an ACK, a read response or an atomic response.
+  faulty_first_then_fresh("corrupt=20,qp=1", "", true);
+}
+
+TEST_CASE("faults: delayed frames arrive late, intact and in order, on that connection only", "[runtime][faults]") {
+  setup s("", "delay=60,qp=1");
+  const std::size_t a = s.connect(), b = s.connect();
+  // One round trip on each: the delayed one takes at least the delay.
+  ms rtt[2]{};
+  failure f;
+  for (std::size_t i : {a, b}) {
+    asio::co_spawn(s.io, [&, i]() -> awaitable<void> {
+      std::array<std::byte, 8> ping{};
+      const auto t0 = std::chrono::steady_clock::now();
+      co_await s.clients[i]->conn.async_send(asio::buffer(ping), use_awaitable);
+      ad::message m = co_await s.targets[i]->conn.async_receive(use_awaitable);
+      co_await s.targets[i]->conn.async_send(m.buffer(), use_awaitable);
+      ad::message back = co_await s.clients[i]->conn.async_receive(use_awaitable);
+      rtt[i] = std::chrono::duration_cast<ms>(std::chrono::steady_clock::now() - t0);
+      CHECK(back.size() == 8);
+    }, f.handler());
+  }
+  run_to_completion(s.io, std::chrono::seconds(20));
+  f.check();
+  INFO("round trip: delayed " << rtt[a].count() << " ms, other " << rtt[b].count() << " ms");
+  CHECK(rtt[a] >= ms(60));
+  CHECK(rtt[b] < ms(60));
+  s.run({a, b});
+  check(*s.clients[a], *s.targets[a], true);
+  check(*s.clients[b], *s.targets[b], true);
+}
+
+TEST_CASE("faults: a peer that stops reading for a while backs its sender up by flow control, without memory "
+          "growth, and everything arrives once it reads again",
+          "[runtime][faults]") {
+  // The server's first connection reads 10 frames, then nothing for 1.5 s.
+  setup s("stop_reading=10,stall=1500,qp=1", "");
+  const std::size_t a = s.connect(), b = s.connect();
+  // Sample the process's memory while the stalled connection's sender is
+  // backed up (the untouched one runs meanwhile).
+  std::size_t rss_early = 0, rss_late = 0, done_early = 0, done_late = 0;
+  failure f;
+  asio::co_spawn(s.io, [&]() -> awaitable<void> {
+    co_await sleep_for(ms(400));
+    rss_early = rss_kib();
+    done_early = s.clients[a]->finished;
+    co_await sleep_for(ms(700));
+    rss_late = rss_kib();
+    done_late = s.clients[a]->finished;
+  }, f.handler());
+  s.run({a, b});
+  f.check();
+  INFO("stalled sender: " << done_early << " then " << done_late << " of " << traffic::kOps
+                          << " done; RSS " << rss_early << " KiB then " << rss_late << " KiB");
+  CHECK(done_early == done_late);        // nothing moved during the stall
+  CHECK(done_early < traffic::kOps);
+  CHECK(rss_late <= rss_early + 4096);   // the backlog stays where it was (the senders' own buffers)
+  check(*s.clients[a], *s.targets[a], true);
+  check(*s.clients[b], *s.targets[b], true);
+}
+
+TEST_CASE("faults: a peer that never reads again leaves its sender's operations pending until the sender aborts, "
+          "then each ends once",
+          "[runtime][faults]") {
+  // A 1 s keepalive: the server's end of the aborted connection, which
+  // reads nothing, learns of the abort when its heartbeat finds the socket
+  // closed, instead of after the default 10 s.
+  ad::connection_options co;
+  co.keepalive = ms(1000);
+  setup s("stop_reading=10,qp=1", "", test_options(co));
+  const std::size_t a = s.connect(), b = s.connect();
+  failure f;
+  std::size_t pending_before_close = 0;
+  asio::co_spawn(s.io, [&]() -> awaitable<void> {
+    co_await sleep_for(ms(500));
+    pending_before_close = traffic::kOps - s.clients[a]->finished;
+    s.clients[a]->conn = {};  // aborts: a graceful close would wait for the peer
+  }, f.handler());
+  s.run({a, b});
+  f.check();
+  INFO(pending_before_close << " operations pending when the sender aborted");
+  CHECK(pending_before_close > 0);
+  CHECK(s.clients[a]->failed() >= pending_before_close);
+  check(*s.clients[a], *s.targets[a], false);
+  check(*s.clients[b], *s.targets[b], true);
+  const std::size_t c = s.connect();
+  s.run({c});
+  check(*s.clients[c], *s.targets[c], true);
+}
+
+TEST_CASE("faults: a malformed ANYDOOR_TCP_FAULTS stops the device from opening, naming the item",
+          "[runtime][faults]") {
+  asio::io_context io;
+  try {
+    faulty_fabric(io, "cut=ten");
+    FAIL("a fabric opened with a malformed ANYDOOR_TCP_FAULTS");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == ad::errc::invalid_argument);
+    CHECK(std::string(e.what()).find("cut=ten") != std::string::npos);
+  }
+}

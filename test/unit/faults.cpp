@@ -1,0 +1,77 @@
+// ANYDOOR_TCP_FAULTS: every key parsed, every malformed specification
+// refused with the offending item named.
+#include <anydoor/error.hpp>
+
+#include "tcp/faults.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <system_error>
+
+using anydoor::transport::tcp::fault_plan;
+using anydoor::transport::tcp::parse_faults;
+
+namespace {
+
+std::string refusal(const char* spec) {
+  try {
+    parse_faults(spec);
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == anydoor::errc::invalid_argument);
+    return e.what();
+  }
+  FAIL("accepted: " << spec);
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("fault plan: every key parses and an empty plan is inactive", "[unit][faults]") {
+  const fault_plan none = parse_faults("");
+  CHECK_FALSE(none.active());
+  CHECK_FALSE(none.applies_to(1));
+
+  const fault_plan p = parse_faults("cut=40,delay=5,corrupt=7,stop_reading=0,stall=250,qp=2");
+  REQUIRE(p.cut_after);
+  CHECK(*p.cut_after == 40);
+  CHECK(p.delay_ms == 5);
+  REQUIRE(p.corrupt);
+  CHECK(*p.corrupt == 7);
+  REQUIRE(p.stop_reading_after);
+  CHECK(*p.stop_reading_after == 0);  // from the first frame on
+  CHECK(p.stall_ms == 250);
+  CHECK(p.qp == 2);
+  CHECK(p.active());
+  CHECK_FALSE(p.applies_to(1));
+  CHECK(p.applies_to(2));
+  CHECK_FALSE(p.applies_to(3));
+  CHECK(to_string(p) == "cut=40,delay=5,corrupt=7,stop_reading=0,stall=250,qp=2");
+
+  const fault_plan every = parse_faults("delay=1");
+  CHECK(every.applies_to(1));
+  CHECK(every.applies_to(99));
+  CHECK(to_string(every) == "delay=1");
+}
+
+TEST_CASE("fault plan: malformed specifications are refused, naming the item", "[unit][faults]") {
+  CHECK(refusal("cut").find("'cut': expected key=value") != std::string::npos);
+  CHECK(refusal("cut=").find("not a number") != std::string::npos);
+  CHECK(refusal("cut=1x").find("'cut=1x'") != std::string::npos);
+  CHECK(refusal("cut=-1").find("not a number") != std::string::npos);
+  CHECK(refusal("cut=0").find("must be in 1..") != std::string::npos);
+  CHECK(refusal("corrupt=0").find("must be in 1..") != std::string::npos);
+  CHECK(refusal("delay=0").find("must be in 1..3600000") != std::string::npos);
+  CHECK(refusal("delay=3600001").find("must be in 1..3600000") != std::string::npos);
+  CHECK(refusal("stop_reading=1,stall=0").find("must be in 1..") != std::string::npos);
+  CHECK(refusal("qp=0,cut=1").find("must be in 1..") != std::string::npos);
+  CHECK(refusal("cut=99999999999999999999").find("not a number") != std::string::npos);
+  CHECK(refusal("cut=1,,delay=2").find("an empty item") != std::string::npos);
+  CHECK(refusal("cut=1,").find("an empty item") != std::string::npos);
+  CHECK(refusal("cut=1,cut=2").find("given twice") != std::string::npos);
+  CHECK(refusal("delay=1,delay=2").find("given twice") != std::string::npos);
+  CHECK(refusal("drop=5").find("unknown key") != std::string::npos);
+  CHECK(refusal("stall=100").find("stall needs stop_reading") != std::string::npos);
+  CHECK(refusal("qp=1").find("none is given") != std::string::npos);
+  CHECK(refusal("cut=1,drop=5").find("ANYDOOR_TCP_FAULTS") != std::string::npos);
+}

@@ -1,0 +1,50 @@
+// Fault injection for the tcp provider: what ANYDOOR_TCP_FAULTS asks a
+// device's queue pairs to do wrong, for tests of everything above them.
+// Off unless the variable is set (read when a tcp device is opened).
+//
+//   ANYDOOR_TCP_FAULTS="key=value[,key=value...]"
+//     qp=K            only the K-th queue pair of the device to connect
+//                     (1-based, in connection order); default: every one
+//     cut=N           after sending N frames, the connection is cut (both
+//                     directions: the socket is shut down, as a pulled cable)
+//     delay=MS        every batch of frames waits MS ms before it is sent
+//     corrupt=N       the N-th frame sent goes out with a malformed header
+//     stop_reading=N  after receiving N frames, the socket is not read...
+//     stall=MS        ...for MS ms, then reading resumes (without stall:
+//                     until the connection ends)
+// Frames are counted per queue pair: requests, responses, ACKs and read
+// fragments alike.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace anydoor::transport::tcp {
+
+inline constexpr const char* kFaultsVariable = "ANYDOOR_TCP_FAULTS";
+
+struct fault_plan {
+  std::uint32_t qp = 0;  // 0: every queue pair
+  std::optional<std::uint64_t> cut_after;
+  std::uint32_t delay_ms = 0;
+  std::optional<std::uint64_t> corrupt;
+  std::optional<std::uint64_t> stop_reading_after;
+  std::uint32_t stall_ms = 0;  // 0: for good
+
+  bool active() const noexcept {
+    return cut_after || delay_ms != 0 || corrupt || stop_reading_after;
+  }
+  bool applies_to(std::uint32_t ordinal) const noexcept { return active() && (qp == 0 || qp == ordinal); }
+};
+
+// Parses a specification; throws std::system_error (invalid_argument) that
+// names the variable and the offending item.
+fault_plan parse_faults(std::string_view spec);
+// The plan in ANYDOOR_TCP_FAULTS (an inactive one when unset or empty).
+fault_plan faults_from_environment();
+// One line for logs: "cut=40,qp=2".
+std::string to_string(const fault_plan& plan);
+
+}  // namespace anydoor::transport::tcp
