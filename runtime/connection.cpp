@@ -104,6 +104,10 @@ void connection_impl::prepare() {
   a.max_send_sge = sge_per_wr_;
   a.max_recv_sge = 1;
   a.max_inline_data = f.inline_cap;
+  // With an auth token the peer may touch none of our memory (RDMA WRITE,
+  // READ, atomics on any key it knows or guesses) until it has proven the
+  // token: handle_auth opens the queue pair then.
+  if (f.auth) a.remote_access = transport::access::none;
   qp_ = f.pd->create_qp(a);
   if (auto ec = qp_->modify(transport::qp_state::init)) throw std::system_error(ec, "connection: queue pair to init");
   send_base_ = f.reactor->track_persistent(send_op_);

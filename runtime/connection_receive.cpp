@@ -221,8 +221,16 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
     end_auth(errc::authentication_failed);
     return;
   }
-  // Proven: the withheld credits go to the peer (with the listener's answer,
-  // else with the next header or a credit message).
+  // Proven: the queue pair admits the peer's one-sided operations (before
+  // the listener's answer goes out: nothing the peer sends after reading it
+  // may find the door still shut), and the withheld credits go to the peer
+  // (with the listener's answer, else with the next header or a credit message).
+  if (auto ec = qp_->set_remote_access(transport::access::remote_write | transport::access::remote_read |
+                                       transport::access::remote_atomic)) {
+    log().warn("connection qp {}: opening the queue pair to the authenticated peer: {}", qp_->qp_num(), ec.message());
+    fail(ec);
+    return;
+  }
   owed_ += std::exchange(withheld_, 0u);
   if (!client && !send_auth(protocol::auth_status::proof)) {
     fail(errc::no_buffer_space);

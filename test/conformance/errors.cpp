@@ -44,10 +44,11 @@ struct guarded {
   }
 };
 
-void expect_remote_access_error(connected_pair& p, const tp::work_request& wr, guarded& target) {
+void expect_remote_access_error(connected_pair& p, const tp::work_request& wr, guarded& target,
+                                tp::wc_status status = tp::wc_status::remote_access_error) {
   REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
   auto c = p.drv.wait_one(p.a.cq.get());
-  CHECK(c.status == tp::wc_status::remote_access_error);
+  CHECK(c.status == status);
   CHECK(c.wr_id == wr.wr_id);
   CHECK(p.a.qp->state() == tp::qp_state::error);
   p.drv.settle(p.b.cq.get(), 20ms);
@@ -425,4 +426,72 @@ TEST_CASE("a receive with a bad local key fails at both ends", "[conformance]") 
   CHECK(sc.wr_id == 2);
   CHECK(sc.status == tp::wc_status::remote_operation_error);
   CHECK(std::all_of(dst.begin(), dst.end(), [](char x) { return x == 0; }));
+}
+
+TEST_CASE("a queue pair executes only the remote operations its remote_access admits, and set_remote_access "
+          "changes them",
+          "[conformance]") {
+  guarded target(64);
+  alignas(8) std::uint64_t word = 0;
+  std::vector<std::uint8_t> local(64, 0x42);
+  const auto taddr = reinterpret_cast<std::uint64_t>(target.data());
+  const auto waddr = reinterpret_cast<std::uint64_t>(&word);
+  // The target queue pair (b) admits nothing remote at first; its regions
+  // grant everything, so only the queue pair's rights can refuse.
+  tp::qp_attributes shut;
+  shut.remote_access = access::none;
+  const auto all = access::remote_write | access::remote_read | access::remote_atomic;
+
+  SECTION("refused: write, read, atomic (remote_invalid_request; each fails the connection)") {
+    for (int op = 0; op < 3; ++op) {
+      connected_pair p(shut);
+      CHECK(p.b.qp->attributes().remote_access == access::none);
+      auto lmr = p.a.pd->register_memory(local.data(), local.size(), access::local_write);
+      auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | all);
+      auto wmr = p.b.pd->register_memory(&word, 8, access::local_write | all);
+      tp::sge sg = lmr->slice(0, op == 2 ? 8 : 16);
+      tp::work_request wr{.wr_id = 10u + static_cast<unsigned>(op), .sg_list = {&sg, 1}};
+      if (op == 0) wr = {.wr_id = 10, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                         .rkey = tmr->rkey()};
+      if (op == 1) wr = {.wr_id = 11, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                         .rkey = tmr->rkey()};
+      if (op == 2) wr = {.wr_id = 12, .op = tp::opcode::fetch_add, .sg_list = {&sg, 1}, .remote_addr = waddr,
+                         .rkey = wmr->rkey(), .compare_add = 5};
+      INFO("operation " << op);
+      expect_remote_access_error(p, wr, target, tp::wc_status::remote_invalid_request);
+      CHECK(word == 0);
+      if (op == 1) CHECK(std::all_of(local.begin(), local.end(), [](auto b) { return b == 0x42; }));
+    }
+  }
+  SECTION("opened on a connected queue pair: the same operations succeed; narrowed again: refused") {
+    connected_pair p(shut);
+    auto lmr = p.a.pd->register_memory(local.data(), local.size(), access::local_write);
+    auto tmr = p.b.pd->register_memory(target.data(), target.size(), access::local_write | all);
+    auto wmr = p.b.pd->register_memory(&word, 8, access::local_write | all);
+    REQUIRE_FALSE(p.b.qp->set_remote_access(all));
+    CHECK(p.b.qp->attributes().remote_access == all);
+    tp::sge sg = lmr->slice(0, 16);
+    tp::work_request w{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                       .rkey = tmr->rkey()};
+    REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
+    CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+    CHECK(target.data()[0] == 0x42);
+    tp::sge sg8 = lmr->slice(16, 8);
+    tp::work_request f{.wr_id = 2, .op = tp::opcode::fetch_add, .sg_list = {&sg8, 1}, .remote_addr = waddr,
+                       .rkey = wmr->rkey(), .compare_add = 5};
+    REQUIRE_FALSE(p.a.qp->post_send({&f, 1}));
+    CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+    CHECK(word == 5);
+    // Reads only: a write is refused again.
+    REQUIRE_FALSE(p.b.qp->set_remote_access(access::remote_read | access::local_write));
+    CHECK(p.b.qp->attributes().remote_access == access::remote_read);  // only remote_* bits count
+    tp::work_request r{.wr_id = 3, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = taddr,
+                       .rkey = tmr->rkey()};
+    REQUIRE_FALSE(p.a.qp->post_send({&r, 1}));
+    CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+    std::memset(target.data(), 0xa5, 16);
+    w.wr_id = 4;
+    expect_remote_access_error(p, w, target, tp::wc_status::remote_invalid_request);
+    CHECK(p.b.qp->set_remote_access(all) == anydoor::errc::invalid_state);  // in error
+  }
 }

@@ -416,3 +416,91 @@ TEST_CASE("auth: a handshake reflected back to its own fabric is refused", "[run
   CHECK(connect_ec);
   CHECK(victim.stats().refused >= 1);
 }
+
+TEST_CASE("auth: until a peer proves the token its queue pair may touch none of the listener's memory, whatever key "
+          "it holds",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.auth_token = kToken;
+  co.handshake_timeout = std::chrono::milliseconds(2000);
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  // A region that grants everything: only the connection's state may refuse.
+  alignas(8) std::array<std::byte, 64> target{};
+  ad::memory_region tr = server.register_memory(target, ad::access::local_write | ad::access::remote_write |
+                                                            ad::access::remote_read | ad::access::remote_atomic);
+  const ad::remote_region where = tr.remote();  // as if leaked, or guessed
+  auto guard = asio::make_work_guard(io);
+  failure f;
+  ad::error_code accepted_ec;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+    accepted_ec = ec;
+    if (ec) co_return;
+    auto [rec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // held open until the peer goes
+  }, f.handler());
+
+  struct seen_t {
+    bool connected = false, proven = false;
+    tp::wc_status before = tp::wc_status::success;  // a write before proving
+    tp::wc_status after = tp::wc_status::general_error;  // the same write after
+    bool target_untouched_before = false;
+  } seen;
+  std::thread raw([&] {
+    raw_peer p;
+    auto write_once = [&](std::uint8_t value, tp::wc_status& out) {
+      std::memset(p.mem.data() + 15 * 256, value, 16);
+      tp::sge sg = p.mr->slice(15 * 256, 16);
+      const tp::work_request wr{.wr_id = 7, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                                .remote_addr = where.addr, .rkey = where.rkey};
+      if (p.qp->post_send({&wr, 1})) return;
+      std::array<tp::completion, 16> wc;
+      std::error_code ec;
+      const auto deadline = std::chrono::steady_clock::now() + 5s;
+      while (std::chrono::steady_clock::now() < deadline) {
+        const std::size_t n = p.cq->poll(wc, ec);
+        for (std::size_t i = 0; i < n; ++i) {
+          if (wc[i].wr_id == 7) return void(out = wc[i].status);
+        }
+        if (n == 0) std::this_thread::sleep_for(1ms);
+      }
+    };
+    // 1. Connected, not yet proven: the write is refused by the queue pair.
+    if (!p.reset()) return;
+    auto res = p.dev->connect(*p.qp, test_host(), acc.port(), make_hello(1, true), std::chrono::seconds(10));
+    if (res.ec) return;
+    seen.connected = true;
+    write_once(0x66, seen.before);
+    seen.target_untouched_before =
+        std::all_of(target.begin(), target.end(), [](std::byte b) { return b == std::byte{0}; });
+    // 2. The same write after proving the token succeeds: the refusal above
+    // came from the missing proof, nothing else.
+    if (!p.reset()) return;
+    const bytes hello = make_hello(1, true);
+    res = p.dev->connect(*p.qp, test_host(), acc.port(), hello, std::chrono::seconds(10));
+    if (res.ec || res.private_data.size() < kHello) return;
+    const bytes welcome(res.private_data.begin(), res.private_data.begin() + kHello);
+    p.send(message(kTypeAuth, 0, 0, proof(kToken, "client", hello, welcome)));
+    if (auto a = p.receive(5s); a && a->size() == 40 && std::to_integer<int>((*a)[1]) == 0) seen.proven = true;
+    write_once(0x77, seen.after);
+  });
+  std::thread releaser([&] {
+    raw.join();
+    asio::post(io, [&] {
+      guard.reset();
+      acc.close();
+    });
+  });
+  run_to_completion(io);
+  releaser.join();
+  f.check();
+  REQUIRE(seen.connected);
+  CHECK(seen.before == tp::wc_status::remote_invalid_request);  // the queue pair admits no write yet
+  CHECK(seen.target_untouched_before);
+  REQUIRE(seen.proven);
+  CHECK(seen.after == tp::wc_status::success);
+  CHECK(target[0] == std::byte{0x77});
+  CHECK(target[15] == std::byte{0x77});
+  CHECK(target[16] == std::byte{0});
+}

@@ -172,6 +172,7 @@ class tcp_qp final : public queue_pair {
   std::error_code modify(qp_state next) noexcept override;
   std::error_code post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept override;
   std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
+  std::error_code set_remote_access(access acc) noexcept override;
   const qp_attributes& attributes() const noexcept override { return attr_; }
   qp_counters counters() const noexcept override { return counters_; }
   path_info path() const noexcept override { return path_; }

@@ -79,6 +79,7 @@ void check_attr(const qp_attributes& a) {
 tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::shared_ptr<device_state> shared)
     : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)), shared_(std::move(shared)) {
   check_attr(attr_);
+  attr_.remote_access = attr_.remote_access & (access::remote_write | access::remote_read | access::remote_atomic);
   sq_.resize(attr_.max_send_wr);
   sq_sges_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
   inline_.resize(std::size_t{attr_.max_send_wr} * attr_.max_inline_data);
@@ -278,6 +279,13 @@ void tcp_qp::on_cq_overflow() noexcept {
   if (!wants_progress()) return;
   close_when_flushed_ = false;
   enter_error(wc_status::work_request_flushed);
+}
+
+std::error_code tcp_qp::set_remote_access(access acc) noexcept {
+  if (state_ == qp_state::error) return errc::invalid_state;
+  attr_.remote_access = acc & (access::remote_write | access::remote_read | access::remote_atomic);
+  log().debug("qp {}: remote access {:#x}", qpn_, static_cast<std::uint32_t>(attr_.remote_access));
+  return {};
 }
 
 // ---------------------------------------------------------------- posting

@@ -279,6 +279,20 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
     return false;
   }
   rnr_discard_ = false;
+  // The queue pair's own rights first (verbs' qp_access_flags): without
+  // them the request fails whatever the key, with an Invalid Request NAK
+  // (an operation the queue pair does not support: the IB spec, and rxe).
+  const access need = h.type == frame_type::write          ? access::remote_write
+                      : h.type == frame_type::read_request ? access::remote_read
+                      : h.type == frame_type::fetch_add || h.type == frame_type::compare_swap
+                          ? access::remote_atomic
+                          : access::none;
+  if (need != access::none && !has(attr_.remote_access, need)) {
+    log().warn("qp {}: the peer's {} request {} is refused: the queue pair does not admit it", qpn_,
+               need == access::remote_write ? "write" : need == access::remote_read ? "read" : "atomic", h.psn);
+    nak(h.psn, nak_code::invalid_request, true);
+    return false;
+  }
   const bool imm = (h.flags & kFlagImm) != 0;
   bool rnr = false;
   // take_recv failed: with no receive posted, an RNR NAK (and the frame is

@@ -32,6 +32,14 @@ static_assert(static_cast<int>(wc_status::general_error) == IBV_WC_GENERAL_ERR);
 
 namespace {
 
+unsigned qp_access_flags(access acc) noexcept {
+  unsigned a = 0;
+  if (has(acc, access::remote_write)) a |= IBV_ACCESS_REMOTE_WRITE;
+  if (has(acc, access::remote_read)) a |= IBV_ACCESS_REMOTE_READ;
+  if (has(acc, access::remote_atomic)) a |= IBV_ACCESS_REMOTE_ATOMIC;
+  return a;
+}
+
 ibv_wr_opcode ibv_op(opcode op) {
   switch (op) {
     case opcode::send: return IBV_WR_SEND;
@@ -136,6 +144,22 @@ bool verbs_qp::can_connect() const noexcept {
   return cm_id_ == nullptr && (s == qp_state::reset || s == qp_state::init);
 }
 
+// In reset the rights wait for the move to init; in init and rts they
+// change in place (rtr has no such transition in verbs: invalid_state).
+std::error_code verbs_qp::set_remote_access(access acc) noexcept {
+  const qp_state now = state();
+  if (now == qp_state::error || now == qp_state::rtr) return errc::invalid_state;
+  const access rights = acc & (access::remote_write | access::remote_read | access::remote_atomic);
+  if (now != qp_state::reset) {
+    ibv_qp_attr a{};
+    a.qp_access_flags = qp_access_flags(rights);
+    if (ibv_modify_qp(qp_, &a, IBV_QP_ACCESS_FLAGS) != 0) return {errno, std::system_category()};
+  }
+  attr_.remote_access = rights;
+  log().debug("qp {}: remote access {:#x}", qp_num(), static_cast<std::uint32_t>(rights));
+  return {};
+}
+
 std::error_code verbs_qp::modify(qp_state next) noexcept {
   const qp_state prev = state();
   ibv_qp_attr a{};
@@ -153,7 +177,7 @@ std::error_code verbs_qp::modify(qp_state next) noexcept {
       a.qp_state = IBV_QPS_INIT;
       a.port_num = dev_->port;
       a.pkey_index = 0;
-      a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+      a.qp_access_flags = qp_access_flags(attr_.remote_access);
       mask |= IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
       break;
     case qp_state::rtr:
@@ -178,7 +202,7 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
   a.qp_state = target;
   if (rdma_init_qp_attr(id, &a, &mask) != 0) return {errno, std::system_category()};
   if (target == IBV_QPS_INIT) {
-    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+    a.qp_access_flags = qp_access_flags(attr_.remote_access);
     mask |= IBV_QP_ACCESS_FLAGS;
   }
   if (target == IBV_QPS_RTR) {

@@ -119,6 +119,13 @@ class queue_pair {
   virtual std::error_code post_recv(std::span<const recv_request> wrs,
                                     std::size_t* bad = nullptr) noexcept = 0;
 
+  // Sets which remote operations the queue pair executes from now on (see
+  // qp_attributes::remote_access; ibv_modify_qp with IBV_QP_ACCESS_FLAGS),
+  // in any state but error; bits other than remote_* are ignored. A request
+  // already executing finishes under the old rights. errc::invalid_state in
+  // error.
+  virtual std::error_code set_remote_access(access acc) noexcept = 0;
+
   virtual const qp_attributes& attributes() const noexcept = 0;
   virtual qp_counters counters() const noexcept = 0;
   // The path a connected queue pair uses (the GIDs on verbs); zeros before

@@ -154,6 +154,12 @@ struct qp_attributes {
   std::uint32_t max_inline_data = 64;
   std::uint8_t rnr_retry = 7;             // 0..7, 7 means retry forever
   std::uint32_t min_rnr_timer_us = 100;   // wait before resending after an RNR NAK
+  // The remote operations this queue pair executes as a target (RDMA WRITE,
+  // READ, atomics; verbs' qp_access_flags). Any other is refused whatever
+  // its key, with the IB spec's Invalid Request NAK: remote_invalid_request
+  // at the requester, and the connection fails (both queue pairs go to
+  // error). Only the remote_* bits count. Change it with set_remote_access.
+  access remote_access = access::remote_write | access::remote_read | access::remote_atomic;
 };
 
 // Counters a provider keeps per queue pair (verbs keeps only the first
