@@ -53,12 +53,8 @@ bool equal(std::span<const std::byte> a, std::span<const std::byte> b) noexcept 
 exchange prepare(std::string_view token, role local, std::span<const std::byte> hello,
                  std::span<const std::byte> welcome) {
   const role peer = local == role::client ? role::server : role::client;
-  exchange ex{local, proof(token, local, hello, welcome), proof(token, peer, hello, welcome), {}};
-  const std::span<const std::byte> mine = local == role::client ? hello : welcome;
-  if (mine.size() >= protocol::kHelloSize) {
-    std::memcpy(ex.own.data(), mine.data() + protocol::kNonceOffset, ex.own.size());
-  }
-  return ex;
+  return {local, proof(token, local, hello, welcome), proof(token, peer, hello, welcome),
+          protocol::nonce_of(local == role::client ? hello : welcome)};
 }
 
 void own_nonces::remember(const nonce& n) {

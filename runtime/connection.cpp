@@ -174,9 +174,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   const std::uint64_t strict = own == 0 ? theirs : theirs == 0 ? own : std::min(own, theirs);
   heartbeat_ = std::chrono::milliseconds(strict / 4);
   if (strict != 0 && heartbeat_ < fabric_state::kMinTick) heartbeat_ = fabric_state::kMinTick;
-  last_rx_ = last_tx_ = std::chrono::steady_clock::now();
-  if (heartbeat_.count() > 0) fab_->want_tick(heartbeat_);
-  if (opt_.keepalive.count() > 0) fab_->want_tick(opt_.keepalive / 8);
+  start_liveness();
   if (state_ == state::failed) {
     // It failed while the setup thread still held the queue pair (a
     // malformed early message): the queue pair goes to error only now.
@@ -421,6 +419,14 @@ connection_stats connection_impl::stats() const noexcept {
 }
 
 // ---------------------------------------------------------------- liveness
+
+// Silence and idleness count from now; the fabric's tick comes often
+// enough for both the heartbeat and the keepalive check.
+void connection_impl::start_liveness() noexcept {
+  last_rx_ = last_tx_ = std::chrono::steady_clock::now();
+  if (heartbeat_.count() > 0) fab_->want_tick(heartbeat_);
+  if (opt_.keepalive.count() > 0) fab_->want_tick(opt_.keepalive / 8);
+}
 
 std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::time_point now) noexcept {
   constexpr std::chrono::milliseconds idle = fabric_state::kMaxTick;

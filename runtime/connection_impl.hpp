@@ -80,6 +80,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // been silent for keepalive, sends a heartbeat when we have been; returns
   // how soon it wants the next tick.
   std::chrono::milliseconds liveness(std::chrono::steady_clock::time_point now) noexcept;
+  void start_liveness() noexcept;
   static constexpr std::uint64_t kMinKeepalive = 200;      // ms (connection_options::keepalive)
   static constexpr std::uint64_t kMaxKeepalive = 3600000;  // ms
 

@@ -268,9 +268,7 @@ void connection_impl::end_auth(std::error_code ec) noexcept {
   if (!ec) {
     auth_.reset();
     log().debug("connection qp {}: the peer is authenticated", qp_ != nullptr ? qp_->qp_num() : 0);
-    last_rx_ = last_tx_ = std::chrono::steady_clock::now();  // liveness starts now
-    if (heartbeat_.count() > 0) fab_->want_tick(heartbeat_);
-    if (opt_.keepalive.count() > 0) fab_->want_tick(opt_.keepalive / 8);
+    start_liveness();  // again: the peer's silence counts from now
   }
 }
 

@@ -388,10 +388,7 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
   auto impl = conn.shared_from_this();
   detail::fabric_state& f = conn.fabric();
   f.idle();
-  detail::auth::nonce mine{};
-  if (hello_sent.size() >= protocol::kHelloSize) {
-    std::memcpy(mine.data(), hello_sent.data() + protocol::kNonceOffset, mine.size());
-  }
+  const detail::auth::nonce mine = protocol::nonce_of(hello_sent);
   // Every ending but a started authentication (it forgets at its end).
   struct forget_unless_started {
     detail::fabric_state& f;

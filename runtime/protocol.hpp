@@ -55,6 +55,16 @@ inline constexpr std::size_t kMacSize = 32;  // HMAC-SHA256
 inline constexpr std::size_t kAuthSize = kHeaderSize + kMacSize;
 inline constexpr std::size_t kNonceSize = 16;
 inline constexpr std::size_t kNonceOffset = 28;  // in the encoded hello
+
+// The nonce of an encoded hello or welcome; zeros when `encoded` is shorter
+// than a hello.
+inline std::array<std::byte, kNonceSize> nonce_of(std::span<const std::byte> encoded) noexcept {
+  std::array<std::byte, kNonceSize> n{};
+  if (encoded.size() >= kHelloSize) {
+    for (std::size_t i = 0; i < kNonceSize; ++i) n[i] = encoded[kNonceOffset + i];
+  }
+  return n;
+}
 // hello.flags
 inline constexpr std::uint16_t kAuth = 1;  // the sender has an auth token and requires the peer to prove it
 

@@ -1,0 +1,67 @@
+#!/bin/bash
+# Runs INSIDE the client guest of run-netem: rdma_rxe on eth1 (10.77.0.2),
+# netem on both directions of eth1 (egress directly, ingress through ifb0),
+# one anydoor-netem-check run per impairment. Exit: failed scenarios.
+# (Not here: delay with jitter as large as the delay, "delay 2ms 2ms". It
+# reorders nearly every packet, and rxe's go-back-N then retransmits
+# without end: 486 of 600 operations in 240 s, the rest never; a real
+# fabric does not reorder like that within one flow.)
+set -u
+modprobe -a rdma_rxe ib_uverbs rdma_ucm sch_netem ifb act_mirred cls_u32 sch_ingress || { echo "cannot load modules"; exit 100; }
+ip link set lo up
+ip addr add 10.77.0.2/24 dev eth1 && ip link set eth1 up || { echo "no eth1"; exit 101; }
+rdma link add rxe0 type rxe netdev eth1 || { echo "cannot create rxe0"; exit 102; }
+ip link add ifb0 type ifb 2>/dev/null; ip link set ifb0 up
+tc qdisc add dev eth1 handle ffff: ingress
+tc filter add dev eth1 parent ffff: protocol all u32 match u32 0 0 action mirred egress redirect dev ifb0
+ulimit -l unlimited
+export ANYDOOR_LOG=warn ANYDOOR_PROVIDER=verbs
+ops=$(cat ops 2>/dev/null || echo 600)
+server=10.77.0.1:7300
+for i in $(seq 1 120); do ping -c1 -W1 10.77.0.1 >/dev/null 2>&1 && break; sleep 1; done
+ping -c1 -W1 10.77.0.1 >/dev/null || { echo "the server guest is unreachable on the link"; exit 103; }
+
+counters() {  # rxe's counters that show retransmission work
+  local d=/sys/class/infiniband/rxe0/ports/1/hw_counters
+  for c in sent_pkts rcvd_pkts duplicate_request out_of_seq_request rcvd_seq_err ack_deferred retry_exceeded_err completer_retry_err; do
+    printf '%s=%s ' "$c" "$(cat $d/$c 2>/dev/null || echo ?)"
+  done
+}
+impair() {  # impair NETEM-ARGS...: the same rule on both directions
+  if [ "$*" = none ]; then
+    tc qdisc del dev eth1 root 2>/dev/null; tc qdisc del dev ifb0 root 2>/dev/null; return 0
+  fi
+  tc qdisc replace dev eth1 root netem "$@" && tc qdisc replace dev ifb0 root netem "$@"
+}
+fail=0
+scenario() {  # scenario NAME NETEM-ARGS...
+  local name=$1; shift
+  impair "$@" || { echo "netem: cannot apply '$*'"; fail=$((fail + 1)); return; }
+  echo; echo "=== $name (netem: $*)"
+  echo "rxe before: $(counters)"
+  timeout 300 bin/anydoor-netem-check --connect $server --label "$name" --ops "$ops" --deadline 240 || fail=$((fail + 1))
+  echo "rxe after:  $(counters)"
+}
+scenario baseline none
+scenario loss-1pct loss 1%
+scenario loss-5pct loss 5%
+scenario delay-5ms delay 5ms
+scenario duplicate-5pct duplicate 5%
+scenario reorder delay 2ms reorder 25% 50%
+scenario corrupt-1pct corrupt 1%
+scenario mixed loss 1% duplicate 1% delay 1ms
+impair none
+echo; echo "=== total-loss (netem loss 100% after connecting)"
+echo "rxe before: $(counters)"
+# rxe (Linux 6.1) keeps retransmitting past the queue pair's retry count
+# (7) under total loss, so the connection's keepalive (2 s here) is what
+# ends the operations: all of them must have failed within 5 s.
+timeout 300 bin/anydoor-netem-check --connect $server --label total-loss --ops 50 --window 8 --expect fail --deadline 60 \
+  --keepalive 2000 --max-error-ms 5000 \
+  --after-connect "tc qdisc replace dev eth1 root netem loss 100% && tc qdisc replace dev ifb0 root netem loss 100%" \
+  || fail=$((fail + 1))
+echo "rxe after:  $(counters)"
+impair none
+bin/anydoor-netem-check --connect $server --quit >/dev/null || echo "could not stop the server"
+echo; echo "=== failed scenarios: $fail"
+exit $fail
