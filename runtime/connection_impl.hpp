@@ -42,6 +42,7 @@ struct setup_waiter {
 struct auth_setup {
   auth::exchange exchange;
   std::unique_ptr<setup_waiter> waiter;
+  bool answered = false;  // listener: the peer's proof checked and answered; its confirmation is due
 };
 
 class connection_impl : public std::enable_shared_from_this<connection_impl> {

@@ -206,6 +206,22 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
     fail(errc::authentication_failed);
     return;
   }
+  if (h.status == static_cast<std::uint8_t>(protocol::auth_status::confirmed)) {
+    repost(buffer);
+    if (client || !auth_->answered) {
+      log().warn("connection qp {}: an auth confirmation out of turn", qp_->qp_num());
+      fail(errc::protocol_error);
+      return;
+    }
+    end_auth({});  // the peer has checked our proof and opened its queue pair to us
+    return;
+  }
+  if (!client && auth_->answered) {
+    repost(buffer);
+    log().warn("connection qp {}: a second proof of the auth token", qp_->qp_num());
+    fail(errc::protocol_error);
+    return;
+  }
   const bool ok = auth::equal({fab_->pool->data(buffer) + protocol::kHeaderSize, protocol::kMacSize},
                               auth_->exchange.expect);
   repost(buffer);
@@ -222,9 +238,17 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
     return;
   }
   // Proven: the queue pair admits the peer's one-sided operations (before
-  // the listener's answer goes out: nothing the peer sends after reading it
-  // may find the door still shut), and the withheld credits go to the peer
-  // (with the listener's answer, else with the next header or a credit message).
+  // our answer or confirmation goes out: nothing the peer does after reading
+  // it may find the door still shut), and the withheld credits go to the
+  // peer with that message.
+  if (qp_->state() == transport::qp_state::error) {
+    // The peer's one-sided request before we opened (refused by the queue
+    // pair) failed it: the peer broke the protocol.
+    log().warn("connection qp {}: the queue pair failed before authentication completed "
+               "(the peer used one-sided operations too early?)", qp_->qp_num());
+    fail(errc::protocol_error);
+    return;
+  }
   if (auto ec = qp_->set_remote_access(transport::access::remote_write | transport::access::remote_read |
                                        transport::access::remote_atomic)) {
     log().warn("connection qp {}: opening the queue pair to the authenticated peer: {}", qp_->qp_num(), ec.message());
@@ -232,12 +256,16 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
     return;
   }
   owed_ += std::exchange(withheld_, 0u);
-  if (!client && !send_auth(protocol::auth_status::proof)) {
+  if (!send_auth(client ? protocol::auth_status::confirmed : protocol::auth_status::proof)) {
     fail(errc::no_buffer_space);
     return;
   }
   schedule();
-  end_auth({});
+  if (client) {
+    end_auth({});
+  } else {
+    auth_->answered = true;  // the accept completes with the peer's confirmation
+  }
 }
 
 bool connection_impl::send_auth(protocol::auth_status status) noexcept {

@@ -90,7 +90,9 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
     case msg_type::close: return in.size() == kHeaderSize;
     case msg_type::auth:
       return (h.status == static_cast<std::uint8_t>(auth_status::proof) && in.size() == kAuthSize) ||
-             (h.status == static_cast<std::uint8_t>(auth_status::refused) && in.size() == kHeaderSize);
+             ((h.status == static_cast<std::uint8_t>(auth_status::refused) ||
+               h.status == static_cast<std::uint8_t>(auth_status::confirmed)) &&
+              in.size() == kHeaderSize);
   }
   return false;
 }

@@ -12,11 +12,17 @@
 // hello || welcome) (the 44 bytes of each as sent). The listener checks it
 // in constant time and answers with an auth message carrying the same MAC
 // under the label "... server", or with status auth_refused and no body.
+// The connecting side checks that MAC, opens its queue pair to the
+// listener's one-sided operations, and sends an auth message with status
+// confirmed and no body; the listener's accept completes only then, so that
+// nothing the listener's user does after it finds the connecting side's
+// queue pair still shut. (Each side's queue pair admits no remote WRITE,
+// READ or atomic until it has checked its peer's MAC.)
 // Until a side has checked its peer's MAC it accepts nothing but the auth
 // message and grants the peer one credit (the auth message itself): the
 // hello's credits are the total, the rest travel in the header of the
 // listener's auth answer and of the connecting side's first credit message
-// after it checked the answer. Nothing of the token travels: a sniffer sees
+// (its confirmation). Nothing of the token travels: a sniffer sees
 // two nonces and two MACs bound to them, useless on another connection.
 //
 // Messages: every SEND starts with an 8-byte header
@@ -30,7 +36,7 @@
 //   credit only returns credits
 //   close  graceful close: the sender sends nothing after it
 //   auth   the authentication step above: body = 32-byte MAC (status 0), or
-//          no body (status 1: refused)
+//          no body (status 1: refused; status 2: confirmed)
 //   notify follows an RDMA WRITE (async_put_with_notify) on the same queue
 //          pair: aux = the user's value, body as rts { length, addr, rkey,
 //          0 } = the range written (RC order: the data is in place when the
@@ -47,7 +53,7 @@ namespace anydoor::protocol {
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
 // 2: fin status 3 is no_memory; 3: challenge-response authentication;
 // 4: keepalive in the hello (48 bytes)
-inline constexpr std::uint16_t kVersion = 4;
+inline constexpr std::uint16_t kVersion = 5;
 inline constexpr std::size_t kHelloSize = 48;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;
@@ -97,7 +103,7 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept;
 decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 
 enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6, auth = 7 };
-enum class auth_status : std::uint8_t { proof = 0, refused = 1 };
+enum class auth_status : std::uint8_t { proof = 0, refused = 1, confirmed = 2 };
 // ok; message_size: larger than the receiver's buffer or its rendezvous
 // memory budget; read_failed: the RDMA READ failed; no_memory: the receiver
 // could not allocate or register the destination.
@@ -121,7 +127,8 @@ void encode(const header& h, std::byte* out) noexcept;           // kHeaderSize 
 void encode(const rts_body& b, std::byte* out) noexcept;         // 24 bytes
 // Validates a received message of byte_len bytes: a known type, and a length
 // that fits it (eager >= header, rts and notify == kRtsSize, auth ==
-// kAuthSize with a proof and kHeaderSize refused, others == kHeaderSize).
+// kAuthSize with a proof and kHeaderSize refused or confirmed, others ==
+// kHeaderSize).
 bool decode(std::span<const std::byte> in, header& h) noexcept;
 rts_body decode_rts(const std::byte* body) noexcept;              // 24 bytes
 

@@ -168,6 +168,9 @@ std::unique_ptr<device> open_device(const device_options& options) {
     return std::make_unique<tcp::tcp_device>("tcp0", tcp::faults_from_environment());
   }
   if (provider == "verbs") {
+    if (const char* f = std::getenv(tcp::kFaultsVariable); f != nullptr && *f != '\0') {
+      log().warn("{} is set but the provider is verbs: no fault is injected", tcp::kFaultsVariable);
+    }
 #ifdef ANYDOOR_HAVE_VERBS
     return verbs::open(name);
 #else

@@ -43,12 +43,12 @@ def write(target, named):
 write("frames", seeds)
 
 # --- handshake: the tcp provider's 24-byte frame, then the runtime's hello
-# (runtime/protocol.hpp, version 3) in its private data.
+# (runtime/protocol.hpp, version 5) in its private data.
 def tcp_handshake(kind, pdata):
     return b"ADTP" + struct.pack("<BBHIII4x", WIRE_VERSION, kind, len(pdata), 7, 128, 64) + pdata
 
 
-def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=4, reason=0, keepalive=10000):
+def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=5, reason=0, keepalive=10000):
     return (struct.pack("<IHBBHHIIQ", 0x31524441, version, kind, reason, credits, flags, 8256, 8192, 1 << 30) + nonce
             + struct.pack("<I", keepalive))
 
@@ -57,7 +57,7 @@ write("handshake", {
     "hello": tcp_handshake(1, hello(1)),
     "hello_auth": tcp_handshake(1, hello(1, 1, nonce=bytes(range(16)))),
     "welcome_auth": tcp_handshake(2, hello(2, 1, nonce=bytes(range(16, 32)))),
-    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 4, 3, 2)),
+    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 5, 3, 2)),
     "old_version": tcp_handshake(1, hello(1, version=2)),
 })
 
@@ -134,6 +134,7 @@ write("messages", {
     "credit_close": msg(CREDIT) + msg(CLOSE),
     "notify": msg(NOTIFY, aux=5, body=rts_body(64, PEER + 128, PEER_RKEY, 0)),
     "auth": msg(AUTH, body=b"\0" * 32),
+    "auth_confirmed": msg(AUTH, status=2) + msg(AUTH, status=1),
     "mixed": msg(EAGER, body=b"1") + msg(RTS, body=rts_body(300, PEER + 4096, PEER_RKEY, 9)) + msg(FIN, aux=1)
     + msg(NOTIFY, aux=1, body=rts_body(8, PEER, PEER_RKEY, 0)) + msg(CREDIT) + msg(CLOSE),
 })

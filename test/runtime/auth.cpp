@@ -30,7 +30,6 @@ using asio::use_awaitable;
 
 namespace {
 
-constexpr std::uint16_t kWireVersion = 4;
 constexpr std::size_t kHello = 48;
 constexpr std::uint8_t kTypeEager = 1, kTypeAuth = 7;
 const std::string kToken = "0123456789abcdef-the-shared-secret";
@@ -171,7 +170,9 @@ TEST_CASE("auth: proofs follow the protocol and a replayed proof or a message be
       accepted.push_back(ec);
       if (ec) co_return;
       auto [rec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
-      if (!rec) co_await c.async_send(m.buffer(), use_awaitable);
+      if (rec) continue;
+      co_await c.async_send(m.buffer(), use_awaitable);
+      co_await c.async_receive(asio::as_tuple(use_awaitable));  // open until the peer leaves: the echo gets out
     }
   }, f.handler());
 
@@ -203,10 +204,16 @@ TEST_CASE("auth: proofs follow the protocol and a replayed proof or a message be
       seen.answer_ok = std::to_integer<int>((*a)[1]) == 0 &&
                        bytes(a->begin() + 8, a->end()) == proof(kToken, "server", hello, welcome1);
     }
-    // Authenticated: our withheld credits go with the first message, which is echoed.
+    // Checked: we confirm (the listener's accept completes only now), and our
+    // withheld credits go with that; then a message, which is echoed.
+    p.send(message(kTypeAuth, 2, 7));
     const std::array<std::byte, 4> ping{std::byte{'p'}, std::byte{'i'}, std::byte{'n'}, std::byte{'g'}};
-    p.send(message(kTypeEager, 0, 7, ping));
-    if (auto e = p.receive(5s); e && e->size() == 12) seen.echoed = std::memcmp(e->data() + 8, "ping", 4) == 0;
+    p.send(message(kTypeEager, 0, 0, ping));
+    for (int i = 0; i < 4 && !seen.echoed; ++i) {  // (credit messages may come first)
+      auto e = p.receive(5s);
+      if (!e) break;
+      if (e->size() == 12) seen.echoed = std::memcmp(e->data() + 8, "ping", 4) == 0;
+    }
 
     // 2. A sniffer replays the same hello and proof: the listener's nonce differs.
     if (!p.reset()) return void(raw_ok = false);
@@ -310,6 +317,7 @@ TEST_CASE("auth: the connecting side checks the listener's proof and withholds i
     bool hello_auth = false, client_proof_ok = false;
     std::uint16_t proof_credits = 0xffff;
     int next_type = -1;  // what the client sent after our answer
+    int next_status = -1;
     std::uint16_t next_credits = 0;
   };
   std::array<round_seen, 4> seen{};
@@ -337,6 +345,7 @@ TEST_CASE("auth: the connecting side checks the listener's proof and withholds i
       p.send(message(kTypeAuth, 0, 7, mac));
       if (auto next = p.receive(500ms); next && next->size() >= 8) {  // the client's credits once it checked us
         seen[r].next_type = std::to_integer<int>((*next)[0]);
+        seen[r].next_status = std::to_integer<int>((*next)[1]);
         seen[r].next_credits = get<std::uint16_t>(*next, 2);
       }
     }
@@ -366,9 +375,11 @@ TEST_CASE("auth: the connecting side checks the listener's proof and withholds i
     CHECK(seen[r].proof_credits == 0);  // the client grants its receives only to a proven listener
   }
   CHECK(client.stats().connected == 1);
-  // Proven: the client returns its withheld receives (64 credits: 63 withheld
-  // plus the re-posted receive of our answer) in a credit message.
-  CHECK(seen[0].next_type == 4);
+  // Proven: the client confirms (an auth message, status confirmed) and
+  // returns its withheld receives with it (64 credits: 63 withheld plus the
+  // re-posted receive of our answer).
+  CHECK(seen[0].next_type == kTypeAuth);
+  CHECK(seen[0].next_status == 2);
   CHECK(seen[0].next_credits == 64);
   CHECK(seen[1].next_type == -1);  // a wrong proof gets nothing
 }
@@ -483,6 +494,7 @@ TEST_CASE("auth: until a peer proves the token its queue pair may touch none of 
     const bytes welcome(res.private_data.begin(), res.private_data.begin() + kHello);
     p.send(message(kTypeAuth, 0, 0, proof(kToken, "client", hello, welcome)));
     if (auto a = p.receive(5s); a && a->size() == 40 && std::to_integer<int>((*a)[1]) == 0) seen.proven = true;
+    p.send(message(kTypeAuth, 2, 0));  // confirmed
     write_once(0x77, seen.after);
   });
   std::thread releaser([&] {
@@ -503,4 +515,55 @@ TEST_CASE("auth: until a peer proves the token its queue pair may touch none of 
   CHECK(target[0] == std::byte{0x77});
   CHECK(target[15] == std::byte{0x77});
   CHECK(target[16] == std::byte{0});
+}
+
+TEST_CASE("auth: both sides may use one-sided operations on each other's memory as soon as connect and accept "
+          "complete",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.auth_token = kToken;
+  ad::fabric server(io, test_options(co));
+  ad::fabric client(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  alignas(8) std::array<std::byte, 64> at_client{}, at_server{};
+  const auto rights = ad::access::local_write | ad::access::remote_write | ad::access::remote_atomic;
+  ad::memory_region cr = client.register_memory(at_client, rights);
+  ad::memory_region sr = server.register_memory(at_server, rights);
+  // The keys travel out of band (as from an earlier connection): each side
+  // aims at the other the moment its own side of the setup completes.
+  constexpr int kRounds = 10;
+  int server_ok = 0, client_ok = 0;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < kRounds; ++i) {
+      ad::connection c = co_await acc.async_accept(use_awaitable);
+      const std::array<std::byte, 8> v{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4},
+                                       std::byte{5}, std::byte{6}, std::byte{7}, std::byte(i)};
+      auto [e1, n] = co_await c.async_put(asio::buffer(v), cr.remote().at(8, 8), asio::as_tuple(use_awaitable));
+      auto [e2, before] = co_await c.async_fetch_add(cr.remote().at(0, 8), 1, asio::as_tuple(use_awaitable));
+      if (!e1 && !e2) ++server_ok;
+      co_await c.async_send(asio::buffer("done", 4), asio::as_tuple(use_awaitable));
+      co_await c.async_receive(asio::as_tuple(use_awaitable));  // until the client goes
+    }
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < kRounds; ++i) {
+      ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+      auto [e1, before] = co_await c.async_fetch_add(sr.remote().at(0, 8), 1, asio::as_tuple(use_awaitable));
+      if (!e1) ++client_ok;
+      co_await c.async_receive(asio::as_tuple(use_awaitable));  // the server's put and add are done
+      CHECK(std::to_integer<int>(at_client[15]) == i);
+      c.abort();
+    }
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(server_ok == kRounds);
+  CHECK(client_ok == kRounds);
+  std::uint64_t server_adds = 0, client_adds = 0;
+  std::memcpy(&server_adds, at_client.data(), 8);
+  std::memcpy(&client_adds, at_server.data(), 8);
+  CHECK(server_adds == kRounds);
+  CHECK(client_adds == kRounds);
 }

@@ -40,8 +40,6 @@ using asio::use_awaitable;
 
 namespace {
 
-// The runtime's wire version (runtime/protocol.hpp's kVersion).
-constexpr std::uint16_t kWireVersion = 4;
 
 // A runtime hello as a raw provider-level client would send it (see
 // runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:

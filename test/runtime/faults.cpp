@@ -13,6 +13,8 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <sys/resource.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +29,7 @@ namespace ad = anydoor;
 using asio::awaitable;
 using asio::use_awaitable;
 using ms = std::chrono::milliseconds;
+using clock_point = std::chrono::steady_clock::time_point;
 
 namespace {
 
@@ -36,6 +39,8 @@ constexpr std::size_t kPutArea = kTargetSize / 2;           // puts land in [0, 
 constexpr std::size_t kCounterAt = kTargetSize - 8;         // fetch_add's word
 constexpr std::size_t kSmall = 200, kLarge = 300 * 1024, kChunk = 4096;
 constexpr std::uint32_t kDone = 0xffffffffu;                // the sender's last message
+constexpr std::uint32_t kFlood = 0xfffffffeu;               // a flood message (counted apart)
+constexpr std::size_t kFloodSize = 8000;                    // eager (below the 8192-byte limit)
 
 awaitable<void> sleep_for(ms d) {
   asio::steady_timer t(co_await asio::this_coro::executor, d);
@@ -84,6 +89,7 @@ struct target {
   std::vector<std::byte> mem = std::vector<std::byte>(kTargetSize);
   std::optional<ad::memory_region> mr;
   std::uint32_t next_seq = 0;  // messages received in order so far
+  std::size_t flood = 0;       // flood messages received
   bool bad_message = false;
   bool done = false;
   ad::error_code ended;
@@ -107,6 +113,10 @@ struct target {
       if (m.size() == 4 && seq == kDone) {
         done = true;
         co_return;
+      }
+      if (m.size() == kFloodSize && seq == kFlood) {
+        ++flood;
+        continue;
       }
       const std::size_t expect = next_seq % 3 == 2 ? kLarge : kSmall;
       if (seq != next_seq || m.size() != expect || message_bytes(seq, m.size()) != std::vector<std::byte>(m.bytes().begin(), m.bytes().end())) {
@@ -359,28 +369,43 @@ TEST_CASE("faults: delayed frames arrive late, intact and in order, on that conn
 TEST_CASE("faults: a peer that stops reading for a while backs its sender up by flow control, without memory "
           "growth, and everything arrives once it reads again",
           "[runtime][faults]") {
-  // The server's first connection reads 10 frames, then nothing for 1.5 s.
-  setup s("stop_reading=10,stall=1500,qp=1", "");
+  // The server's first connection reads 10 frames, then nothing for 2 s.
+  setup s("stop_reading=10,stall=2000,qp=1", "");
   const std::size_t a = s.connect(), b = s.connect();
-  // Sample the process's memory while the stalled connection's sender is
-  // backed up (the untouched one runs meanwhile).
+  // While the stalled connection's sender is backed up, 3000 more messages
+  // of 8000 bytes (24 MB) are sent on it from one buffer: they must wait
+  // for credits (holding the caller's buffer), not be copied somewhere.
+  constexpr std::size_t kFloodCount = 3000;
+  std::vector<std::byte> flood(kFloodSize, std::byte{0x5a});
+  std::memcpy(flood.data(), &kFlood, 4);
+  std::size_t flood_done = 0, flood_failed = 0;
   std::size_t rss_early = 0, rss_late = 0, done_early = 0, done_late = 0;
   failure f;
   asio::co_spawn(s.io, [&]() -> awaitable<void> {
     co_await sleep_for(ms(400));
     rss_early = rss_kib();
     done_early = s.clients[a]->finished;
-    co_await sleep_for(ms(700));
+    for (std::size_t i = 0; i < kFloodCount; ++i) {
+      s.clients[a]->conn.async_send(asio::buffer(flood), [&](ad::error_code ec, std::size_t) {
+        ++flood_done;
+        flood_failed += ec ? 1u : 0u;
+      });
+    }
+    co_await sleep_for(ms(1000));
     rss_late = rss_kib();
     done_late = s.clients[a]->finished;
   }, f.handler());
   s.run({a, b});
   f.check();
   INFO("stalled sender: " << done_early << " then " << done_late << " of " << traffic::kOps
-                          << " done; RSS " << rss_early << " KiB then " << rss_late << " KiB");
+                          << " done; RSS " << rss_early << " KiB, then " << rss_late << " KiB with "
+                          << kFloodCount << " more messages waiting");
   CHECK(done_early == done_late);        // nothing moved during the stall
   CHECK(done_early < traffic::kOps);
-  CHECK(rss_late <= rss_early + 4096);   // the backlog stays where it was (the senders' own buffers)
+  CHECK(rss_late <= rss_early + 8192);   // 24 MB posted: not copied, waiting for credits
+  CHECK(flood_done == kFloodCount);      // and all of it went once the peer read again
+  CHECK(flood_failed == 0);
+  CHECK(s.targets[a]->flood == kFloodCount);
   check(*s.clients[a], *s.targets[a], true);
   check(*s.clients[b], *s.targets[b], true);
 }
@@ -412,6 +437,51 @@ TEST_CASE("faults: a peer that never reads again leaves its sender's operations 
   const std::size_t c = s.connect();
   s.run({c});
   check(*s.clients[c], *s.targets[c], true);
+}
+
+TEST_CASE("faults: a reader stopped for good still learns that its peer left, and does not spin meanwhile",
+          "[runtime][faults]") {
+  ad::connection_options co;
+  co.keepalive = ms(0);  // only the socket can tell
+  setup s("stop_reading=3,qp=1", "", test_options(co));
+  const std::size_t a = s.connect();
+  ad::error_code target_ended;
+  clock_point aborted{}, ended{};
+  double cpu_s = -1;
+  failure f;
+  asio::co_spawn(s.io, [&]() -> awaitable<void> {
+    for (;;) {
+      auto [ec, m] = co_await s.targets[a]->conn.async_receive(asio::as_tuple(use_awaitable));
+      if (ec) {
+        target_ended = ec;
+        ended = std::chrono::steady_clock::now();
+        co_return;
+      }
+    }
+  }, f.handler());
+  asio::co_spawn(s.io, [&]() -> awaitable<void> {
+    std::array<std::byte, 8> x{};
+    for (int k = 0; k < 6; ++k) co_await s.clients[a]->conn.async_send(asio::buffer(x), use_awaitable);
+    co_await sleep_for(ms(100));
+    aborted = std::chrono::steady_clock::now();
+    s.clients[a]->conn = {};  // the client's socket closes with our frames unread: a reset
+    co_await sleep_for(ms(100));
+    s.targets[a]->conn.async_send(asio::buffer(x), [](ad::error_code, std::size_t) {});
+    rusage r0{}, r1{};
+    ::getrusage(RUSAGE_SELF, &r0);
+    co_await sleep_for(ms(1000));
+    ::getrusage(RUSAGE_SELF, &r1);
+    auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
+    cpu_s = secs(r1.ru_utime) + secs(r1.ru_stime) - secs(r0.ru_utime) - secs(r0.ru_stime);
+    s.targets[a]->conn = {};
+  }, f.handler());
+  run_to_completion(s.io, std::chrono::seconds(20));
+  f.check();
+  INFO("CPU over 1 s: " << cpu_s << " s; the stalled side ended " << (ended - aborted) / ms(1) << " ms after the abort");
+  CHECK(cpu_s >= 0);
+  CHECK(cpu_s < 0.5);
+  CHECK(target_ended);
+  CHECK(ended - aborted < ms(1000));
 }
 
 TEST_CASE("faults: a malformed ANYDOOR_TCP_FAULTS stops the device from opening, naming the item",

@@ -18,7 +18,12 @@
 // Output: a progress line per second, then `soak: key=value ...` (keys:
 // connections inflight seconds ops messages rendezvous puts gets atomics
 // reopened errors lost duplicated corrupt rnr rss_start_kib rss_end_kib
-// rss_max_kib fd_start fd_end fd_min fd_max verdict). Exit 0 when verdict=pass.
+// rss_max_kib fd_start fd_end fd_min fd_max left_open verdict). Exit 0 when
+// verdict=pass: nothing lost, duplicated or corrupt, no error, no RNR NAK,
+// RSS after the warm-up within --rss-slack percent of its first sample, the
+// descriptor count within 4, no connection left open at the end, at least
+// one reopening per 10 s (unless --churn-ms 0), and every slot drained
+// within 60 s of the end (else the stuck slots are named).
 #include <anydoor/anydoor.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -203,6 +208,8 @@ struct soak {
     std::optional<ad::memory_region> mr;
   };
   std::vector<slot> slots;
+  ad::transport::device_counters client_rnr0, server_rnr0;  // at the start: verbs counts since the driver loaded
+  bool hung = false;
 
   explicit soak(const options& o) : opt(o) {
     ad::fabric_options fo;
@@ -221,6 +228,8 @@ struct soak {
     server_mr.emplace(server->register_memory(server_mem, ad::access::local_write | ad::access::remote_write |
                                                               ad::access::remote_read | ad::access::remote_atomic));
     for (std::uint32_t s = 0; s < o.connections; ++s) fill(&server_mem[s * layout.bytes() + layout.get_at()], kChunk, s);
+    client_rnr0 = client->device().counters();
+    server_rnr0 = server->device().counters();
     acc.emplace(server->listen("127.0.0.1", 0));
     address = "127.0.0.1:" + std::to_string(acc->port());
     slots.resize(o.connections);
@@ -487,10 +496,22 @@ struct soak {
     }
     running = false;
     for (auto& s : slots) s.stop = true;
+    const auto drain_deadline = clock_type::now() + std::chrono::seconds(60);
     for (bool busy = true; busy;) {
       busy = false;
       for (auto& s : slots) busy |= s.active;
-      if (busy) co_await sleep_for(ms(10));
+      if (!busy) break;
+      if (clock_type::now() > drain_deadline) {
+        std::string stuck;
+        for (auto& s : slots) {
+          if (s.active) stuck += " " + std::to_string(s.index);
+        }
+        std::printf("soak: slots still draining 60 s after the end:%s\n", stuck.c_str());
+        hung = true;
+        io.stop();
+        co_return;
+      }
+      co_await sleep_for(ms(10));
     }
     acc->close();
   }
@@ -518,20 +539,34 @@ struct soak {
       fd_min = std::min(fd_min, s.fds);
       fd_max = std::max(fd_max, s.fds);
     }
+    // RNR NAKs during the run (counters since the start; verbs reads the
+    // NIC's, which both fabrics share: counted twice, still 0 when none).
     const auto cc = client->device().counters();
     const auto sc = server->device().counters();
-    const std::uint64_t rnr = cc.rnr_naks_sent.value_or(0) + cc.rnr_naks_received.value_or(0) +
-                              sc.rnr_naks_sent.value_or(0) + sc.rnr_naks_received.value_or(0);
+    const bool rnr_known = cc.rnr_naks_sent && cc.rnr_naks_received && sc.rnr_naks_sent && sc.rnr_naks_received;
+    auto delta = [](const std::optional<std::uint64_t>& now, const std::optional<std::uint64_t>& then) {
+      return now.value_or(0) - then.value_or(0);
+    };
+    const std::uint64_t rnr = delta(cc.rnr_naks_sent, client_rnr0.rnr_naks_sent) +
+                              delta(cc.rnr_naks_received, client_rnr0.rnr_naks_received) +
+                              delta(sc.rnr_naks_sent, server_rnr0.rnr_naks_sent) +
+                              delta(sc.rnr_naks_received, server_rnr0.rnr_naks_received);
+    if (!rnr_known) std::printf("soak: the device keeps no RNR counters: rnr is not checked\n");
+    // Every connection closed at the end: a connection object that leaked
+    // (or never finished closing) is still counted by its fabric.
+    const std::uint64_t left_open = client->stats().connections + server->stats().connections;
+    // Reopening must really have happened (at least one per 10 s).
+    const bool churned = opt.churn_ms == 0 || t.reopened >= std::max<std::uint64_t>(1, opt.seconds / 10);
     const bool rss_flat = rss_max * 100 <= rss_start * (100 + opt.rss_slack);
     // One connection at a time is being replaced: two sockets may be
     // missing or extra at a sample.
     const bool fd_flat = fd_max - fd_min <= 4;
-    const bool pass = t.errors == 0 && t.lost == 0 && t.duplicated == 0 && t.corrupt == 0 && rnr == 0 && rss_flat &&
-                      fd_flat && t.ops > 0;
+    const bool pass = !hung && t.errors == 0 && t.lost == 0 && t.duplicated == 0 && t.corrupt == 0 && rnr == 0 &&
+                      rss_flat && fd_flat && t.ops > 0 && left_open == 0 && churned;
     std::printf(
         "soak: connections=%u inflight=%u seconds=%u ops=%llu messages=%llu rendezvous=%llu puts=%llu gets=%llu "
         "atomics=%llu reopened=%llu errors=%llu lost=%llu duplicated=%llu corrupt=%llu rnr=%llu rss_start_kib=%zu "
-        "rss_end_kib=%zu rss_max_kib=%zu fd_start=%zu fd_end=%zu fd_min=%zu fd_max=%zu verdict=%s\n",
+        "rss_end_kib=%zu rss_max_kib=%zu fd_start=%zu fd_end=%zu fd_min=%zu fd_max=%zu left_open=%llu verdict=%s\n",
         opt.connections, opt.inflight, opt.seconds, static_cast<unsigned long long>(t.ops),
         static_cast<unsigned long long>(t.messages), static_cast<unsigned long long>(t.rendezvous),
         static_cast<unsigned long long>(t.puts), static_cast<unsigned long long>(t.gets),
@@ -539,7 +574,12 @@ struct soak {
         static_cast<unsigned long long>(t.errors), static_cast<unsigned long long>(t.lost),
         static_cast<unsigned long long>(t.duplicated), static_cast<unsigned long long>(t.corrupt),
         static_cast<unsigned long long>(rnr), rss_start, rss_end, rss_max, fd_start, fd_end, fd_min, fd_max,
-        pass ? "pass" : "fail");
+        static_cast<unsigned long long>(left_open), pass ? "pass" : "fail");
+    if (left_open != 0) std::printf("soak: %llu connections still open after every slot closed\n",
+                                    static_cast<unsigned long long>(left_open));
+    if (!churned) std::printf("soak: only %llu connections reopened\n", static_cast<unsigned long long>(t.reopened));
+    std::fflush(stdout);
+    if (hung) std::_Exit(1);  // coroutines still hold the connections: no orderly teardown
     if (!rss_flat) std::printf("soak: RSS grew more than %u%% after warm-up\n", opt.rss_slack);
     if (!fd_flat) std::printf("soak: the descriptor count moved by more than 4 after warm-up\n");
     return pass ? 0 : 1;

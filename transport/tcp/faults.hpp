@@ -5,15 +5,20 @@
 //   ANYDOOR_TCP_FAULTS="key=value[,key=value...]"
 //     qp=K            only the K-th queue pair of the device to connect
 //                     (1-based, in connection order); default: every one
-//     cut=N           after sending N frames, the connection is cut (both
-//                     directions: the socket is shut down, as a pulled cable)
+//     cut=N           after sending N frames, the connection is cut: the
+//                     socket closes, so the peer sees it end at once (a
+//                     silent cut is what keepalive detects: see the
+//                     liveness tests, which freeze the peer instead)
 //     delay=MS        every batch of frames waits MS ms before it is sent
 //     corrupt=N       the N-th frame sent goes out with a malformed header
 //     stop_reading=N  after receiving N frames, the socket is not read...
 //     stall=MS        ...for MS ms, then reading resumes (without stall:
 //                     until the connection ends)
 // Frames are counted per queue pair: requests, responses, ACKs and read
-// fragments alike.
+// fragments alike. The variable applies to every tcp device the process
+// opens while it is set (the fabrics of a test set and unset it around
+// each); qp=K counts the device's socket attachments. The verbs provider
+// ignores it (open_device warns).
 #pragma once
 
 #include <cstdint>

@@ -282,7 +282,7 @@ void tcp_qp::on_cq_overflow() noexcept {
 }
 
 std::error_code tcp_qp::set_remote_access(access acc) noexcept {
-  if (state_ == qp_state::error) return errc::invalid_state;
+  if (state_ == qp_state::error || state_ == qp_state::rtr) return errc::invalid_state;  // as verbs
   attr_.remote_access = acc & (access::remote_write | access::remote_read | access::remote_atomic);
   log().debug("qp {}: remote access {:#x}", qpn_, static_cast<std::uint32_t>(attr_.remote_access));
   return {};

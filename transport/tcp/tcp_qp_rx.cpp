@@ -122,7 +122,17 @@ void tcp_qp::receive() noexcept {
       if (!rx_stall_done_ && faults_->stop_reading_after && frames_received_ >= *faults_->stop_reading_after) {
         begin_rx_stall();
       }
-      if (rx_stalled_) return;
+      if (rx_stalled_) {
+        // No frame is read, but a connection that failed (reset, or closed
+        // with nothing left to read) still ends the queue pair: epoll
+        // reports such an error whatever the interest, and nothing else
+        // would take it (the reactor would spin).
+        std::byte probe{};
+        const ssize_t n = ::recv(fd_, &probe, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0) peer_gone("peer closed the connection");
+        else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) peer_gone(std::strerror(errno));
+        return;
+      }
     }
     if (phase_ == rx_phase::header) {
       if (rx_end_ - rx_begin_ < kHeaderSize) {

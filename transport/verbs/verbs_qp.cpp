@@ -81,6 +81,7 @@ qp_state from_ibv(ibv_qp_state s) {
 verbs_qp::verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attributes& attr)
     : dev_(std::move(dev)), attr_(attr), scq_(dynamic_cast<verbs_cq*>(attr.send_cq)),
       rcq_(dynamic_cast<verbs_cq*>(attr.recv_cq)) {
+  attr_.remote_access = attr_.remote_access & (access::remote_write | access::remote_read | access::remote_atomic);
   const char* why = nullptr;
   if (scq_ == nullptr || rcq_ == nullptr) why = "send_cq and recv_cq of the verbs provider are required";
   else if (attr_.max_send_wr == 0 || attr_.max_send_wr > dev_->caps.max_qp_wr) why = "max_send_wr out of range";

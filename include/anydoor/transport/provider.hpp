@@ -120,10 +120,11 @@ class queue_pair {
                                     std::size_t* bad = nullptr) noexcept = 0;
 
   // Sets which remote operations the queue pair executes from now on (see
-  // qp_attributes::remote_access; ibv_modify_qp with IBV_QP_ACCESS_FLAGS),
-  // in any state but error; bits other than remote_* are ignored. A request
-  // already executing finishes under the old rights. errc::invalid_state in
-  // error.
+  // qp_attributes::remote_access; ibv_modify_qp with IBV_QP_ACCESS_FLAGS):
+  // in reset (applied when it moves to init), init and rts; bits other than
+  // remote_* are ignored. A request already executing finishes under the
+  // old rights. errc::invalid_state in rtr (verbs has no rtr->rtr change)
+  // and in error.
   virtual std::error_code set_remote_access(access acc) noexcept = 0;
 
   virtual const qp_attributes& attributes() const noexcept = 0;
