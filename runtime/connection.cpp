@@ -253,7 +253,12 @@ op_node* connection_impl::acquire(op_kind kind) {
   if (free_nodes_.empty()) {
     all_nodes_.push_back(std::make_unique<op_node>());
     n = all_nodes_.back().get();
-    free_nodes_.reserve(all_nodes_.size());
+    // Room for every node to come back without allocating (release is
+    // noexcept), grown geometrically: a burst of queued operations costs
+    // O(n), not a reallocation per node.
+    if (free_nodes_.capacity() < all_nodes_.size()) {
+      free_nodes_.reserve(std::max(all_nodes_.size(), 2 * free_nodes_.capacity()));
+    }
   } else {
     n = free_nodes_.back();
     free_nodes_.pop_back();

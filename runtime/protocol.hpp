@@ -21,9 +21,9 @@
 // Until a side has checked its peer's MAC it accepts nothing but the auth
 // message and grants the peer one credit (the auth message itself): the
 // hello's credits are the total, the rest travel in the header of the
-// listener's auth answer and of the connecting side's first credit message
-// (its confirmation). Nothing of the token travels: a sniffer sees
-// two nonces and two MACs bound to them, useless on another connection.
+// listener's auth answer and of the connecting side's confirmation.
+// Nothing of the token travels: a sniffer sees two nonces and two MACs
+// bound to them, useless on another connection.
 //
 // Messages: every SEND starts with an 8-byte header
 //   u8 type | u8 status | u16 credits | u32 aux

@@ -567,3 +567,76 @@ TEST_CASE("auth: both sides may use one-sided operations on each other's memory 
   CHECK(server_adds == kRounds);
   CHECK(client_adds == kRounds);
 }
+
+TEST_CASE("auth: a confirmation out of turn, a message before confirming, or no confirmation drops the peer and "
+          "no accept completes",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.auth_token = kToken;
+  co.handshake_timeout = std::chrono::milliseconds(500);
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  auto guard = asio::make_work_guard(io);
+  int accepted = 0;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (;;) {
+      auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+      if (ec) co_return;
+      ++accepted;
+    }
+  }, f.handler());
+  enum class step { confirm_first, message_before_confirm, proof_twice, silent_after_answer };
+  const std::array steps{step::confirm_first, step::message_before_confirm, step::proof_twice,
+                         step::silent_after_answer};
+  std::array<bool, 4> dropped{};
+  std::array<std::chrono::steady_clock::duration, 4> took{};
+  std::thread raw([&] {
+    raw_peer p;
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      if (!p.reset()) return;
+      const bytes hello = make_hello(1, true);
+      auto res = p.dev->connect(*p.qp, test_host(), acc.port(), hello, std::chrono::seconds(10));
+      if (res.ec || res.private_data.size() < kHello) return;
+      const bytes welcome(res.private_data.begin(), res.private_data.begin() + kHello);
+      const bytes mine = message(kTypeAuth, 0, 0, proof(kToken, "client", hello, welcome));
+      const auto t0 = std::chrono::steady_clock::now();
+      if (steps[i] == step::confirm_first) {
+        p.send(message(kTypeAuth, 2, 0));
+      } else {
+        p.send(mine);
+        if (!p.receive(5s)) return;  // the answer
+        if (steps[i] == step::message_before_confirm) p.send(message(kTypeEager, 0, 7, bytes(4)));
+        if (steps[i] == step::proof_twice) p.send(message(kTypeAuth, 0, 7, proof(kToken, "client", hello, welcome)));
+      }
+      bool failed = false;
+      while (!failed && p.receive(3s, &failed)) {
+      }
+      dropped[i] = failed;
+      took[i] = std::chrono::steady_clock::now() - t0;
+    }
+  });
+  std::thread releaser([&] {
+    raw.join();
+    asio::post(io, [&] {
+      guard.reset();
+      acc.close();
+    });
+  });
+  run_to_completion(io);
+  releaser.join();
+  f.check();
+  CHECK(accepted == 0);
+  CHECK(server.stats().refused >= 4);
+  if (testing_tcp()) {  // (verbs: a queue pair in error tells its peer nothing until it is destroyed)
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      INFO("step " << i << " ended after " << std::chrono::duration_cast<std::chrono::milliseconds>(took[i]).count()
+                   << " ms");
+      CHECK(dropped[i]);
+      // Out of turn: at once; silent: at the handshake timeout (500 ms).
+      CHECK(took[i] < (steps[i] == step::silent_after_answer ? 2500ms : 1000ms));
+    }
+    CHECK(took[3] >= 400ms);
+  }
+}

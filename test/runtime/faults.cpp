@@ -402,7 +402,13 @@ TEST_CASE("faults: a peer that stops reading for a while backs its sender up by 
                           << kFloodCount << " more messages waiting");
   CHECK(done_early == done_late);        // nothing moved during the stall
   CHECK(done_early < traffic::kOps);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // Sanitizer allocators (redzones, quarantine, shadow memory) make RSS
+  // say nothing about copies; the plain build checks it.
+  WARN("skipped under a sanitizer: the RSS check (" << rss_early << " KiB, then " << rss_late << " KiB)");
+#else
   CHECK(rss_late <= rss_early + 8192);   // 24 MB posted: not copied, waiting for credits
+#endif
   CHECK(flood_done == kFloodCount);      // and all of it went once the peer read again
   CHECK(flood_failed == 0);
   CHECK(s.targets[a]->flood == kFloodCount);
@@ -464,8 +470,9 @@ TEST_CASE("faults: a reader stopped for good still learns that its peer left, an
     for (int k = 0; k < 6; ++k) co_await s.clients[a]->conn.async_send(asio::buffer(x), use_awaitable);
     co_await sleep_for(ms(100));
     aborted = std::chrono::steady_clock::now();
-    s.clients[a]->conn = {};  // the client's socket closes with our frames unread: a reset
+    s.clients[a]->conn = {};  // the client's socket closes (a FIN)
     co_await sleep_for(ms(100));
+    // Our send now meets a closed socket: the peer resets the connection.
     s.targets[a]->conn.async_send(asio::buffer(x), [](ad::error_code, std::size_t) {});
     rusage r0{}, r1{};
     ::getrusage(RUSAGE_SELF, &r0);

@@ -556,7 +556,8 @@ struct soak {
     // (or never finished closing) is still counted by its fabric.
     const std::uint64_t left_open = client->stats().connections + server->stats().connections;
     // Reopening must really have happened (at least one per 10 s).
-    const bool churned = opt.churn_ms == 0 || t.reopened >= std::max<std::uint64_t>(1, opt.seconds / 10);
+    const std::uint64_t want_reopened = opt.churn_ms == 0 || opt.churn_ms > 10'000 ? 0 : std::max<std::uint64_t>(1, opt.seconds / 10);
+    const bool churned = t.reopened >= want_reopened;
     const bool rss_flat = rss_max * 100 <= rss_start * (100 + opt.rss_slack);
     // One connection at a time is being replaced: two sockets may be
     // missing or extra at a sample.

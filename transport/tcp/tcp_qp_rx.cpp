@@ -123,10 +123,17 @@ void tcp_qp::receive() noexcept {
         begin_rx_stall();
       }
       if (rx_stalled_) {
-        // No frame is read, but a connection that failed (reset, or closed
-        // with nothing left to read) still ends the queue pair: epoll
+        // No frame is read, but a connection that failed (reset, even with
+        // bytes still queued: SO_ERROR; or closed with nothing left to
+        // read: a peek sees the end) still ends the queue pair. epoll
         // reports such an error whatever the interest, and nothing else
         // would take it (the reactor would spin).
+        int err = 0;
+        socklen_t len = sizeof err;
+        if (::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0) {
+          peer_gone(std::strerror(err));
+          return;
+        }
         std::byte probe{};
         const ssize_t n = ::recv(fd_, &probe, 1, MSG_PEEK | MSG_DONTWAIT);
         if (n == 0) peer_gone("peer closed the connection");
