@@ -125,7 +125,7 @@ std::size_t rss_kib() {
 std::size_t open_fds() {
   std::size_t n = 0;
   if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.' ? 1 : 0;
+    while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.' ? 1u : 0u;
     ::closedir(d);
   }
   return n - 1;  // the directory itself
@@ -222,7 +222,7 @@ struct soak {
     server = std::make_unique<ad::fabric>(io, fo);
     client = std::make_unique<ad::fabric>(io, fo);
     layout.put_lanes = 0;
-    for (std::uint32_t k = 0; k < o.inflight; ++k) layout.put_lanes += kCycle[k % 8] == kind::put ? 1 : 0;
+    for (std::uint32_t k = 0; k < o.inflight; ++k) layout.put_lanes += kCycle[k % 8] == kind::put ? 1u : 0u;
     layout.put_lanes = std::min<std::size_t>(layout.put_lanes, 64);
     server_mem.assign(layout.bytes() * o.connections, std::byte{0});
     server_mr.emplace(server->register_memory(server_mem, ad::access::local_write | ad::access::remote_write |
@@ -341,7 +341,7 @@ struct soak {
     const kind what = kCycle[k % 8];
     std::byte* mine = &sl.mem[std::size_t{k} * kRendezvous];
     std::size_t put_lane = 0;
-    for (std::uint32_t j = 0; j < k; ++j) put_lane += kCycle[j % 8] == kind::put ? 1 : 0;
+    for (std::uint32_t j = 0; j < k; ++j) put_lane += kCycle[j % 8] == kind::put ? 1u : 0u;
     std::array<std::byte, kEager> eager{};
     std::uint64_t put_seq = 0;
     while (!sl.stop && running) {
