@@ -369,8 +369,8 @@ TEST_CASE("faults: delayed frames arrive late, intact and in order, on that conn
 TEST_CASE("faults: a peer that stops reading for a while backs its sender up by flow control, without memory "
           "growth, and everything arrives once it reads again",
           "[runtime][faults]") {
-  // The server's first connection reads 10 frames, then nothing for 2 s.
-  setup s("stop_reading=10,stall=2000,qp=1", "");
+  // The server's first connection reads 10 frames, then nothing for 3 s.
+  setup s("stop_reading=10,stall=3000,qp=1", "");
   const std::size_t a = s.connect(), b = s.connect();
   // While the stalled connection's sender is backed up, 3000 more messages
   // of 8000 bytes (24 MB) are sent on it from one buffer: they must wait
@@ -382,7 +382,13 @@ TEST_CASE("faults: a peer that stops reading for a while backs its sender up by 
   std::size_t rss_early = 0, rss_late = 0, done_early = 0, done_late = 0;
   failure f;
   asio::co_spawn(s.io, [&]() -> awaitable<void> {
-    co_await sleep_for(ms(400));
+    // What can still complete (eager sends complete once posted) does so
+    // first: wait until the count holds still (slow under sanitizers).
+    co_await sleep_for(ms(300));
+    for (std::size_t last = ~std::size_t{0}, i = 0; i < 15 && s.clients[a]->finished != last; ++i) {
+      last = s.clients[a]->finished;
+      co_await sleep_for(ms(100));
+    }
     rss_early = rss_kib();
     done_early = s.clients[a]->finished;
     for (std::size_t i = 0; i < kFloodCount; ++i) {
@@ -391,7 +397,7 @@ TEST_CASE("faults: a peer that stops reading for a while backs its sender up by 
         flood_failed += ec ? 1u : 0u;
       });
     }
-    co_await sleep_for(ms(1000));
+    co_await sleep_for(ms(600));
     rss_late = rss_kib();
     done_late = s.clients[a]->finished;
   }, f.handler());
