@@ -5,6 +5,7 @@
 #include <anydoor/error.hpp>
 
 #include "log.hpp"
+#include "scoped_region.hpp"
 #include "registration_cache.hpp"
 
 #include <algorithm>
@@ -59,6 +60,7 @@ connection_impl::connection_impl(std::shared_ptr<fabric_state> fab)
 }
 
 connection_impl::~connection_impl() {
+  revoke_windows();
   buffer_timer_.cancel();
   setup_timer_.cancel();
   if (early_auth_ != buffer_pool::npos) fab_->pool->put(early_auth_);
@@ -234,6 +236,7 @@ void connection_impl::on_setup_failed() noexcept {
   auto keep = shared_from_this();
   state_ = state::failed;
   error_ = errc::not_connected;
+  revoke_windows();
   // The queue pair never carried anything: no completion will come for its
   // receives. Destroying it returns them (see the destructor).
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
@@ -314,6 +317,10 @@ void connection_impl::complete(op_node* n, bool post, std::error_code ec, std::s
     case op_kind::fetch_add:
     case op_kind::compare_swap: n->handler.complete(post, ec, ec ? std::uint64_t{0} : n->result); break;
     case op_kind::receive_notification: n->handler.complete(post, ec, ec ? notification{} : n->note); break;
+    case op_kind::register_memory:
+      // On error the region (n->mr) goes with the node: revoked, then deregistered.
+      n->handler.complete(post, ec, ec ? memory_region{} : memory_region(std::move(n->mr)));
+      break;
   }
   release(n);
 }
@@ -487,6 +494,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   const state was = state_;
   state_ = state::failed;
   error_ = peer_closed_ ? std::error_code(errc::connection_closed) : ec;
+  revoke_windows();
   if (ec == errc::connection_closed) {
     log().debug("connection qp {}: aborted", qp_ ? qp_->qp_num() : 0);
   } else {

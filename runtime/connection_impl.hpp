@@ -18,6 +18,8 @@
 
 namespace anydoor::detail {
 
+class window_slot;
+
 // An intrusive FIFO of op nodes.
 struct op_list {
   op_node* head = nullptr;
@@ -165,6 +167,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   start_result try_start(op_node* n, bool post) noexcept;
   start_result try_start_onesided(op_node* n, bool post) noexcept;
   std::error_code prepare_onesided(op_node* n) noexcept;  // checks and keys the local memory
+  std::error_code prepare_window(op_node* n) noexcept;    // register_memory: the region and its window
+  void revoke_windows() noexcept;                         // the connection ends: every window it bound
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool
   void wait_for_buffer() noexcept;  // on_buffer_available once the pool has one
   start_result credit_stall(op_node* n) noexcept;
@@ -297,6 +301,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::chrono::steady_clock::time_point last_rx_{}, last_tx_{};
   std::chrono::milliseconds heartbeat_{0};  // 0: none
   bool registered_ = false;                 // in fabric_state's list
+
+  // The windows of this connection's scoped regions (revoked when it ends).
+  std::vector<std::weak_ptr<window_slot>> windows_;
 
   asio::steady_timer buffer_timer_;
   bool buffer_timer_armed_ = false;

@@ -6,6 +6,7 @@
 
 #include "log.hpp"
 #include "registration_cache.hpp"
+#include "scoped_region.hpp"
 
 #include <algorithm>
 
@@ -38,6 +39,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       if (n->remote.length < 8 || n->remote.addr % 8 != 0) return errc::invalid_argument;
       return {};
     case op_kind::flush: return {};
+    case op_kind::register_memory: return prepare_window(n);
     default: break;
   }
   if (n->nbufs == 0xff) return errc::invalid_argument;
@@ -68,6 +70,43 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
     }
   }
   return {};
+}
+
+// A connection-scoped registration: the memory registered for binding
+// only, and a window for the bind that try_start_onesided queues.
+std::error_code connection_impl::prepare_window(op_node* n) noexcept {
+  using transport::access;
+  using transport::remote_access_bits;
+  const auto acc = static_cast<access>(n->operand);
+  const auto remote = acc & remote_access_bits;
+  if (n->dest.size() == 0 || remote == access::none || (acc & (access::local_write | remote)) != acc ||
+      ((has(acc, access::remote_write) || has(acc, access::remote_atomic)) && !has(acc, access::local_write))) {
+    return errc::invalid_argument;
+  }
+  if (!fab_->device->caps().memory_windows) return errc::not_supported;
+  try {
+    auto mr = fab_->pd->register_memory(n->dest.data(), n->dest.size(), (acc & access::local_write) | access::mw_bind);
+    auto slot = std::make_shared<window_slot>(fab_->pd->alloc_window());
+    // Forget the windows of regions already gone (amortized: at most one
+    // pass per doubling).
+    if (windows_.size() == windows_.capacity()) {
+      std::erase_if(windows_, [](const std::weak_ptr<window_slot>& w) { return w.expired(); });
+    }
+    windows_.push_back(slot);
+    n->mr = std::make_unique<scoped_region>(std::move(mr), std::move(slot), acc);
+  } catch (const std::exception& e) {
+    log().warn("connection: registering {} bytes at {} for the peer failed: {}", n->dest.size(), n->dest.data(),
+               e.what());
+    return errc::registration_failed;
+  }
+  return {};
+}
+
+void connection_impl::revoke_windows() noexcept {
+  for (const std::weak_ptr<window_slot>& w : windows_) {
+    if (auto slot = w.lock()) slot->revoke();
+  }
+  windows_.clear();
 }
 
 // A put or get goes out as work requests of at most sge_per_wr_ pieces and
@@ -119,6 +158,24 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
         flushes_.push_back(n);
       }
       return start_result::started;
+    case op_kind::register_memory: {
+      auto& r = *static_cast<scoped_region*>(n->mr.get());
+      transport::memory_window* w = r.slot()->window();
+      if (w == nullptr) {  // revoked: the connection is ending
+        send_waiting_.remove(n);
+        complete(n, post, send_refusal() ? send_refusal() : make_error_code(errc::connection_closed));
+        return start_result::started;
+      }
+      if (sq_free() == 0) return start_result::blocked_queue;
+      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n);
+      wr.op = transport::opcode::bind_window;
+      wr.sg_list = {};
+      wr.inline_data = false;
+      wr.bind = {w, &r.registration(), reinterpret_cast<std::uint64_t>(r.addr()), r.length(),
+                 r.access() & transport::remote_access_bits};
+      ++tx_count_;
+      break;
+    }
     case op_kind::fetch_add:
     case op_kind::compare_swap: {
       if (sq_free() == 0) return start_result::blocked_queue;
@@ -198,6 +255,13 @@ void connection_impl::on_onesided_done(op_node* n, transport::wc_status status, 
     case op_kind::get:
       ++stats_.gets;
       stats_.bytes_got += n->length;
+      break;
+    case op_kind::register_memory:
+      if (!static_cast<scoped_region*>(n->mr.get())->adopt_key()) {
+        complete(n, post, error_ ? error_ : make_error_code(errc::connection_closed));
+        return;
+      }
+      ++stats_.scoped_registrations;
       break;
     default:
       ++stats_.atomics;

@@ -70,6 +70,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
     if (fail_unless_ending(wc, "receive") && peer_closed_ && state_ != state::failed && state_ != state::closed) {
       state_ = state::closed;  // the peer tore the queue pair down after its close
       error_ = errc::connection_closed;
+      revoke_windows();
       park_partial_reads();
       begin_drain();
       end_auth(error_);
@@ -324,6 +325,7 @@ void connection_impl::on_peer_close() noexcept {
 void connection_impl::on_close_acked() noexcept {
   state_ = state::closed;
   error_ = errc::connection_closed;
+  revoke_windows();
   if (close_op_ != nullptr) {
     op_node* n = close_op_;
     close_op_ = nullptr;

@@ -2,6 +2,7 @@
 #include <anydoor/memory.hpp>
 
 #include "bytes.hpp"
+#include "scoped_region.hpp"
 
 #include <cstring>
 #include <string>
@@ -89,4 +90,48 @@ local_range memory_region::at(std::size_t offset, std::size_t len) const {
 
 void memory_region::reset() noexcept { mr_.reset(); }
 
+bool memory_region::connection_scoped() const noexcept {
+  return dynamic_cast<const detail::scoped_region*>(mr_.get()) != nullptr;
+}
+
+bool memory_region::revoked() const noexcept {
+  const auto* s = dynamic_cast<const detail::scoped_region*>(mr_.get());
+  return s != nullptr && s->revoked();
+}
+
 }  // namespace anydoor
+
+// ---------------------------------------------------------------- connection-scoped regions
+
+namespace anydoor::detail {
+
+void window_slot::revoke() noexcept {
+  std::unique_ptr<transport::memory_window> gone;
+  {
+    std::lock_guard lock(mutex_);
+    gone = std::move(window_);
+    revoked_.store(true, std::memory_order_release);
+  }
+  gone.reset();  // deallocates: the key stops working
+}
+
+transport::memory_window* window_slot::window() noexcept {
+  std::lock_guard lock(mutex_);
+  return window_.get();
+}
+
+scoped_region::scoped_region(std::unique_ptr<transport::memory_region> mr, std::shared_ptr<window_slot> slot,
+                             transport::access acc) noexcept
+    : transport::memory_region(mr->addr(), mr->length(), mr->lkey(), 0, acc), slot_(std::move(slot)),
+      mr_(std::move(mr)) {}
+
+scoped_region::~scoped_region() { slot_->revoke(); }
+
+bool scoped_region::adopt_key() noexcept {
+  transport::memory_window* w = slot_->window();
+  if (w == nullptr || !w->bound()) return false;
+  set_remote_key(w->rkey());
+  return true;
+}
+
+}  // namespace anydoor::detail

@@ -4,12 +4,27 @@
 
 namespace anydoor::transport {
 
+bool binding_ok(const work_request& wr) noexcept {
+  const window_binding& b = wr.bind;
+  if (!wr.sg_list.empty() || wr.inline_data || b.window == nullptr || b.region == nullptr) return false;
+  if (b.window->bound() || !has(b.region->access(), access::mw_bind)) return false;
+  if (b.rights == access::none || (b.rights & remote_access_bits) != b.rights) return false;
+  if ((has(b.rights, access::remote_write) || has(b.rights, access::remote_atomic)) &&
+      !has(b.region->access(), access::local_write)) {
+    return false;
+  }
+  const auto base = reinterpret_cast<std::uint64_t>(b.region->addr());
+  return b.length > 0 && b.addr >= base && b.length <= b.region->length() &&
+         b.addr - base <= b.region->length() - b.length;
+}
+
 std::error_code check_send(std::span<const work_request> wrs, const send_limits& lim, std::size_t* bad) noexcept {
   for (std::size_t i = 0; i < wrs.size(); ++i) {
     const work_request& wr = wrs[i];
     std::uint64_t total = 0;
     for (const sge& s : wr.sg_list) total += s.length;
-    const bool ok = wr.sg_list.size() <= lim.max_sge && total <= lim.max_msg_size &&
+    const bool ok = wr.op == opcode::bind_window ? binding_ok(wr) :
+                    wr.sg_list.size() <= lim.max_sge && total <= lim.max_msg_size &&
                     (!wr.inline_data || (carries_data(wr.op) && total <= lim.max_inline)) &&
                     (!is_atomic(wr.op) ||
                      (wr.sg_list.size() == 1 && wr.sg_list[0].length == 8 && wr.remote_addr % 8 == 0));
@@ -34,7 +49,8 @@ std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_
 }
 
 void check_registration(const void* addr, std::size_t length, access acc) {
-  constexpr auto known = access::local_write | access::remote_write | access::remote_read | access::remote_atomic;
+  constexpr auto known =
+      access::local_write | access::remote_write | access::remote_read | access::remote_atomic | access::mw_bind;
   if (addr == nullptr || length == 0 || (acc & known) != acc) {
     throw std::system_error(errc::invalid_argument, "register_memory: null address, zero length or unknown access flag");
   }

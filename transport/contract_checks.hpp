@@ -29,6 +29,7 @@ constexpr wc_opcode completion_opcode(opcode op) noexcept {
     case opcode::read: return wc_opcode::read;
     case opcode::fetch_add: return wc_opcode::fetch_add;
     case opcode::compare_swap: return wc_opcode::compare_swap;
+    case opcode::bind_window: return wc_opcode::bind_window;
   }
   return wc_opcode::send;
 }
@@ -40,6 +41,10 @@ struct send_limits {
   std::uint32_t queue_depth;
   std::uint64_t outstanding;  // slots taken now
 };
+
+// A bind_window request's checks that need no provider (provider.hpp):
+// whether the provider's own objects are given is the provider's check.
+bool binding_ok(const work_request& wr) noexcept;
 
 // post_send's checks (provider.hpp documents them); sets *bad on failure.
 std::error_code check_send(std::span<const work_request> wrs, const send_limits& lim, std::size_t* bad) noexcept;

@@ -107,6 +107,7 @@ std::string_view to_string(opcode op) noexcept {
     case opcode::read: return "read";
     case opcode::fetch_add: return "fetch_add";
     case opcode::compare_swap: return "compare_swap";
+    case opcode::bind_window: return "bind_window";
   }
   return "unknown";
 }
@@ -120,6 +121,7 @@ std::string_view to_string(wc_opcode op) noexcept {
     case wc_opcode::fetch_add: return "fetch_add";
     case wc_opcode::recv: return "recv";
     case wc_opcode::recv_rdma_with_imm: return "recv_rdma_with_imm";
+    case wc_opcode::bind_window: return "bind_window";
   }
   return "unknown";
 }

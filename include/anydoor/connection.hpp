@@ -173,6 +173,7 @@ struct connection_stats {
   std::uint64_t notifications_sent = 0;
   std::uint64_t notifications_received = 0;
   std::uint64_t heartbeats = 0;        // sent while idle (connection_options::keepalive)
+  std::uint64_t scoped_registrations = 0;  // async_register_memory completed successfully
 };
 
 // What the peer announced in the handshake.
@@ -322,6 +323,29 @@ class connection {
   template <class Token>
   auto async_flush(Token&& token) {
     return onesided<>(detail::op_kind::flush, std::forward<Token>(token), [](detail::op_node&) {});
+  }
+  // Registers `memory` for this connection's peer only, with `acc` (local
+  // reads always; local_write; at least one of remote_write, remote_read,
+  // remote_atomic): the region's rkey is a type-2 memory window bound to
+  // this connection's queue pair. Any other connection, even of the same
+  // fabric, presenting it fails with remote_access_error (and, as RC
+  // requires, that connection fails); so does the registration itself,
+  // which has no remote rights. The window is revoked when the connection
+  // ends (closed, failed, aborted or destroyed) or the region is destroyed,
+  // whichever comes first; memory_region::revoked() tells. Queued with the
+  // sends and started in order: a message sent after it completes may
+  // carry its remote() to the peer. void(error_code, memory_region).
+  // Errors: errc::not_supported (a device without memory windows: siw),
+  // invalid_argument (empty memory, no remote right, a flag other than
+  // local_write and remote_*, remote_write or remote_atomic without
+  // local_write), registration_failed, and the connection's own errors.
+  template <class Token>
+  auto async_register_memory(std::span<std::byte> memory, access acc, Token&& token) {
+    return onesided<memory_region>(detail::op_kind::register_memory, std::forward<Token>(token),
+                                   [memory, acc](detail::op_node& n) {
+                                     n.dest = asio::mutable_buffer(memory.data(), memory.size());
+                                     n.operand = static_cast<std::uint64_t>(acc);
+                                   });
   }
   // The next notification of the peer's async_put_with_notify.
   // void(error_code, notification); errors as async_receive's.

@@ -8,6 +8,13 @@
 //   if (auto ec = anydoor::remote_region::unpack(bytes, r)) { /* garbage: refuse */ }
 //   co_await conn.async_put(asio::buffer(src), r.at(64, src.size()), asio::use_awaitable);
 //
+// A region from fabric::register_memory is open to any peer holding its
+// rkey (through any connection of the fabric) for as long as it lives: an
+// rkey is a capability, and a leaked one opens the memory to whoever has it.
+// connection::async_register_memory scopes a region to one connection: its
+// rkey is a memory window bound to that connection's queue pair, refused on
+// every other, and revoked when the connection ends.
+//
 // A memory_region is one registration with exactly the access it was given
 // (local reads are always allowed); destroying it deregisters it, after
 // which its keys no longer work, locally or remotely. A remote_region names
@@ -111,6 +118,14 @@ class memory_region {
 
   // Deregisters now (as the destructor does).
   void reset() noexcept;
+
+  // A region from connection::async_register_memory: its rkey() opens it to
+  // that connection's peer only, until the connection ends or the region is
+  // destroyed.
+  bool connection_scoped() const noexcept;
+  // A connection-scoped region whose connection has ended: its rkey opens
+  // nothing any more (local use goes on). False for any other region.
+  bool revoked() const noexcept;
 
  private:
   std::unique_ptr<transport::memory_region> mr_;

@@ -21,6 +21,9 @@
 // --keepalive sets connection_options::keepalive (ms, default 10000). Prints
 // `netem: label=... key=value ...` and exits 0 when the expectation holds,
 // 1 when not, 2 on a bad command line.
+#include "../support/args.hpp"
+#include "../support/sleep.hpp"
+
 #include <anydoor/anydoor.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -45,6 +48,7 @@ namespace ad = anydoor;
 using asio::awaitable;
 using asio::use_awaitable;
 using ms = std::chrono::milliseconds;
+using anydoor::test::sleep_for;
 using clock_type = std::chrono::steady_clock;
 
 namespace {
@@ -83,12 +87,9 @@ struct options {
 options parse(int argc, char** argv) {
   options o;
   auto number = [](const char* s, unsigned long lo, unsigned long hi) {
-    char* end = nullptr;
-    const unsigned long v = std::strtoul(s, &end, 10);
-    if (end == s || *end != '\0' || v < lo || v > hi) {
-      usage(std::string("expected a number in ") + std::to_string(lo) + ".." + std::to_string(hi) + ": " + s);
-    }
-    return static_cast<std::uint32_t>(v);
+    const auto v = anydoor::test::parse_number(s, lo, hi);
+    if (!v) usage(anydoor::test::number_range_error(s, lo, hi));
+    return *v;
   };
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -146,11 +147,6 @@ std::pair<std::string, std::string> split(const std::string& address) {
   const auto colon = address.rfind(':');
   if (colon == std::string::npos) usage("expected HOST:PORT: " + address);
   return {address.substr(0, colon), address.substr(colon + 1)};
-}
-
-awaitable<void> sleep_for(ms d) {
-  asio::steady_timer t(co_await asio::this_coro::executor, d);
-  co_await t.async_wait(use_awaitable);
 }
 
 // ------------------------------------------------------------------ server

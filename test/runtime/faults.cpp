@@ -4,7 +4,9 @@
 // For each: every operation completes exactly once; what succeeded arrived
 // (in order, intact); other connections carry on; a new connection to the
 // same peer works. The sanitizer build adds LeakSanitizer's verdict.
+#include "../support/process.hpp"
 #include "../support/runtime.hpp"
+#include "../support/sleep.hpp"
 
 #include <anydoor/anydoor.hpp>
 
@@ -42,11 +44,6 @@ constexpr std::uint32_t kDone = 0xffffffffu;                // the sender's last
 constexpr std::uint32_t kFlood = 0xfffffffeu;               // a flood message (counted apart)
 constexpr std::size_t kFloodSize = 8000;                    // eager (below the 8192-byte limit)
 
-awaitable<void> sleep_for(ms d) {
-  asio::steady_timer t(co_await asio::this_coro::executor, d);
-  co_await t.async_wait(use_awaitable);
-}
-
 // A fabric whose device reads `spec` from the environment when it opens.
 std::unique_ptr<ad::fabric> faulty_fabric(asio::io_context& io, const char* spec,
                                           const ad::fabric_options& o = test_options()) {
@@ -60,20 +57,6 @@ std::unique_ptr<ad::fabric> faulty_fabric(asio::io_context& io, const char* spec
   }
   ::unsetenv(kVariable);
   return f;
-}
-
-std::size_t rss_kib() {
-  std::ifstream in("/proc/self/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "VmRSS:") {
-      std::size_t v = 0;
-      in >> v;
-      return v;
-    }
-    in.ignore(4096, '\n');
-  }
-  return 0;
 }
 
 std::vector<std::byte> message_bytes(std::uint32_t seq, std::size_t n) {

@@ -1,6 +1,7 @@
 // Liveness (connection_options::keepalive): a peer that stops answering
 // without closing is detected, and idle connections stay up on heartbeats.
 #include "../support/runtime.hpp"
+#include "../support/sleep.hpp"
 
 #include <anydoor/anydoor.hpp>
 
@@ -25,11 +26,6 @@ using asio::use_awaitable;
 using ms = std::chrono::milliseconds;
 
 namespace {
-
-awaitable<void> sleep_for(ms d) {
-  asio::steady_timer t(co_await asio::this_coro::executor, d);
-  co_await t.async_wait(use_awaitable);
-}
 
 // Waits up to `limit` for the child to exit; its wait status, or -1.
 int wait_exit(pid_t pid, std::chrono::seconds limit) {

@@ -24,6 +24,10 @@
 // descriptor count within 4, no connection left open at the end, at least
 // one reopening per 10 s (unless --churn-ms 0), and every slot drained
 // within 60 s of the end (else the stuck slots are named).
+#include "../support/args.hpp"
+#include "../support/process.hpp"
+#include "../support/sleep.hpp"
+
 #include <anydoor/anydoor.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -31,8 +35,6 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
-
-#include <dirent.h>
 
 #include <algorithm>
 #include <array>
@@ -52,7 +54,10 @@ namespace ad = anydoor;
 using asio::awaitable;
 using asio::use_awaitable;
 using ms = std::chrono::milliseconds;
+using anydoor::test::sleep_for;
 using clock_type = std::chrono::steady_clock;
+using anydoor::test::open_fds;
+using anydoor::test::rss_kib;
 
 namespace {
 
@@ -77,12 +82,9 @@ options parse(int argc, char** argv) {
     std::exit(2);
   };
   auto number = [&](const char* s, unsigned long lo, unsigned long hi) {
-    char* end = nullptr;
-    const unsigned long v = std::strtoul(s, &end, 10);
-    if (end == s || *end != '\0' || v < lo || v > hi) {
-      fail(std::string("expected a number in ") + std::to_string(lo) + ".." + std::to_string(hi) + ": " + s);
-    }
-    return static_cast<std::uint32_t>(v);
+    const auto v = anydoor::test::parse_number(s, lo, hi);
+    if (!v) fail(anydoor::test::number_range_error(s, lo, hi));
+    return *v;
   };
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -106,34 +108,6 @@ options parse(int argc, char** argv) {
   }
   if (o.warmup >= o.seconds) fail("--warmup must be shorter than --seconds");
   return o;
-}
-
-std::size_t rss_kib() {
-  std::ifstream in("/proc/self/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "VmRSS:") {
-      std::size_t v = 0;
-      in >> v;
-      return v;
-    }
-    in.ignore(4096, '\n');
-  }
-  return 0;
-}
-
-std::size_t open_fds() {
-  std::size_t n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.' ? 1u : 0u;
-    ::closedir(d);
-  }
-  return n - 1;  // the directory itself
-}
-
-awaitable<void> sleep_for(ms d) {
-  asio::steady_timer t(co_await asio::this_coro::executor, d);
-  co_await t.async_wait(use_awaitable);
 }
 
 // Operation lanes of a connection cycle through these kinds.

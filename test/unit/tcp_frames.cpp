@@ -401,24 +401,24 @@ TEST_CASE("tcp provider: keys of deregistered regions do not come back", "[unit]
   const auto addr = reinterpret_cast<std::uint64_t>(mem.data());
   const std::uint32_t stale = t.add(mem.data(), mem.size(), access::remote_write);
   REQUIRE(stale != 0);
-  REQUIRE(t.check(stale, addr, 8, access::remote_write) != nullptr);
+  REQUIRE(t.check(stale, addr, 8, access::remote_write, 1) != nullptr);
   t.remove(stale);
   bool reused = false;
   for (std::uint32_t i = 0; i < 3 * registration_table::kCapacity; ++i) {
     const std::uint32_t k = t.add(mem.data(), mem.size(), access::remote_write);
     REQUIRE(k != 0);
-    reused = reused || k == stale || t.check(stale, addr, 8, access::remote_write) != nullptr;
+    reused = reused || k == stale || t.check(stale, addr, 8, access::remote_write, 1) != nullptr;
     t.remove(k);
   }
   CHECK_FALSE(reused);
   // pin() holds a registration; a pin of a stale key fails
   const std::uint32_t k = t.add(mem.data(), mem.size(), access::remote_read);
-  REQUIRE(t.pin(k, addr, 64, access::remote_read) != nullptr);
-  CHECK(t.pin(k, addr, 65, access::remote_read) == nullptr);  // out of bounds
-  CHECK(t.pin(k, addr, 8, access::remote_write) == nullptr);  // access not granted
+  REQUIRE(t.pin(k, addr, 64, access::remote_read, 1) != nullptr);
+  CHECK(t.pin(k, addr, 65, access::remote_read, 1) == nullptr);  // out of bounds
+  CHECK(t.pin(k, addr, 8, access::remote_write, 1) == nullptr);  // access not granted
   t.unpin(k);
   t.remove(k);
-  CHECK(t.pin(k, addr, 8, access::remote_read) == nullptr);
+  CHECK(t.pin(k, addr, 8, access::remote_read, 1) == nullptr);
 }
 
 TEST_CASE("tcp provider: a stale rkey is refused after many registrations", "[unit][tcp]") {

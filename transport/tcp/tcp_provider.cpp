@@ -39,7 +39,7 @@ registration_table::registration_table(std::uint32_t generation)
   free_count_ = kCapacity - 1;
 }
 
-std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, access acc) {
+std::uint32_t registration_table::take_slot(std::byte* addr, std::uint64_t length, access acc, std::uint64_t owner) {
   std::lock_guard lock(mutex_);
   if (free_count_ == 0) return 0;
   const std::uint32_t index = free_[free_head_];
@@ -52,8 +52,43 @@ std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, acc
   e.addr.store(reinterpret_cast<std::uint64_t>(addr), std::memory_order_relaxed);
   e.length.store(length, std::memory_order_relaxed);
   e.acc.store(static_cast<std::uint32_t>(acc), std::memory_order_relaxed);
+  e.owner.store(owner, std::memory_order_relaxed);
+  e.parent.store(0, std::memory_order_relaxed);
   e.key.store(key, std::memory_order_release);
   return key;
+}
+
+std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, access acc) {
+  return take_slot(addr, length, acc, 0);
+}
+
+std::uint32_t registration_table::add_window() { return take_slot(nullptr, 0, access::none, kUnbound); }
+
+std::uint32_t registration_table::bind(std::uint32_t key, std::uint32_t parent, std::uint64_t addr,
+                                       std::uint64_t length, access rights, std::uint64_t owner) noexcept {
+  std::lock_guard lock(mutex_);
+  const std::uint32_t index = index_of(key);
+  const std::uint32_t pindex = index_of(parent);
+  if (index == 0 || index >= kCapacity || pindex == 0 || pindex >= kCapacity || owner == 0 || owner == kUnbound) {
+    return 0;
+  }
+  entry& e = entries_[index];
+  const entry& p = entries_[pindex];
+  if (e.key.load(std::memory_order_relaxed) != key || e.owner.load(std::memory_order_relaxed) != kUnbound) return 0;
+  if (p.key.load(std::memory_order_relaxed) != parent || p.owner.load(std::memory_order_relaxed) != 0) return 0;
+  // Nothing can use the unbound key (its owner matches no lookup), so the
+  // fields may change before the new key is published.
+  constexpr std::uint32_t mask = (1u << kGenerationBits) - 1;
+  e.generation = (e.generation + 1) & mask;
+  const std::uint32_t bound = (index << kGenerationBits) | e.generation;
+  e.key.store(0, std::memory_order_seq_cst);
+  e.addr.store(addr, std::memory_order_relaxed);
+  e.length.store(length, std::memory_order_relaxed);
+  e.acc.store(static_cast<std::uint32_t>(rights & remote_access_bits), std::memory_order_relaxed);
+  e.parent.store(parent, std::memory_order_relaxed);
+  e.owner.store(owner, std::memory_order_relaxed);
+  e.key.store(bound, std::memory_order_release);
+  return bound;
 }
 
 void registration_table::remove(std::uint32_t key) noexcept {
@@ -74,39 +109,72 @@ void registration_table::remove(std::uint32_t key) noexcept {
 }
 
 std::byte* registration_table::lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len,
-                                      access need) const noexcept {
+                                      access need, std::uint64_t via, std::uint32_t& parent) const noexcept {
   const std::uint64_t base = e.addr.load(std::memory_order_relaxed);
   const std::uint64_t length = e.length.load(std::memory_order_relaxed);
   const auto acc = static_cast<access>(e.acc.load(std::memory_order_relaxed));
+  const std::uint64_t owner = e.owner.load(std::memory_order_relaxed);
+  parent = e.parent.load(std::memory_order_relaxed);
   // Re-check: a concurrent deregistration and reuse of the slot changes the key.
   if (e.key.load(std::memory_order_acquire) != key) return nullptr;
+  if (owner != 0 && (via == 0 || owner != via)) return nullptr;  // a window: its queue pair only
   if (!has(acc, need)) return nullptr;
   if (addr < base || len > length || addr - base > length - len) return nullptr;
   return reinterpret_cast<std::byte*>(addr);
 }
 
-std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std::uint64_t len,
-                                     access need) const noexcept {
+std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
+                                     std::uint64_t via) const noexcept {
   const std::uint32_t index = index_of(key);
   if (index == 0 || index >= kCapacity) return nullptr;
   const entry& e = entries_[index];
   if (e.key.load(std::memory_order_acquire) != key) return nullptr;
-  return lookup(e, key, addr, len, need);
+  std::uint32_t parent = 0;
+  std::byte* p = lookup(e, key, addr, len, need, via, parent);
+  if (p == nullptr || parent == 0) return p;
+  return check(parent, addr, len, access::none, 0);
 }
 
-std::byte* registration_table::pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len,
-                                   access need) const noexcept {
+std::byte* registration_table::pin_one(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
+                                       std::uint64_t via, std::uint32_t& parent) const noexcept {
   const std::uint32_t index = index_of(key);
   if (index == 0 || index >= kCapacity) return nullptr;
   const entry& e = entries_[index];
   e.pins.fetch_add(1, std::memory_order_seq_cst);
-  std::byte* p = e.key.load(std::memory_order_seq_cst) == key ? lookup(e, key, addr, len, need) : nullptr;
+  std::byte* p = e.key.load(std::memory_order_seq_cst) == key ? lookup(e, key, addr, len, need, via, parent) : nullptr;
   if (p == nullptr) e.pins.fetch_sub(1, std::memory_order_release);
   return p;
 }
 
+std::byte* registration_table::pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
+                                   std::uint64_t via) const noexcept {
+  std::uint32_t parent = 0;
+  std::byte* p = pin_one(key, addr, len, need, via, parent);
+  if (p == nullptr || parent == 0) return p;
+  // A window: its registration is pinned too (a registration has no parent).
+  std::uint32_t none = 0;
+  if (pin_one(parent, addr, len, access::none, 0, none) == nullptr) {
+    entries_[index_of(key)].pins.fetch_sub(1, std::memory_order_release);
+    return nullptr;
+  }
+  return p;
+}
+
 void registration_table::unpin(std::uint32_t key) const noexcept {
-  entries_[index_of(key)].pins.fetch_sub(1, std::memory_order_release);
+  const entry& e = entries_[index_of(key)];
+  // Still pinned, so the slot (and its parent) cannot change under us.
+  const std::uint32_t parent = e.parent.load(std::memory_order_relaxed);
+  if (parent != 0) entries_[index_of(parent)].pins.fetch_sub(1, std::memory_order_release);
+  e.pins.fetch_sub(1, std::memory_order_release);
+}
+
+tcp_window::~tcp_window() { table_->remove(rkey()); }
+
+bool tcp_window::bind(const window_binding& b, std::uint64_t owner) noexcept {
+  const std::uint32_t key = table_->bind(rkey(), b.region->lkey(), b.addr, b.length, b.rights, owner);
+  if (key == 0) return false;
+  set_bound(key);
+  return true;
 }
 
 tcp_mr::tcp_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length,
@@ -126,6 +194,12 @@ std::unique_ptr<memory_region> tcp_pd::register_memory(void* addr, std::size_t l
 
 std::unique_ptr<queue_pair> tcp_pd::create_qp(const qp_attributes& attr) {
   return std::make_unique<tcp_qp>(*table_, attr, shared_);
+}
+
+std::unique_ptr<memory_window> tcp_pd::alloc_window() {
+  const std::uint32_t key = table_->add_window();
+  if (key == 0) throw std::system_error(errc::registration_failed, "alloc_window: registration table full");
+  return std::make_unique<tcp_window>(table_, key);
 }
 
 // ---------------------------------------------------------------- completion queue
@@ -301,6 +375,7 @@ capabilities tcp_device::make_caps() noexcept {
   c.max_cqe = 1u << 20;
   c.max_private_data = kMaxPrivateData;
   c.atomics = true;
+  c.memory_windows = true;
   c.gpu_memory = false;
   return c;
 }

@@ -25,20 +25,26 @@ namespace anydoor::transport::tcp {
 class tcp_cq;
 class tcp_qp;
 
-// Keys and lookups of a protection domain's registrations. Lookups are
-// lock-free (they run on the data path of every completion queue's thread);
-// register/deregister take a mutex.
+// Keys and lookups of a protection domain's registrations and memory
+// windows. Lookups are lock-free (they run on the data path of every
+// completion queue's thread); register/deregister/bind take a mutex.
 //
 // A key is (slot index << 18) | generation: 14 bits of index, 18 bits of a
 // per-slot generation that starts at a random value and advances on every
-// reuse, and freed slots are reused least recently freed first, so a stale
-// key comes back only after 16383 x 2^18 (about 4 * 10^9) registrations and
-// a peer cannot predict a key from the ones it saw.
+// reuse (and bind), and freed slots are reused least recently freed first,
+// so a stale key comes back only after 16383 x 2^18 (about 4 * 10^9)
+// registrations and a peer cannot predict a key from the ones it saw.
 //
 // Like a NIC, the provider never touches a region after deregistration
 // returns: every access to registered memory goes through pin(), which
 // holds the slot while the bytes move (one memcpy, recv or sendmsg), and
 // remove() invalidates the key and then waits for the slot's pins to drop.
+//
+// Every lookup names who asks: `via` is the responder queue pair's serial
+// for a peer's request (an rkey), 0 for local use (an lkey). A memory window
+// answers only to the queue pair it is bound to (never to local use); its
+// bytes are those of its parent registration, which a lookup through the
+// window pins as well, so deregistering the parent cuts the window off too.
 class registration_table {
  public:
   static constexpr std::uint32_t kCapacity = 1u << 14;
@@ -49,28 +55,44 @@ class registration_table {
   // deterministic keys, for the fuzz target's fixed inputs only.
   explicit registration_table(std::uint32_t generation);
   std::uint32_t add(std::byte* addr, std::uint64_t length, access acc);  // 0 when full
+  std::uint32_t add_window();                                            // unbound; 0 when full
+  // Binds the unbound window `key` to [addr, addr+length) of registration
+  // `parent` for queue pair `owner` (its serial); returns the window's new
+  // key, 0 when the window or the parent is not there (or already bound).
+  std::uint32_t bind(std::uint32_t key, std::uint32_t parent, std::uint64_t addr, std::uint64_t length,
+                     access rights, std::uint64_t owner) noexcept;
   void remove(std::uint32_t key) noexcept;
-  // The registration behind key when [addr, addr+len) lies inside it and it
-  // grants `need`; nullptr otherwise. Only for checks: the memory may go
-  // away right after it returns.
-  std::byte* check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need) const noexcept;
+  // The registration behind key when [addr, addr+len) lies inside it, it
+  // grants `need` and answers to `via`; nullptr otherwise. Only for checks:
+  // the memory may go away right after it returns.
+  std::byte* check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
+                   std::uint64_t via) const noexcept;
   // As check(), and on success the registration stays until unpin(key):
   // the caller may read or write [addr, addr+len) meanwhile.
-  std::byte* pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need) const noexcept;
+  std::byte* pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
+                 std::uint64_t via) const noexcept;
   void unpin(std::uint32_t key) const noexcept;
 
  private:
+  // owner: 0 for a registration (any queue pair, and local use);
+  // kUnbound for a window not bound yet; else the bound queue pair.
+  static constexpr std::uint64_t kUnbound = ~std::uint64_t{0};
   struct entry {
     std::atomic<std::uint32_t> key{0};
     std::atomic<std::uint64_t> addr{0};
     std::atomic<std::uint64_t> length{0};
     std::atomic<std::uint32_t> acc{0};
+    std::atomic<std::uint64_t> owner{0};
+    std::atomic<std::uint32_t> parent{0};  // a window's registration
     mutable std::atomic<std::uint32_t> pins{0};
     std::uint32_t generation = 0;
   };
   static std::uint32_t index_of(std::uint32_t key) noexcept { return key >> kGenerationBits; }
-  std::byte* lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len,
-                    access need) const noexcept;
+  std::uint32_t take_slot(std::byte* addr, std::uint64_t length, access acc, std::uint64_t owner);
+  std::byte* lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
+                    std::uint64_t via, std::uint32_t& parent) const noexcept;
+  std::byte* pin_one(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need, std::uint64_t via,
+                     std::uint32_t& parent) const noexcept;
   std::mutex mutex_;
   std::unique_ptr<entry[]> entries_;
   std::vector<std::uint32_t> free_;  // a ring of free slot indices, oldest first
@@ -82,6 +104,20 @@ class tcp_mr final : public memory_region {
   tcp_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length,
          std::uint32_t key, transport::access acc) noexcept;
   ~tcp_mr() override;
+  const registration_table* table() const noexcept { return table_.get(); }
+
+ private:
+  std::shared_ptr<registration_table> table_;
+};
+
+class tcp_window final : public memory_window {
+ public:
+  tcp_window(std::shared_ptr<registration_table> table, std::uint32_t key) noexcept
+      : memory_window(key), table_(std::move(table)) {}
+  ~tcp_window() override;
+  const registration_table* table() const noexcept { return table_.get(); }
+  // post_send, having checked the request: binds in the table.
+  bool bind(const window_binding& b, std::uint64_t owner) noexcept;
 
  private:
   std::shared_ptr<registration_table> table_;
@@ -106,6 +142,7 @@ class tcp_pd final : public protection_domain {
       : table_(std::make_shared<registration_table>(generation)), shared_(std::make_shared<device_state>()) {}
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
+  std::unique_ptr<memory_window> alloc_window() override;
 
  private:
   std::shared_ptr<registration_table> table_ = std::make_shared<registration_table>();
@@ -293,12 +330,20 @@ class tcp_qp final : public queue_pair {
   void reset_stream() noexcept;
   void push_send(const completion& c) noexcept;
   void push_recv(const completion& c) noexcept;
+  // Who a registration lookup is for: a peer's request (remote rights
+  // needed) through this queue pair, else local use.
+  std::uint64_t via(access need) const noexcept {
+    return (need & remote_access_bits) != access::none ? serial_ : 0;
+  }
   sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[(idx % attr_.max_send_wr) * attr_.max_send_sge]; }
   sge* rq_sges_of(std::uint64_t idx) noexcept { return &rq_sges_[(idx % attr_.max_recv_wr) * attr_.max_recv_sge]; }
 
   const registration_table& table_;
   qp_attributes attr_;
   std::uint32_t qpn_;
+  // Names this queue pair in registration lookups (memory windows bound to
+  // it); unique for the process's life, never 0.
+  std::uint64_t serial_;
   qp_state state_ = qp_state::reset;
   int fd_ = -1;
   // Set last by attach_socket, which may run on a connecting thread while

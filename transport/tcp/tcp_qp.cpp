@@ -36,6 +36,7 @@ using namespace detail;
 namespace {
 
 std::atomic<std::uint32_t> g_next_qpn{1};
+std::atomic<std::uint64_t> g_next_serial{1};
 
 // A socket address as a 16-byte GID-like value (IPv4 mapped to ::ffff:0:0/96).
 std::array<std::uint8_t, 16> as_gid(const sockaddr_storage& a) noexcept {
@@ -77,7 +78,8 @@ void check_attr(const qp_attributes& a) {
 }  // namespace
 
 tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::shared_ptr<device_state> shared)
-    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)), shared_(std::move(shared)) {
+    : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)),
+      serial_(g_next_serial.fetch_add(1, std::memory_order_relaxed)), shared_(std::move(shared)) {
   check_attr(attr_);
   attr_.remote_access = attr_.remote_access & (access::remote_write | access::remote_read | access::remote_atomic);
   sq_.resize(attr_.max_send_wr);
@@ -312,6 +314,16 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
   const send_limits lim{attr_.max_send_sge, attr_.max_inline_data, kMaxPayload, attr_.max_send_wr,
                         sq_tail_ - sq_head_};
   if (auto ec = check_send(wrs, lim, bad)) return ec;
+  // A window and a region of this protection domain only.
+  for (std::size_t i = 0; i < wrs.size(); ++i) {
+    if (wrs[i].op != opcode::bind_window) continue;
+    const auto* w = dynamic_cast<const tcp_window*>(wrs[i].bind.window);
+    const auto* r = dynamic_cast<const tcp_mr*>(wrs[i].bind.region);
+    if (w == nullptr || r == nullptr || w->table() != &table_ || r->table() != &table_) {
+      if (bad != nullptr) *bad = i;
+      return errc::invalid_argument;
+    }
+  }
   counters_.send_wrs += wrs.size();
   if (state_ == qp_state::error) {
     for (const work_request& wr : wrs) {
@@ -328,6 +340,18 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
     e.wr = wr;
     e.local_error = wc_status::success;
     e.length = 0;
+    if (wr.op == opcode::bind_window) {
+      // In effect from now on (the peer learns the key from a later
+      // request); completes in order, at its turn (fill_iov). It fails only
+      // if the region was deregistered meanwhile: as on a NIC, the queue
+      // pair then goes to error when the request's turn comes.
+      e.wr.sg_list = {};
+      if (!static_cast<tcp_window*>(wr.bind.window)->bind(wr.bind, serial_)) {
+        e.local_error = wc_status::memory_window_bind_error;
+      }
+      e.psn = 0;  // nothing goes on the wire
+      continue;
+    }
     if (wr.inline_data) {
       std::byte* buf = &inline_[(idx % attr_.max_send_wr) * attr_.max_inline_data];
       std::size_t off = 0;
@@ -344,7 +368,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
       e.wr.sg_list = {sges, wr.sg_list.size()};
       for (const sge& s : wr.sg_list) {
         e.length += s.length;
-        if (s.length != 0 && table_.check(s.lkey, s.addr, s.length, need) == nullptr) {
+        if (s.length != 0 && table_.check(s.lkey, s.addr, s.length, need, 0) == nullptr) {
           e.local_error = wc_status::local_protection_error;
         }
       }
@@ -387,6 +411,7 @@ void tcp_qp::build_request_header(sq_entry& e) noexcept {
       h.compare_add = e.wr.compare_add;
       h.swap = e.wr.swap;
       break;
+    case opcode::bind_window: break;  // local: never framed
   }
   if (e.wr.op == opcode::send_with_imm || e.wr.op == opcode::write_with_imm) {
     h.flags = kFlagImm;

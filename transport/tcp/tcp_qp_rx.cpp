@@ -199,7 +199,7 @@ void tcp_qp::receive() noexcept {
       if (rx_begin_ < rx_end_) {
         got = static_cast<std::size_t>(std::min<std::uint64_t>(want, rx_end_ - rx_begin_));
         if (s != nullptr && s->key != 0) {
-          if (std::byte* p = table_.pin(s->key, s->addr, got, s->need)) {
+          if (std::byte* p = table_.pin(s->key, s->addr, got, s->need, via(s->need))) {
             std::memcpy(p, rx_buf_.data() + rx_begin_, got);
             table_.unpin(s->key);
           } else {
@@ -211,7 +211,7 @@ void tcp_qp::receive() noexcept {
         rx_begin_ = rx_end_ = 0;
         std::byte* direct = nullptr;
         if (s != nullptr && s->key != 0 && want >= kDirectReadMin) {
-          direct = table_.pin(s->key, s->addr, want, s->need);
+          direct = table_.pin(s->key, s->addr, want, s->need, via(s->need));
           if (direct == nullptr) lose_payload();
         }
         const ssize_t n = direct != nullptr ? ::recv(fd_, direct, static_cast<std::size_t>(want), MSG_DONTWAIT)
@@ -271,7 +271,7 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
   std::uint64_t left = length;
   for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
     const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
-    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write) == nullptr) {
+    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
       push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
                  .qp_num = qpn_});
       nak(cur_.psn, nak_code::remote_operation, true);
@@ -321,7 +321,7 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
       after_ = after_payload::recv_done;
       break;
     case frame_type::write: {
-      if (h.length != 0 && table_.check(h.rkey, h.remote_addr, h.length, access::remote_write) == nullptr) {
+      if (h.length != 0 && table_.check(h.rkey, h.remote_addr, h.length, access::remote_write, serial_) == nullptr) {
         nak(h.psn, nak_code::remote_access, true);
         return false;
       }
@@ -333,7 +333,7 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
     }
     case frame_type::read_request:
       if (h.read_length != 0 &&
-          table_.check(h.rkey, h.remote_addr, h.read_length, access::remote_read) == nullptr) {
+          table_.check(h.rkey, h.remote_addr, h.read_length, access::remote_read, serial_) == nullptr) {
         nak(h.psn, nak_code::remote_access, true);
         return false;
       }
@@ -345,7 +345,7 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
         nak(h.psn, nak_code::invalid_request, true);
         return false;
       }
-      std::byte* p = table_.pin(h.rkey, h.remote_addr, 8, access::remote_atomic);
+      std::byte* p = table_.pin(h.rkey, h.remote_addr, 8, access::remote_atomic, serial_);
       if (p == nullptr) {
         nak(h.psn, nak_code::remote_access, true);
         return false;
@@ -460,6 +460,13 @@ void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
 void tcp_qp::check_local_error() noexcept {
   if (tx_blocked_ && sq_ack_ == sq_tx_ && state_ == qp_state::rts) {
     const wc_status s = sq_[sq_ack_ % attr_.max_send_wr].local_error;
+    if (s == wc_status::success) {  // a bind waited for the requests before it
+      tx_blocked_ = false;
+      ++sq_tx_;
+      complete_head(wc_status::success, 0);
+      flush();
+      return;
+    }
     log().warn("qp {}: work request {} failed locally: {}", qpn_, sq_[sq_ack_ % attr_.max_send_wr].wr.wr_id,
                to_string(s));
     close_when_flushed_ = false;
@@ -571,7 +578,7 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         return false;
       }
       const sge& dst = head.wr.sg_list[0];
-      std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write);
+      std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write, 0);
       if (p == nullptr) {
         log().warn("qp {}: the destination of atomic {} was deregistered", qpn_, h.psn);
         close_when_flushed_ = false;

@@ -66,8 +66,15 @@ bool tcp_qp::fill_iov() noexcept {
   }
   while (sq_tx_ < sq_tail_) {
     sq_entry& e = sq_[sq_tx_ % attr_.max_send_wr];
-    if (e.local_error != wc_status::success) {
-      tx_blocked_ = true;  // completes with the error once everything before it is acknowledged
+    if (e.local_error != wc_status::success || e.wr.op == opcode::bind_window) {
+      if (e.local_error == wc_status::success && sq_ack_ == sq_tx_) {
+        ++sq_tx_;  // a bind with nothing before it outstanding: complete now
+        complete_head(wc_status::success, 0);
+        continue;
+      }
+      // Completes (with its error, or a bind with success) once everything
+      // before it is acknowledged: check_local_error.
+      tx_blocked_ = true;
       break;
     }
     std::size_t need = 1;
@@ -97,7 +104,8 @@ bool tcp_qp::fill_iov() noexcept {
 // frame. A source that is no longer registered turns the rest into a NAK.
 bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   if (!r.poisoned && r.left > 0 &&
-      table_.check(r.key, r.addr, std::min<std::uint64_t>(r.left, kReadFragment), access::remote_read) == nullptr) {
+      table_.check(r.key, r.addr, std::min<std::uint64_t>(r.left, kReadFragment), access::remote_read, serial_) ==
+          nullptr) {
     r.poisoned = true;
     log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
   }
@@ -154,7 +162,7 @@ bool tcp_qp::pin_iov() noexcept {
     if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
     const access need = ref.kind == iov_kind::read_payload ? access::remote_read : access::none;
     const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base);
-    if (table_.pin(ref.key, addr, iov_[i].iov_len, need) != nullptr) {
+    if (table_.pin(ref.key, addr, iov_[i].iov_len, need, via(need)) != nullptr) {
       pinned_[npinned_++] = ref.key;
       continue;
     }

@@ -26,6 +26,7 @@ unsigned ibv_access(access acc) {
   if (has(acc, access::remote_write)) a |= IBV_ACCESS_REMOTE_WRITE;
   if (has(acc, access::remote_read)) a |= IBV_ACCESS_REMOTE_READ;
   if (has(acc, access::remote_atomic)) a |= IBV_ACCESS_REMOTE_ATOMIC;
+  if (has(acc, access::mw_bind)) a |= IBV_ACCESS_MW_BIND;
   return a;
 }
 
@@ -106,6 +107,9 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         c.max_private_data = kMaxUserPrivateData;
         c.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
         c.gpu_memory = false;
+        // Type-2 windows (rxe has 2B; siw none).
+        c.memory_windows = attr.max_mw > 0 && (attr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A |
+                                                                        IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
         // GID: rdma_cm picks the source GID of a connection from its source
         // address (the route's, or the forced GID's), of the port's default
         // RoCE type (v2 on rxe and current mlx5 kernels). The first RoCE v2
@@ -265,6 +269,21 @@ verbs_mr::~verbs_mr() {
 
 std::unique_ptr<queue_pair> verbs_pd::create_qp(const qp_attributes& attr) {
   return std::make_unique<verbs_qp>(dev_, pd_, attr);
+}
+
+std::unique_ptr<memory_window> verbs_pd::alloc_window() {
+  if (!dev_->caps.memory_windows) {
+    throw std::system_error(errc::not_supported, "alloc_window: " + dev_->name + " has no type-2 memory windows");
+  }
+  ibv_mw* mw = ibv_alloc_mw(pd_, IBV_MW_TYPE_2);
+  if (mw == nullptr) throw std::system_error(errc::registration_failed, std::string("ibv_alloc_mw: ") + std::strerror(errno));
+  return std::make_unique<verbs_window>(mw);
+}
+
+verbs_window::verbs_window(ibv_mw* mw) noexcept : memory_window(mw->rkey), mw_(mw) {}
+
+verbs_window::~verbs_window() {
+  if (ibv_dealloc_mw(mw_) != 0) log().error("ibv_dealloc_mw: {}", std::strerror(errno));
 }
 
 std::unique_ptr<device> open(const std::string& name) { return std::make_unique<verbs_device>(name); }

@@ -74,6 +74,7 @@ class verbs_pd final : public protection_domain {
   ~verbs_pd() override;
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
+  std::unique_ptr<memory_window> alloc_window() override;
 
  private:
   std::shared_ptr<device_state> dev_;
@@ -84,9 +85,22 @@ class verbs_mr final : public memory_region {
  public:
   verbs_mr(ibv_mr* mr, transport::access acc) noexcept;
   ~verbs_mr() override;
+  ibv_mr* raw() const noexcept { return mr_; }
 
  private:
   ibv_mr* mr_;
+};
+
+class verbs_window final : public memory_window {
+ public:
+  explicit verbs_window(ibv_mw* mw) noexcept;
+  ~verbs_window() override;
+  ibv_mw* raw() const noexcept { return mw_; }
+  // post_send: the bind was posted with this new key.
+  void posted(std::uint32_t rkey) noexcept { set_bound(rkey); }
+
+ private:
+  ibv_mw* mw_;
 };
 
 class verbs_cq final : public completion_queue {
@@ -171,6 +185,7 @@ class verbs_qp final : public queue_pair {
   };
   std::uint64_t make_wr_id(std::uint32_t cq_index, std::uint8_t gen, std::uint32_t slot, bool recv) const noexcept;
   void disconnect() noexcept;
+  void mark_binds(std::span<const work_request> posted) noexcept;  // the windows they bound
 
   std::shared_ptr<device_state> dev_;
   qp_attributes attr_;
@@ -197,6 +212,7 @@ class verbs_qp final : public queue_pair {
   std::uint64_t rq_posted_ = 0, rq_done_ = 0;
   // post-time scratch (no allocation per post)
   std::vector<ibv_send_wr> swr_;
+  std::vector<std::uint32_t> bind_keys_;  // per request of a post: a bind's new rkey
   std::vector<ibv_sge> ssge_;
   std::vector<ibv_recv_wr> rwr_;
   std::vector<ibv_sge> rsge_;

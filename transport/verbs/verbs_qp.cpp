@@ -49,6 +49,7 @@ ibv_wr_opcode ibv_op(opcode op) {
     case opcode::read: return IBV_WR_RDMA_READ;
     case opcode::fetch_add: return IBV_WR_ATOMIC_FETCH_AND_ADD;
     case opcode::compare_swap: return IBV_WR_ATOMIC_CMP_AND_SWP;
+    case opcode::bind_window: return IBV_WR_BIND_MW;
   }
   return IBV_WR_SEND;
 }
@@ -104,6 +105,7 @@ verbs_qp::verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attri
   sq_.resize(attr_.max_send_wr);
   rq_.resize(attr_.max_recv_wr);
   swr_.resize(attr_.max_send_wr);
+  bind_keys_.resize(attr_.max_send_wr);
   ssge_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
   rwr_.resize(attr_.max_recv_wr);
   rsge_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
@@ -282,6 +284,16 @@ std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size
                         sq_posted_ - sq_retired_};
   if (auto ec = check_send(wrs, lim, bad)) return ec;
   if (wrs.empty()) return {};
+  // A window and a region of this queue pair's protection domain only.
+  for (std::size_t i = 0; i < wrs.size(); ++i) {
+    if (wrs[i].op != opcode::bind_window) continue;
+    const auto* w = dynamic_cast<const verbs_window*>(wrs[i].bind.window);
+    const auto* r = dynamic_cast<const verbs_mr*>(wrs[i].bind.region);
+    if (w == nullptr || r == nullptr || w->raw()->pd != qp_->pd || r->raw()->pd != qp_->pd) {
+      if (bad != nullptr) *bad = i;
+      return errc::invalid_argument;
+    }
+  }
   std::size_t sge_used = 0;
   for (std::size_t i = 0; i < wrs.size(); ++i) {
     const work_request& wr = wrs[i];
@@ -298,7 +310,18 @@ std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size
     w.opcode = ibv_op(wr.op);
     w.send_flags = (wr.signaled ? unsigned{IBV_SEND_SIGNALED} : 0u) | (wr.inline_data ? unsigned{IBV_SEND_INLINE} : 0u);
     if (wr.op == opcode::send_with_imm || wr.op == opcode::write_with_imm) w.imm_data = htonl(wr.imm);
-    if (is_atomic(wr.op)) {
+    if (wr.op == opcode::bind_window) {
+      // Type 2: the consumer picks the new key (the same window, the next
+      // key byte); the window reports it once the post is accepted.
+      auto* mw = static_cast<verbs_window*>(wr.bind.window);
+      bind_keys_[i] = ibv_inc_rkey(mw->rkey());
+      w.bind_mw.mw = mw->raw();
+      w.bind_mw.rkey = bind_keys_[i];
+      w.bind_mw.bind_info.mr = static_cast<const verbs_mr*>(wr.bind.region)->raw();
+      w.bind_mw.bind_info.addr = wr.bind.addr;
+      w.bind_mw.bind_info.length = wr.bind.length;
+      w.bind_mw.bind_info.mw_access_flags = qp_access_flags(wr.bind.rights);
+    } else if (is_atomic(wr.op)) {
       w.wr.atomic = {wr.remote_addr, wr.compare_add, wr.swap, wr.rkey};
     } else {
       w.wr.rdma = {wr.remote_addr, wr.rkey};
@@ -308,6 +331,7 @@ std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size
   if (const int rc = ibv_post_send(qp_, swr_.data(), &bad_wr); rc != 0) {
     const auto i = static_cast<std::size_t>(bad_wr - swr_.data());
     // Requests before bad_wr were posted (verbs semantics); report the first refused one.
+    mark_binds(wrs.first(i));
     sq_posted_ += i;
     counters_.send_wrs += i;
     ++counters_.doorbells;
@@ -315,10 +339,17 @@ std::error_code verbs_qp::post_send(std::span<const work_request> wrs, std::size
     log().warn("qp {}: ibv_post_send refused request {}: {}", qp_num(), i, std::strerror(rc));
     return {rc, std::system_category()};
   }
+  mark_binds(wrs);
   sq_posted_ += wrs.size();
   counters_.send_wrs += wrs.size();
   ++counters_.doorbells;
   return {};
+}
+
+void verbs_qp::mark_binds(std::span<const work_request> posted) noexcept {
+  for (std::size_t i = 0; i < posted.size(); ++i) {
+    if (posted[i].op == opcode::bind_window) static_cast<verbs_window*>(posted[i].bind.window)->posted(bind_keys_[i]);
+  }
 }
 
 std::error_code verbs_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {

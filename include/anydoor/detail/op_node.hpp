@@ -31,6 +31,7 @@ enum class op_kind : std::uint8_t {
   put_notify,
   fetch_add,
   compare_swap,
+  register_memory,  // connection-scoped: binds a memory window (in n->mr, a scoped region)
   flush,
   receive_notification,
 };
@@ -80,7 +81,8 @@ struct op_node {
   std::uint64_t cur_off = 0;
   std::uint64_t issued = 0;
   remote_region remote{};
-  std::uint64_t operand = 0;  // fetch_add: the addend; compare_swap: the expected value; flush: the target
+  std::uint64_t operand = 0;  // fetch_add: the addend; compare_swap: the expected value; flush: the target;
+                              // register_memory: the access
   std::uint64_t operand2 = 0;  // compare_swap: the new value
   std::uint64_t result = 0;    // atomics: the value before
   std::uint32_t value = 0;     // put_notify: the notification's value

@@ -54,6 +54,8 @@ class memory_region {
   memory_region(void* addr, std::size_t length, std::uint32_t lkey, std::uint32_t rkey,
                 transport::access acc) noexcept
       : addr_(addr), length_(length), lkey_(lkey), rkey_(rkey), access_(acc) {}
+  // For a wrapper whose remote key is known only later (a window's).
+  void set_remote_key(std::uint32_t rkey) noexcept { rkey_ = rkey; }
 
  private:
   void* addr_;
@@ -61,6 +63,40 @@ class memory_region {
   std::uint32_t lkey_;
   std::uint32_t rkey_;
   transport::access access_;
+};
+
+// A type-2 memory window (ibv_mw of IBV_MW_TYPE_2): a range of a
+// registration that exactly one queue pair can reach remotely. It starts
+// unbound (its rkey opens nothing); a bind_window work request posted on a
+// queue pair binds it, once, to a range of a registration made with
+// access::mw_bind, and gives it a new rkey: rkey() returns it as soon as
+// post_send has accepted the request, and the bind is in effect for every
+// request the peer sends after that one was posted (RC order). Requests
+// arriving on any other queue pair, even of the same protection domain,
+// find the key invalid (remote_access_error). Destroying the window
+// revokes it (ibv_dealloc_mw): the key stops working at once. Destroy the
+// windows bound to a registration before the registration (verbs refuses
+// to deregister memory with windows bound).
+class memory_window {
+ public:
+  virtual ~memory_window() = default;
+  memory_window(const memory_window&) = delete;
+  memory_window& operator=(const memory_window&) = delete;
+
+  std::uint32_t rkey() const noexcept { return rkey_; }
+  bool bound() const noexcept { return bound_; }
+
+ protected:
+  explicit memory_window(std::uint32_t rkey) noexcept : rkey_(rkey) {}
+  // A provider's post_send, when it accepts the bind.
+  void set_bound(std::uint32_t rkey) noexcept {
+    rkey_ = rkey;
+    bound_ = true;
+  }
+
+ private:
+  std::uint32_t rkey_;
+  bool bound_ = false;
 };
 
 // A completion queue (ibv_cq with its completion channel).
@@ -110,6 +146,11 @@ class queue_pair {
   // remote address that is not 8-byte aligned. errc::queue_full: the send
   // queue has no room (unsignaled requests hold their slot until a later
   // signaled one completes).
+  // bind_window (work_request::bind; no sges, not inline): errc::
+  // invalid_argument unless the window is this protection domain's and
+  // unbound, the region this domain's with access::mw_bind, the range
+  // non-empty and inside the region, the rights non-empty remote_* bits,
+  // and, for remote_write or remote_atomic, the region has local_write.
   // Refused unless the state is rts (or error: then each request completes
   // with work_request_flushed).
   virtual std::error_code post_send(std::span<const work_request> wrs,
@@ -146,6 +187,11 @@ class protection_domain {
 
   // Creates a queue pair in state reset. Throws std::system_error.
   virtual std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) = 0;
+
+  // Allocates an unbound type-2 memory window (ibv_alloc_mw). Throws
+  // std::system_error: errc::not_supported when caps().memory_windows is
+  // false, errc::registration_failed.
+  virtual std::unique_ptr<memory_window> alloc_window() = 0;
 };
 
 // An incoming connection request (rdma_cm's RDMA_CM_EVENT_CONNECT_REQUEST).

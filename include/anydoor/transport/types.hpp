@@ -20,7 +20,13 @@ enum class access : std::uint32_t {
   remote_write = 1u << 1,
   remote_read = 1u << 2,
   remote_atomic = 1u << 3,
+  // Memory windows may be bound to the registration (IBV_ACCESS_MW_BIND);
+  // a window's remote access needs no remote_* bit here.
+  mw_bind = 1u << 4,
 };
+// The remote_* bits.
+inline constexpr access remote_access_bits =
+    static_cast<access>((1u << 1) | (1u << 2) | (1u << 3));
 constexpr access operator|(access a, access b) noexcept {
   return static_cast<access>(static_cast<std::uint32_t>(a) | static_cast<std::uint32_t>(b));
 }
@@ -69,6 +75,7 @@ enum class opcode : std::uint8_t {
   read,
   fetch_add,
   compare_swap,
+  bind_window,  // IBV_WR_BIND_MW: binds a type-2 memory window (work_request::bind)
 };
 
 // What a completion reports (ibv_wc_opcode).
@@ -80,6 +87,7 @@ enum class wc_opcode : std::uint8_t {
   fetch_add,
   recv,
   recv_rdma_with_imm,
+  bind_window,
 };
 std::string_view to_string(opcode op) noexcept;
 std::string_view to_string(wc_opcode op) noexcept;
@@ -90,6 +98,20 @@ struct sge {
   std::uint64_t addr = 0;
   std::uint32_t length = 0;
   std::uint32_t lkey = 0;
+};
+
+class memory_region;
+class memory_window;
+
+// What a bind_window request binds (ibv_mw_bind_info): `window` to
+// [addr, addr + length) of `region`, for remote access `rights` (remote_*
+// bits) through the posting queue pair only.
+struct window_binding {
+  memory_window* window = nullptr;
+  const memory_region* region = nullptr;
+  std::uint64_t addr = 0;
+  std::uint64_t length = 0;
+  access rights = access::none;
 };
 
 // A send-queue work request (ibv_send_wr). The provider copies it (and the
@@ -106,6 +128,7 @@ struct work_request {
   std::uint32_t rkey = 0;           // write, read, atomics
   std::uint64_t compare_add = 0;    // fetch_add: the addend; compare_swap: the compare value
   std::uint64_t swap = 0;           // compare_swap: the new value
+  window_binding bind{};            // bind_window
 };
 
 // A receive-queue work request (ibv_recv_wr).
@@ -139,6 +162,7 @@ struct capabilities {
   std::uint32_t max_private_data = 0;
   bool atomics = false;
   bool gpu_memory = false;
+  bool memory_windows = false;  // type-2 memory windows (protection_domain::alloc_window)
 };
 
 // Creation attributes of an RC queue pair (ibv_qp_init_attr + the
