@@ -318,7 +318,10 @@ void connection_impl::complete(op_node* n, bool post, std::error_code ec, std::s
     case op_kind::compare_swap: n->handler.complete(post, ec, ec ? std::uint64_t{0} : n->result); break;
     case op_kind::receive_notification: n->handler.complete(post, ec, ec ? notification{} : n->note); break;
     case op_kind::register_memory:
-      // On error the region (n->mr) goes with the node: revoked, then deregistered.
+      // Its bind is over (completed or flushed): a revoke that came meanwhile
+      // destroys the window now. On error the region (n->mr) goes with the
+      // node: revoked, then deregistered.
+      if (n->mr != nullptr) static_cast<scoped_region*>(n->mr.get())->slot().end_bind();
       n->handler.complete(post, ec, ec ? memory_region{} : memory_region(std::move(n->mr)));
       break;
   }

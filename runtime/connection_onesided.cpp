@@ -94,6 +94,11 @@ std::error_code connection_impl::prepare_window(op_node* n) noexcept {
     }
     windows_.push_back(slot);
     n->mr = std::make_unique<scoped_region>(std::move(mr), std::move(slot), acc);
+  } catch (const std::system_error& e) {
+    log().warn("connection: registering {} bytes at {} for the peer failed: {}", n->dest.size(), n->dest.data(),
+               e.what());
+    return e.code() == errc::invalid_argument || e.code() == errc::not_supported ? e.code()
+                                                                                  : make_error_code(errc::registration_failed);
   } catch (const std::exception& e) {
     log().warn("connection: registering {} bytes at {} for the peer failed: {}", n->dest.size(), n->dest.data(),
                e.what());
@@ -160,7 +165,7 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
       return start_result::started;
     case op_kind::register_memory: {
       auto& r = *static_cast<scoped_region*>(n->mr.get());
-      transport::memory_window* w = r.slot()->window();
+      transport::memory_window* w = r.slot().begin_bind();  // ended by complete()
       if (w == nullptr) {  // revoked: the connection is ending
         send_waiting_.remove(n);
         complete(n, post, send_refusal() ? send_refusal() : make_error_code(errc::connection_closed));

@@ -106,31 +106,53 @@ bool memory_region::revoked() const noexcept {
 namespace anydoor::detail {
 
 void window_slot::revoke() noexcept {
-  std::unique_ptr<transport::memory_window> gone;
-  {
-    std::lock_guard lock(mutex_);
-    gone = std::move(window_);
-    revoked_.store(true, std::memory_order_release);
+  // Destroyed under the lock: a second revoke (the region's destructor on
+  // another thread) returns only once the key is dead, so the registration
+  // is never deregistered under a bound window.
+  std::lock_guard lock(mutex_);
+  if (binding_) {
+    revoke_pending_ = true;  // end_bind destroys it
+    return;
   }
-  gone.reset();  // deallocates: the key stops working
+  window_.reset();
+  revoked_.store(true, std::memory_order_release);
 }
 
-transport::memory_window* window_slot::window() noexcept {
+transport::memory_window* window_slot::begin_bind() noexcept {
   std::lock_guard lock(mutex_);
+  if (revoke_pending_ || window_ == nullptr) return nullptr;
+  binding_ = true;
   return window_.get();
+}
+
+void window_slot::end_bind() noexcept {
+  std::lock_guard lock(mutex_);
+  if (!binding_) return;
+  binding_ = false;
+  if (revoke_pending_) {
+    window_.reset();
+    revoked_.store(true, std::memory_order_release);
+  }
+}
+
+bool window_slot::bound_key(std::uint32_t& rkey) noexcept {
+  std::lock_guard lock(mutex_);
+  if (revoke_pending_ || window_ == nullptr || !window_->bound()) return false;
+  rkey = window_->rkey();
+  return true;
 }
 
 scoped_region::scoped_region(std::unique_ptr<transport::memory_region> mr, std::shared_ptr<window_slot> slot,
                              transport::access acc) noexcept
-    : transport::memory_region(mr->addr(), mr->length(), mr->lkey(), 0, acc), slot_(std::move(slot)),
-      mr_(std::move(mr)) {}
+    : transport::memory_region(mr->addr(), mr->length(), mr->lkey(), 0, acc), mr_(std::move(mr)),
+      slot_(std::move(slot)) {}
 
 scoped_region::~scoped_region() { slot_->revoke(); }
 
 bool scoped_region::adopt_key() noexcept {
-  transport::memory_window* w = slot_->window();
-  if (w == nullptr || !w->bound()) return false;
-  set_remote_key(w->rkey());
+  std::uint32_t rkey = 0;
+  if (!slot_->bound_key(rkey)) return false;
+  set_remote_key(rkey);
   return true;
 }
 

@@ -147,7 +147,6 @@ int echo_client(std::uint16_t port) {
     }
     std::sort(ns.begin(), ns.end());
     bool same = true;
-    std::size_t bytes = 0;
     for (const std::size_t size : {std::size_t{65536}, std::size_t{4} << 20}) {
       std::vector<std::byte> out(size);
       for (std::size_t i = 0; i < size; ++i) out[i] = static_cast<std::byte>((i * 13 + size) & 0xff);
@@ -155,7 +154,6 @@ int echo_client(std::uint16_t port) {
         co_await c.async_send(asio::buffer(out), asio::use_awaitable);
         ad::message m = co_await c.async_receive(asio::use_awaitable);
         same = same && m.size() == size && std::memcmp(m.data(), out.data(), size) == 0;
-        bytes += size;
       }
     }
     // One-sided: put 4 MiB into the server's memory, get it back, count with

@@ -338,7 +338,9 @@ class connection {
   // Errors: errc::not_supported (a device without memory windows: siw),
   // invalid_argument (empty memory, no remote right, a flag other than
   // local_write and remote_*, remote_write or remote_atomic without
-  // local_write), registration_failed, and the connection's own errors.
+  // local_write), registration_failed, wc_status::memory_window_bind_error
+  // (the device refused the bind: as RC requires, the connection fails), and
+  // the connection's own errors (connection_closed once it has ended).
   template <class Token>
   auto async_register_memory(std::span<std::byte> memory, access acc, Token&& token) {
     return onesided<memory_region>(detail::op_kind::register_memory, std::forward<Token>(token),

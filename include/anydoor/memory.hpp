@@ -40,7 +40,10 @@ namespace anydoor {
 
 namespace asio = boost::asio;
 
-using access = transport::access;  // local_write, remote_write, remote_read, remote_atomic (combine with |)
+// local_write, remote_write, remote_read, remote_atomic (combine with |);
+// mw_bind only for memory windows (provider contract), which
+// connection::async_register_memory sets itself.
+using access = transport::access;
 
 // The peer's memory, as its owner described it.
 struct remote_region {

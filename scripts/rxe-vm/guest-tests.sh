@@ -59,7 +59,8 @@ if [ -z "$filter" ] && modprobe siw 2>/dev/null; then
       "notify fd: a completion after arm makes the fd readable" \
       "notify fd: a completion arriving between the last poll and arm is not lost" \
       "a burst larger than one progress pass completes on a queue shared by many queue pairs" \
-      "a receiver that arms its queue and sleeps still acknowledges what it received" | sed 's/,$//')"
+      "a receiver that arms its queue and sleeps still acknowledges what it received" \
+      "memory windows: a device without them says so" | sed 's/,$//')"
     if [ "$(cat siw-record 2>/dev/null)" = 1 ]; then
       # Every conformance case on siw, one at a time with a time limit, for
       # the record (some wait for completions iWARP never produces).

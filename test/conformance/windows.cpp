@@ -327,3 +327,46 @@ TEST_CASE("memory windows: a device without them says so", "[conformance]") {
   }
   CHECK_THROWS_WITH(e.pd->alloc_window(), Catch::Contains("memory windows"));
 }
+
+TEST_CASE("memory windows: a bind behind a send the peer turned back (RNR) waits for its resend", "[conformance]") {
+  // a sends to b, which has no receive posted yet: RNR NAK, then a resend
+  // once b posts one. The bind queued behind the send completes after it,
+  // and the send is delivered (not skipped), then later sends still flow.
+  connected_pair p({.rnr_retry = 7, .min_rnr_timer_us = 1000});
+  if (!device_has_windows(*p.a.dev)) return;
+  std::vector<std::uint8_t> mem(256, 0x11);
+  auto mr = p.a.pd->register_memory(mem.data(), mem.size(), access::local_write | access::mw_bind);
+  std::vector<std::uint8_t> in(64, 0);
+  auto imr = p.b.pd->register_memory(in.data(), in.size(), access::local_write);
+  auto w = p.a.pd->alloc_window();
+  tp::sge s = mr->slice(0, 16);
+  std::vector<tp::work_request> wrs(2);
+  wrs[0] = send_wr(60, {&s, 1});
+  wrs[1] = {.wr_id = 61, .op = tp::opcode::bind_window};
+  wrs[1].bind = {w.get(), mr.get(), reinterpret_cast<std::uint64_t>(mem.data()), 64, access::remote_read};
+  REQUIRE_FALSE(p.a.qp->post_send(wrs));
+  // Nothing completes while b has no receive (the send is retried).
+  CHECK(p.drv.settle(p.a.cq.get(), 50ms).empty());
+  tp::sge rs = imr->slice(0, 32);
+  tp::recv_request rr[] = {{.wr_id = 70, .sg_list = {&rs, 1}}};
+  REQUIRE_FALSE(p.b.qp->post_recv(rr));
+  const auto done = p.drv.wait(p.a.cq.get(), 2);
+  REQUIRE(done.size() == 2);
+  CHECK(done[0].wr_id == 60);
+  CHECK(done[0].status == tp::wc_status::success);
+  CHECK(done[1].wr_id == 61);
+  CHECK(done[1].status == tp::wc_status::success);
+  const tp::completion got = p.drv.wait_one(p.b.cq.get());
+  CHECK(got.wr_id == 70);
+  CHECK(got.status == tp::wc_status::success);
+  CHECK(got.byte_len == 16);
+  CHECK(in[0] == 0x11);
+  // The queue pair goes on: another send arrives.
+  tp::sge rs2 = imr->slice(32, 32);
+  tp::recv_request rr2[] = {{.wr_id = 71, .sg_list = {&rs2, 1}}};
+  REQUIRE_FALSE(p.b.qp->post_recv(rr2));
+  const tp::work_request again = send_wr(62, {&s, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&again, 1}));
+  CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  CHECK(p.drv.wait_one(p.b.cq.get()).wr_id == 71);
+}

@@ -108,16 +108,33 @@ TEST_CASE("connection-scoped memory: its peer reaches it, another connection wit
   CHECK(std::memcmp(target.data() + 512, data.data(), data.size()) == 0);
   CHECK(std::all_of(target.begin(), target.begin() + 512, [](std::byte b) { return b == std::byte{0x5a}; }));
   CHECK(p.b.stats().scoped_registrations == 1);
-  // A get through a new connection of the same client fabric is refused too.
-  p.connect();
-  p.run([&](ad::connection& a) -> awaitable<void> {
+  // A get through a new connection of the same client fabric is refused too,
+  // while the region's own connection is still open.
+  ad::connection c2, b3;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> { b3 = co_await p.acc.async_accept(use_awaitable); }, f.handler());
+  asio::co_spawn(p.io, [&]() -> awaitable<void> { c2 = co_await fc.async_connect(addr(p.acc), use_awaitable); },
+                 f.handler());
+  run_to_completion(p.io);
+  f.check();
+  REQUIRE(p.b.is_open());
+  REQUIRE_FALSE(region.revoked());
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    auto [ec, m] = co_await b3.async_receive(asio::as_tuple(use_awaitable));
+  }, f.handler());
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
     std::vector<std::byte> back(64);
-    auto [ec, n] = co_await a.async_get(asio::buffer(back), leaked.at(0, 64), asio::as_tuple(use_awaitable));
+    auto [ec, n] = co_await c2.async_get(asio::buffer(back), leaked.at(0, 64), asio::as_tuple(use_awaitable));
     leaked_get = ec;
-    p.b.abort();
-  });
+  }, f.handler());
+  run_to_completion(p.io);
+  f.check();
   CHECK(leaked_get == anydoor::transport::wc_status::remote_access_error);
-  // Local use of the region goes on whatever became of its connection.
+  CHECK(p.b.is_open());
+  CHECK_FALSE(region.revoked());
+  // Local use of the region goes on whatever becomes of its connection.
+  p.b.abort();
+  run_to_completion(p.io);
+  CHECK(region.revoked());
   CHECK(region.at(0, 16).region() == &region);
 }
 
@@ -227,4 +244,31 @@ TEST_CASE("connection-scoped memory: argument errors, ended connections, empty h
     INFO(cases[i].what);
     CHECK(got[i] == ad::errc::invalid_argument);
   }
+}
+
+TEST_CASE("connection-scoped memory: a connection that ends while the bind is queued or on the wire", "[onesided]") {
+  // The window must outlive the bind request that names it (ASan checks);
+  // the registration fails with the connection's error and nothing leaks.
+  const int when = GENERATE(0, 1);  // 0: abort at once (bind staged); 1: abort after one poll
+  INFO(when);
+  onesided_pair p;
+  if (!has_windows(p.fb)) return;
+  std::vector<std::byte> mem(4096);
+  std::optional<ad::error_code> got;
+  ad::memory_region kept;
+  p.b.async_register_memory(mem, kAll, [&](ad::error_code ec, ad::memory_region r) {
+    got = ec;
+    kept = std::move(r);
+  });
+  if (when == 1) p.io.poll_one();
+  p.b.abort();
+  run_to_completion(p.io);
+  REQUIRE(got.has_value());
+  if (*got) {
+    CHECK_FALSE(kept);
+  } else {
+    // The bind won the race: the region came out, and the abort revoked it.
+    CHECK(kept.revoked());
+  }
+  CHECK_FALSE(p.b.is_open());
 }

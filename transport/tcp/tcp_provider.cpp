@@ -49,11 +49,12 @@ std::uint32_t registration_table::take_slot(std::byte* addr, std::uint64_t lengt
   constexpr std::uint32_t mask = (1u << kGenerationBits) - 1;
   e.generation = (e.generation + 1) & mask;
   const std::uint32_t key = (index << kGenerationBits) | e.generation;  // never 0: index >= 1
-  e.addr.store(reinterpret_cast<std::uint64_t>(addr), std::memory_order_relaxed);
-  e.length.store(length, std::memory_order_relaxed);
-  e.acc.store(static_cast<std::uint32_t>(acc), std::memory_order_relaxed);
-  e.owner.store(owner, std::memory_order_relaxed);
-  e.parent.store(0, std::memory_order_relaxed);
+  // Release stores after remove()'s key 0: see bind().
+  e.addr.store(reinterpret_cast<std::uint64_t>(addr), std::memory_order_release);
+  e.length.store(length, std::memory_order_release);
+  e.acc.store(static_cast<std::uint32_t>(acc), std::memory_order_release);
+  e.owner.store(owner, std::memory_order_release);
+  e.parent.store(0, std::memory_order_release);
   e.key.store(key, std::memory_order_release);
   return key;
 }
@@ -82,11 +83,13 @@ std::uint32_t registration_table::bind(std::uint32_t key, std::uint32_t parent, 
   e.generation = (e.generation + 1) & mask;
   const std::uint32_t bound = (index << kGenerationBits) | e.generation;
   e.key.store(0, std::memory_order_seq_cst);
-  e.addr.store(addr, std::memory_order_relaxed);
-  e.length.store(length, std::memory_order_relaxed);
-  e.acc.store(static_cast<std::uint32_t>(rights & remote_access_bits), std::memory_order_relaxed);
-  e.parent.store(parent, std::memory_order_relaxed);
-  e.owner.store(owner, std::memory_order_relaxed);
+  // Release stores: a lookup that reads any of them (acquire) sees key 0 or
+  // the new key on its re-check, never the unbound one (as in a seqlock).
+  e.addr.store(addr, std::memory_order_release);
+  e.length.store(length, std::memory_order_release);
+  e.acc.store(static_cast<std::uint32_t>(rights & remote_access_bits), std::memory_order_release);
+  e.parent.store(parent, std::memory_order_release);
+  e.owner.store(owner, std::memory_order_release);
   e.key.store(bound, std::memory_order_release);
   return bound;
 }
@@ -110,12 +113,14 @@ void registration_table::remove(std::uint32_t key) noexcept {
 
 std::byte* registration_table::lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len,
                                       access need, std::uint64_t via, std::uint32_t& parent) const noexcept {
-  const std::uint64_t base = e.addr.load(std::memory_order_relaxed);
-  const std::uint64_t length = e.length.load(std::memory_order_relaxed);
-  const auto acc = static_cast<access>(e.acc.load(std::memory_order_relaxed));
-  const std::uint64_t owner = e.owner.load(std::memory_order_relaxed);
-  parent = e.parent.load(std::memory_order_relaxed);
-  // Re-check: a concurrent deregistration and reuse of the slot changes the key.
+  // Acquire loads (plain loads on x86), so that the re-check below comes
+  // after them: fields of a later registration or bind of the slot go with
+  // a changed key (the stores are release, after the key is cleared).
+  const std::uint64_t base = e.addr.load(std::memory_order_acquire);
+  const std::uint64_t length = e.length.load(std::memory_order_acquire);
+  const auto acc = static_cast<access>(e.acc.load(std::memory_order_acquire));
+  const std::uint64_t owner = e.owner.load(std::memory_order_acquire);
+  parent = e.parent.load(std::memory_order_acquire);
   if (e.key.load(std::memory_order_acquire) != key) return nullptr;
   if (owner != 0 && (via == 0 || owner != via)) return nullptr;  // a window: its queue pair only
   if (!has(acc, need)) return nullptr;

@@ -230,6 +230,9 @@ void tcp_qp::flush() noexcept {
         sq_tx_ = rewind_to_;
         rd_done_ = rd_off_ = 0;
         rd_sge_ = 0;
+        // A bind or failed request that waited at the old sq_tx_ waits again
+        // when fill_iov reaches it (the requests before it go out again first).
+        tx_blocked_ = false;
       }
       if (close_when_flushed_ && resp_head_ == resp_tail_) {
         close_socket();

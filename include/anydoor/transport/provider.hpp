@@ -76,7 +76,11 @@ class memory_region {
 // find the key invalid (remote_access_error). Destroying the window
 // revokes it (ibv_dealloc_mw): the key stops working at once. Destroy the
 // windows bound to a registration before the registration (verbs refuses
-// to deregister memory with windows bound).
+// to deregister memory with windows bound), and never while a bind of it is
+// still on the queue pair (wait for its completion or flush).
+// Known deviation: rxe (Linux 6.1) checks an access through a window
+// against its registration's range, not the window's; binding windows over
+// whole registrations (as the runtime does) makes the two the same.
 class memory_window {
  public:
   virtual ~memory_window() = default;
@@ -84,6 +88,8 @@ class memory_window {
   memory_window& operator=(const memory_window&) = delete;
 
   std::uint32_t rkey() const noexcept { return rkey_; }
+  // A bind of it was accepted by post_send (whether it then completed is
+  // its completion's to say: a flushed bind binds nothing on verbs).
   bool bound() const noexcept { return bound_; }
 
  protected:
