@@ -94,14 +94,11 @@ std::error_code connection_impl::prepare_window(op_node* n) noexcept {
     }
     windows_.push_back(slot);
     n->mr = std::make_unique<scoped_region>(std::move(mr), std::move(slot), acc);
-  } catch (const std::system_error& e) {
-    log().warn("connection: registering {} bytes at {} for the peer failed: {}", n->dest.size(), n->dest.data(),
-               e.what());
-    return e.code() == errc::invalid_argument || e.code() == errc::not_supported ? e.code()
-                                                                                  : make_error_code(errc::registration_failed);
   } catch (const std::exception& e) {
     log().warn("connection: registering {} bytes at {} for the peer failed: {}", n->dest.size(), n->dest.data(),
                e.what());
+    const auto* se = dynamic_cast<const std::system_error*>(&e);
+    if (se != nullptr && (se->code() == errc::invalid_argument || se->code() == errc::not_supported)) return se->code();
     return errc::registration_failed;
   }
   return {};

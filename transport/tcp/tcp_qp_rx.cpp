@@ -459,17 +459,11 @@ void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
 
 void tcp_qp::check_local_error() noexcept {
   if (tx_blocked_ && sq_ack_ == sq_tx_ && sq_tx_ < sq_tail_ && state_ == qp_state::rts) {
-    const sq_entry& head = sq_[sq_ack_ % attr_.max_send_wr];
-    const wc_status s = head.local_error;
-    if (s == wc_status::success && head.wr.op != opcode::bind_window) {
-      tx_blocked_ = false;  // not the request that blocked (cannot happen: a rewind clears the flag)
-      flush();
-      return;
-    }
-    if (s == wc_status::success) {  // a bind waited for the requests before it
+    const wc_status s = sq_[sq_ack_ % attr_.max_send_wr].local_error;
+    if (s == wc_status::success) {
+      // A bind waited for the requests before it: now nothing is
+      // outstanding, fill_iov completes it and sends what follows.
       tx_blocked_ = false;
-      ++sq_tx_;
-      complete_head(wc_status::success, 0);
       flush();
       return;
     }
