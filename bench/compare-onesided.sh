@@ -9,6 +9,8 @@
 #                anydoor-runtime-perf --test get_lat  vs ucx_perftest -t ucp_get
 #   put bandwidth (a window of puts in flight):
 #                anydoor-runtime-perf --test put_bw   vs ucx_perftest -t ucp_put_bw
+#                and vs anydoor-tcp-floor --test stream (plain TCP streaming
+#                the same sizes, busy-polled: the floor for a TCP transport)
 # Sizes 8 B to 4 MiB (SIZES overrides); ucx_perftest's MB/s (2^20) is
 # converted to 10^6 bytes per second like ours.
 #   bench/compare-onesided.sh [BUILD_DIR]   (ucx_perftest from scripts/setup --bench)
@@ -16,6 +18,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 rperf=$build/bin/anydoor-runtime-perf
+floor=$build/bin/anydoor-tcp-floor
 REPS=${REPS:-3}
 SIZES=${SIZES:-"8 64 4096 65536 1048576 4194304"}
 port=$((20000 + RANDOM % 20000))
@@ -23,7 +26,7 @@ export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
 
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"
-require_tools compare-onesided "$rperf" ucx_perftest taskset
+require_tools compare-onesided "$rperf" "$floor" ucx_perftest taskset
 
 iters() {  # fewer iterations for large transfers
   local s=$1 base=$2
@@ -51,18 +54,23 @@ for s in $SIZES; do
     n=$(iters "$s" 20000)
     r[put_bw_$s]+="$(ours put_bw "$s" "$n" | sed -n 's/.*MBps=\([0-9.]*\).*/\1/p') "
     r[ucx_put_bw_$s]+="$(ucx ucp_put_bw "$s" "$n" | awk '{printf "%.1f", $7 * 1.048576}') "
+    r[floor_bw_$s]+="$(pair "$floor --server --port PORT --test stream -s $s -n $n" \
+                            "$floor --connect 127.0.0.1 --port PORT --test stream -s $s -n $n" |
+                       sed -n 's/.*MBps=\([0-9.]*\).*/\1/p') "
   done
 done
 
 m() { tr ' ' '\n' <<<"${r[$1]}" | grep -v '^$' | median; }
 echo
 echo "runs per tool and size: $REPS (tcp provider vs UCX_TLS=tcp, loopback)"
-printf '%-9s | %-28s | %-28s | %-28s\n' size "put latency us (ours/ucx)" "get latency us (ours/ucx)" "put MB/s (ours/ucx)"
+printf '%-9s | %-28s | %-28s | %-28s | %-28s\n' size "put latency us (ours/ucx)" "get latency us (ours/ucx)" \
+  "put MB/s (ours/ucx)" "put MB/s (ours/TCP floor)"
 for s in $SIZES; do
   pl=$(m "put_lat_$s"); upl=$(m "ucx_put_lat_$s"); gl=$(m "get_lat_$s"); ugl=$(m "ucx_get_lat_$s")
-  pb=$(m "put_bw_$s"); upb=$(m "ucx_put_bw_$s")
+  pb=$(m "put_bw_$s"); upb=$(m "ucx_put_bw_$s"); fb=$(m "floor_bw_$s")
   ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b + 0 == 0) print "nan"; else printf "%.2f", a / b}'; }
-  printf '%-9s | %8s %8s ratio %5s | %8s %8s ratio %5s | %8s %8s ratio %5s\n' "$s" \
-    "$pl" "$upl" "$(ratio "$pl" "$upl")" "$gl" "$ugl" "$(ratio "$gl" "$ugl")" "$pb" "$upb" "$(ratio "$pb" "$upb")"
+  printf '%-9s | %8s %8s ratio %5s | %8s %8s ratio %5s | %8s %8s ratio %5s | %8s %8s ratio %5s\n' "$s" \
+    "$pl" "$upl" "$(ratio "$pl" "$upl")" "$gl" "$ugl" "$(ratio "$gl" "$ugl")" "$pb" "$upb" "$(ratio "$pb" "$upb")" \
+    "$pb" "$fb" "$(ratio "$pb" "$fb")"
 done
 echo "(latency ratio below 1 and bandwidth ratio above 1: anydoor faster)"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Side-by-side provider-level comparison on loopback, busy-polling, all in one
 # run: anydoor-perf (tcp provider) against libfabric's fi_pingpong (tcp
-# provider, msg endpoints) and UCX's ucx_perftest (UCX_TLS=tcp).
-#   64 B send/recv one-way latency: anydoor lat, fi_pingpong -S 64, ucx tag_lat -s 64
-#   64 KiB bandwidth:               anydoor write_bw, ucx ucp_put_bw -s 65536
+# provider, msg endpoints), UCX's ucx_perftest (UCX_TLS=tcp) and the floor
+# under any TCP transport, anydoor-tcp-floor (plain non-blocking sockets,
+# busy-polled, no framing: bench/tcp_floor.cpp).
+#   64 B send/recv one-way latency: anydoor lat, fi_pingpong -S 64, ucx tag_lat -s 64, floor lat
+#   64 KiB bandwidth:               anydoor write_bw, ucx ucp_put_bw -s 65536, floor stream
 # Every tool runs REPS times (default 5), interleaved, server on CPU 0 and
 # client on CPU 1; the medians of the runs and the ratios are printed.
 # fi_pingpong reports only a mean per run; UCX and anydoor report a median
@@ -14,6 +16,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 perf=$build/bin/anydoor-perf
+floor=$build/bin/anydoor-tcp-floor
 REPS=${REPS:-5}
 ITERS=${ITERS:-20000}
 BW_ITERS=${BW_ITERS:-20000}
@@ -21,7 +24,7 @@ port=$((20000 + RANDOM % 20000))
 
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"
-require_tools compare-peers "$perf" fi_pingpong ucx_perftest taskset
+require_tools compare-peers "$perf" "$floor" fi_pingpong ucx_perftest taskset
 
 declare -A results
 for ((r = 1; r <= REPS; r++)); do
@@ -29,6 +32,9 @@ for ((r = 1; r <= REPS; r++)); do
   out=$(pair "$perf --server --port PORT --provider tcp --test lat -n $ITERS" \
              "$perf --connect 127.0.0.1 --port PORT --provider tcp --test lat -n $ITERS")
   results[ours_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "$floor --server --port PORT --test lat -n $ITERS" \
+             "$floor --connect 127.0.0.1 --port PORT --test lat -n $ITERS")
+  results[floor_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
   out=$(pair "fi_pingpong -p tcp -e msg -S 64 -I $ITERS -B PORT" \
              "fi_pingpong -p tcp -e msg -S 64 -I $ITERS -P PORT 127.0.0.1")
   results[fi_lat]+="$(awk '$1 == "64" {print $7}' <<<"$out") "
@@ -38,6 +44,9 @@ for ((r = 1; r <= REPS; r++)); do
   out=$(pair "$perf --server --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS" \
              "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS")
   results[ours_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "$floor --server --port PORT --test stream -s 65536 -n $BW_ITERS" \
+             "$floor --connect 127.0.0.1 --port PORT --test stream -s 65536 -n $BW_ITERS")
+  results[floor_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
   out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
              "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s 65536 -n $BW_ITERS")
   # ucx_perftest's MB is 2^20 bytes; converted to 10^6 like anydoor-perf's
@@ -45,14 +54,17 @@ for ((r = 1; r <= REPS; r++)); do
 done
 
 m() { tr ' ' '\n' <<<"${results[$1]}" | grep -v '^$' | median; }
-ours_lat=$(m ours_lat); fi_lat=$(m fi_lat); ucx_lat=$(m ucx_lat); ours_bw=$(m ours_bw); ucx_bw=$(m ucx_bw)
+ours_lat=$(m ours_lat); fi_lat=$(m fi_lat); ucx_lat=$(m ucx_lat); floor_lat=$(m floor_lat)
+ours_bw=$(m ours_bw); ucx_bw=$(m ucx_bw); floor_bw=$(m floor_bw)
 echo
 echo "runs per tool: $REPS (latency $ITERS round trips, bandwidth $BW_ITERS x 64 KiB)"
-for k in ours_lat fi_lat ucx_lat ours_bw ucx_bw; do printf '  %-9s %s\n' "$k" "${results[$k]}"; done
+for k in ours_lat fi_lat ucx_lat floor_lat ours_bw ucx_bw floor_bw; do printf '  %-9s %s\n' "$k" "${results[$k]}"; done
 echo
-printf '64 B one-way latency (us, median of runs): anydoor %s | fi_pingpong tcp %s | UCX tcp %s\n' "$ours_lat" "$fi_lat" "$ucx_lat"
-awk -v o="$ours_lat" -v f="$fi_lat" -v u="$ucx_lat" \
-  'BEGIN {printf "  ratio anydoor/fi_pingpong = %.2f, anydoor/UCX = %.2f (below 1: anydoor faster)\n", o/f, o/u}'
-printf '64 KiB write bandwidth (MB/s, median of runs): anydoor %s | UCX tcp put_bw %s\n' "$ours_bw" "$ucx_bw"
-awk -v o="$ours_bw" -v u="$ucx_bw" \
-  'BEGIN {printf "  ratio anydoor/UCX = %.2f (above 1: anydoor faster)\n", o/u}'
+printf '64 B one-way latency (us, median of runs): anydoor %s | fi_pingpong tcp %s | UCX tcp %s | TCP floor %s\n' \
+  "$ours_lat" "$fi_lat" "$ucx_lat" "$floor_lat"
+awk -v o="$ours_lat" -v f="$fi_lat" -v u="$ucx_lat" -v t="$floor_lat" \
+  'BEGIN {printf "  ratio anydoor/fi_pingpong = %.2f, anydoor/UCX = %.2f, anydoor/floor = %.2f (below 1: anydoor faster)\n", o/f, o/u, o/t}'
+printf '64 KiB write bandwidth (MB/s, median of runs): anydoor %s | UCX tcp put_bw %s | TCP floor stream %s\n' \
+  "$ours_bw" "$ucx_bw" "$floor_bw"
+awk -v o="$ours_bw" -v u="$ucx_bw" -v t="$floor_bw" \
+  'BEGIN {printf "  ratio anydoor/UCX = %.2f, anydoor/floor = %.2f (above 1: anydoor faster)\n", o/u, o/t}'

@@ -610,3 +610,42 @@ TEST_CASE("tcp provider: a completion queue overflow leaves alone a queue pair a
   CHECK_FALSE(r.ec);
   CHECK(p.b.qp->state() == tp::qp_state::error);
 }
+
+TEST_CASE("tcp provider: frames that have arrived are taken with one recv call, and later ones by the next poll",
+          "[unit][tcp]") {
+  // A recv that returns less than it asked for has emptied the socket: the
+  // pass must not ask again only to hear EAGAIN (a system call per message
+  // on the latency path). Nothing may be left behind either.
+  raw_peer p;
+  std::array<tp::sge, 3> sg;
+  std::array<tp::recv_request, 3> rr;
+  for (std::size_t i = 0; i < 3; ++i) {
+    sg[i] = p.mr->slice(i * 128, 128);
+    rr[i] = {.wr_id = i + 1, .sg_list = {&sg[i], 1}};
+  }
+  REQUIRE_FALSE(p.ep.qp->post_recv(rr));
+  std::vector<std::byte> two(2 * (kHeaderSize + 64), std::byte{0x3c});
+  encode(frame_header{.type = frame_type::send, .psn = 1, .length = 64},
+         std::span<std::byte, kHeaderSize>(two.data(), kHeaderSize));
+  encode(frame_header{.type = frame_type::send, .psn = 2, .length = 64},
+         std::span<std::byte, kHeaderSize>(two.data() + kHeaderSize + 64, kHeaderSize));
+  raw_send(p.fd, two.data(), two.size());
+  std::this_thread::sleep_for(50ms);
+  std::array<tp::completion, 4> c{};
+  std::error_code ec;
+  std::uint64_t before = p.ep.qp->counters().rx_syscalls;
+  CHECK(p.ep.cq->poll(c, ec) == 2);
+  CHECK_FALSE(ec);
+  CHECK(p.ep.qp->counters().rx_syscalls - before == 1);
+  CHECK(c[0].wr_id == 1);
+  CHECK(c[1].wr_id == 2);
+  // The third arrives after that pass: the next poll takes it.
+  p.send_frame({.type = frame_type::send, .psn = 3, .length = 8}, "latecome", 8);
+  std::this_thread::sleep_for(50ms);
+  before = p.ep.qp->counters().rx_syscalls;
+  REQUIRE(p.ep.cq->poll(c, ec) == 1);
+  CHECK(p.ep.qp->counters().rx_syscalls - before == 1);
+  CHECK(c[0].wr_id == 3);
+  CHECK(c[0].byte_len == 8);
+  CHECK(std::memcmp(p.mem.data() + 64 + 256, "latecome", 8) == 0);
+}

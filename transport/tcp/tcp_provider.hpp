@@ -398,6 +398,10 @@ class tcp_qp final : public queue_pair {
   // receive: staging buffer and the current frame
   std::vector<std::byte> rx_buf_;
   std::size_t rx_begin_ = 0, rx_end_ = 0;
+  // The last frame's payload was large: the next header is read alone, so
+  // that the large payload likely to follow goes straight to its
+  // destination instead of through the staging buffer (one copy, not two).
+  bool rx_header_only_ = false;
   rx_phase phase_ = rx_phase::header;
   frame_header cur_{};
   std::array<segment, 16> seg_{};

@@ -115,6 +115,12 @@ void tcp_qp::receive() noexcept {
     if (fd_ >= 0) discard_input();
     return;
   }
+  // A read that returns less than asked for has emptied the socket: the
+  // pass ends when the bytes it brought are used, instead of asking again
+  // (a system call that would only say EAGAIN: a quarter of the round trip
+  // of a ping-pong). What arrives meanwhile is taken by the next pass, and
+  // a sleeping consumer is woken for it (the socket is watched level-triggered).
+  bool drained = false;
   // A NAK that ends a poisoned read is on its way: the queue pair goes to
   // error once it is out, so no later request may execute meanwhile.
   for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;) {
@@ -148,9 +154,12 @@ void tcp_qp::receive() noexcept {
           rx_end_ -= rx_begin_;
           rx_begin_ = 0;
         }
-        const ssize_t n = ::recv(fd_, rx_buf_.data() + rx_end_, rx_buf_.size() - rx_end_, MSG_DONTWAIT);
+        if (drained) return;
+        const std::size_t room = rx_header_only_ ? kHeaderSize - rx_end_ : rx_buf_.size() - rx_end_;
+        const ssize_t n = ::recv(fd_, rx_buf_.data() + rx_end_, room, MSG_DONTWAIT);
         ++counters_.rx_syscalls;
         if (n > 0) {
+          drained = static_cast<std::size_t>(n) < room;
           rx_end_ += static_cast<std::size_t>(n);
           counters_.bytes_received += static_cast<std::uint64_t>(n);
           continue;
@@ -176,6 +185,7 @@ void tcp_qp::receive() noexcept {
         return;
       }
       rx_begin_ += kHeaderSize;
+      rx_header_only_ = cur_.length >= kDirectReadMin;
       ++frames;
       ++frames_received_;
       seg_count_ = seg_index_ = 0;
@@ -208,6 +218,7 @@ void tcp_qp::receive() noexcept {
         }
         rx_begin_ += got;
       } else {
+        if (drained) return;
         rx_begin_ = rx_end_ = 0;
         std::byte* direct = nullptr;
         if (s != nullptr && s->key != 0 && want >= kDirectReadMin) {
@@ -224,6 +235,7 @@ void tcp_qp::receive() noexcept {
           return;
         }
         counters_.bytes_received += static_cast<std::uint64_t>(n);
+        drained = static_cast<std::size_t>(n) < (direct != nullptr ? want : rx_buf_.size());
         if (direct == nullptr) {
           rx_end_ = static_cast<std::size_t>(n);
           continue;

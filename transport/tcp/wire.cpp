@@ -1,25 +1,32 @@
 #include "tcp/wire.hpp"
 
+#include <bit>
 #include <cstring>
 
 namespace anydoor::transport::tcp {
 namespace {
 
+// Little-endian fields, loaded and stored whole (one move each on
+// little-endian hosts; a byte loop here cost ~300 instructions a header).
+template <typename T>
+T to_little(T v) noexcept {
+  if constexpr (std::endian::native == std::endian::big && sizeof(T) == 2) return __builtin_bswap16(v);
+  if constexpr (std::endian::native == std::endian::big && sizeof(T) == 4) return __builtin_bswap32(v);
+  if constexpr (std::endian::native == std::endian::big && sizeof(T) == 8) return __builtin_bswap64(v);
+  return v;
+}
+
 template <typename T>
 void put(std::byte* p, T v) noexcept {
-  for (std::size_t i = 0; i < sizeof(T); ++i) {
-    p[i] = static_cast<std::byte>(v & 0xffu);
-    v = static_cast<T>(v >> 8);
-  }
+  v = to_little(v);
+  std::memcpy(p, &v, sizeof v);
 }
 
 template <typename T>
 T get(const std::byte* p) noexcept {
-  T v = 0;
-  for (std::size_t i = sizeof(T); i-- > 0;) {
-    v = static_cast<T>((v << 8) | static_cast<T>(p[i]));
-  }
-  return v;
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return to_little(v);
 }
 
 bool carries_payload(frame_type t) noexcept {
