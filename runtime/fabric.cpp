@@ -587,12 +587,18 @@ struct acceptor::state : std::enable_shared_from_this<state> {
 };
 
 acceptor fabric::listen(const std::string& host, std::uint16_t port) {
+  const connection_options& c = state_->options.connection;
+  auto l = state_->device->listen(host, port, {.handshake_timeout = c.handshake_timeout});
+  log().info("fabric: listening on {}:{}", host, l->port());
+  return listen(std::move(l));
+}
+
+acceptor fabric::listen(std::unique_ptr<transport::listener> listener) {
+  if (listener == nullptr) throw std::system_error(errc::invalid_argument, "fabric: listen: no listener");
   auto s = std::make_shared<acceptor::state>();
   s->fab = state_;
-  const connection_options& c = state_->options.connection;
-  s->listener = state_->device->listen(host, port, {.handshake_timeout = c.handshake_timeout});
+  s->listener = std::move(listener);
   s->port = s->listener->port();
-  log().info("fabric: listening on {}:{}", host, s->port);
   s->worker = std::jthread([raw = s.get()](std::stop_token stop) { raw->run(stop); });
   return acceptor(std::move(s));
 }

@@ -7,4 +7,5 @@
 #include <anydoor/fabric.hpp>
 #include <anydoor/memory.hpp>
 #include <anydoor/reactor.hpp>
+#include <anydoor/reactor_group.hpp>
 #include <anydoor/transport/provider.hpp>

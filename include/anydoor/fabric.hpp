@@ -141,6 +141,12 @@ class fabric {
 
   // Listens on host:port (port 0: a free one). Throws std::system_error.
   acceptor listen(const std::string& host, std::uint16_t port);
+  // Serves the connection requests of a listener made elsewhere (for
+  // example one of a reactor_group's shares of its listening socket): the
+  // acceptor checks, accepts and authenticates them on this fabric, as for
+  // its own. The listener's requests must be for this fabric's provider.
+  // Throws std::system_error (errc::invalid_argument: no listener).
+  acceptor listen(std::unique_ptr<transport::listener> listener);
 
   // Connects to "host:port". void(error_code, connection). Errors:
   // errc::connection_refused, connection_rejected, authentication_failed,
