@@ -17,7 +17,8 @@ struct server_options {
   endpoint listen;
   std::string provider = "auto";
   std::uint64_t max_message = std::uint64_t{64} << 20;
-  std::uint32_t max_connections = 128;  // x (send queue + credits) must fit the device's CQ (rxe: 32767)
+  std::uint32_t max_connections = 128;  // per reactor; x (send queue + credits) must fit the device's CQ (rxe: 32767)
+  std::size_t threads = 1;              // reactor threads (reactor_group when > 1)
 };
 int run_server(const server_options& o);
 

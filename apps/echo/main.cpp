@@ -1,5 +1,5 @@
 // anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES]
-//                     [--max-connections N]
+//                     [--max-connections N] [--threads N]
 // anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS]
 //                     [--in-flight N] [--connections N] [--timeout SECONDS] [--verify] [--json]
 //                     [--provider auto|tcp|verbs]
@@ -12,7 +12,7 @@ namespace {
 
 constexpr const char* kUsage =
     "anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES] "
-    "[--max-connections N]\n"
+    "[--max-connections N] [--threads N]\n"
     "       anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS] "
     "[--in-flight N] [--connections N] [--timeout SECONDS] [--verify] [--json] [--provider auto|tcp|verbs]";
 
@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
         else if (opt == "--provider") o.provider = provider_value(a);
         else if (opt == "--max-message") o.max_message = a.size_value(1, std::uint64_t{1} << 30);
         else if (opt == "--max-connections") o.max_connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
+        else if (opt == "--threads") o.threads = static_cast<std::size_t>(a.size_value(1, 256));
         else a.fail("unknown option " + std::string(opt));
       }
       if (!listen) a.fail("server needs --listen HOST:PORT");

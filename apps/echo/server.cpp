@@ -1,20 +1,30 @@
 // The echo server: one rpc::server with one untyped method, serving every
 // connection until SIGINT or SIGTERM; then it shuts down gracefully
-// (running calls reply, connections close cleanly) and exits 0.
+// (running calls reply, connections close cleanly) and exits 0. With
+// --threads N (N > 1) it runs N reactors (a reactor_group), one rpc::server
+// each, behind one listening socket.
 #include "echo.hpp"
 
 #include <anydoor/fabric.hpp>
+#include <anydoor/reactor_group.hpp>
 
+#include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
 #include <csignal>
 #include <cstdio>
 
 namespace anydoor::apps::echo {
 
-int run_server(const server_options& o) {
-  asio::io_context io;
+namespace {
+
+fabric_options make_fabric_options(const server_options& o) {
   fabric_options fo;
   fo.device.provider = o.provider;
   fo.max_connections = o.max_connections;
@@ -22,16 +32,93 @@ int run_server(const server_options& o) {
   // A request above the eager limit is read into runtime memory: room for
   // the largest one (several wait their turn).
   fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{16} << 20, o.max_message);
-  fabric fab(io, fo);
+  return fo;
+}
+
+void add_echo(rpc::server& srv) {
+  srv.add(method.id, [](rpc::server_call& call) -> rpc::status {
+    call.reply(call.request());
+    return {};
+  });
+}
+
+}  // namespace
+
+// --threads N: a reactor_group; reactor i serves the connections placed on
+// it with its own rpc::server; the test's thread waits for the signal and
+// shuts every server down on its own reactor.
+int run_group(const server_options& o) {
+  reactor_group group({.threads = o.threads, .fabric = make_fabric_options(o)});
+  std::vector<acceptor> accs = group.listen(o.listen.host, o.listen.port);
+  endpoint bound = o.listen;
+  bound.port = accs[0].port();
+  const std::size_t n = group.size();
+  std::vector<std::unique_ptr<rpc::server>> servers;
+  std::atomic<std::size_t> serving{n};
+  std::atomic<bool> failed{false};
+  asio::io_context main_io;
+  asio::signal_set signals(main_io, SIGINT, SIGTERM);
+  auto shutdown_all = [&] {
+    for (std::size_t i = 0; i < n; ++i) {
+      asio::post(group.get_executor(i), [srv = servers[i].get()] { srv->shutdown(std::chrono::seconds(2)); });
+    }
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    servers.push_back(std::make_unique<rpc::server>());
+    add_echo(*servers.back());
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    asio::post(group.get_executor(i), [&, i] {
+      servers[i]->async_serve(std::move(accs[i]), [&](error_code ec) {
+        if (ec && ec != std::errc::operation_canceled) {
+          std::fprintf(stderr, "anydoor-echo: the listener failed: %s\n", ec.message().c_str());
+          failed = true;
+          asio::post(main_io, [&] { signals.cancel(); shutdown_all(); });
+        }
+        // the last server done: the main thread stops waiting
+        if (--serving == 0) asio::post(main_io, [&] { signals.cancel(); });
+      });
+    });
+  }
+  signals.async_wait([&](const error_code& ec, int sig) {
+    if (ec) return;
+    std::uint64_t open = 0;
+    for (std::size_t i = 0; i < n; ++i) open += group.at(i).stats().connections;
+    std::fprintf(stderr, "anydoor-echo: %s: closing %llu connection(s) on %zu reactors\n",
+                 sig == SIGINT ? "SIGINT" : "SIGTERM", static_cast<unsigned long long>(open), n);
+    shutdown_all();
+  });
+  std::printf("anydoor-echo: listening on %s (provider %.*s, max message %llu bytes, %zu reactor threads)\n",
+              bound.str().c_str(), static_cast<int>(group.at(0).provider().size()), group.at(0).provider().data(),
+              static_cast<unsigned long long>(o.max_message), n);
+  std::fflush(stdout);
+  main_io.run();  // until the signal's shutdown (or a failure) has ended every server
+  while (serving > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  group.stop();
+  std::uint64_t calls = 0, conns = 0;
+  std::string per;
+  for (auto& srv : servers) {
+    const rpc::server_stats st = srv->stats();
+    calls += st.calls;
+    conns += st.connections_served;
+    per += " " + std::to_string(st.connections_served);
+  }
+  servers.clear();
+  std::printf("anydoor-echo: served %llu calls on %llu connection(s) (per reactor:%s)\n",
+              static_cast<unsigned long long>(calls), static_cast<unsigned long long>(conns), per.c_str());
+  return failed ? 1 : 0;
+}
+
+int run_server(const server_options& o) {
+  if (o.threads > 1) return run_group(o);
+  asio::io_context io;
+  fabric fab(io, make_fabric_options(o));
   acceptor acc = fab.listen(o.listen.host, o.listen.port);
   endpoint bound = o.listen;
   bound.port = acc.port();
 
   rpc::server srv;
-  srv.add(method.id, [](rpc::server_call& call) -> rpc::status {
-    call.reply(call.request());
-    return {};
-  });
+  add_echo(srv);
   bool failed = false;
   asio::signal_set signals(io, SIGINT, SIGTERM);
   srv.async_serve(std::move(acc), [&](error_code ec) {
