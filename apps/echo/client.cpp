@@ -7,6 +7,8 @@
 #include "common/histogram.hpp"
 #include "echo.hpp"
 
+#include "common/fd_limit.hpp"
+
 #include <anydoor/fabric.hpp>
 
 #include <boost/asio/post.hpp>
@@ -35,17 +37,28 @@ class load {
  public:
   load(asio::io_context& io, fabric& fab, const client_options& o) : io_(io), fab_(fab), o_(o), tick_(io) {}
 
+  // At most kConnectsAtOnce attempts at a time (each is a setup thread; a
+  // listener holds a bounded number of handshakes), the next one started
+  // as one completes.
+  static constexpr std::uint32_t kConnectsAtOnce = 64;
   void start() {
     conns_.resize(o_.connections);
-    for (std::uint32_t i = 0; i < o_.connections; ++i) {
-      fab_.async_connect(o_.connect.str(), [this, i](error_code ec, connection c) {
-        if (failed_) return;
-        if (ec) return fail("cannot connect to " + o_.connect.str() + ": " + ec.message());
-        conns_[i].cli = rpc::client(std::move(c), {.timeout = std::chrono::milliseconds(
-                                                       static_cast<std::int64_t>(o_.timeout * 1000))});
-        if (++connected_ == o_.connections) run();
-      });
-    }
+    for (std::uint32_t i = 0; i < std::min(kConnectsAtOnce, o_.connections); ++i) connect_next();
+  }
+  void connect_next() {
+    if (failed_ || next_connect_ == o_.connections) return;
+    const std::uint32_t i = next_connect_++;
+    fab_.async_connect(o_.connect.str(), [this, i](error_code ec, connection c) {
+      if (failed_) return;
+      if (ec) return fail("cannot connect to " + o_.connect.str() + ": " + ec.message());
+      conns_[i].cli = rpc::client(std::move(c), {.timeout = std::chrono::milliseconds(
+                                                     static_cast<std::int64_t>(o_.timeout * 1000))});
+      if (++connected_ == o_.connections) return run();
+      if (o_.connections > 1 && !o_.json && connected_ % 500 == 0) {
+        std::fprintf(stderr, "anydoor-echo: %u of %u connections open\n", connected_, o_.connections);
+      }
+      connect_next();
+    });
   }
 
   bool failed() const { return failed_; }
@@ -203,6 +216,7 @@ class load {
   const client_options& o_;
   std::vector<conn> conns_;
   std::uint32_t connected_ = 0;
+  std::uint32_t next_connect_ = 0;
   std::uint64_t issued_ = 0;
   std::uint64_t done_ = 0;
   std::uint64_t in_flight_ = 0;
@@ -222,6 +236,10 @@ int run_client(const client_options& o) {
   fabric_options fo;
   fo.device.provider = o.provider;
   fo.max_connections = std::max<std::uint32_t>(64, o.connections);
+  fo.connection.credits = o.credits;
+  // Receive buffers for every connection's credits, with room to spare.
+  fo.pool_max_bytes = std::max<std::size_t>(fo.pool_max_bytes, std::size_t{o.connections} * o.credits * 9 * 1024 * 5 / 4);
+  ensure_fd_limit(std::uint64_t{o.connections} + 64, "anydoor-echo");
   // Replies above the eager limit are read into runtime memory: room for
   // every call in flight on a connection.
   fo.connection.rendezvous_memory =

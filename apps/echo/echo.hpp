@@ -19,6 +19,7 @@ struct server_options {
   std::uint64_t max_message = std::uint64_t{64} << 20;
   std::uint32_t max_connections = 128;  // per reactor; x (send queue + credits) must fit the device's CQ (rxe: 32767)
   std::size_t threads = 1;              // reactor threads (reactor_group when > 1)
+  std::uint16_t credits = 64;           // receive buffers posted per connection
 };
 int run_server(const server_options& o);
 
@@ -30,6 +31,7 @@ struct client_options {
   double duration = 0;         // seconds; 0: --count decides (default 10000 messages)
   std::uint32_t in_flight = 1;
   std::uint32_t connections = 1;
+  std::uint16_t credits = 64;  // receive buffers posted per connection
   double timeout = 10;         // seconds a reply may take before the server counts as gone
   bool verify = false;
   bool json = false;

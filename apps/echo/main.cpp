@@ -1,8 +1,8 @@
 // anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES]
-//                     [--max-connections N] [--threads N]
+//                     [--max-connections N] [--threads N] [--credits N]
 // anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS]
-//                     [--in-flight N] [--connections N] [--timeout SECONDS] [--verify] [--json]
-//                     [--provider auto|tcp|verbs]
+//                     [--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify]
+//                     [--json] [--provider auto|tcp|verbs]
 #include "echo.hpp"
 
 #include <cstring>
@@ -12,9 +12,9 @@ namespace {
 
 constexpr const char* kUsage =
     "anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES] "
-    "[--max-connections N] [--threads N]\n"
+    "[--max-connections N] [--threads N] [--credits N]\n"
     "       anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS] "
-    "[--in-flight N] [--connections N] [--timeout SECONDS] [--verify] [--json] [--provider auto|tcp|verbs]";
+    "[--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify] [--json] [--provider auto|tcp|verbs]";
 
 using anydoor::apps::arg_scanner;
 
@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
         else if (opt == "--max-message") o.max_message = a.size_value(1, std::uint64_t{1} << 30);
         else if (opt == "--max-connections") o.max_connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
         else if (opt == "--threads") o.threads = static_cast<std::size_t>(a.size_value(1, 256));
+        else if (opt == "--credits") o.credits = static_cast<std::uint16_t>(a.size_value(4, 4096));
         else a.fail("unknown option " + std::string(opt));
       }
       if (!listen) a.fail("server needs --listen HOST:PORT");
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
         else if (opt == "--duration") o.duration = seconds_value(a);
         else if (opt == "--in-flight") o.in_flight = static_cast<std::uint32_t>(a.size_value(1, 4096));
         else if (opt == "--connections") o.connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
+        else if (opt == "--credits") o.credits = static_cast<std::uint16_t>(a.size_value(4, 4096));
         else if (opt == "--timeout") o.timeout = seconds_value(a);
         else if (opt == "--verify") o.verify = true;
         else if (opt == "--json") o.json = true;

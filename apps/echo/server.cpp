@@ -5,6 +5,8 @@
 // each, behind one listening socket.
 #include "echo.hpp"
 
+#include "common/fd_limit.hpp"
+
 #include <anydoor/fabric.hpp>
 #include <anydoor/reactor_group.hpp>
 
@@ -29,6 +31,10 @@ fabric_options make_fabric_options(const server_options& o) {
   fo.device.provider = o.provider;
   fo.max_connections = o.max_connections;
   fo.connection.max_message = o.max_message;
+  fo.connection.credits = o.credits;
+  // Receive buffers for every connection's credits, with room to spare.
+  fo.pool_max_bytes =
+      std::max<std::size_t>(fo.pool_max_bytes, std::size_t{o.max_connections} * o.credits * 9 * 1024 * 5 / 4);
   // A request above the eager limit is read into runtime memory: room for
   // the largest one (several wait their turn).
   fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{16} << 20, o.max_message);
@@ -110,6 +116,7 @@ int run_group(const server_options& o) {
 }
 
 int run_server(const server_options& o) {
+  ensure_fd_limit(std::uint64_t{o.max_connections} * o.threads + 64, "anydoor-echo");
   if (o.threads > 1) return run_group(o);
   asio::io_context io;
   fabric fab(io, make_fabric_options(o));

@@ -12,6 +12,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <system_error>
 
 namespace anydoor::transport::tcp {
@@ -28,6 +30,14 @@ namespace anydoor::transport::tcp {
 namespace {
 
 using clock = std::chrono::steady_clock;
+
+// Names the limit a process runs into when it is out of descriptors.
+std::string fd_limit_note() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return " (the process's descriptor limit, RLIMIT_NOFILE)";
+  return " (the process's descriptor limit, RLIMIT_NOFILE: soft " + std::to_string(rl.rlim_cur) + ", hard " +
+         std::to_string(rl.rlim_max) + "; raise it with ulimit -n or setrlimit)";
+}
 
 int remaining_ms(clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
@@ -231,7 +241,8 @@ class tcp_listener final : public listener {
             // Out of descriptors or memory: stop accepting for a while (the
             // kernel keeps the rest queued) rather than spin on a listener
             // that stays readable.
-            log().warn("tcp listener: cannot accept: {}; pausing 100 ms", std::strerror(errno));
+            log().warn("tcp listener: cannot accept: {}{}; pausing 100 ms", std::strerror(errno),
+                       errno == EMFILE ? fd_limit_note() : std::string());
             accept_paused_until_ = clock::now() + std::chrono::milliseconds(100);
             return {};
           default:
@@ -373,7 +384,14 @@ connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std:
   result.ec = errc::connection_refused;
   for (addrinfo* ai = res; ai != nullptr && fd < 0 && !stop.stop_requested(); ai = ai->ai_next) {
     fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) continue;
+    if (fd < 0) {
+      // Out of descriptors is not "refused": say so, with the limit.
+      const int err = errno;
+      result.ec = {err, std::system_category()};
+      log().warn("tcp: connect to {}:{}: cannot make a socket: {}{}", host, port, std::strerror(err),
+                 err == EMFILE ? fd_limit_note() : std::string());
+      continue;
+    }
     int err = 0;
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
       err = errno;

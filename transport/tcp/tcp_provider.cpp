@@ -239,6 +239,9 @@ tcp_cq::~tcp_cq() {
 
 void tcp_cq::attach(tcp_qp* qp, std::uint32_t wrs) {
   qps_.push_back(qp);
+  // Each queue pair is listed at most once: note_pending never allocates.
+  pending_.reserve(qps_.size());
+  pending_pass_.reserve(qps_.size());
   wrs_ += wrs;
   if (wrs_ > depth_) {
     log().warn("completion queue depth {} is below the {} work requests of its queue pairs: it can overflow",
@@ -251,6 +254,13 @@ void tcp_cq::detach(tcp_qp* qp, std::uint32_t wrs) noexcept {
   if (it == qps_.end()) return;
   qps_.erase(it);
   wrs_ -= wrs;
+  pending_.erase(std::remove(pending_.begin(), pending_.end(), qp), pending_.end());
+}
+
+void tcp_cq::note_pending(tcp_qp* qp, bool& noted) noexcept {
+  if (noted) return;
+  noted = true;
+  pending_.push_back(qp);
 }
 
 void tcp_cq::watch(int fd, tcp_qp* qp, bool want_write, bool want_read) noexcept {
@@ -321,9 +331,13 @@ void tcp_cq::progress() noexcept {
     auto* qp = static_cast<tcp_qp*>(events[static_cast<std::size_t>(i)].data.ptr);
     if (qp != nullptr) qp->on_events(events[static_cast<std::size_t>(i)].events);
   }
-  for (std::size_t i = 0; i < qps_.size(); ++i) {
-    if (qps_[i]->has_pending_work()) qps_[i]->progress();
+  // Those that left work behind (they note themselves again if they still do).
+  pending_pass_.swap(pending_);
+  for (tcp_qp* qp : pending_pass_) {
+    qp->noted_on(this) = false;
+    if (qp->has_pending_work()) qp->progress();
   }
+  pending_pass_.clear();
 }
 
 std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {

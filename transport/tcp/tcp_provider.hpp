@@ -171,6 +171,11 @@ class tcp_cq final : public completion_queue {
   void watch(int fd, tcp_qp* qp, bool want_write, bool want_read = true) noexcept;
   void unwatch(int fd) noexcept;
   void schedule(std::chrono::steady_clock::time_point when) noexcept;
+  // A queue pair left work epoll cannot report (has_pending_work): the next
+  // pass progresses it. With many queue pairs a pass visits only these and
+  // those epoll names, never all of them. `noted` is the queue pair's flag
+  // for this queue (set while it is listed).
+  void note_pending(tcp_qp* qp, bool& noted) noexcept;
   void progress() noexcept;
   // The consumer armed the queue and may sleep until it notifies.
   bool armed() const noexcept { return armed_; }
@@ -192,6 +197,7 @@ class tcp_cq final : public completion_queue {
   std::chrono::steady_clock::time_point timer_at_{};
   bool timer_set_ = false;
   std::vector<tcp_qp*> qps_;
+  std::vector<tcp_qp*> pending_, pending_pass_;  // noted; the pass's (capacity: qps_.size())
   std::uint64_t wrs_ = 0;  // work requests of the queue pairs on it
   cq_counters counters_;
 };
@@ -227,6 +233,8 @@ class tcp_qp final : public queue_pair {
   void on_timer(std::chrono::steady_clock::time_point now) noexcept;
   void on_cq_overflow() noexcept;
   void forget_cq(const tcp_cq* cq) noexcept;
+  // Its flag in cq's pending list (see tcp_cq::note_pending).
+  bool& noted_on(const tcp_cq* cq) noexcept { return cq == attr_.send_cq ? noted_send_ : noted_recv_; }
   // Connected and published to the completion queues (see attach_socket).
   bool wants_progress() const noexcept { return live_.load(std::memory_order_acquire); }
   // Work epoll cannot report: input already read but not yet processed (a
@@ -351,6 +359,7 @@ class tcp_qp final : public queue_pair {
   // this queue pair until it reads true here.
   std::atomic<bool> live_{false};
   bool close_when_flushed_ = false;
+  bool noted_send_ = false, noted_recv_ = false;  // listed in the completion queues' pending lists
   qp_counters counters_;
   std::shared_ptr<device_state> shared_;  // the device's
   path_info path_;                      // the socket's addresses, from attach_socket
@@ -396,7 +405,19 @@ class tcp_qp final : public queue_pair {
   bool want_read_ = true;
 
   // receive: staging buffer and the current frame
-  std::vector<std::byte> rx_buf_;
+  // Left uninitialized: an idle connection touches (makes resident) only
+  // the pages its traffic reaches, not the whole 64 KiB.
+  struct staging {
+    std::unique_ptr<std::byte[]> bytes;
+    std::size_t n = 0;
+    void allocate(std::size_t size) {
+      bytes.reset(new std::byte[size]);
+      n = size;
+    }
+    std::byte* data() const noexcept { return bytes.get(); }
+    std::size_t size() const noexcept { return n; }
+  };
+  staging rx_buf_;
   std::size_t rx_begin_ = 0, rx_end_ = 0;
   // The last frame's payload was large: the next header is read alone, so
   // that the large payload likely to follow goes straight to its

@@ -87,7 +87,7 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
   inline_.resize(std::size_t{attr_.max_send_wr} * attr_.max_inline_data);
   rq_.resize(attr_.max_recv_wr);
   rq_sges_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
-  rx_buf_.resize(kRxBufferSize);
+  rx_buf_.allocate(kRxBufferSize);
   rnr_left_ = attr_.rnr_retry;
   auto* scq = static_cast<tcp_cq*>(attr_.send_cq);
   auto* rcq = static_cast<tcp_cq*>(attr_.recv_cq);

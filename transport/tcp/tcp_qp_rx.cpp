@@ -42,6 +42,10 @@ void tcp_qp::progress() noexcept {
   if (!only_ack_pending() || (cq != nullptr && cq->armed())) flush();
   check_fatal();
   check_local_error();
+  if (has_pending_work()) {
+    if (auto* s = static_cast<tcp_cq*>(attr_.send_cq)) s->note_pending(this, noted_send_);
+    if (auto* r = static_cast<tcp_cq*>(attr_.recv_cq); r != nullptr && r != attr_.send_cq) r->note_pending(this, noted_recv_);
+  }
 }
 
 bool tcp_qp::only_ack_pending() const noexcept {
