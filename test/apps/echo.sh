@@ -92,6 +92,8 @@ expect_in "$tmp/group.out" "listening on 127.0.0.1:$PORT \(provider tcp, .*, 2 r
 expect_in "$tmp/group.err" "reactor_group: reactor 1 runs on cpu [0-9]+"
 run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 9000 --count 400 --in-flight 4 --connections 4 --verify
 expect_in "$tmp/last.out" "every byte verified"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 100 --count 400 --in-flight 2 --connections 4 --credits 4 --verify
+expect_in "$tmp/last.out" "every byte verified"
 timeout 60 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --connections 2 >"$tmp/c.out" 2>"$tmp/c.err" &
 cpid=$!
 sleep 1
@@ -100,7 +102,7 @@ timeout 10 tail --pid="$PID_group" -f /dev/null || fail "the --threads server di
 wait "$PID_group"; rc=$?
 [ "$rc" = 0 ] || fail "the --threads server exited $rc after SIGTERM"
 expect_in "$tmp/group.err" "SIGTERM: closing 2 connection\(s\) on 2 reactors"
-expect_in "$tmp/group.out" "served [0-9]+ calls on 6 connection\(s\) \(per reactor: 3 3\)"
+expect_in "$tmp/group.out" "served [0-9]+ calls on 10 connection\(s\) \(per reactor: 5 5\)"
 wait "$cpid"; [ $? = 1 ] || fail "the client did not fail when the --threads server went away"
 pass "--threads 2"
 
@@ -117,6 +119,8 @@ run_cmd 2 "$echo_bin" server; expect_in "$tmp/last.err" "needs --listen"
 run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --provider foo; expect_in "$tmp/last.err" "--provider takes"
 run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --threads 0; expect_in "$tmp/last.err" "--threads takes"
 run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --threads 257; expect_in "$tmp/last.err" "--threads takes"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --credits 3; expect_in "$tmp/last.err" "--credits takes"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --credits 5000; expect_in "$tmp/last.err" "--credits takes"
 run_cmd 2 "$echo_bin" dance; expect_in "$tmp/last.err" "unknown mode"
 run_cmd 2 "$echo_bin"; expect_in "$tmp/last.err" "usage:"
 run_cmd 0 "$echo_bin" --help; expect_in "$tmp/last.out" "anydoor-echo server --listen"

@@ -9,6 +9,8 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,8 +69,8 @@ struct raw_peer {
   std::unique_ptr<tp::memory_region> mr;
   int fd = -1;
 
-  explicit raw_peer(int rcvbuf = 0) {
-    ep.qp = ep.pd->create_qp(ep.attrs());
+  explicit raw_peer(int rcvbuf = 0, tp::qp_attributes a = {}) {
+    ep.qp = ep.pd->create_qp(ep.attrs(a));
     mr = ep.pd->register_memory(mem.data() + 64, 4096,
                                 access::local_write | access::remote_write | access::remote_read |
                                     access::remote_atomic);
@@ -648,4 +650,67 @@ TEST_CASE("tcp provider: frames that have arrived are taken with one recv call, 
   CHECK(c[0].wr_id == 3);
   CHECK(c[0].byte_len == 8);
   CHECK(std::memcmp(p.mem.data() + 64 + 256, "latecome", 8) == 0);
+}
+
+TEST_CASE("tcp provider: with many queue pairs on a queue, input already read is taken by the next polls",
+          "[unit][tcp]") {
+  // More than four queue pairs: a pass asks epoll which sockets are ready
+  // and visits only those and the queue pairs that left work behind. One
+  // pass takes at most 256 frames; the rest sits in the staging buffer,
+  // which epoll cannot see, so the queue pair must list itself.
+  raw_peer p(0, {.max_recv_wr = 512});
+  std::vector<std::unique_ptr<tp::queue_pair>> idle;
+  for (int i = 0; i < 5; ++i) idle.push_back(p.ep.pd->create_qp(p.ep.attrs()));
+  constexpr std::uint32_t kFrames = 300;
+  std::vector<tp::sge> sg(kFrames);
+  std::vector<tp::recv_request> rr(kFrames);
+  for (std::uint32_t i = 0; i < kFrames; ++i) {
+    sg[i] = p.mr->slice((i % 32) * 8, 8);
+    rr[i] = {.wr_id = i + 1, .sg_list = {&sg[i], 1}};
+  }
+  REQUIRE_FALSE(p.ep.qp->post_recv(rr));
+  std::vector<std::byte> wire;
+  for (std::uint32_t i = 0; i < kFrames; ++i) {
+    std::array<std::byte, kHeaderSize + 8> f{};
+    encode(frame_header{.type = frame_type::send, .psn = i + 1, .length = 8},
+           std::span<std::byte, kHeaderSize>(f.data(), kHeaderSize));
+    wire.insert(wire.end(), f.begin(), f.end());
+  }
+  raw_send(p.fd, wire.data(), wire.size());
+  std::this_thread::sleep_for(50ms);
+  std::array<tp::completion, 64> c{};
+  std::error_code ec;
+  std::uint32_t got = 0;
+  int polls = 0;
+  for (; polls < 50 && got < kFrames; ++polls) {
+    for (std::size_t n = p.ep.cq->poll(c, ec); n > 0; n = p.ep.cq->poll(c, ec)) {
+      for (std::size_t i = 0; i < n; ++i) CHECK(c[i].wr_id == got + i + 1);
+      got += static_cast<std::uint32_t>(n);
+    }
+    CHECK_FALSE(ec);
+  }
+  INFO(polls << " polls");
+  CHECK(got == kFrames);
+}
+
+TEST_CASE("tcp provider: out of descriptors, a connect fails with 'too many open files' (not 'refused')",
+          "[unit][tcp]") {
+  one_qp e;
+  auto lis = e.dev->listen("127.0.0.1", 0);  // somebody listens: "refused" would be a lie
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &old) == 0);
+  rlimit low = old;
+  low.rlim_cur = 256;
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  std::vector<int> fill;
+  for (int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC); fd >= 0; fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) {
+    fill.push_back(fd);
+  }
+  const int full_errno = errno;
+  const auto r = e.dev->connect(*e.qp, "127.0.0.1", lis->port(), {}, 2s);
+  for (int fd : fill) ::close(fd);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &old) == 0);
+  CHECK(full_errno == EMFILE);
+  INFO(r.ec.message());
+  CHECK(r.ec == std::errc::too_many_files_open);
 }
