@@ -101,7 +101,7 @@ int cpu_numa_node(int cpu) {
 struct reactor_group::reactor {
   asio::io_context io{1};
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
-  std::unique_ptr<fabric> fab;  // built and destroyed after io (declared after it)
+  std::unique_ptr<fabric> fab;  // built after io, destroyed before it (declared after it)
   reactor_placement where;
   std::thread thread;
   std::thread::id id;
@@ -113,6 +113,9 @@ reactor_group::reactor_group(reactor_group_options o) {
     throw std::system_error(errc::invalid_argument,
                             "reactor_group: threads must be 1.." + std::to_string(kMaxThreads) + ", not " +
                                 std::to_string(o.threads));
+  }
+  if (!o.pin && !o.cpus.empty()) {
+    throw std::system_error(errc::invalid_argument, "reactor_group: cpus given with pin = false");
   }
   std::vector<int> cpus;
   int node = -1;
@@ -241,7 +244,7 @@ std::vector<acceptor> reactor_group::listen(const std::string& host, std::uint16
                                      {.handshake_timeout = first.options().connection.handshake_timeout});
   log().info("reactor_group: listening on {}:{} for {} reactor(s)", host, inner->port(), reactors_.size());
   auto hub = std::make_shared<detail::shared_listener>(std::move(inner), reactors_.size(), std::move(hook),
-                                                       kMaxQueuedPerReactor);
+                                                       kMaxQueuedPerReactor, 2 * first.options().connection.handshake_timeout);
   std::vector<acceptor> out;
   out.reserve(reactors_.size());
   for (std::size_t i = 0; i < reactors_.size(); ++i) {

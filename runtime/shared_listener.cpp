@@ -9,6 +9,9 @@
 #include <unistd.h>
 
 #include <exception>
+#include <string>
+#include <utility>
+#include <vector>
 #include <system_error>
 
 namespace anydoor::detail {
@@ -37,8 +40,10 @@ class shared_listener::route final : public transport::listener {
 };
 
 shared_listener::shared_listener(std::unique_ptr<transport::listener> inner, std::size_t queues,
-                                 placement_hook hook, std::size_t max_queued)
-    : inner_(std::move(inner)), port_(inner_->port()), hook_(std::move(hook)), max_queued_(max_queued) {
+                                 placement_hook hook, std::size_t max_queued, std::chrono::milliseconds max_wait)
+    : inner_(std::move(inner)), port_(inner_->port()), hook_(std::move(hook)), max_queued_(max_queued),
+      max_wait_(max_wait) {
+  if (queues == 0) throw std::system_error(errc::invalid_argument, "shared_listener: no queues");
   for (std::size_t i = 0; i < queues; ++i) {
     auto q = std::make_unique<queue>();
     q->event_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC | EFD_SEMAPHORE);
@@ -56,7 +61,7 @@ shared_listener::~shared_listener() {
   distributor_.request_stop();
   if (distributor_.joinable()) distributor_.join();
   for (auto& q : queues_) {
-    for (auto& r : q->requests) refuse(*r);
+    for (auto& w : q->requests) refuse(*w.request);
     ::close(q->event_fd);
   }
 }
@@ -89,17 +94,18 @@ void shared_listener::distribute(std::stop_token stop) {
     }
     std::size_t first = next_++ % n;
     if (hook_) {
+      std::string bad;
       try {
         const std::size_t k = hook_(placement_request{.sequence = sequence_, .reactors = n});
-        if (k < n) {
-          first = k;
-        } else {
-          log().warn("reactor_group: the placement hook chose reactor {} of {}; placed round robin instead", k, n);
-        }
+        if (k < n) first = k;
+        else bad = "chose reactor " + std::to_string(k) + " of " + std::to_string(n);
       } catch (const std::exception& e) {
-        log().warn("reactor_group: the placement hook threw ({}); placed round robin instead", e.what());
+        bad = std::string("threw (") + e.what() + ")";
       } catch (...) {
-        log().warn("reactor_group: the placement hook threw; placed round robin instead");
+        bad = "threw";
+      }
+      if (!bad.empty() && !std::exchange(hook_warned_, true)) {
+        log().warn("reactor_group: the placement hook {}; such attempts are placed round robin (logged once)", bad);
       }
     }
     ++sequence_;
@@ -122,7 +128,7 @@ bool shared_listener::place(std::unique_ptr<transport::connection_request>& req,
   for (std::size_t j = 0; j < n; ++j) {
     queue& q = *queues_[(first + j) % n];
     if (!q.open || q.requests.size() >= max_queued_) continue;
-    q.requests.push_back(std::move(req));
+    q.requests.push_back({std::move(req), std::chrono::steady_clock::now()});
     const std::uint64_t one = 1;
     [[maybe_unused]] const auto w = ::write(q.event_fd, &one, sizeof one);
     q.cv.notify_one();
@@ -133,21 +139,36 @@ bool shared_listener::place(std::unique_ptr<transport::connection_request>& req,
 
 std::unique_ptr<transport::connection_request> shared_listener::take(std::size_t i, std::chrono::milliseconds timeout,
                                                                      std::error_code& ec) {
-  std::unique_lock lock(m_);
-  queue& q = *queues_[i];
-  if (!q.cv.wait_for(lock, timeout, [&] { return !q.requests.empty() || failed_; })) {
-    ec = errc::timed_out;
-    return nullptr;
+  std::unique_ptr<transport::connection_request> r;
+  std::vector<std::unique_ptr<transport::connection_request>> stale;
+  {
+    std::unique_lock lock(m_);
+    queue& q = *queues_[i];
+    if (!q.cv.wait_for(lock, timeout, [&] { return !q.requests.empty() || failed_; })) {
+      ec = errc::timed_out;
+      return nullptr;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    while (r == nullptr && !q.requests.empty()) {
+      waiting w = std::move(q.requests.front());
+      q.requests.pop_front();
+      std::uint64_t one = 0;
+      [[maybe_unused]] const auto rd = ::read(q.event_fd, &one, sizeof one);
+      if (now - w.since > max_wait_) stale.push_back(std::move(w.request));
+      else r = std::move(w.request);
+    }
+    ec = r != nullptr ? std::error_code{} : failed_ ? failed_ : std::error_code(errc::timed_out);
   }
-  if (q.requests.empty()) {
-    ec = failed_;
-    return nullptr;
+  // This reactor was too slow to take them (busy, or not accepting): their
+  // clients are about to give up.
+  for (auto& s : stale) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    refuse(*s);
   }
-  auto r = std::move(q.requests.front());
-  q.requests.pop_front();
-  std::uint64_t one = 0;
-  [[maybe_unused]] const auto rd = ::read(q.event_fd, &one, sizeof one);
-  ec.clear();
+  if (!stale.empty()) {
+    log().warn("reactor_group: refused {} connection attempt(s) that waited over {} ms for reactor {} to take them",
+               stale.size(), max_wait_.count(), i);
+  }
   return r;
 }
 
@@ -162,8 +183,8 @@ void shared_listener::close_queue(std::size_t i) noexcept {
     std::uint64_t count = 0;
     while (::read(q.event_fd, &count, sizeof count) > 0) {
     }
-    for (auto& r : q.requests) {
-      if (!place(r, i + 1)) orphans.push_back(std::move(r));
+    for (auto& w : q.requests) {
+      if (!place(w.request, i + 1)) orphans.push_back(std::move(w.request));
     }
     q.requests.clear();
   }

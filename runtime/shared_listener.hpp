@@ -9,12 +9,15 @@
 #include <anydoor/reactor_group.hpp>
 #include <anydoor/transport/provider.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
@@ -24,8 +27,12 @@ class shared_listener {
  public:
   // Takes `inner` and starts the distributor; `queues` routed listeners are
   // made by routed(i), each exactly once.
+  // An attempt that waited in a queue longer than `max_wait` (twice the
+  // handshake timeout: a reactor that stopped taking attempts, whose
+  // acceptor would make each wait a handshake timeout in turn) is refused
+  // instead of handed out.
   shared_listener(std::unique_ptr<transport::listener> inner, std::size_t queues, placement_hook hook,
-                  std::size_t max_queued);
+                  std::size_t max_queued, std::chrono::milliseconds max_wait);
   ~shared_listener();  // stops the distributor; requests still queued are refused
   shared_listener(const shared_listener&) = delete;
   shared_listener& operator=(const shared_listener&) = delete;
@@ -35,8 +42,12 @@ class shared_listener {
 
  private:
   class route;
+  struct waiting {
+    std::unique_ptr<transport::connection_request> request;
+    std::chrono::steady_clock::time_point since;
+  };
   struct queue {
-    std::deque<std::unique_ptr<transport::connection_request>> requests;
+    std::deque<waiting> requests;
     std::condition_variable cv;
     bool open = true;
     int event_fd = -1;  // readable while requests wait (route::fd)
@@ -52,6 +63,8 @@ class shared_listener {
   std::uint16_t port_ = 0;
   placement_hook hook_;
   std::size_t max_queued_;
+  std::chrono::milliseconds max_wait_;
+  bool hook_warned_ = false;         // distributor only: a bad hook is logged once
   std::mutex m_;
   std::vector<std::unique_ptr<queue>> queues_;
   std::error_code failed_;           // the inner listener failed: every queue reports it

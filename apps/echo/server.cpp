@@ -14,6 +14,8 @@
 #include <boost/asio/signal_set.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <future>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -46,6 +48,18 @@ void add_echo(rpc::server& srv) {
     call.reply(call.request());
     return {};
   });
+}
+
+// Runs f on reactor i (where its server lives) and returns what it
+// returned; a default value when the reactor does not answer within 5 s.
+template <class F>
+auto on_reactor(reactor_group& g, std::size_t i, F f) -> decltype(f()) {
+  using result = decltype(f());
+  auto p = std::make_shared<std::promise<result>>();
+  auto done = p->get_future();
+  asio::post(g.get_executor(i), [p, f] { p->set_value(f()); });
+  if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) return result{};
+  return done.get();
 }
 
 }  // namespace
@@ -89,7 +103,9 @@ int run_group(const server_options& o) {
   signals.async_wait([&](const error_code& ec, int sig) {
     if (ec) return;
     std::uint64_t open = 0;
-    for (std::size_t i = 0; i < n; ++i) open += group.at(i).stats().connections;
+    for (std::size_t i = 0; i < n; ++i) {
+      open += on_reactor(group, i, [srv = servers[i].get()] { return srv->stats().connections; });
+    }
     std::fprintf(stderr, "anydoor-echo: %s: closing %llu connection(s) on %zu reactors\n",
                  sig == SIGINT ? "SIGINT" : "SIGTERM", static_cast<unsigned long long>(open), n);
     shutdown_all();
@@ -98,8 +114,19 @@ int run_group(const server_options& o) {
               bound.str().c_str(), static_cast<int>(group.at(0).provider().size()), group.at(0).provider().data(),
               static_cast<unsigned long long>(o.max_message), n);
   std::fflush(stdout);
-  main_io.run();  // until the signal's shutdown (or a failure) has ended every server
+  main_io.run();  // until the signal's shutdown (or a failure) has ended every server's accepting
   while (serving > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // The servers' connections drain (running calls reply, then each closes)
+  // within the shutdown's grace; only then do the reactors stop.
+  const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (;;) {
+    std::uint64_t open = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      open += on_reactor(group, i, [srv = servers[i].get()] { return srv->stats().connections; });
+    }
+    if (open == 0 || std::chrono::steady_clock::now() > drain_until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   group.stop();
   std::uint64_t calls = 0, conns = 0;
   std::string per;
@@ -116,7 +143,7 @@ int run_group(const server_options& o) {
 }
 
 int run_server(const server_options& o) {
-  ensure_fd_limit(std::uint64_t{o.max_connections} * o.threads + 64, "anydoor-echo");
+  ensure_fd_limit((std::uint64_t{o.max_connections} + 16) * o.threads + 64, "anydoor-echo");
   if (o.threads > 1) return run_group(o);
   asio::io_context io;
   fabric fab(io, make_fabric_options(o));

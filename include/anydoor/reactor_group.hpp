@@ -18,7 +18,10 @@
 // reactor i on the i-th of them (round robin). Each thread pins itself
 // before it builds its fabric, so the fabric's memory (pool slabs, queues)
 // is first touched on the reactor's own node. The log says where each
-// reactor runs.
+// reactor runs. Threads a reactor starts (its fabric's connection-setup
+// helpers and liveness timer) inherit its core. Two groups in one process
+// with automatic placement both start at the first core: give `cpus` to
+// keep them apart.
 #pragma once
 
 #include <anydoor/fabric.hpp>
@@ -40,7 +43,7 @@ struct reactor_group_options {
   // Cores to pin the reactors to (reactor i on cpus[i % cpus.size()]); each
   // must be one the process may run on. Empty: automatic (see above).
   std::vector<int> cpus;
-  bool pin = true;            // false: threads run wherever the system puts them
+  bool pin = true;            // false: threads run wherever the system puts them (cpus must be empty)
 };
 
 // Where a reactor runs.
@@ -51,10 +54,14 @@ struct reactor_placement {
 
 // Which reactor takes an accepted connection: called on the listener's
 // thread with the attempt's sequence number (0, 1, 2, ... per listen()) and
-// the number of reactors; returns a reactor index. An index out of range
-// is logged and replaced by round robin. A reactor whose acceptor is closed
-// (or holds `kMaxQueuedPerReactor` attempts not yet taken) is skipped for
-// the next one.
+// the number of reactors; returns a reactor index. It must not block (every
+// attempt waits for it, and so does closing the last acceptor). An index
+// out of range, or an exception, is logged (once) and the attempt placed
+// round robin. A reactor whose acceptor is closed (or holds
+// `kMaxQueuedPerReactor` attempts not yet taken) is skipped for the next
+// one. An attempt that waits on a reactor longer than twice the handshake
+// timeout (a reactor too busy to accept, or an application that stopped
+// calling async_accept there) is refused with too_many_connections.
 struct placement_request {
   std::uint64_t sequence = 0;
   std::size_t reactors = 0;
@@ -90,14 +97,19 @@ class reactor_group {
   // returns one acceptor per reactor (acceptors[i] on reactor i; its
   // async_accept completes there). Each good connection attempt is placed
   // on a reactor (round robin, or `hook`) and completes that reactor's
-  // async_accept; attempts no reactor can take (all closed or full) are
-  // refused with too_many_connections. Refusals of the listener itself are
-  // counted in reactor 0's fabric_stats::refused. The socket closes when
-  // the last of the acceptors does. Throws std::system_error.
+  // async_accept; attempts no reactor can take (every open one full, or
+  // waited too long) are refused with too_many_connections. Those, and the
+  // listener's own refusals (bad handshakes), are counted in reactor 0's
+  // fabric_stats::refused while its acceptor is open; each reactor's
+  // acceptor counts its own as usual. The socket closes when the last of
+  // the acceptors does (later attempts: connection_refused). Throws
+  // std::system_error.
   std::vector<acceptor> listen(const std::string& host, std::uint16_t port, placement_hook hook = {});
 
   // Stops every io_context and joins the threads (not from a reactor's own
-  // thread: errc::invalid_state is thrown there). Idempotent.
+  // thread: errc::invalid_state is thrown there; destroying the group there
+  // terminates the program). Idempotent; call it from one thread. A group
+  // does not restart: what is posted to a reactor afterwards never runs.
   void stop();
 
  private:

@@ -385,11 +385,15 @@ connect_result tcp_device::connect(queue_pair& qp, const std::string& host, std:
   for (addrinfo* ai = res; ai != nullptr && fd < 0 && !stop.stop_requested(); ai = ai->ai_next) {
     fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
-      // Out of descriptors is not "refused": say so, with the limit.
+      // Out of descriptors or memory is not "refused": say so (with the
+      // limit). Other failures (an address family the host lacks) leave
+      // what an earlier address said.
       const int err = errno;
-      result.ec = {err, std::system_category()};
-      log().warn("tcp: connect to {}:{}: cannot make a socket: {}{}", host, port, std::strerror(err),
-                 err == EMFILE ? fd_limit_note() : std::string());
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        result.ec = {err, std::system_category()};
+        log().warn("tcp: connect to {}:{}: cannot make a socket: {}{}", host, port, std::strerror(err),
+                   err == EMFILE ? fd_limit_note() : std::string());
+      }
       continue;
     }
     int err = 0;

@@ -238,10 +238,11 @@ tcp_cq::~tcp_cq() {
 }
 
 void tcp_cq::attach(tcp_qp* qp, std::uint32_t wrs) {
-  qps_.push_back(qp);
   // Each queue pair is listed at most once: note_pending never allocates.
-  pending_.reserve(qps_.size());
-  pending_pass_.reserve(qps_.size());
+  // (Reserved first: a failure leaves no pointer behind in qps_.)
+  pending_.reserve(qps_.size() + 1);
+  pending_pass_.reserve(qps_.size() + 1);
+  qps_.push_back(qp);
   wrs_ += wrs;
   if (wrs_ > depth_) {
     log().warn("completion queue depth {} is below the {} work requests of its queue pairs: it can overflow",
@@ -357,11 +358,16 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
 
 std::error_code tcp_cq::arm() noexcept {
   if (overflow_) return errc::cq_overflow;
-  // The caller may sleep now: held-back acknowledgements must not wait for it.
-  for (std::size_t i = 0; i < qps_.size(); ++i) qps_[i]->flush_acks();
+  // The caller may sleep now: held-back acknowledgements must not wait for
+  // it. Every queue pair holding one is listed (progress() notes it).
+  for (tcp_qp* qp : pending_) qp->flush_acks();
   armed_ = true;
-  // Stricter than verbs: completions already queued notify at once.
-  if (ring_head_ != ring_tail_) {
+  // Stricter than verbs: completions already queued notify at once, and so
+  // does input already read but not processed (a pass takes at most 256
+  // frames; the socket is empty, so epoll would not wake the sleeper).
+  bool wake = ring_head_ != ring_tail_;
+  for (std::size_t i = 0; i < pending_.size() && !wake; ++i) wake = pending_[i]->has_pending_work();
+  if (wake) {
     armed_ = false;
     signal();
   }

@@ -242,8 +242,11 @@ class tcp_qp final : public queue_pair {
   // held back by the previous pass.
   bool has_pending_work() const noexcept {
     if (!wants_progress()) return false;
+    // (Not while reading is paused for a full response ring: the ring's
+    // draining, an EPOLLOUT event, resumes it; listing it would keep a
+    // reactor that wants to sleep awake.)
     const bool input = phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_;
-    return (input && !rx_stalled_) || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
+    return (input && !rx_stalled_ && !rx_paused_) || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
   }
 
  private:

@@ -208,6 +208,7 @@ void tcp_qp::reset_stream() noexcept {
   iov_count_ = iov_pos_ = 0;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   rx_begin_ = rx_end_ = 0;
+  rx_header_only_ = false;
   phase_ = rx_phase::header;
   close_when_flushed_ = false;
   rx_paused_ = false;
