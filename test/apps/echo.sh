@@ -53,7 +53,9 @@ pass "unreachable server"
 
 # The server stops answering (SIGSTOP): the run ends within --timeout.
 start_server frozen "$echo_bin" server --listen 127.0.0.1:0 --provider tcp
-( sleep 1; kill -STOP "$PID_frozen" ) &
+# Stopped once the client reports its first second of traffic.
+rm -f "$tmp/last.err"
+when_line "$tmp/last.err" '^anydoor-echo: [0-9]+ s: ' kill -STOP "$PID_frozen"
 start=$SECONDS
 run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --timeout 2
 expect_in "$tmp/last.err" "stopped answering: no reply within 2"
@@ -63,7 +65,8 @@ pass "stopped server noticed within --timeout"
 
 # The server dies mid-run (SIGKILL).
 start_server victim "$echo_bin" server --listen 127.0.0.1:0 --provider tcp
-( sleep 1; kill -KILL "$PID_victim" ) &
+rm -f "$tmp/last.err"
+when_line "$tmp/last.err" '^anydoor-echo: [0-9]+ s: ' kill -KILL "$PID_victim"
 run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --in-flight 4
 expect_in "$tmp/last.err" "lost the connection to the server"
 pass "killed server"

@@ -5,6 +5,9 @@
 #                              on HOST:PORT" line; sets PORT and PID_NAME
 #   run_cmd WANT_RC CMD...     runs CMD (60 s limit), output in $tmp/last.out/.err
 #   expect_in FILE REGEX       FILE has a line matching REGEX
+#   when_line FILE REGEX CMD... in the background: once FILE has a line
+#                              matching REGEX (at most 30 s), runs CMD; a
+#                              loaded machine cannot make CMD come too early
 set -uo pipefail
 export ANYDOOR_LOG=${ANYDOOR_LOG:-warn}
 tmp=$(mktemp -d)
@@ -52,4 +55,15 @@ run_cmd() {
 
 expect_in() {
   grep -Eq -- "$2" "$1" || fail "$1 has no line matching '$2'"
+}
+
+when_line() {
+  local file=$1 re=$2; shift 2
+  (
+    for _ in $(seq 1 600); do
+      [ -f "$file" ] && grep -Eq -- "$re" "$file" && break
+      sleep 0.05
+    done
+    "$@"
+  ) &
 }
