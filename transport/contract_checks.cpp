@@ -48,6 +48,16 @@ std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_
   return {};
 }
 
+void check_srq(const srq_attributes& attr, const capabilities& caps) {
+  if (caps.max_srq == 0) throw std::system_error(errc::not_supported, "create_srq: the device has no shared receive queues");
+  if (attr.max_wr == 0 || attr.max_wr > caps.max_srq_wr) {
+    throw std::system_error(errc::invalid_argument, "create_srq: max_wr must be in 1.." + std::to_string(caps.max_srq_wr));
+  }
+  if (attr.max_sge == 0 || attr.max_sge > caps.max_sge) {
+    throw std::system_error(errc::invalid_argument, "create_srq: max_sge must be in 1.." + std::to_string(caps.max_sge));
+  }
+}
+
 void check_registration(const void* addr, std::size_t length, access acc) {
   constexpr auto known =
       access::local_write | access::remote_write | access::remote_read | access::remote_atomic | access::mw_bind;

@@ -51,6 +51,9 @@ std::error_code check_send(std::span<const work_request> wrs, const send_limits&
 // post_recv's checks.
 std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_sge, std::uint32_t queue_depth,
                            std::uint64_t outstanding, std::size_t* bad) noexcept;
+// create_srq's checks against the device's capabilities; throws
+// std::system_error (errc::not_supported, errc::invalid_argument).
+void check_srq(const srq_attributes& attr, const capabilities& caps);
 // register_memory's checks; throws std::system_error(errc::invalid_argument).
 void check_registration(const void* addr, std::size_t length, access acc);
 // listen's checks on its options; throws std::system_error(errc::invalid_argument).

@@ -60,7 +60,13 @@ if [ -z "$filter" ] && modprobe siw 2>/dev/null; then
       "notify fd: a completion arriving between the last poll and arm is not lost" \
       "a burst larger than one progress pass completes on a queue shared by many queue pairs" \
       "a receiver that arms its queue and sleeps still acknowledges what it received" \
-      "memory windows: a device without them says so" | sed 's/,$//')"
+      "memory windows: a device without them says so" \
+      "shared receive queue: queue pairs take the oldest receive from one queue and completions name the queue pair" \
+      "shared receive queue: creation and posting are checked and its queue pairs refuse their own receives" \
+      "shared receive queue: the limit reports once when fewer than the limit remain posted" \
+      "shared receive queue: a queue pair that fails takes no posted receive with it" \
+      "a receive being filled when the sender goes away completes flushed (own or shared queue)" \
+      | sed 's/,$//')"
     if [ "$(cat siw-record 2>/dev/null)" = 1 ]; then
       # Every conformance case on siw, one at a time with a time limit, for
       # the record (some wait for completions iWARP never produces).

@@ -63,8 +63,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static world w;
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv) != 0) return 0;
-  auto qp = w.pd->create_qp({.send_cq = w.cq.get(), .recv_cq = w.cq.get(), .max_send_wr = 16, .max_recv_wr = 16,
-                             .rnr_retry = 1, .min_rnr_timer_us = 1});
+  // Odd-sized inputs: the queue pair receives from a shared receive queue
+  // (which keeps what one input left posted for the next).
+  static auto srq = w.pd->create_srq({.max_wr = 64, .max_sge = 1});
+  const bool shared = size % 2 == 1;
+  auto qp = w.pd->create_qp({.send_cq = w.cq.get(), .recv_cq = w.cq.get(), .srq = shared ? srq.get() : nullptr,
+                             .max_send_wr = 16, .max_recv_wr = 16, .rnr_retry = 1, .min_rnr_timer_us = 1});
   auto* tqp = dynamic_cast<anydoor::transport::tcp::tcp_qp*>(qp.get());
   if (tqp->attach_socket(sv[0], 16)) {
     ::close(sv[1]);
@@ -74,7 +78,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::byte* lbuf = w.region + kRegion / 2;
   tp::sge rsg{reinterpret_cast<std::uint64_t>(lbuf), 256, w.local->lkey()};
   tp::recv_request rr[4] = {{1, {&rsg, 1}}, {2, {&rsg, 1}}, {3, {&rsg, 1}}, {4, {&rsg, 1}}};
-  qp->post_recv(rr);
+  if (shared) {
+    srq->post_recv(rr);  // queue_full once 64 are left over: fine
+  } else {
+    qp->post_recv(rr);
+  }
   const std::size_t split = size / 2;
   [[maybe_unused]] auto n1 = ::send(sv[1], data, split, MSG_NOSIGNAL);
   drive(w, *qp);

@@ -201,6 +201,11 @@ std::unique_ptr<queue_pair> tcp_pd::create_qp(const qp_attributes& attr) {
   return std::make_unique<tcp_qp>(*table_, attr, shared_);
 }
 
+std::unique_ptr<shared_receive_queue> tcp_pd::create_srq(const srq_attributes& attr) {
+  check_srq(attr, device_caps());
+  return std::make_unique<tcp_srq>(*table_, attr);
+}
+
 std::unique_ptr<memory_window> tcp_pd::alloc_window() {
   const std::uint32_t key = table_->add_window();
   if (key == 0) throw std::system_error(errc::registration_failed, "alloc_window: registration table full");
@@ -390,7 +395,9 @@ tcp_device::tcp_device(std::string name, fault_plan faults) : name_(std::move(na
   }
 }
 
-capabilities tcp_device::make_caps() noexcept {
+capabilities tcp_device::make_caps() noexcept { return device_caps(); }
+
+capabilities device_caps() noexcept {
   capabilities c;
   c.max_qp_wr = 1u << 15;
   c.max_sge = 16;
@@ -401,6 +408,8 @@ capabilities tcp_device::make_caps() noexcept {
   c.max_private_data = kMaxPrivateData;
   c.atomics = true;
   c.memory_windows = true;
+  c.max_srq = 1u << 16;
+  c.max_srq_wr = 1u << 20;
   c.gpu_memory = false;
   return c;
 }

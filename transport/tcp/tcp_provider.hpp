@@ -123,6 +123,47 @@ class tcp_window final : public memory_window {
   std::shared_ptr<registration_table> table_;
 };
 
+// A shared receive queue. Queue pairs of any completion queue's thread
+// take from it, and any thread posts: a mutex guards it (held for one
+// take or one post, never while bytes move). Its queue pairs keep its
+// state alive (shared), so destroying it first is logged, not a crash.
+class tcp_srq final : public shared_receive_queue {
+ public:
+  struct taken {
+    std::uint64_t wr_id = 0;
+    std::uint32_t num_sge = 0;
+    std::array<sge, 16> sges{};
+  };
+  struct state {
+    std::mutex mutex;
+    const registration_table* table = nullptr;  // its protection domain's
+    srq_attributes attr;
+    std::vector<std::uint64_t> wr_ids;   // ring of max_wr
+    std::vector<std::uint32_t> nsges;
+    std::vector<sge> sges;               // max_sge per entry
+    std::uint64_t head = 0, tail = 0;    // [head, tail) posted
+    std::uint32_t limit = 0;             // armed limit; 0: none
+    std::atomic<bool> limit_hit{false};
+    std::atomic<std::uint32_t> users{0};  // queue pairs created with it
+    // Takes the oldest receive; false when none is posted.
+    bool take(taken& out) noexcept;
+  };
+
+  tcp_srq(const registration_table& table, const srq_attributes& attr);
+  ~tcp_srq() override;
+  std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
+  std::error_code arm_limit(std::uint32_t limit) noexcept override;
+  bool limit_reached() noexcept override;
+  const srq_attributes& attributes() const noexcept override { return state_->attr; }
+  const std::shared_ptr<state>& shared() const noexcept { return state_; }
+
+ private:
+  std::shared_ptr<state> state_;
+};
+
+// The tcp device's capabilities (every tcp device has the same).
+capabilities device_caps() noexcept;
+
 // What a device's queue pairs share: RNR counters summed over them (any
 // thread), and the faults to inject (see faults.hpp).
 struct device_state {
@@ -143,6 +184,7 @@ class tcp_pd final : public protection_domain {
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
   std::unique_ptr<memory_window> alloc_window() override;
+  std::unique_ptr<shared_receive_queue> create_srq(const srq_attributes& attr) override;
 
  private:
   std::shared_ptr<registration_table> table_ = std::make_shared<registration_table>();
@@ -381,7 +423,9 @@ class tcp_qp final : public queue_pair {
   std::uint64_t rewind_to_ = 0;
   std::chrono::steady_clock::time_point rnr_until_{};
 
-  // receive queue
+  // receive queue (unused with a shared receive queue: srq_ then)
+  std::shared_ptr<tcp_srq::state> srq_;
+  tcp_srq::taken srq_taken_;  // the shared receive this queue pair is filling
   std::vector<rq_entry> rq_;
   std::vector<sge> rq_sges_;
   std::uint64_t rq_head_ = 0, rq_tail_ = 0;

@@ -64,9 +64,9 @@ void check_attr(const qp_attributes& a) {
   const char* why = nullptr;
   if (a.send_cq == nullptr || a.recv_cq == nullptr) why = "send_cq and recv_cq are required";
   else if (a.max_send_wr == 0 || a.max_send_wr > (1u << 15)) why = "max_send_wr must be in 1..32768";
-  else if (a.max_recv_wr == 0 || a.max_recv_wr > (1u << 15)) why = "max_recv_wr must be in 1..32768";
+  else if (a.srq == nullptr && (a.max_recv_wr == 0 || a.max_recv_wr > (1u << 15))) why = "max_recv_wr must be in 1..32768";
   else if (a.max_send_sge == 0 || a.max_send_sge > 16) why = "max_send_sge must be in 1..16";
-  else if (a.max_recv_sge == 0 || a.max_recv_sge > 16) why = "max_recv_sge must be in 1..16";
+  else if (a.srq == nullptr && (a.max_recv_sge == 0 || a.max_recv_sge > 16)) why = "max_recv_sge must be in 1..16";
   else if (a.max_inline_data > 1024) why = "max_inline_data must be at most 1024";
   else if (a.rnr_retry > 7) why = "rnr_retry must be in 0..7";
   if (why != nullptr) throw std::system_error(errc::invalid_argument, std::string("create_qp: ") + why);
@@ -75,38 +75,55 @@ void check_attr(const qp_attributes& a) {
   }
 }
 
+// The receive work requests the queue pair can complete on its receive
+// queue: its own queue's, or its shared queue's.
+std::uint32_t recv_wrs(const qp_attributes& a) noexcept {
+  return a.srq != nullptr ? a.srq->attributes().max_wr : a.max_recv_wr;
+}
+
 }  // namespace
 
 tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::shared_ptr<device_state> shared)
     : table_(table), attr_(attr), qpn_(g_next_qpn.fetch_add(1, std::memory_order_relaxed)),
       serial_(g_next_serial.fetch_add(1, std::memory_order_relaxed)), shared_(std::move(shared)) {
   check_attr(attr_);
+  if (attr_.srq != nullptr) {
+    auto* srq = dynamic_cast<tcp_srq*>(attr_.srq);
+    if (srq == nullptr || srq->shared()->table != &table_) {
+      throw std::system_error(errc::invalid_argument, "create_qp: a shared receive queue of another protection domain");
+    }
+    srq_ = srq->shared();
+  }
   attr_.remote_access = attr_.remote_access & (access::remote_write | access::remote_read | access::remote_atomic);
   sq_.resize(attr_.max_send_wr);
   sq_sges_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
   inline_.resize(std::size_t{attr_.max_send_wr} * attr_.max_inline_data);
-  rq_.resize(attr_.max_recv_wr);
-  rq_sges_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
+  if (srq_ == nullptr) {
+    rq_.resize(attr_.max_recv_wr);
+    rq_sges_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
+  }
   rx_buf_.allocate(kRxBufferSize);
   rnr_left_ = attr_.rnr_retry;
   auto* scq = static_cast<tcp_cq*>(attr_.send_cq);
   auto* rcq = static_cast<tcp_cq*>(attr_.recv_cq);
   if (scq == rcq) {
-    scq->attach(this, attr_.max_send_wr + attr_.max_recv_wr);
+    scq->attach(this, attr_.max_send_wr + recv_wrs(attr_));
   } else {
     scq->attach(this, attr_.max_send_wr);
-    rcq->attach(this, attr_.max_recv_wr);
+    rcq->attach(this, recv_wrs(attr_));
   }
+  if (srq_ != nullptr) srq_->users.fetch_add(1, std::memory_order_relaxed);
 }
 
 tcp_qp::~tcp_qp() {
   close_socket();
+  if (srq_ != nullptr) srq_->users.fetch_sub(1, std::memory_order_relaxed);
   if (attr_.send_cq != nullptr && attr_.send_cq == attr_.recv_cq) {
-    static_cast<tcp_cq*>(attr_.send_cq)->detach(this, attr_.max_send_wr + attr_.max_recv_wr);
+    static_cast<tcp_cq*>(attr_.send_cq)->detach(this, attr_.max_send_wr + recv_wrs(attr_));
     return;
   }
   if (attr_.send_cq != nullptr) static_cast<tcp_cq*>(attr_.send_cq)->detach(this, attr_.max_send_wr);
-  if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->detach(this, attr_.max_recv_wr);
+  if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->detach(this, recv_wrs(attr_));
 }
 
 void tcp_qp::forget_cq(const tcp_cq* cq) noexcept {
@@ -135,6 +152,7 @@ std::error_code tcp_qp::modify(qp_state next) noexcept {
       rd_done_ = rd_off_ = 0;
       rd_sge_ = 0;
       rd_atomic_out_ = 0;
+      after_ = after_payload::none;  // a receive being filled is discarded too
       state_ = qp_state::reset;
       break;
     case qp_state::init:
@@ -233,6 +251,14 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
     push_send({.wr_id = e.wr.wr_id, .status = s, .opcode = completion_opcode(e.wr.op), .qp_num = qpn_});
   }
   sq_head_ = sq_ack_ = sq_tx_ = sq_tail_;
+  // The receive a message was filling when the connection failed: taken
+  // from the queue (its own or the shared one), so it flushes first.
+  if (after_ == after_payload::recv_done || after_ == after_payload::write_imm_done) {
+    push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
+               .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
+               .qp_num = qpn_});
+    after_ = after_payload::none;
+  }
   for (std::uint64_t i = rq_head_; i < rq_tail_; ++i) {
     push_recv({.wr_id = rq_[i % attr_.max_recv_wr].wr_id, .status = wc_status::work_request_flushed,
                .opcode = wc_opcode::recv, .qp_num = qpn_});
@@ -294,6 +320,7 @@ std::error_code tcp_qp::set_remote_access(access acc) noexcept {
 // ---------------------------------------------------------------- posting
 
 std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
+  if (srq_ != nullptr) return errc::invalid_argument;  // its receives come from the shared queue
   if (state_ == qp_state::reset) return errc::invalid_state;
   if (auto ec = check_recv(wrs, attr_.max_recv_sge, attr_.max_recv_wr, rq_tail_ - rq_head_, bad)) return ec;
   counters_.recv_wrs += wrs.size();

@@ -268,13 +268,24 @@ void tcp_qp::lose_payload() noexcept {
 
 bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
   rnr = false;
-  if (rq_head_ == rq_tail_) {
-    rnr = true;
-    return false;
+  rq_entry r;
+  const sge* sges = nullptr;
+  if (srq_ != nullptr) {
+    if (!srq_->take(srq_taken_)) {
+      rnr = true;
+      return false;
+    }
+    r = {srq_taken_.wr_id, srq_taken_.num_sge};
+    sges = srq_taken_.sges.data();
+  } else {
+    if (rq_head_ == rq_tail_) {
+      rnr = true;
+      return false;
+    }
+    const std::uint64_t idx = rq_head_++;
+    r = rq_[idx % attr_.max_recv_wr];
+    sges = rq_sges_of(idx);
   }
-  const std::uint64_t idx = rq_head_++;
-  const rq_entry& r = rq_[idx % attr_.max_recv_wr];
-  const sge* sges = rq_sges_of(idx);
   std::uint64_t room = 0;
   for (std::uint32_t i = 0; i < r.num_sge; ++i) room += sges[i].length;
   if (length > room) {

@@ -66,6 +66,7 @@ rdma_conn_param conn_param(const verbs_qp& qp, const std::array<std::byte, kConn
   p.retry_count = 7;
   p.rnr_retry_count = qp.attributes().rnr_retry;
   p.qp_num = qp.qp_num();
+  p.srq = qp.attributes().srq != nullptr ? 1 : 0;  // the CM's SRQ bit (our QP is not the id's)
   return p;
 }
 

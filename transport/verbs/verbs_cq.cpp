@@ -73,7 +73,9 @@ std::uint32_t verbs_cq::attach(verbs_qp* qp, std::uint32_t wrs) {
   for (std::uint32_t i = 0; i < qps_.size(); ++i) {
     if (qps_[i].qp == nullptr) {
       qps_[i].qp = qp;
-      ++qps_[i].generation;
+      // Generation 0 is never a queue pair's: it marks a shared receive
+      // queue's work request (verbs_srq).
+      if (++qps_[i].generation == 0) qps_[i].generation = 1;
       return i;
     }
   }
@@ -114,6 +116,15 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
       const auto index = static_cast<std::uint32_t>((wc.wr_id >> 32) & 0xffffff);
       const bool recv = (wc.wr_id & kRecvBit) != 0;
       const auto slot = static_cast<std::uint32_t>(wc.wr_id & kSlotMask);
+      if (gen == 0) {
+        // A shared receive queue's receive, taken by a queue pair of ours.
+        if (!dev_->complete_srq(wc, index, slot, out[n])) {
+          log().debug("verbs: dropped a completion of a destroyed shared receive queue (qp {})", wc.qp_num);
+          continue;
+        }
+        ++n;
+        continue;
+      }
       if (index >= qps_.size() || qps_[index].qp == nullptr || qps_[index].generation != gen) {
         log().debug("verbs: dropped a completion of a destroyed queue pair {}", wc.qp_num);
         continue;

@@ -53,6 +53,10 @@ void device_state::drain_async_events() noexcept {
       case IBV_EVENT_SRQ_ERR:
         log().warn("verbs {}: asynchronous event: {}", name, ibv_event_type_str(ev.event_type));
         break;
+      case IBV_EVENT_SRQ_LIMIT_REACHED:
+      case IBV_EVENT_QP_LAST_WQE_REACHED:  // a queue pair of a shared receive queue went to error
+        log().debug("verbs {}: asynchronous event: {}", name, ibv_event_type_str(ev.event_type));
+        break;
       default:
         log().info("verbs {}: asynchronous event: {}", name, ibv_event_type_str(ev.event_type));
         break;
@@ -68,6 +72,11 @@ void device_state::drain_async_events() noexcept {
       case IBV_EVENT_QP_ACCESS_ERR:
         if (ev.element.qp != nullptr && ev.element.qp->qp_context != nullptr) {
           static_cast<verbs_qp*>(ev.element.qp->qp_context)->on_async_error();
+        }
+        break;
+      case IBV_EVENT_SRQ_LIMIT_REACHED:
+        if (ev.element.srq != nullptr && ev.element.srq->srq_context != nullptr) {
+          static_cast<verbs_srq*>(ev.element.srq->srq_context)->on_limit();
         }
         break;
       default:
@@ -107,6 +116,8 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         c.max_private_data = kMaxUserPrivateData;
         c.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
         c.gpu_memory = false;
+        c.max_srq = attr.max_srq > 0 && attr.max_srq_wr > 0 ? static_cast<std::uint32_t>(attr.max_srq) : 0;
+        c.max_srq_wr = c.max_srq != 0 ? static_cast<std::uint32_t>(attr.max_srq_wr) : 0;
         // Type-2 windows (rxe has 2B; siw none).
         c.memory_windows = attr.max_mw > 0 && (attr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A |
                                                                         IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;

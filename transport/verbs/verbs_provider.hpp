@@ -28,6 +28,7 @@ namespace anydoor::transport::verbs {
 
 class verbs_cq;
 class verbs_qp;
+class verbs_srq;
 
 struct device_state {
   ibv_context* ctx = nullptr;  // owned by rdma_cm (rdma_get_devices)
@@ -42,7 +43,17 @@ struct device_state {
   std::string name;
   capabilities caps;
   std::mutex async_mutex;
+  // Shared receive queues, found by their wr_ids' index (see verbs_srq):
+  // registered and removed under srq_mutex, looked up without a lock.
+  static constexpr std::uint32_t kMaxSrqs = 1u << 16;
+  std::mutex srq_mutex;
+  std::unique_ptr<std::atomic<verbs_srq*>[]> srqs = std::make_unique<std::atomic<verbs_srq*>[]>(kMaxSrqs);
+  std::uint32_t srq_next = 0;  // where the search for a free index starts
+  std::uint8_t srq_generation = 0;
   ~device_state();
+  // index: the receive's wr_id field (see verbs_srq); false when its queue
+  // is gone.
+  bool complete_srq(const ibv_wc& wc, std::uint32_t index, std::uint32_t slot, completion& out) noexcept;
   // Reads pending asynchronous events (non-blocking), logs them, and turns
   // CQ errors into overflow and QP errors into queue-pair error state.
   void drain_async_events() noexcept;
@@ -75,10 +86,45 @@ class verbs_pd final : public protection_domain {
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
   std::unique_ptr<memory_window> alloc_window() override;
+  std::unique_ptr<shared_receive_queue> create_srq(const srq_attributes& attr) override;
 
  private:
   std::shared_ptr<device_state> dev_;
   ibv_pd* pd_ = nullptr;
+};
+
+// A shared receive queue (ibv_srq). Its receives carry the provider's
+// wr_id, (generation 0, this queue's registry index and generation, slot):
+// generation 0 tells a completion queue the receive is a shared queue's.
+// The caller's wr_id waits in the slot; slots are taken at post time (any
+// thread) and freed when a completion queue polls their completion, under
+// a mutex, since queue pairs on different threads consume in any order.
+class verbs_srq final : public shared_receive_queue {
+ public:
+  verbs_srq(std::shared_ptr<device_state> dev, ibv_pd* pd, const srq_attributes& attr);
+  ~verbs_srq() override;
+  std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
+  std::error_code arm_limit(std::uint32_t limit) noexcept override;
+  bool limit_reached() noexcept override;
+  const srq_attributes& attributes() const noexcept override { return attr_; }
+
+  ibv_srq* raw() const noexcept { return srq_; }
+  std::uint32_t tag() const noexcept { return tag_; }  // registry index | generation << 16
+  // The completion queue's half: the caller's wr_id, and the slot freed.
+  void complete(const ibv_wc& wc, std::uint32_t slot, completion& out) noexcept;
+  void on_limit() noexcept { limit_hit_.store(true, std::memory_order_release); }
+
+ private:
+  std::shared_ptr<device_state> dev_;
+  srq_attributes attr_;
+  ibv_srq* srq_ = nullptr;
+  std::uint32_t tag_ = 0;
+  std::mutex mutex_;
+  std::vector<std::uint64_t> wr_ids_;   // per slot: the caller's
+  std::vector<std::uint32_t> free_;     // free slots (a stack)
+  std::vector<ibv_recv_wr> rwr_;        // post-time scratch
+  std::vector<ibv_sge> rsge_;
+  std::atomic<bool> limit_hit_{false};
 };
 
 class verbs_mr final : public memory_region {
@@ -200,6 +246,7 @@ class verbs_qp final : public queue_pair {
   // Atomic: asynchronous events (the CQ's thread) may move it to error while
   // a connecting thread is inside cm_transition/adopt.
   std::atomic<qp_state> posted_state_{qp_state::reset};
+  verbs_srq* srq_ = nullptr;  // receives come from it (attr_.srq)
   rdma_cm_id* cm_id_ = nullptr;
   // Stored last by adopt(), which may run on a connecting thread while the
   // completion queue's thread polls it for cm events.

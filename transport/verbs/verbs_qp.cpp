@@ -86,32 +86,42 @@ verbs_qp::verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attri
   const char* why = nullptr;
   if (scq_ == nullptr || rcq_ == nullptr) why = "send_cq and recv_cq of the verbs provider are required";
   else if (attr_.max_send_wr == 0 || attr_.max_send_wr > dev_->caps.max_qp_wr) why = "max_send_wr out of range";
-  else if (attr_.max_recv_wr == 0 || attr_.max_recv_wr > dev_->caps.max_qp_wr) why = "max_recv_wr out of range";
+  else if (attr_.srq == nullptr && (attr_.max_recv_wr == 0 || attr_.max_recv_wr > dev_->caps.max_qp_wr)) why = "max_recv_wr out of range";
   else if (attr_.max_send_sge == 0 || attr_.max_send_sge > dev_->caps.max_sge) why = "max_send_sge out of range";
-  else if (attr_.max_recv_sge == 0 || attr_.max_recv_sge > dev_->caps.max_sge) why = "max_recv_sge out of range";
+  else if (attr_.srq == nullptr && (attr_.max_recv_sge == 0 || attr_.max_recv_sge > dev_->caps.max_sge)) why = "max_recv_sge out of range";
   else if (attr_.max_inline_data > dev_->caps.max_inline) why = "max_inline_data above the device's max_inline";
   else if (attr_.rnr_retry > 7) why = "rnr_retry must be in 0..7";
   if (why != nullptr) throw std::system_error(errc::invalid_argument, std::string("create_qp: ") + why);
+  if (attr_.srq != nullptr) {
+    srq_ = dynamic_cast<verbs_srq*>(attr_.srq);
+    if (srq_ == nullptr || srq_->raw()->pd != pd) {
+      throw std::system_error(errc::invalid_argument, "create_qp: a shared receive queue of another protection domain");
+    }
+  }
   ibv_qp_init_attr ia{};
   ia.qp_context = this;
   ia.send_cq = scq_->raw();
   ia.recv_cq = rcq_->raw();
   ia.qp_type = IBV_QPT_RC;
   ia.sq_sig_all = 0;
-  ia.cap = {.max_send_wr = attr_.max_send_wr, .max_recv_wr = attr_.max_recv_wr, .max_send_sge = attr_.max_send_sge,
-            .max_recv_sge = attr_.max_recv_sge, .max_inline_data = attr_.max_inline_data};
+  ia.srq = srq_ != nullptr ? srq_->raw() : nullptr;
+  // With a shared receive queue, the queue pair has no receive queue of its own.
+  const std::uint32_t own_rwr = srq_ != nullptr ? 0 : attr_.max_recv_wr;
+  const std::uint32_t own_rsge = srq_ != nullptr ? 0 : attr_.max_recv_sge;
+  ia.cap = {.max_send_wr = attr_.max_send_wr, .max_recv_wr = own_rwr, .max_send_sge = attr_.max_send_sge,
+            .max_recv_sge = own_rsge, .max_inline_data = attr_.max_inline_data};
   qp_ = ibv_create_qp(pd, &ia);
   if (qp_ == nullptr) throw sys_error(errno, "ibv_create_qp");
   sq_.resize(attr_.max_send_wr);
-  rq_.resize(attr_.max_recv_wr);
+  rq_.resize(own_rwr);
   swr_.resize(attr_.max_send_wr);
   bind_keys_.resize(attr_.max_send_wr);
   ssge_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
-  rwr_.resize(attr_.max_recv_wr);
-  rsge_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
+  rwr_.resize(own_rwr);
+  rsge_.resize(std::size_t{own_rwr} * own_rsge);
   sindex_ = scq_->attach(this, attr_.max_send_wr);
   sgen_ = scq_->qps_[sindex_].generation;
-  rindex_ = rcq_->attach(this, attr_.max_recv_wr);
+  rindex_ = rcq_->attach(this, srq_ != nullptr ? srq_->attributes().max_wr : attr_.max_recv_wr);
   rgen_ = rcq_->qps_[rindex_].generation;
 }
 
@@ -119,7 +129,7 @@ verbs_qp::~verbs_qp() {
   disconnect();
   if (ibv_destroy_qp(qp_) != 0) log().error("ibv_destroy_qp: {}", std::strerror(errno));
   scq_->detach(sindex_, attr_.max_send_wr);
-  rcq_->detach(rindex_, attr_.max_recv_wr);
+  rcq_->detach(rindex_, srq_ != nullptr ? srq_->attributes().max_wr : attr_.max_recv_wr);
 }
 
 void verbs_qp::disconnect() noexcept {
@@ -353,6 +363,7 @@ void verbs_qp::mark_binds(std::span<const work_request> posted) noexcept {
 }
 
 std::error_code verbs_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
+  if (srq_ != nullptr) return errc::invalid_argument;  // its receives come from the shared queue
   if (posted_state_ == qp_state::reset) return errc::invalid_state;
   if (auto ec = check_recv(wrs, attr_.max_recv_sge, attr_.max_recv_wr, rq_posted_ - rq_done_, bad)) return ec;
   if (wrs.empty()) return {};

@@ -132,6 +132,38 @@ class completion_queue {
   virtual cq_counters counters() const noexcept = 0;
 };
 
+// A shared receive queue (ibv_srq): receives that every queue pair created
+// with it (qp_attributes::srq) takes from, oldest first, so that receive
+// memory does not grow with the number of queue pairs. A receive taken by a
+// queue pair completes on that queue pair's receive completion queue, with
+// its qp_num. A queue pair that goes to error flushes only the receive it
+// was filling; the others stay posted for the rest. An empty queue turns a
+// send back with an RNR NAK, as an empty receive queue does. Destroy its
+// queue pairs before it (verbs refuses otherwise; tcp logs an error).
+class shared_receive_queue {
+ public:
+  virtual ~shared_receive_queue() = default;
+
+  // ibv_post_srq_recv; any thread. Either every request is accepted or
+  // none is (*bad: the offending one): errc::invalid_argument (more sges
+  // than max_sge), errc::queue_full (the queue holds max_wr receives).
+  virtual std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad = nullptr) noexcept = 0;
+
+  // Arms the limit (ibv_modify_srq with IBV_SRQ_LIMIT): once fewer than
+  // `limit` receives remain posted, limit_reached() reports it, once, and
+  // the limit disarms (arm it again to hear again). 0 disarms. errc::
+  // invalid_argument above max_wr.
+  virtual std::error_code arm_limit(std::uint32_t limit) noexcept = 0;
+
+  // Whether the armed limit was crossed since the last call; consumes the
+  // report. Any thread. (verbs: the device's asynchronous event; this call
+  // reads pending events first.)
+  virtual bool limit_reached() noexcept = 0;
+
+  // The queue's actual size (a device may round max_wr up).
+  virtual const srq_attributes& attributes() const noexcept = 0;
+};
+
 // A reliable-connected queue pair (ibv_qp of type IBV_QPT_RC).
 class queue_pair {
  public:
@@ -163,6 +195,8 @@ class queue_pair {
                                     std::size_t* bad = nullptr) noexcept = 0;
 
   // Likewise for receives; allowed in init, rtr, rts and error.
+  // errc::invalid_argument on a queue pair that receives from a shared
+  // receive queue.
   virtual std::error_code post_recv(std::span<const recv_request> wrs,
                                     std::size_t* bad = nullptr) noexcept = 0;
 
@@ -191,8 +225,15 @@ class protection_domain {
   virtual std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length,
                                                          access acc) = 0;
 
-  // Creates a queue pair in state reset. Throws std::system_error.
+  // Creates a queue pair in state reset. Throws std::system_error
+  // (errc::invalid_argument: attributes out of range, completion queues or
+  // a shared receive queue of another provider or domain).
   virtual std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) = 0;
+
+  // Creates a shared receive queue. Throws std::system_error:
+  // errc::not_supported when caps().max_srq is 0, errc::invalid_argument
+  // when max_wr or max_sge is 0 or above the device's limit.
+  virtual std::unique_ptr<shared_receive_queue> create_srq(const srq_attributes& attr) = 0;
 
   // Allocates an unbound type-2 memory window (ibv_alloc_mw). Throws
   // std::system_error: errc::not_supported when caps().memory_windows is

@@ -163,14 +163,29 @@ struct capabilities {
   bool atomics = false;
   bool gpu_memory = false;
   bool memory_windows = false;  // type-2 memory windows (protection_domain::alloc_window)
+  // Shared receive queues (protection_domain::create_srq): how many, and
+  // receives each holds at most; 0: none.
+  std::uint32_t max_srq = 0;
+  std::uint32_t max_srq_wr = 0;
+};
+
+// Creation attributes of a shared receive queue (ibv_srq_init_attr).
+struct srq_attributes {
+  std::uint32_t max_wr = 1024;  // receives it holds: 1..capabilities::max_srq_wr
+  std::uint32_t max_sge = 1;    // scatter/gather elements per receive: 1..capabilities::max_sge
 };
 
 // Creation attributes of an RC queue pair (ibv_qp_init_attr + the
 // retry-related part of ibv_qp_attr).
 class completion_queue;
+class shared_receive_queue;
 struct qp_attributes {
   completion_queue* send_cq = nullptr;
   completion_queue* recv_cq = nullptr;
+  // Receives come from this shared receive queue (of the same protection
+  // domain) instead of the queue pair's own: max_recv_wr and max_recv_sge
+  // are then ignored and queue_pair::post_recv is refused.
+  shared_receive_queue* srq = nullptr;
   std::uint32_t max_send_wr = 128;
   std::uint32_t max_recv_wr = 128;
   std::uint32_t max_send_sge = 4;
