@@ -150,7 +150,14 @@ void reactor::dispatch(const transport::completion& c) noexcept {
     return;
   }
   operation* op = s->op;
-  if (!persistent) untrack(c.wr_id);  // the slot is free before the operation runs: it may track again
+  if (!persistent) {
+    // Checked above: the slot is free before the operation runs (it may
+    // track again).
+    s->op = nullptr;
+    s->next_free = free_head_;
+    free_head_ = index;
+    --tracked_;
+  }
   ++stats_.completions;
   op->complete(c);
 }

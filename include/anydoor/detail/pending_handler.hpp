@@ -117,6 +117,7 @@ class pending_handler {
 
   template <class Handler>
   struct holder {
+    using handler_type = Handler;
     using executor_t = asio::associated_executor_t<Handler, io_executor>;
     holder(Handler&& h, const io_executor& io_ex) : handler(std::move(h)) { track(io_ex); }
     holder(const Handler& h, const io_executor& io_ex) : handler(h) { track(io_ex); }
@@ -150,6 +151,16 @@ class pending_handler {
     if (h->slot.is_connected()) h->slot.clear();
     asio::io_context* io = self.io_;
     auto& t = *static_cast<std::tuple<boost::system::error_code, Args...>*>(args);
+    if (io != nullptr && !post && io->get_executor().running_in_this_thread()) {
+      // The common case (a coroutine resumed by the reactor on its own
+      // thread): the handler leaves its holder, which goes first (the
+      // handler may end the operation's owner), and runs here.
+      typename Holder::handler_type handler(std::move(h->handler));
+      destroy<Holder>(self);
+      std::apply(std::move(handler), std::move(t));
+      after();
+      return;
+    }
     auto fn = [handler = std::move(h->handler), t = std::move(t), after = std::move(after)]() mutable {
       std::apply(std::move(handler), std::move(t));
       after();
@@ -160,11 +171,7 @@ class pending_handler {
       // io_context's own thread, else post it there, without going through
       // the type-erased executor.
       destroy<Holder>(self);
-      if (!post && io->get_executor().running_in_this_thread()) {
-        fn();
-      } else {
-        asio::post(io->get_executor(), std::move(fn));
-      }
+      asio::post(io->get_executor(), std::move(fn));
       return;
     }
     // Another executor: kept busy until the handler is queued there. The
