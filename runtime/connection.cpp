@@ -63,7 +63,7 @@ connection_impl::~connection_impl() {
   revoke_windows();
   buffer_timer_.cancel();
   setup_timer_.cancel();
-  if (early_auth_ != buffer_pool::npos) fab_->pool->put(early_auth_);
+  if (early_auth_ != buffer_pool::npos) release_received(early_auth_);
   if (auth_ != nullptr && auth_->waiter != nullptr) {
     // Every ending reports to the waiter (end_auth): this is a last resort,
     // so that a connect or an accept never waits forever.
@@ -82,14 +82,24 @@ connection_impl::~connection_impl() {
   // Buffers still posted when the queue pair goes away (it never connected,
   // or the peer tore it down with nothing flushed) return to the pool.
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
-  for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) fab_->pool->put(inbox_[i % inbox_.size()].buffer);
-  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) fab_->pool->put(notes_[i % notes_.size()].buffer);
+  for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) release_received(inbox_[i % inbox_.size()].buffer);
+  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[i % notes_.size()].buffer);
   for (std::uint64_t i = sq_retired_; i < sq_queued_; ++i) {
     const sq_slot& s = sq_[i % sq_.size()];
     if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
   }
   qp_.reset();
+  srq_release();
   if (counted_) --fab_->open_connections;
+}
+
+void connection_impl::srq_release() noexcept {
+  if (!srq_ || srq_qpn_ == 0 || qp_ != nullptr) return;
+  // The queue pair is gone: nothing of the peer's can take a receive now.
+  fab_->srq_detach(srq_qpn_);
+  srq_qpn_ = 0;
+  fab_->srq_promised -= static_cast<std::uint64_t>(std::max<std::int64_t>(promised_, 0));
+  promised_ = 0;
 }
 
 void connection_impl::prepare() {
@@ -102,6 +112,15 @@ void connection_impl::prepare() {
   a.send_cq = a.recv_cq = f.cq.get();
   a.max_send_wr = opt_.send_queue;
   a.max_recv_wr = opt_.credits;
+  srq_ = f.srq != nullptr;
+  if (srq_) {
+    a.srq = f.srq.get();
+    if (f.srq_spare() < fabric_state::kSrqMinCredits) {
+      throw std::system_error(errc::no_buffer_space,
+                              "fabric: every receive of the shared receive queue (srq_buffers " +
+                                  std::to_string(f.options.srq_buffers) + ") is granted to other connections");
+    }
+  }
   sge_per_wr_ = std::clamp<std::uint32_t>(f.device->caps().max_sge, 1, static_cast<std::uint32_t>(kMaxGather));
   a.max_send_sge = sge_per_wr_;
   a.max_recv_sge = 1;
@@ -116,6 +135,12 @@ void connection_impl::prepare() {
   recv_base_ = f.reactor->track_persistent(recv_op_);
   if (send_base_ == 0 || recv_base_ == 0) {
     throw std::system_error(errc::too_many_connections, "connection: the reactor has no operation slot left");
+  }
+  if (srq_) {
+    srq_qpn_ = qp_->qp_num();
+    f.srq_attach(srq_qpn_, this);
+    promised_ = std::min<std::int64_t>(opt_.credits, fabric_state::kSrqMinCredits);  // the hello's credits
+    f.srq_promised += static_cast<std::uint64_t>(promised_);
   }
   ++f.open_connections;
   counted_ = true;
@@ -138,7 +163,7 @@ void connection_impl::prepare() {
   fragment_ = max_msg == 0 ? (std::uint64_t{1} << 30) : std::min<std::uint64_t>(max_msg, std::uint64_t{1} << 30);
   if (opt_.fragment_size != 0) fragment_ = std::min<std::uint64_t>(fragment_, opt_.fragment_size);
   eager_limit_ = opt_.eager_limit;
-  for (std::uint32_t i = 0; i < opt_.credits; ++i) {
+  for (std::uint32_t i = 0; i < (srq_ ? 0u : opt_.credits); ++i) {
     const std::uint32_t b = f.pool->try_get();
     if (b == buffer_pool::npos) {
       throw std::system_error(errc::no_buffer_space, "connection: the buffer pool cannot hold another connection's receives");
@@ -146,7 +171,9 @@ void connection_impl::prepare() {
     queue_recv(b);
   }
   std::size_t bad = 0;
-  if (auto ec = qp_->post_recv(recv_batch_, &bad)) throw std::system_error(ec, "connection: posting the receives");
+  if (!recv_batch_.empty()) {
+    if (auto ec = qp_->post_recv(recv_batch_, &bad)) throw std::system_error(ec, "connection: posting the receives");
+  }
   stats_.recv_posts += recv_batch_.size();
   recv_batch_.clear();
   rq_posted_ = rq_queued_;
@@ -154,18 +181,20 @@ void connection_impl::prepare() {
 }
 
 void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<auth_setup> auth) {
-  peer_ = {peer.credits, peer.recv_buffer, peer.eager_limit, peer.max_message};
+  peer_ = {peer.credits, peer.max_credits, peer.recv_buffer, peer.eager_limit, peer.max_message};
+  // What we granted in our hello (fabric_state::local_hello).
+  const std::uint32_t granted = srq_ ? std::min<std::uint32_t>(opt_.credits, fabric_state::kSrqMinCredits) : opt_.credits;
   if (auth != nullptr) {
     // Until the peer proves the token it gets one credit (its auth message)
     // and we use one (ours): protocol.hpp.
     auth_ = std::move(auth);
     credits_ += 1;
     peer_view_ += 1;
-    withheld_ = opt_.credits - 1u;
+    withheld_ = granted - 1u;
     fab_->busy();  // the reactor watches for the peer's proof
   } else {
     credits_ += peer.credits;
-    peer_view_ += opt_.credits;
+    peer_view_ += granted;
   }
   eager_limit_ = std::min<std::uint32_t>(opt_.eager_limit, peer.recv_buffer - static_cast<std::uint32_t>(protocol::kHeaderSize));
   // Heartbeats serve the stricter of the two keepalives (the peer's held
@@ -188,9 +217,9 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   // What early messages queued (re-posted receives, credits) waited for the
   // setup thread to let go of the queue pair.
   if (!recv_batch_.empty() || !batch_.empty()) schedule();
-  if (credits_ > static_cast<std::int64_t>(peer.credits)) {  // returned before the handshake completed here
-    log().warn("connection qp {}: the peer returned more credits than it has receives ({} > {})", qp_->qp_num(),
-               credits_, peer.credits);
+  if (credits_ > static_cast<std::int64_t>(peer.max_credits)) {  // returned before the handshake completed here
+    log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_->qp_num(),
+               credits_, peer.max_credits);
     fail(errc::protocol_error);
     return;
   }
@@ -243,6 +272,7 @@ void connection_impl::on_setup_failed() noexcept {
   rq_done_ = rq_posted_ = rq_queued_;
   recv_batch_.clear();
   qp_.reset();
+  srq_release();
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   recv_base_ = send_base_ = 0;
@@ -445,6 +475,14 @@ void connection_impl::start_liveness() noexcept {
 
 std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::time_point now) noexcept {
   constexpr std::chrono::milliseconds idle = fabric_state::kMaxTick;
+  // On a shared receive queue, a queue pair can fail with no completion at
+  // all (no receive of its own to flush, nothing sent): its state tells.
+  if (srq_ && qp_ != nullptr && (state_ == state::open || state_ == state::closing) &&
+      qp_->state() == transport::qp_state::error) {
+    auto keep = shared_from_this();
+    on_receive_failed({.wr_id = 0, .status = transport::wc_status::work_request_flushed, .qp_num = srq_qpn_});
+    return idle;
+  }
   // Setup and authentication have their own deadlines; an ended connection
   // has nothing to watch.
   if ((state_ != state::open && state_ != state::closing) || auth_ != nullptr || qp_ == nullptr || peer_closed_) {

@@ -96,6 +96,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool waiting_buffer = false;
   void on_buffer_available() noexcept;
 
+  // A receive of the fabric's shared receive queue that this connection's
+  // queue pair took (fabric_state found it by qp_num).
+  void on_srq_completion(const transport::completion& wc, std::uint32_t buffer) noexcept;
+
   // message
   void return_buffer(std::uint32_t index) noexcept;
 
@@ -206,6 +210,18 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void continue_reads() noexcept;         // reads started in part go on as the queue drains
   void on_read_done(op_node* n, transport::wc_status status) noexcept;
   void repost(std::uint32_t buffer) noexcept;
+  // A received buffer that carries no credit back (the connection is
+  // ending, the message was refused): to the shared queue, or the pool.
+  void release_received(std::uint32_t buffer) noexcept;
+  // Shared receive queue: how many credits a re-posted buffer brings the
+  // peer (the floor, growth toward the window while the queue has spare
+  // receives, none when it is short); and the promises returned to the
+  // fabric once the queue pair is gone.
+  std::uint32_t grant() noexcept;
+  void srq_release() noexcept;
+  // A receive failed (its queue pair is in error): the connection fails,
+  // or closes when the peer tore it down after its close.
+  void on_receive_failed(const transport::completion& wc) noexcept;
   void queue_recv(std::uint32_t buffer) noexcept;
   void drop_unposted() noexcept;
   void on_close_acked() noexcept;
@@ -263,6 +279,12 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::vector<transport::sge> rq_sge_;
 
   // credits
+  bool srq_ = false;            // receives come from the fabric's shared queue
+  std::uint32_t srq_qpn_ = 0;   // our queue pair's number in the fabric's table (srq_)
+  // srq_: credits granted to the peer and not yet used by a message that
+  // arrived (= peer_view_ + owed_ + withheld_ once connected), counted in
+  // the fabric's srq_promised.
+  std::int64_t promised_ = 0;
   std::int64_t credits_ = 0;    // the peer's receives we may use
   std::uint32_t owed_ = 0;      // our receives re-posted, not yet reported
   std::int64_t peer_view_ = 0;  // the peer's credits as we know them

@@ -28,12 +28,84 @@ void connection_impl::queue_recv(std::uint32_t buffer) noexcept {
 
 void connection_impl::repost(std::uint32_t buffer) noexcept {
   if (qp_ == nullptr || state_ == state::failed || state_ == state::closed || peer_closed_) {
-    fab_->put_buffer(buffer);
+    release_received(buffer);
     return;
   }
-  queue_recv(buffer);
-  ++owed_;
+  if (srq_) {
+    fab_->srq_repost(buffer);
+    const std::uint32_t g = grant();
+    if (g == 0) return;  // the credit stays with the queue: the window shrinks
+    owed_ += g;
+    promised_ += g;
+    fab_->srq_promised += g;
+  } else {
+    queue_recv(buffer);
+    ++owed_;
+  }
   schedule();
+}
+
+void connection_impl::release_received(std::uint32_t buffer) noexcept {
+  if (srq_) {
+    fab_->srq_repost(buffer);
+  } else {
+    fab_->put_buffer(buffer);
+  }
+}
+
+std::uint32_t connection_impl::grant() noexcept {
+  const auto window = static_cast<std::int64_t>(opt_.credits);
+  const auto floor = std::min<std::int64_t>(window, fabric_state::kSrqMinCredits);
+  const auto spare = static_cast<std::int64_t>(fab_->srq_spare());
+  if (promised_ >= window || spare == 0) return 0;
+  // Back to the floor whatever the queue's state (the buffer just re-posted
+  // is spare, so at least one credit is there: a window never dries up).
+  std::int64_t g = std::min(std::max<std::int64_t>(floor - promised_, 0), spare);
+  // With room to spare beyond the floors of the connections the fabric may
+  // still accept (max_connections, so that growth never locks a new
+  // connection out): this credit back and one more (a busy connection's
+  // window grows by one per message). Else nothing above the floor: the
+  // window shrinks toward it, to the queue's benefit.
+  const std::uint64_t may_come =
+      fab_->options.max_connections > fab_->open_connections ? fab_->options.max_connections - fab_->open_connections : 0;
+  const auto reserve = static_cast<std::int64_t>(may_come * fabric_state::kSrqMinCredits);
+  if (spare > reserve) g = std::max(g, std::min<std::int64_t>(2, spare - reserve));
+  return static_cast<std::uint32_t>(std::min(g, window - promised_));
+}
+
+void connection_impl::on_srq_completion(const transport::completion& wc, std::uint32_t buffer) noexcept {
+  auto keep = shared_from_this();
+  ++fab_->in_completion;
+  ++rx_count_;
+  if (wc.status != transport::wc_status::success) {
+    fab_->srq_repost(buffer);
+    // verbs reuses queue pair numbers: a flushed receive of a destroyed
+    // queue pair may name ours. Only our own queue pair's failure counts.
+    if (qp_ != nullptr && qp_->state() == transport::qp_state::error) {
+      if (promised_ > 0) {
+        --promised_;
+        --fab_->srq_promised;
+      }
+      on_receive_failed(wc);
+    } else {
+      log().debug("connection qp {}: a failed receive of an earlier queue pair with this number ({}); ignored",
+                  srq_qpn_, transport::to_string(wc.status));
+    }
+  } else if (promised_ <= 0) {
+    // More messages than credits granted: they took receives granted to
+    // other connections.
+    log().warn("connection qp {}: the peer sent more messages than it had credits", srq_qpn_);
+    fab_->srq_repost(buffer);
+    fail(errc::protocol_error);
+  } else {
+    --promised_;
+    --fab_->srq_promised;
+    handle_message(buffer, wc.byte_len);
+  }
+  progress_sends(false);
+  deliver(false);
+  maybe_release_self();
+  --fab_->in_completion;
 }
 
 void connection_impl::return_buffer(std::uint32_t index) noexcept {
@@ -66,15 +138,8 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
   ++rq_done_;
   ++rx_count_;
   if (wc.status != transport::wc_status::success) {
-    fab_->put_buffer(buffer);
-    if (fail_unless_ending(wc, "receive") && peer_closed_ && state_ != state::failed && state_ != state::closed) {
-      state_ = state::closed;  // the peer tore the queue pair down after its close
-      error_ = errc::connection_closed;
-      revoke_windows();
-      park_partial_reads();
-      begin_drain();
-      end_auth(error_);
-    }
+    release_received(buffer);
+    on_receive_failed(wc);
   } else {
     handle_message(buffer, wc.byte_len);
   }
@@ -83,22 +148,33 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
   maybe_release_self();
 }
 
+void connection_impl::on_receive_failed(const transport::completion& wc) noexcept {
+  if (fail_unless_ending(wc, "receive") && peer_closed_ && state_ != state::failed && state_ != state::closed) {
+    state_ = state::closed;  // the peer tore the queue pair down after its close
+    error_ = errc::connection_closed;
+    revoke_windows();
+    park_partial_reads();
+    begin_drain();
+    end_auth(error_);
+  }
+}
+
 void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length) noexcept {
   const std::byte* data = fab_->pool->data(buffer);
   protocol::header h;
   if (length > fab_->recv_buffer || !protocol::decode({data, length}, h)) {
     log().warn("connection qp {}: malformed message ({} bytes, type {}) from the peer", qp_->qp_num(), length,
                length > 0 ? std::to_integer<int>(data[0]) : -1);
-    fab_->put_buffer(buffer);
+    release_received(buffer);
     fail(errc::protocol_error);
     return;
   }
   credits_ += h.credits;
   --peer_view_;
-  if (state_ != state::setup && credits_ > static_cast<std::int64_t>(peer_.credits)) {
-    log().warn("connection qp {}: the peer returned more credits than it has receives ({} > {})", qp_->qp_num(),
-               credits_, peer_.credits);
-    fab_->put_buffer(buffer);
+  if (state_ != state::setup && credits_ > static_cast<std::int64_t>(peer_.max_credits)) {
+    log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_->qp_num(),
+               credits_, peer_.max_credits);
+    release_received(buffer);
     fail(errc::protocol_error);
     return;
   }
@@ -117,7 +193,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   if (auth_ != nullptr || (state_ == state::setup && fab_->auth)) {
     log().warn("connection qp {}: a message (type {}) before authentication", qp_->qp_num(),
                static_cast<int>(h.type));
-    fab_->put_buffer(buffer);
+    release_received(buffer);
     fail(errc::protocol_error);
     return;
   }
@@ -130,13 +206,13 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         if (b.length == 0 || b.length > opt_.max_message) {
           log().warn("connection qp {}: rendezvous request of {} bytes (maximum {})", qp_->qp_num(), b.length,
                      opt_.max_message);
-          fab_->put_buffer(buffer);
+          release_received(buffer);
           fail(errc::protocol_error);
           return;
         }
       }
       if (inbox_tail_ - inbox_head_ >= inbox_.size()) {  // cannot happen with a conforming peer
-        fab_->put_buffer(buffer);
+        release_received(buffer);
         fail(errc::protocol_error);
         return;
       }
@@ -177,7 +253,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     case protocol::msg_type::notify: {
       const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
       if (notes_tail_ - notes_head_ >= notes_.size()) {  // cannot happen with a conforming peer
-        fab_->put_buffer(buffer);
+        release_received(buffer);
         fail(errc::protocol_error);
         return;
       }
@@ -186,7 +262,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     }
     case protocol::msg_type::credit: repost(buffer); return;
     case protocol::msg_type::close:
-      fab_->put_buffer(buffer);
+      release_received(buffer);
       on_peer_close();
       return;
   }
@@ -196,13 +272,13 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
   if (auth_ == nullptr || auth_->waiter == nullptr) {
     log().warn("connection qp {}: an auth message {}", qp_->qp_num(),
                auth_ == nullptr ? "after authentication (or without it)" : "after refusing the peer");
-    fab_->put_buffer(buffer);
+    release_received(buffer);
     fail(errc::protocol_error);
     return;
   }
   const bool client = auth_->exchange.local == auth::role::client;
   if (h.status == static_cast<std::uint8_t>(protocol::auth_status::refused)) {
-    fab_->put_buffer(buffer);
+    release_received(buffer);
     log().warn("connection qp {}: the peer refused our proof of the auth token", qp_->qp_num());
     fail(errc::authentication_failed);
     return;
@@ -469,7 +545,7 @@ void connection_impl::deliver(bool post) noexcept {
     if (state_ == state::failed || state_ == state::closed) {
       ++inbox_head_;
       recv_waiting_.remove(n);
-      fab_->put_buffer(e.buffer);
+      release_received(e.buffer);
       complete(n, post, state_ == state::failed ? error_ : std::error_code(errc::connection_closed));
       continue;
     }

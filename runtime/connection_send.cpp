@@ -210,7 +210,11 @@ void connection_impl::maybe_send_credits() noexcept {
   if (state_ != state::open && state_ != state::closing) return;
   if (auth_ != nullptr) return;  // nothing but the auth message before the peer is authenticated
   if (peer_closed_ || owed_ < 2) return;
-  if (owed_ >= opt_.credits / 2u || peer_view_ <= 1) (void)enqueue_control(protocol::msg_type::credit, 0, 0);
+  // Half the window back at once (with a shared receive queue, half of
+  // what the peer holds now), or whatever there is when the peer is down
+  // to the credit kept for control messages.
+  const std::int64_t half = srq_ ? promised_ / 2 : static_cast<std::int64_t>(opt_.credits / 2u);
+  if (static_cast<std::int64_t>(owed_) >= half || peer_view_ <= 1) (void)enqueue_control(protocol::msg_type::credit, 0, 0);
 }
 
 void connection_impl::arm_buffer_timer() noexcept {

@@ -50,6 +50,8 @@ const fabric_options& checked(const fabric_options& o) {
           "fabric: cache_max_entries must be in 1..2^20");
   require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");
   require(c.auth_token.size() <= 1024, "fabric: connection.auth_token must be at most 1024 bytes");
+  require(o.srq_buffers == 0 || (o.srq_buffers >= 8 && o.srq_buffers <= (1u << 20)),
+          "fabric: srq_buffers must be 0 or in 8..2^20");
   require(c.keepalive.count() == 0 || (c.keepalive >= std::chrono::milliseconds(200) && c.keepalive <= std::chrono::hours(1)),
           "fabric: connection.keepalive must be 0 or in 200 ms..1 h");
   return o;
@@ -86,11 +88,24 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
     : io(io_ctx), options(checked(o)), device(transport::open_device(o.device)) {
   const transport::capabilities& caps = device->caps();
   const connection_options& c = options.connection;
-  const std::uint64_t depth = std::uint64_t{options.max_connections} * (c.send_queue + c.credits);
+  // Receive completions: each connection's own receives, or the shared
+  // queue's (whichever connection takes them).
+  const std::uint64_t depth = options.srq_buffers != 0
+                                  ? std::uint64_t{options.max_connections} * c.send_queue + options.srq_buffers
+                                  : std::uint64_t{options.max_connections} * (c.send_queue + c.credits);
   if (depth > caps.max_cqe) {
     throw std::system_error(errc::invalid_argument,
-                            "fabric: max_connections * (send_queue + credits) = " + std::to_string(depth) +
-                                " exceeds the device's completion queue limit " + std::to_string(caps.max_cqe));
+                            std::string(options.srq_buffers != 0 ? "fabric: max_connections * send_queue + srq_buffers = "
+                                                                 : "fabric: max_connections * (send_queue + credits) = ") +
+                                std::to_string(depth) + " exceeds the device's completion queue limit " +
+                                std::to_string(caps.max_cqe));
+  }
+  if (options.srq_buffers != 0 && (caps.max_srq == 0 || options.srq_buffers > caps.max_srq_wr)) {
+    throw std::system_error(caps.max_srq == 0 ? errc::not_supported : errc::invalid_argument,
+                            caps.max_srq == 0 ? "fabric: srq_buffers: device " + std::string(device->name()) +
+                                                    " has no shared receive queues"
+                                              : "fabric: srq_buffers above the device's max_srq_wr " +
+                                                    std::to_string(caps.max_srq_wr));
   }
   if (c.send_queue > caps.max_qp_wr || c.credits > caps.max_qp_wr) {
     throw std::system_error(errc::invalid_argument, "fabric: send_queue or credits above the device's max_qp_wr " +
@@ -108,6 +123,22 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
   reactor->set_before_poll(&fabric_state::flush_before_poll, this);
+  if (options.srq_buffers != 0) {
+    srq = pd->create_srq({.max_wr = options.srq_buffers, .max_sge = 1});
+    srq_op_.f = this;
+    srq_base_ = reactor->track_persistent(srq_op_);
+    for (std::uint32_t i = 0; i < options.srq_buffers; ++i) {
+      const std::uint32_t b = pool->try_get();
+      if (b == buffer_pool::npos) {
+        throw std::system_error(errc::no_buffer_space, "fabric: the buffer pool (pool_max_bytes) cannot hold srq_buffers " +
+                                                           std::to_string(options.srq_buffers) + " receive buffers");
+      }
+      srq_repost(b);
+    }
+    if (srq_posted != options.srq_buffers) {
+      throw std::system_error(errc::no_buffer_space, "fabric: posting the shared receive queue failed");
+    }
+  }
   if (c.keepalive.count() > 0) {
     tick_ms_ = std::max(kMinTick, std::min(kMaxTick, std::chrono::milliseconds(c.keepalive / 8))).count();
   }
@@ -117,9 +148,10 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
                "offline; use at least 16 random bytes",
                c.auth_token.size());
   }
-  log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}",
+  log().info("fabric: provider {} device {}, up to {} connections, eager limit {} B, {} credits, poll mode {}{}",
              device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
-             to_string(reactor->mode()));
+             to_string(reactor->mode()),
+             srq != nullptr ? ", shared receive queue of " + std::to_string(options.srq_buffers) + " buffers" : "");
 }
 
 void fabric_state::start_liveness() {
@@ -183,6 +215,7 @@ void fabric_state::liveness_tick() noexcept {
 fabric_state::~fabric_state() {
   stop_liveness();
   helpers.stop_all();
+  srq.reset();  // its queue pairs are gone (connections hold the fabric); before the pool's memory
   reactor.reset();
   cache.reset();
   pool.reset();
@@ -265,6 +298,40 @@ void fabric_state::put_buffer(std::uint32_t index) noexcept {
   for (connection_impl* c : waiters) c->on_buffer_available();
 }
 
+void fabric_state::srq_repost(std::uint32_t buffer) noexcept {
+  const transport::sge sg = pool->slice(buffer, 0, recv_buffer);
+  const transport::recv_request r{reactor::persistent_id(srq_base_, buffer), {&sg, 1}};
+  if (auto ec = srq->post_recv({&r, 1})) {
+    log().error("fabric: posting a buffer to the shared receive queue: {} (the queue is a receive short)", ec.message());
+    pool->put(buffer);
+    return;
+  }
+  ++srq_posted;
+}
+
+void fabric_state::srq_attach(std::uint32_t qp_num, connection_impl* c) { srq_conns_[qp_num] = c; }
+
+void fabric_state::srq_detach(std::uint32_t qp_num) noexcept { srq_conns_.erase(qp_num); }
+
+void fabric_state::on_srq_recv(const transport::completion& wc) noexcept {
+  if (wc.status == transport::wc_status::fatal && (wc.wr_id & 0xffffffff00000000ull) == reactor::kPersistent) {
+    return;  // the reactor gave up: every connection hears it through its own operations
+  }
+  const std::uint32_t buffer = reactor::tag_of(wc.wr_id);
+  if (buffer >= pool->stats().buffers) {
+    log().error("fabric: a shared receive queue completion names no buffer ({}); dropped", buffer);
+    return;
+  }
+  --srq_posted;
+  const auto it = srq_conns_.find(wc.qp_num);
+  if (it == srq_conns_.end()) {
+    // Its connection is gone (a flushed receive of a destroyed queue pair).
+    srq_repost(buffer);
+    return;
+  }
+  it->second->on_srq_completion(wc, buffer);
+}
+
 void fabric_state::forget(connection_impl* c) noexcept {
   std::erase(dirty_, c);
   std::erase(buffer_waiters_, c);
@@ -275,7 +342,10 @@ protocol::hello fabric_state::local_hello() const noexcept {
   const connection_options& c = options.connection;
   protocol::hello h;
   h.kind = protocol::hello_kind::hello;
-  h.credits = c.credits;
+  // With a shared receive queue a connection starts with the floor of its
+  // window and grows while the queue has spare receives.
+  h.credits = srq != nullptr ? std::min<std::uint16_t>(c.credits, kSrqMinCredits) : c.credits;
+  h.max_credits = c.credits;
   h.recv_buffer = recv_buffer;
   h.eager_limit = c.eager_limit;
   h.max_message = c.max_message;
@@ -332,6 +402,8 @@ fabric_stats fabric::stats() const noexcept {
   s.connected = state_->connected;
   s.refused = state_->refused.load(std::memory_order_relaxed);
   s.cache = state_->cache->stats();
+  s.srq_posted = state_->srq_posted;
+  s.srq_spare = state_->srq_spare();
   return s;
 }
 

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -43,6 +44,24 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   auth::own_nonces own_nonces;        // of our handshakes in progress (reflections are refused)
   std::uint32_t inline_cap = 0;       // max_inline_data of our queue pairs
   std::uint32_t recv_buffer = 0;      // bytes per receive buffer (pool buffer size)
+
+  // The shared receive queue (options.srq_buffers; null without): pool
+  // buffers posted to it, found again by the tag of their wr_id. Credits
+  // granted over all connections (srq_promised) never exceed the receives
+  // posted (srq_posted), so no conforming peer meets RNR: see
+  // connection_impl's grant() for who gets the spare ones.
+  static constexpr std::uint32_t kSrqMinCredits = 4;  // a connection's grant at the start, and its floor
+  std::unique_ptr<transport::shared_receive_queue> srq;
+  std::uint64_t srq_posted = 0;
+  std::uint64_t srq_promised = 0;
+  std::uint64_t srq_spare() const noexcept { return srq_posted > srq_promised ? srq_posted - srq_promised : 0; }
+  // Posts a buffer (back) to the shared queue; a failure logs and returns
+  // the buffer to the pool.
+  void srq_repost(std::uint32_t buffer) noexcept;
+  // Connections by queue pair number (receives of the shared queue name
+  // only that).
+  void srq_attach(std::uint32_t qp_num, connection_impl* c);
+  void srq_detach(std::uint32_t qp_num) noexcept;
 
   // Activity: the reactor polls while something is pending (user operations,
   // signaled sends in flight, connections flushing after an error). The
@@ -116,6 +135,14 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::vector<connection_impl*> flushing_;
   std::vector<connection_impl*> buffer_waiters_;
   std::vector<connection_impl*> conns_;  // every prepared connection
+  struct srq_recv_op final : operation {
+    fabric_state* f = nullptr;
+    void complete(const transport::completion& wc) noexcept override { f->on_srq_recv(wc); }
+  };
+  void on_srq_recv(const transport::completion& wc) noexcept;
+  srq_recv_op srq_op_;
+  std::uint64_t srq_base_ = 0;  // persistent wr_id base; the tag is the buffer
+  std::unordered_map<std::uint32_t, connection_impl*> srq_conns_;
   std::atomic<std::int64_t> tick_ms_{kMaxTick.count()};
   std::atomic<bool> tick_posted_{false};
   std::mutex tick_m_;

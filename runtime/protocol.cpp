@@ -28,6 +28,7 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept {
   std::memcpy(p, h.nonce.data(), h.nonce.size());
   p += h.nonce.size();
   put_le<std::uint32_t>(p, h.keepalive_ms);
+  put_le<std::uint16_t>(p, h.max_credits);
   return out;
 }
 
@@ -52,7 +53,8 @@ decode_status decode(std::span<const std::byte> in, hello& out) noexcept {
   std::memcpy(out.nonce.data(), p, out.nonce.size());
   p += out.nonce.size();
   out.keepalive_ms = get_le<std::uint32_t>(p);
-  if (out.credits < 2 || out.recv_buffer <= kHeaderSize || out.max_message == 0 || (out.flags & ~kAuth) != 0) {
+  out.max_credits = get_le<std::uint16_t>(p);
+  if (out.credits < 2 || out.max_credits < out.credits || out.recv_buffer <= kHeaderSize || out.max_message == 0 || (out.flags & ~kAuth) != 0) {
     return decode_status::bad_field;
   }
   return decode_status::ok;

@@ -9,7 +9,7 @@
 // kAuth in hello and welcome, each with a fresh random 16-byte nonce):
 // right after the connection is established, the connecting side sends an
 // auth message whose body is HMAC-SHA256(token, "anydoor-auth-v3 client" ||
-// hello || welcome) (the 44 bytes of each as sent). The listener checks it
+// hello || welcome) (the kHelloSize bytes of each as sent). The listener checks it
 // in constant time and answers with an auth message carrying the same MAC
 // under the label "... server", or with status auth_refused and no body.
 // The connecting side checks that MAC, opens its queue pair to the
@@ -52,9 +52,10 @@ namespace anydoor::protocol {
 
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
 // 2: fin status 3 is no_memory; 3: challenge-response authentication;
-// 4: keepalive in the hello (48 bytes)
-inline constexpr std::uint16_t kVersion = 5;
-inline constexpr std::size_t kHelloSize = 48;
+// 4: keepalive in the hello (48 bytes); 6: max_credits in the hello (50
+// bytes): credits are the initial grant, max_credits the window
+inline constexpr std::uint16_t kVersion = 6;
+inline constexpr std::size_t kHelloSize = 50;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;
 inline constexpr std::size_t kMacSize = 32;  // HMAC-SHA256
@@ -81,7 +82,12 @@ struct hello {
   hello_kind kind = hello_kind::hello;
   refuse_reason reason = refuse_reason::none;
   std::uint16_t version = kVersion;
-  std::uint16_t credits = 0;        // receives posted for the peer
+  std::uint16_t credits = 0;        // receives granted to the peer at the start
+  // The most credits the sender will ever have granted and unused at once
+  // (its window, >= credits): returned credits beyond it are a protocol
+  // error. Equal to credits unless the sender receives from a shared
+  // receive queue, where grants follow what the queue can cover.
+  std::uint16_t max_credits = 0;
   std::uint32_t recv_buffer = 0;    // bytes per receive buffer, header included
   std::uint32_t eager_limit = 0;    // payload bytes the sender sends eagerly
   std::uint64_t max_message = 0;    // largest message the sender accepts
@@ -97,8 +103,8 @@ enum class decode_status : std::uint8_t { ok, truncated, bad_magic, bad_field };
 
 std::array<std::byte, kHelloSize> encode(const hello& h) noexcept;
 // Decodes and validates a hello: the magic, the kind, and for hello/welcome
-// credits >= 2, recv_buffer > kHeaderSize, max_message > 0 and only known
-// flags. The version is returned as sent (the caller decides what it
+// credits >= 2, max_credits >= credits, recv_buffer > kHeaderSize,
+// max_message > 0 and only known flags. The version is returned as sent (the caller decides what it
 // accepts).
 decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 

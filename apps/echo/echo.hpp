@@ -19,7 +19,8 @@ struct server_options {
   std::uint64_t max_message = std::uint64_t{64} << 20;
   std::uint32_t max_connections = 128;  // per reactor; x (send queue + credits) must fit the device's CQ (rxe: 32767)
   std::size_t threads = 1;              // reactor threads (reactor_group when > 1)
-  std::uint16_t credits = 64;           // receive buffers posted per connection
+  std::uint16_t credits = 64;           // receive buffers posted per connection (with srq: the window)
+  std::uint32_t srq = 0;                // shared receive queue buffers per reactor; 0: none
 };
 int run_server(const server_options& o);
 

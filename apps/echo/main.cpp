@@ -1,5 +1,5 @@
 // anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES]
-//                     [--max-connections N] [--threads N] [--credits N]
+//                     [--max-connections N] [--threads N] [--credits N] [--srq BUFFERS]
 // anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS]
 //                     [--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify]
 //                     [--json] [--provider auto|tcp|verbs]
@@ -12,7 +12,7 @@ namespace {
 
 constexpr const char* kUsage =
     "anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES] "
-    "[--max-connections N] [--threads N] [--credits N]\n"
+    "[--max-connections N] [--threads N] [--credits N] [--srq BUFFERS]\n"
     "       anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS] "
     "[--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify] [--json] [--provider auto|tcp|verbs]";
 
@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
         else if (opt == "--max-connections") o.max_connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
         else if (opt == "--threads") o.threads = static_cast<std::size_t>(a.size_value(1, 256));
         else if (opt == "--credits") o.credits = static_cast<std::uint16_t>(a.size_value(4, 4096));
+        else if (opt == "--srq") o.srq = static_cast<std::uint32_t>(a.size_value(8, 1u << 20));
         else a.fail("unknown option " + std::string(opt));
       }
       if (!listen) a.fail("server needs --listen HOST:PORT");

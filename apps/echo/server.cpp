@@ -37,10 +37,23 @@ fabric_options make_fabric_options(const server_options& o) {
   // Receive buffers for every connection's credits, with room to spare.
   fo.pool_max_bytes =
       std::max<std::size_t>(fo.pool_max_bytes, std::size_t{o.max_connections} * o.credits * 9 * 1024 * 5 / 4);
+  // --srq: one shared receive queue per reactor instead (credits are then
+  // each connection's window).
+  fo.srq_buffers = o.srq;
+  fo.pool_max_bytes = std::max<std::size_t>(fo.pool_max_bytes, std::size_t{o.srq} * 9 * 1024 * 5 / 4);
   // A request above the eager limit is read into runtime memory: room for
   // the largest one (several wait their turn).
   fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{16} << 20, o.max_message);
   return fo;
+}
+
+// ", shared receive queue of N buffers" for the listening line, or nothing.
+std::string srq_note(const server_options& o) {
+  if (o.srq == 0) return {};
+  std::string s = ", shared receive queue of ";
+  s += std::to_string(o.srq);
+  s += " buffers";
+  return s;
 }
 
 void add_echo(rpc::server& srv) {
@@ -110,9 +123,9 @@ int run_group(const server_options& o) {
                  sig == SIGINT ? "SIGINT" : "SIGTERM", static_cast<unsigned long long>(open), n);
     shutdown_all();
   });
-  std::printf("anydoor-echo: listening on %s (provider %.*s, max message %llu bytes, %zu reactor threads)\n",
+  std::printf("anydoor-echo: listening on %s (provider %.*s, max message %llu bytes%s, %zu reactor threads)\n",
               bound.str().c_str(), static_cast<int>(group.at(0).provider().size()), group.at(0).provider().data(),
-              static_cast<unsigned long long>(o.max_message), n);
+              static_cast<unsigned long long>(o.max_message), srq_note(o).c_str(), n);
   std::fflush(stdout);
   main_io.run();  // until the signal's shutdown (or a failure) has ended every server's accepting
   while (serving > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -170,9 +183,9 @@ int run_server(const server_options& o) {
                  static_cast<unsigned long long>(srv.stats().connections));
     srv.shutdown(std::chrono::seconds(2));
   });
-  std::printf("anydoor-echo: listening on %s (provider %.*s, max message %llu bytes)\n", bound.str().c_str(),
+  std::printf("anydoor-echo: listening on %s (provider %.*s, max message %llu bytes%s)\n", bound.str().c_str(),
               static_cast<int>(fab.provider().size()), fab.provider().data(),
-              static_cast<unsigned long long>(o.max_message));
+              static_cast<unsigned long long>(o.max_message), srq_note(o).c_str());
   std::fflush(stdout);
   io.run();
   const rpc::server_stats st = srv.stats();

@@ -178,7 +178,8 @@ struct connection_stats {
 
 // What the peer announced in the handshake.
 struct peer_parameters {
-  std::uint16_t credits = 0;
+  std::uint16_t credits = 0;      // granted to us at the start
+  std::uint16_t max_credits = 0;  // the peer's window: the most it grants at once
   std::uint32_t recv_buffer = 0;
   std::uint32_t eager_limit = 0;
   std::uint64_t max_message = 0;

@@ -86,6 +86,20 @@ struct fabric_options {
   // memory_region): registrations kept, least recently used evicted first.
   std::size_t cache_max_entries = 1024;                  // 1..2^20
   std::size_t cache_max_bytes = std::size_t{1} << 30;    // at least 4096
+  // Shared receive queue. 0 (the default): each connection posts
+  // connection.credits receive buffers of its own. N: the fabric posts N
+  // pool buffers to one shared receive queue (the device must have them:
+  // caps().max_srq) that all its connections receive from, so receive
+  // memory stays N buffers however many connections there are. Credits
+  // still prevent RNR: grants never exceed what the queue holds. A
+  // connection starts with 4 credits; its window grows by one per message
+  // toward connection.credits while the queue holds more than 4 receives
+  // for each connection max_connections still allows, and shrinks back
+  // toward 4 (credits stay with the queue) when it does not. A connection
+  // the queue cannot grant 4 is refused (errc::no_buffer_space; the peer
+  // sees too_many_connections): 4 * max_connections buffers admit every
+  // connection. 0 or 8..2^20, at most the device's max_srq_wr.
+  std::uint32_t srq_buffers = 0;
 };
 
 struct fabric_stats {
@@ -97,6 +111,11 @@ struct fabric_stats {
   std::uint64_t refused = 0;             // connection attempts refused: handshakes that failed (either
                                          // side: auth, version, garbage, too slow) or found the fabric full
   registration_cache_stats cache;
+  // With srq_buffers: receives in the shared queue now, and how many of
+  // them no connection has been granted (what a new connection or a
+  // growing window can still get).
+  std::uint64_t srq_posted = 0;
+  std::uint64_t srq_spare = 0;
 };
 
 class acceptor;

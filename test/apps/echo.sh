@@ -109,6 +109,17 @@ expect_in "$tmp/group.out" "served [0-9]+ calls on 10 connection\(s\) \(per reac
 wait "$cpid"; [ $? = 1 ] || fail "the client did not fail when the --threads server went away"
 pass "--threads 2"
 
+# --srq: every connection of a reactor receives from one shared receive
+# queue (64 buffers for up to 8 connections: all admitted, windows grow).
+start_server srq "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --srq 64 --max-connections 8
+expect_in "$tmp/srq.out" "listening on 127.0.0.1:$PORT \(provider tcp, .*, shared receive queue of 64 buffers\)"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 3000 --count 2000 --in-flight 8 --connections 4 --verify
+expect_in "$tmp/last.out" "every byte verified"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 200000 --count 40 --in-flight 2 --verify
+expect_in "$tmp/last.out" "every byte verified"
+kill -TERM "$PID_srq"; wait "$PID_srq" 2>/dev/null
+pass "--srq"
+
 # Bad command lines: exit 2 with the reason.
 run_cmd 2 "$echo_bin" client --connect nowhere --count 1; expect_in "$tmp/last.err" "takes HOST:PORT"
 run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --count 1 --duration 1; expect_in "$tmp/last.err" "not both"
@@ -124,6 +135,7 @@ run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --threads 0; expect_in "$tmp/l
 run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --threads 257; expect_in "$tmp/last.err" "--threads takes"
 run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --credits 3; expect_in "$tmp/last.err" "--credits takes"
 run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --credits 5000; expect_in "$tmp/last.err" "--credits takes"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --srq 4; expect_in "$tmp/last.err" "--srq takes"
 run_cmd 2 "$echo_bin" dance; expect_in "$tmp/last.err" "unknown mode"
 run_cmd 2 "$echo_bin"; expect_in "$tmp/last.err" "usage:"
 run_cmd 0 "$echo_bin" --help; expect_in "$tmp/last.out" "anydoor-echo server --listen"

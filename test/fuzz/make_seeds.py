@@ -43,21 +43,21 @@ def write(target, named):
 write("frames", seeds)
 
 # --- handshake: the tcp provider's 24-byte frame, then the runtime's hello
-# (runtime/protocol.hpp, version 5) in its private data.
+# (runtime/protocol.hpp, version 6) in its private data.
 def tcp_handshake(kind, pdata):
     return b"ADTP" + struct.pack("<BBHIII4x", WIRE_VERSION, kind, len(pdata), 7, 128, 64) + pdata
 
 
-def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=5, reason=0, keepalive=10000):
+def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=6, reason=0, keepalive=10000, max_credits=None):
     return (struct.pack("<IHBBHHIIQ", 0x31524441, version, kind, reason, credits, flags, 8256, 8192, 1 << 30) + nonce
-            + struct.pack("<I", keepalive))
+            + struct.pack("<IH", keepalive, credits if max_credits is None else max_credits))
 
 
 write("handshake", {
     "hello": tcp_handshake(1, hello(1)),
     "hello_auth": tcp_handshake(1, hello(1, 1, nonce=bytes(range(16)))),
     "welcome_auth": tcp_handshake(2, hello(2, 1, nonce=bytes(range(16, 32)))),
-    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 5, 3, 2)),
+    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 6, 3, 2)),
     "old_version": tcp_handshake(1, hello(1, version=2)),
 })
 

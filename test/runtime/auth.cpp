@@ -30,7 +30,7 @@ using asio::use_awaitable;
 
 namespace {
 
-constexpr std::size_t kHello = 48;
+constexpr std::size_t kHello = 50;
 constexpr std::uint8_t kTypeEager = 1, kTypeAuth = 7;
 const std::string kToken = "0123456789abcdef-the-shared-secret";
 
@@ -49,7 +49,7 @@ T get(std::span<const std::byte> b, std::size_t at) {
 
 // A hello (kind 1) or welcome (kind 2): magic | version | kind | reason |
 // credits | flags | receive buffer | eager limit | max message | nonce |
-// keepalive (0: none).
+// keepalive (0: none) | max credits (= credits).
 bytes make_hello(std::uint8_t kind, bool auth, std::uint16_t credits = 8) {
   bytes h(kHello);
   put<std::uint32_t>(h, 0, 0x31524441);
@@ -60,6 +60,7 @@ bytes make_hello(std::uint8_t kind, bool auth, std::uint16_t credits = 8) {
   put<std::uint32_t>(h, 12, 256);  // receive buffer
   put<std::uint32_t>(h, 16, 248);  // eager limit
   put<std::uint64_t>(h, 20, 1 << 20);
+  put<std::uint16_t>(h, 48, credits);
   if (auth) REQUIRE(RAND_bytes(reinterpret_cast<unsigned char*>(h.data() + 28), 16) == 1);
   return h;
 }

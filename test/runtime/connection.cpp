@@ -44,8 +44,8 @@ namespace {
 // A runtime hello as a raw provider-level client would send it (see
 // runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:
 // no authentication), receive buffer, eager limit, max message, no nonce.
-std::array<std::byte, 48> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
-  std::array<std::byte, 48> h{};
+std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
+  std::array<std::byte, 50> h{};
   const std::uint16_t credits = 8;
   const std::uint32_t recv_buffer = 8256, eager = 8192;
   const std::uint64_t max_message = 1 << 20;
@@ -56,6 +56,7 @@ std::array<std::byte, 48> raw_hello(std::uint16_t version, std::uint32_t magic =
   std::memcpy(h.data() + 12, &recv_buffer, 4);
   std::memcpy(h.data() + 16, &eager, 4);
   std::memcpy(h.data() + 20, &max_message, 8);
+  std::memcpy(h.data() + 48, &credits, 2);  // max credits
   return h;
 }
 

@@ -2,7 +2,11 @@
 // every one, and what an idle connection costs in memory.
 //
 //   anydoor-scale [--connections N] [--reactors R] [--credits C] [--rounds K]
-//                 [--setup-seconds S] [--provider tcp|verbs|auto]
+//                 [--setup-seconds S] [--provider tcp|verbs|auto] [--srq B]
+//
+// --srq B: every fabric (each reactor, both sides) receives from one shared
+// receive queue of B buffers (fabric_options::srq_buffers) instead of
+// posting C receives per connection; C is then each connection's window.
 //
 // Both ends run in this process: a server reactor_group of R reactors
 // behind one listening socket, and a client reactor_group of R reactors,
@@ -11,14 +15,18 @@
 // when it opens; the resident memory is then measured with all N
 // connections open and idle, and compared with the memory before: the
 // difference divided by 2N (both ends of every connection live here) is
-// the memory per idle connection end. Then every connection exchanges K
+// the memory per idle connection end; so is the growth of the buffer
+// pools' registered memory (pinned on a real NIC: what receive buffers
+// cost), and the pools' total (a shared queue's buffers are there from the
+// start). Then every connection exchanges K
 // more messages of 64 B..4 KiB, checked byte by byte; then all close.
 // The descriptor limit (two per connection here) is raised to what is
 // needed when allowed; when it cannot be, the run stops at once naming
 // the limit, with exit code 77 (skipped).
 // Output: progress lines, then `scale: key=value ...` (keys: connections
-// reactors credits setup_s accepted_per_reactor rss_before_kib
-// rss_idle_kib kib_per_connection_end exchanged corrupt errors verdict).
+// reactors credits srq setup_s accepted_per_reactor rss_before_kib
+// rss_idle_kib kib_per_connection_end registered_kib_per_connection_end
+// registered_kib exchanged corrupt errors verdict).
 // Exit 0 when verdict=pass: all N connected within --setup-seconds, placed
 // evenly (round robin: at most one apart), every message intact, no error.
 #include "../support/args.hpp"
@@ -64,11 +72,12 @@ struct options {
   std::uint32_t rounds = 4;
   std::uint32_t setup_seconds = 120;
   std::string provider = "tcp";
+  std::uint32_t srq = 0;
 };
 
 constexpr const char* kUsage =
     "anydoor-scale [--connections N] [--reactors R] [--credits C] [--rounds K] [--setup-seconds S] "
-    "[--provider tcp|verbs|auto]";
+    "[--provider tcp|verbs|auto] [--srq B]";
 
 options parse(int argc, char** argv) {
   options o;
@@ -91,6 +100,7 @@ options parse(int argc, char** argv) {
     else if (a == "--rounds") o.rounds = number(i, 0, 1000);
     else if (a == "--setup-seconds") o.setup_seconds = number(i, 1, 3600);
     else if (a == "--provider" && i + 1 < argc) o.provider = argv[++i];
+    else if (a == "--srq") o.srq = number(i, 8, 1u << 20);
     else fail("unknown option " + a);
   }
   if (o.provider != "tcp" && o.provider != "verbs" && o.provider != "auto") fail("--provider takes tcp, verbs or auto");
@@ -123,6 +133,7 @@ ad::fabric_options fabric_opts(const options& o) {
   f.max_connections = std::min<std::uint32_t>(4096, o.connections / o.reactors + 16);
   f.buffers_per_slab = 64;
   f.pool_max_bytes = std::size_t{1} << 30;
+  f.srq_buffers = o.srq;
   return f;
 }
 
@@ -253,13 +264,26 @@ awaitable<void> client(ad::fabric& fab, std::string address, std::uint64_t first
   ++k.clients_done;
 }
 
+// The buffer pools' registered bytes over a group's fabrics (read on each
+// reactor's thread).
+std::uint64_t registered_bytes(ad::reactor_group& g) {
+  std::atomic<std::uint64_t> total{0};
+  std::atomic<std::size_t> done{0};
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    asio::post(g.get_executor(i), [&g, &total, &done, i] {
+      total += g.at(i).stats().pool.bytes;
+      ++done;
+    });
+  }
+  while (done.load() != g.size()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return total.load();
+}
+
 bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit) {
   const auto deadline = clock_type::now() + limit;
-  auto last = clock_type::now();
   while (!done()) {
     if (clock_type::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    (void)last;
   }
   return true;
 }
@@ -284,6 +308,7 @@ int main(int argc, char** argv) {
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // pools and threads warm
   const std::size_t rss_before = anydoor::test::rss_kib();
+  const std::uint64_t registered_before = registered_bytes(server) + registered_bytes(clients);
 
   const auto t0 = clock_type::now();
   const std::uint64_t share = o.connections / o.reactors;
@@ -304,6 +329,7 @@ int main(int argc, char** argv) {
   const double setup_s = std::chrono::duration<double>(clock_type::now() - t0).count();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const std::size_t rss_idle = anydoor::test::rss_kib();
+  const std::uint64_t registered_idle = registered_bytes(server) + registered_bytes(clients);
   std::fprintf(stderr, "scale: %llu connections open and idle after %.1f s; traffic on every one\n",
                static_cast<unsigned long long>(k.connected.load()), setup_s);
   k.go_traffic = true;
@@ -326,13 +352,19 @@ int main(int argc, char** argv) {
   const double per_end = rss_idle > rss_before && k.connected > 0
                              ? static_cast<double>(rss_idle - rss_before) / (2.0 * static_cast<double>(k.connected))
                              : 0;
+  const double registered_per_end =
+      registered_idle > registered_before && k.connected > 0
+          ? static_cast<double>(registered_idle - registered_before) / 1024.0 / (2.0 * static_cast<double>(k.connected))
+          : 0;
   const bool pass = set_up && closed && k.connected == o.connections && even && k.corrupt == 0 && k.errors == 0 &&
                     k.exchanged == want && k.server_open == 0;
-  std::printf("scale: connections=%llu reactors=%u credits=%u setup_s=%.1f accepted_per_reactor=%s "
-              "rss_before_kib=%zu rss_idle_kib=%zu kib_per_connection_end=%.1f exchanged=%llu corrupt=%llu "
+  std::printf("scale: connections=%llu reactors=%u credits=%u srq=%u setup_s=%.1f accepted_per_reactor=%s "
+              "rss_before_kib=%zu rss_idle_kib=%zu kib_per_connection_end=%.1f "
+              "registered_kib_per_connection_end=%.1f registered_kib=%llu exchanged=%llu corrupt=%llu "
               "errors=%llu verdict=%s\n",
-              static_cast<unsigned long long>(k.connected.load()), o.reactors, o.credits, setup_s, per.c_str(),
-              rss_before, rss_idle, per_end, static_cast<unsigned long long>(k.exchanged.load()),
+              static_cast<unsigned long long>(k.connected.load()), o.reactors, o.credits, o.srq, setup_s, per.c_str(),
+              rss_before, rss_idle, per_end, registered_per_end,
+              static_cast<unsigned long long>(registered_idle / 1024), static_cast<unsigned long long>(k.exchanged.load()),
               static_cast<unsigned long long>(k.corrupt.load()), static_cast<unsigned long long>(k.errors.load()),
               pass ? "pass" : "fail");
   if (!k.first_error.empty()) std::printf("scale: first error: %s\n", k.first_error.c_str());

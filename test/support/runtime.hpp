@@ -29,7 +29,7 @@ namespace ad = anydoor;
 
 // The runtime's wire version (runtime/protocol.hpp's kVersion), for tests
 // that speak the protocol themselves: a change there must be made here too.
-inline constexpr std::uint16_t kWireVersion = 5;
+inline constexpr std::uint16_t kWireVersion = 6;
 
 // Runs io until it runs out of work; fails if that takes longer than limit.
 inline void run_to_completion(asio::io_context& io, std::chrono::seconds limit = std::chrono::seconds(60)) {

@@ -1,0 +1,196 @@
+// The runtime on a shared receive queue (fabric_options::srq_buffers): many
+// connections share one queue's buffers, credits still keep every sender
+// from meeting RNR, windows grow while the queue has spare receives, a
+// connection the queue cannot cover is refused, and a queue pair that fails
+// without a completion (nothing of its own to flush) fails its connection.
+#include "../support/runtime.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <cstring>
+
+using namespace anydoor::test;
+namespace asio = boost::asio;
+namespace ad = anydoor;
+using asio::awaitable;
+using asio::use_awaitable;
+
+namespace {
+
+ad::fabric_options srq_options(std::uint32_t buffers, std::uint16_t window, std::uint32_t max_connections = 16) {
+  ad::fabric_options o = test_options({.credits = window, .keepalive = std::chrono::milliseconds(0)});
+  o.srq_buffers = buffers;
+  o.max_connections = max_connections;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("shared receive queue: 8 connections share 32 receive buffers and no sender meets RNR", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, srq_options(32, 16));
+  ad::fabric client(io, test_options());
+  CHECK(server.stats().srq_posted == 32);
+  CHECK(server.stats().srq_spare == 32);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  constexpr int kConns = 8, kMessages = 300;
+  std::vector<int> got(kConns, 0);
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < kConns; ++i) {
+      ad::connection c = co_await acc.async_accept(use_awaitable);
+      CHECK(c.peer().credits == 64);  // the client has its own receives
+      asio::co_spawn(io, [](ad::connection conn, int* g) -> awaitable<void> {
+        for (int k = 0; k < kMessages; ++k) {
+          ad::message m = co_await conn.async_receive(use_awaitable);
+          const auto want = pattern(100 + static_cast<std::size_t>(k % 50), static_cast<std::uint32_t>(k));
+          REQUIRE(m.size() == want.size());
+          CHECK(std::memcmp(m.data(), want.data(), want.size()) == 0);
+          ++*g;
+        }
+        const char done = 'd';
+        co_await conn.async_send(asio::buffer(&done, 1), use_awaitable);
+        auto [ec, m] = co_await conn.async_receive(asio::as_tuple(use_awaitable));  // the client's close
+        CHECK(ec == ad::errc::connection_closed);
+      }(std::move(c), &got[static_cast<std::size_t>(i)]), f.handler());
+    }
+  }, f.handler());
+  for (int i = 0; i < kConns; ++i) {
+    asio::co_spawn(io, [&]() -> awaitable<void> {
+      ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+      // The server grants 4 at the start, out of a window of 16.
+      CHECK(c.peer().credits == 4);
+      CHECK(c.peer().max_credits == 16);
+      // Eager sends complete once posted: they run ahead as far as the
+      // credits let them, never into a missing receive.
+      for (int k = 0; k < kMessages; ++k) {
+        const auto out = pattern(100 + static_cast<std::size_t>(k % 50), static_cast<std::uint32_t>(k));
+        co_await c.async_send(asio::buffer(out), use_awaitable);
+      }
+      ad::message done = co_await c.async_receive(use_awaitable);
+      CHECK(done.size() == 1);
+      CHECK(c.stats().rnr_naks == 0);
+      co_await c.async_close(use_awaitable);
+    }, f.handler());
+  }
+  run_to_completion(io);
+  f.check();
+  for (int g : got) CHECK(g == kMessages);
+  const auto counters = server.device().counters();
+  REQUIRE(counters.rnr_naks_sent.has_value());
+  CHECK(*counters.rnr_naks_sent == 0);
+  // Everything back in the queue, nothing promised: receive memory was the
+  // 32 buffers throughout.
+  CHECK(server.stats().srq_posted == 32);
+  CHECK(server.stats().srq_spare == 32);
+}
+
+TEST_CASE("shared receive queue: a busy connection's window grows while the queue has spare receives", "[runtime]") {
+  asio::io_context io;
+  // Room for one more connection's floor beyond this one: the rest may
+  // feed windows.
+  ad::fabric server(io, srq_options(64, 32, 2));
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  constexpr int kMessages = 200;
+  std::uint64_t spare_while_open = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    CHECK(server.stats().srq_spare == 64 - 4);  // the new connection's floor
+    for (int k = 0; k < kMessages; ++k) (void)co_await c.async_receive(use_awaitable);  // released at once
+    spare_while_open = server.stats().srq_spare;
+    const char done = 'd';
+    co_await c.async_send(asio::buffer(&done, 1), use_awaitable);
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::vector<std::byte> out(64, std::byte{7});
+    for (int k = 0; k < kMessages; ++k) co_await c.async_send(asio::buffer(out), use_awaitable);
+    (void)co_await c.async_receive(use_awaitable);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  // Each re-posted buffer brought the credit back and one more until the
+  // window (32) was reached: the connection held 32 of the 64, not 4.
+  CHECK(spare_while_open == 64 - 32);
+  CHECK(server.stats().srq_spare == 64);  // returned when its queue pair went
+}
+
+TEST_CASE("shared receive queue: a connection the queue cannot cover is refused until another ends", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, srq_options(8, 16));  // two connections' floors
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  std::vector<ad::connection> held;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 3; ++i) held.push_back(co_await acc.async_accept(use_awaitable));
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection a = co_await client.async_connect(addr(acc), use_awaitable);
+    ad::connection b = co_await client.async_connect(addr(acc), use_awaitable);
+    CHECK(server.stats().srq_spare == 0);
+    auto [ec, c] = co_await client.async_connect(addr(acc), asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::too_many_connections);
+    CHECK(server.stats().refused == 1);
+    // One ends: once its queue pair is gone its 4 receives are free again.
+    co_await a.async_close(use_awaitable);
+    a = ad::connection();
+    asio::steady_timer t(io);
+    for (int i = 0; i < 200 && server.stats().srq_spare < 4; ++i) {
+      // (the server's side of `a` goes when its owner drops it)
+      if (!held.empty() && !held.front().is_open()) held.erase(held.begin());
+      t.expires_after(std::chrono::milliseconds(10));
+      co_await t.async_wait(use_awaitable);
+    }
+    CHECK(server.stats().srq_spare == 4);
+    ad::connection d = co_await client.async_connect(addr(acc), use_awaitable);
+    CHECK(d.is_open());
+    co_await b.async_close(use_awaitable);
+    co_await d.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("shared receive queue: a peer that vanishes fails its connection though nothing completes", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, srq_options(16, 8));  // keepalive off: no silence detection
+  ad::fabric client(io, test_options({.keepalive = std::chrono::milliseconds(0)}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  std::error_code ended;
+  std::chrono::steady_clock::duration took{};
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    // A receive waits: no work request of this connection is outstanding
+    // (its receives are the shared queue's), so the queue pair's failure
+    // produces no completion.
+    const auto start = std::chrono::steady_clock::now();
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    took = std::chrono::steady_clock::now() - start;
+    ended = ec;
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    asio::steady_timer t(io);
+    t.expires_after(std::chrono::milliseconds(200));
+    co_await t.async_wait(use_awaitable);
+    c.abort();  // no close message: the queue pair just goes
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(ended);
+  CHECK(ended != ad::errc::connection_closed);
+  // Noticed by the fabric's liveness tick (once a second when idle).
+  CHECK(took < std::chrono::seconds(5));
+}
