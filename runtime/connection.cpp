@@ -94,10 +94,10 @@ connection_impl::~connection_impl() {
 }
 
 void connection_impl::srq_release() noexcept {
-  if (!srq_ || srq_qpn_ == 0 || qp_ != nullptr) return;
+  if (!srq_attached_ || qp_ != nullptr) return;
   // The queue pair is gone: nothing of the peer's can take a receive now.
   fab_->srq_detach(srq_qpn_);
-  srq_qpn_ = 0;
+  srq_attached_ = false;
   fab_->srq_promised -= static_cast<std::uint64_t>(std::max<std::int64_t>(promised_, 0));
   promised_ = 0;
 }
@@ -139,6 +139,7 @@ void connection_impl::prepare() {
   if (srq_) {
     srq_qpn_ = qp_->qp_num();
     f.srq_attach(srq_qpn_, this);
+    srq_attached_ = true;
     promised_ = std::min<std::int64_t>(opt_.credits, fabric_state::kSrqMinCredits);  // the hello's credits
     f.srq_promised += static_cast<std::uint64_t>(promised_);
   }
@@ -477,8 +478,10 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
   constexpr std::chrono::milliseconds idle = fabric_state::kMaxTick;
   // On a shared receive queue, a queue pair can fail with no completion at
   // all (no receive of its own to flush, nothing sent): its state tells.
+  // (At most once a second: on verbs asking is a system call.)
   if (srq_ && qp_ != nullptr && (state_ == state::open || state_ == state::closing) &&
-      qp_->state() == transport::qp_state::error) {
+      now - srq_state_checked_ >= std::chrono::seconds(1) &&
+      (srq_state_checked_ = now, qp_->state() == transport::qp_state::error)) {
     auto keep = shared_from_this();
     on_receive_failed({.wr_id = 0, .status = transport::wc_status::work_request_flushed, .qp_num = srq_qpn_});
     return idle;

@@ -280,11 +280,17 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // credits
   bool srq_ = false;            // receives come from the fabric's shared queue
-  std::uint32_t srq_qpn_ = 0;   // our queue pair's number in the fabric's table (srq_)
+  std::uint32_t srq_qpn_ = 0;   // our queue pair's number (srq_)
   // srq_: credits granted to the peer and not yet used by a message that
   // arrived (= peer_view_ + owed_ + withheld_ once connected), counted in
   // the fabric's srq_promised.
   std::int64_t promised_ = 0;
+  // srq_: buffers of the shared queue this connection received and has not
+  // given back (in the inbox, with the application, being read from): with
+  // promised_, never more than the window, or the inbox would overflow.
+  std::int64_t held_ = 0;
+  bool srq_attached_ = false;   // in the fabric's table under srq_qpn_
+  std::chrono::steady_clock::time_point srq_state_checked_{};
   std::int64_t credits_ = 0;    // the peer's receives we may use
   std::uint32_t owed_ = 0;      // our receives re-posted, not yet reported
   std::int64_t peer_view_ = 0;  // the peer's credits as we know them

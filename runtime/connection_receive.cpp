@@ -32,6 +32,7 @@ void connection_impl::repost(std::uint32_t buffer) noexcept {
     return;
   }
   if (srq_) {
+    --held_;
     fab_->srq_repost(buffer);
     const std::uint32_t g = grant();
     if (g == 0) return;  // the credit stays with the queue: the window shrinks
@@ -47,6 +48,7 @@ void connection_impl::repost(std::uint32_t buffer) noexcept {
 
 void connection_impl::release_received(std::uint32_t buffer) noexcept {
   if (srq_) {
+    --held_;
     fab_->srq_repost(buffer);
   } else {
     fab_->put_buffer(buffer);
@@ -57,7 +59,10 @@ std::uint32_t connection_impl::grant() noexcept {
   const auto window = static_cast<std::int64_t>(opt_.credits);
   const auto floor = std::min<std::int64_t>(window, fabric_state::kSrqMinCredits);
   const auto spare = static_cast<std::int64_t>(fab_->srq_spare());
-  if (promised_ >= window || spare == 0) return 0;
+  // What the peer may still send plus what we hold must fit the window
+  // (the inbox's size): a slow reader gets nothing until it gives back.
+  const std::int64_t room = window - promised_ - held_;
+  if (room <= 0 || spare == 0) return 0;
   // Back to the floor whatever the queue's state (the buffer just re-posted
   // is spare, so at least one credit is there: a window never dries up).
   std::int64_t g = std::min(std::max<std::int64_t>(floor - promised_, 0), spare);
@@ -70,13 +75,12 @@ std::uint32_t connection_impl::grant() noexcept {
       fab_->options.max_connections > fab_->open_connections ? fab_->options.max_connections - fab_->open_connections : 0;
   const auto reserve = static_cast<std::int64_t>(may_come * fabric_state::kSrqMinCredits);
   if (spare > reserve) g = std::max(g, std::min<std::int64_t>(2, spare - reserve));
-  return static_cast<std::uint32_t>(std::min(g, window - promised_));
+  return static_cast<std::uint32_t>(std::min(g, room));
 }
 
 void connection_impl::on_srq_completion(const transport::completion& wc, std::uint32_t buffer) noexcept {
   auto keep = shared_from_this();
   ++fab_->in_completion;
-  ++rx_count_;
   if (wc.status != transport::wc_status::success) {
     fab_->srq_repost(buffer);
     // verbs reuses queue pair numbers: a flushed receive of a destroyed
@@ -86,6 +90,7 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
         --promised_;
         --fab_->srq_promised;
       }
+      ++rx_count_;
       on_receive_failed(wc);
     } else {
       log().debug("connection qp {}: a failed receive of an earlier queue pair with this number ({}); ignored",
@@ -100,6 +105,8 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
   } else {
     --promised_;
     --fab_->srq_promised;
+    ++held_;
+    ++rx_count_;
     handle_message(buffer, wc.byte_len);
   }
   progress_sends(false);

@@ -111,8 +111,10 @@ pass "--threads 2"
 
 # --srq: every connection of a reactor receives from one shared receive
 # queue (64 buffers for up to 8 connections: all admitted, windows grow).
-start_server srq "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --srq 64 --max-connections 8
+start_server srq env ANYDOOR_LOG=info "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --srq 64 --max-connections 8
 expect_in "$tmp/srq.out" "listening on 127.0.0.1:$PORT \(provider tcp, .*, shared receive queue of 64 buffers\)"
+# (the fabric's own word that it made the queue)
+expect_in "$tmp/srq.err" "fabric: provider tcp .*, shared receive queue of 64 buffers"
 run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 3000 --count 2000 --in-flight 8 --connections 4 --verify
 expect_in "$tmp/last.out" "every byte verified"
 run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 200000 --count 40 --in-flight 2 --verify

@@ -44,7 +44,8 @@ namespace {
 // A runtime hello as a raw provider-level client would send it (see
 // runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:
 // no authentication), receive buffer, eager limit, max message, no nonce.
-std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441) {
+std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441,
+                                    std::uint16_t max_credits = 8) {
   std::array<std::byte, 50> h{};
   const std::uint16_t credits = 8;
   const std::uint32_t recv_buffer = 8256, eager = 8192;
@@ -56,7 +57,7 @@ std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t magic =
   std::memcpy(h.data() + 12, &recv_buffer, 4);
   std::memcpy(h.data() + 16, &eager, 4);
   std::memcpy(h.data() + 20, &max_message, 8);
-  std::memcpy(h.data() + 48, &credits, 2);  // max credits
+  std::memcpy(h.data() + 48, &max_credits, 2);
   return h;
 }
 
@@ -409,10 +410,12 @@ TEST_CASE("handshake: an unknown protocol version or a malformed hello is refuse
     auto dev = open_test_device();
     auto pd = dev->alloc_pd();
     auto cq = dev->create_cq(64);
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 3; ++i) {
       auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      // version 2, then a bad magic
-      const auto hello = i == 0 ? raw_hello(9) : raw_hello(kWireVersion, 0x31524400);
+      // version 9, then a bad magic, then a window (max credits) below the credits granted
+      const auto hello = i == 0   ? raw_hello(9)
+                         : i == 1 ? raw_hello(kWireVersion, 0x31524400)
+                                  : raw_hello(kWireVersion, 0x31524441, 7);
       results.push_back(dev->connect(*qp, test_host(), acc.port(), hello, std::chrono::seconds(10)));
     }
     asio::post(io, [&] { acc.close(); });  // both refused: the accept was still waiting
@@ -422,12 +425,15 @@ TEST_CASE("handshake: an unknown protocol version or a malformed hello is refuse
   f.check();
   REQUIRE(server_side.size() == 1);
   CHECK(server_side[0] == std::errc::operation_canceled);
-  CHECK(server.stats().refused == 2);
-  REQUIRE(results.size() == 2);
+  CHECK(server.stats().refused == 3);
+  REQUIRE(results.size() == 3);
   CHECK(results[0].ec == ad::errc::connection_rejected);
   CHECK(results[0].private_data.size() >= 8);
   CHECK(std::to_integer<int>(results[0].private_data[7]) == 1);  // refuse reason: version
   CHECK(results[1].ec == ad::errc::connection_rejected);
+  CHECK(results[2].ec == ad::errc::connection_rejected);
+  REQUIRE(results[2].private_data.size() >= 8);
+  CHECK(std::to_integer<int>(results[2].private_data[7]) == 3);  // refuse reason: malformed
 }
 
 TEST_CASE("connect errors: malformed address, nobody listening, too many connections", "[runtime]") {

@@ -30,6 +30,7 @@
 // Exit 0 when verdict=pass: all N connected within --setup-seconds, placed
 // evenly (round robin: at most one apart), every message intact, no error.
 #include "../support/args.hpp"
+#include "common/fd_limit.hpp"
 #include "../support/process.hpp"
 
 #include <anydoor/anydoor.hpp>
@@ -41,7 +42,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -107,22 +107,6 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-// Two descriptors per connection live here (both ends), plus the rest.
-bool raise_fd_limit(std::uint64_t need) {
-  rlimit rl{};
-  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return false;
-  if (rl.rlim_cur >= need) return true;
-  if (rl.rlim_max < need) rl.rlim_max = need;  // allowed for root (CAP_SYS_RESOURCE) only
-  rl.rlim_cur = need;
-  if (::setrlimit(RLIMIT_NOFILE, &rl) == 0) return true;
-  ::getrlimit(RLIMIT_NOFILE, &rl);
-  std::fprintf(stderr,
-               "anydoor-scale: %llu descriptors are needed, and the descriptor limit (RLIMIT_NOFILE: soft %llu, hard "
-               "%llu) cannot be raised that far here: raise it (ulimit -n) or ask for fewer --connections\n",
-               static_cast<unsigned long long>(need), static_cast<unsigned long long>(rl.rlim_cur),
-               static_cast<unsigned long long>(rl.rlim_max));
-  return false;
-}
 
 ad::fabric_options fabric_opts(const options& o) {
   ad::fabric_options f;
@@ -294,7 +278,11 @@ int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   // A machine that cannot give the descriptors lacks what the test needs:
   // skipped (exit 77, which CTest reports as skipped), with the reason above.
-  if (!raise_fd_limit(2ull * o.connections + 256)) return 77;
+  // Two descriptors per connection live here (both ends), plus the rest.
+  if (!anydoor::apps::ensure_fd_limit(2ull * o.connections + 256, "anydoor-scale")) {
+    std::fprintf(stderr, "anydoor-scale: skipped: ask for fewer --connections or raise the limit\n");
+    return 77;
+  }
   counters k;
   const ad::fabric_options fo = fabric_opts(o);
   ad::reactor_group server({.threads = o.reactors, .fabric = fo});

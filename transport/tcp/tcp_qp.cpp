@@ -75,11 +75,10 @@ void check_attr(const qp_attributes& a) {
   }
 }
 
-// The receive work requests the queue pair can complete on its receive
-// queue: its own queue's, or its shared queue's.
-std::uint32_t recv_wrs(const qp_attributes& a) noexcept {
-  return a.srq != nullptr ? a.srq->attributes().max_wr : a.max_recv_wr;
-}
+// The receive work requests the queue pair adds to its receive completion
+// queue's count: its own queue's (a shared queue's receives are the
+// consumer's to count once, not once per queue pair).
+std::uint32_t recv_wrs(const qp_attributes& a) noexcept { return a.srq != nullptr ? 0 : a.max_recv_wr; }
 
 }  // namespace
 

@@ -121,7 +121,7 @@ verbs_qp::verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attri
   rsge_.resize(std::size_t{own_rwr} * own_rsge);
   sindex_ = scq_->attach(this, attr_.max_send_wr);
   sgen_ = scq_->qps_[sindex_].generation;
-  rindex_ = rcq_->attach(this, srq_ != nullptr ? srq_->attributes().max_wr : attr_.max_recv_wr);
+  rindex_ = rcq_->attach(this, own_rwr);  // a shared queue's receives are the consumer's to count
   rgen_ = rcq_->qps_[rindex_].generation;
 }
 
@@ -129,7 +129,7 @@ verbs_qp::~verbs_qp() {
   disconnect();
   if (ibv_destroy_qp(qp_) != 0) log().error("ibv_destroy_qp: {}", std::strerror(errno));
   scq_->detach(sindex_, attr_.max_send_wr);
-  rcq_->detach(rindex_, srq_ != nullptr ? srq_->attributes().max_wr : attr_.max_recv_wr);
+  rcq_->detach(rindex_, srq_ != nullptr ? 0 : attr_.max_recv_wr);
 }
 
 void verbs_qp::disconnect() noexcept {

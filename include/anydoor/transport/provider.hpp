@@ -137,7 +137,9 @@ class completion_queue {
 // memory does not grow with the number of queue pairs. A receive taken by a
 // queue pair completes on that queue pair's receive completion queue, with
 // its qp_num. A queue pair that goes to error flushes only the receive it
-// was filling; the others stay posted for the rest. An empty queue turns a
+// was filling; the others stay posted for the rest. Size completion queues
+// for the shared queue's receives too: the providers' "can overflow"
+// warning counts queue pairs' own work requests only. An empty queue turns a
 // send back with an RNR NAK, as an empty receive queue does. Destroy its
 // queue pairs before it (verbs refuses otherwise; tcp logs an error).
 class shared_receive_queue {
