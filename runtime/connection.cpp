@@ -117,8 +117,10 @@ void connection_impl::prepare() {
     a.srq = f.srq.get();
     if (f.srq_spare() < fabric_state::kSrqMinCredits) {
       throw std::system_error(errc::no_buffer_space,
-                              "fabric: every receive of the shared receive queue (srq_buffers " +
-                                  std::to_string(f.options.srq_buffers) + ") is granted to other connections");
+                              "fabric: the shared receive queue (srq_buffers " + std::to_string(f.options.srq_buffers) +
+                                  ") has " + std::to_string(f.srq_posted) + " receives posted, " +
+                                  std::to_string(f.srq_promised) + " of them granted to " +
+                                  std::to_string(f.open_connections) + " other connections");
     }
   }
   sge_per_wr_ = std::clamp<std::uint32_t>(f.device->caps().max_sge, 1, static_cast<std::uint32_t>(kMaxGather));

@@ -63,9 +63,13 @@ std::uint32_t connection_impl::grant() noexcept {
   // (the inbox's size): a slow reader gets nothing until it gives back.
   const std::int64_t room = window - promised_ - held_;
   if (room <= 0 || spare == 0) return 0;
-  // Back to the floor whatever the queue's state (the buffer just re-posted
-  // is spare, so at least one credit is there: a window never dries up).
-  std::int64_t g = std::min(std::max<std::int64_t>(floor - promised_, 0), spare);
+  // Back to the floor, counting what it holds (a connection's share of the
+  // queue is its grants plus the buffers it holds, as without a shared
+  // queue its receives are the credits minus what it holds: so the floors
+  // of max_connections connections always fit). The buffer just re-posted
+  // is spare, so a connection holding nothing gets its floor back at once:
+  // a window never dries up.
+  std::int64_t g = std::min(std::max<std::int64_t>(floor - promised_ - held_, 0), spare);
   // With room to spare beyond the floors of the connections the fabric may
   // still accept (max_connections, so that growth never locks a new
   // connection out): this credit back and one more (a busy connection's

@@ -280,3 +280,50 @@ TEST_CASE("shared receive queue: with authentication the withheld credits come f
   CHECK(echoed == 100);
   CHECK(server.stats().srq_spare == 16);
 }
+
+TEST_CASE("shared receive queue: buffers a connection holds count toward its floor, so the floors of "
+          "max_connections connections always fit",
+          "[runtime]") {
+  // 8 buffers, at most 2 connections: both floors (4 each) must fit even
+  // while the first holds messages it has not taken yet.
+  asio::io_context io;
+  ad::fabric server(io, srq_options(8, 16, 2));
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  bool second = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection a = co_await acc.async_accept(use_awaitable);
+    asio::steady_timer t(io);
+    // The peer's three messages (its window of 4 less the control credit) arrive.
+    for (int i = 0; i < 500 && server.stats().srq_posted > 5; ++i) {
+      t.expires_after(std::chrono::milliseconds(10));
+      co_await t.async_wait(use_awaitable);
+    }
+    CHECK(server.stats().srq_posted == 5);
+    { ad::message m = co_await a.async_receive(use_awaitable); }  // one given back, two still held
+    ad::connection b = co_await acc.async_accept(use_awaitable);
+    second = b.is_open();
+    for (int k = 0; k < 2; ++k) (void)co_await a.async_receive(use_awaitable);
+    auto [ec1, m1] = co_await a.async_receive(asio::as_tuple(use_awaitable));
+    auto [ec2, m2] = co_await b.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec1 == ad::errc::connection_closed);
+    CHECK(ec2 == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection a = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::vector<std::byte> out(16, std::byte{1});
+    for (int k = 0; k < 3; ++k) co_await a.async_send(asio::buffer(out), use_awaitable);
+    asio::steady_timer t(io);
+    for (int i = 0; i < 500 && server.stats().srq_posted != 6; ++i) {
+      t.expires_after(std::chrono::milliseconds(10));
+      co_await t.async_wait(use_awaitable);
+    }
+    ad::connection b = co_await client.async_connect(addr(acc), use_awaitable);
+    co_await b.async_close(use_awaitable);
+    co_await a.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(second);
+}
