@@ -35,7 +35,12 @@ void connection_impl::repost(std::uint32_t buffer) noexcept {
     --held_;
     fab_->srq_repost(buffer);
     const std::uint32_t g = grant();
-    if (g == 0) return;  // the credit stays with the queue: the window shrinks
+    if (g == 0) {
+      // The credit stays with the queue (the window shrinks); one owed
+      // earlier still goes out if the peer is down to its control credit.
+      if (owed_ > 0 && peer_view_ <= 1) schedule();
+      return;
+    }
     owed_ += g;
     promised_ += g;
     fab_->srq_promised += g;
@@ -112,6 +117,9 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
     ++held_;
     ++rx_count_;
     handle_message(buffer, wc.byte_len);
+    // The peer is down to its control credit and we owe it some (a short
+    // queue grants one at a time): the flush sends them (maybe_send_credits).
+    if (owed_ > 0 && peer_view_ <= 1 && qp_ != nullptr) schedule();
   }
   progress_sends(false);
   deliver(false);

@@ -327,3 +327,53 @@ TEST_CASE("shared receive queue: buffers a connection holds count toward its flo
   f.check();
   CHECK(second);
 }
+
+TEST_CASE("shared receive queue: a reader holding messages still gets the next one when the queue is tight",
+          "[runtime]") {
+  // 8 buffers for at most 2 connections (no growth: the spare is the
+  // second connection's floor), window 8, no keepalive (no heartbeat to
+  // carry a credit). The reader frees the first message and keeps the
+  // next two: the one credit it owes must reach the peer, which is down to
+  // its control credit, or the fourth message never comes.
+  asio::io_context io;
+  ad::fabric server(io, srq_options(8, 8, 2));
+  ad::fabric client(io, test_options({.keepalive = std::chrono::milliseconds(0)}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  bool fourth = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    { ad::message m1 = co_await c.async_receive(use_awaitable); }
+    ad::message m2 = co_await c.async_receive(use_awaitable);
+    ad::message m3 = co_await c.async_receive(use_awaitable);
+    asio::steady_timer limit(io);
+    limit.expires_after(std::chrono::seconds(5));
+    limit.async_wait([&](const boost::system::error_code& ec) {
+      if (!ec) c.abort();  // a stall: end it so that the test fails instead of hanging
+    });
+    auto [ec, m4] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    limit.cancel();
+    fourth = !ec && m4.size() == 16;
+    m2 = ad::message();
+    m3 = ad::message();
+    if (!ec) {
+      auto [e, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      CHECK(e == ad::errc::connection_closed);
+    }
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::vector<std::byte> out(16, std::byte{4});
+    // The first alone: the reader frees it (and owes one credit) before
+    // the next two arrive.
+    co_await c.async_send(asio::buffer(out), use_awaitable);
+    asio::steady_timer t(io);
+    t.expires_after(std::chrono::milliseconds(200));
+    co_await t.async_wait(use_awaitable);
+    for (int k = 1; k < 4; ++k) co_await c.async_send(asio::buffer(out), use_awaitable);
+    co_await c.async_close(asio::as_tuple(use_awaitable));
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(fourth);
+}
