@@ -187,10 +187,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     rr[i] = {.wr_id = 100 + i, .sg_list = {&rsg[i], 1}};
   }
   if (qp->post_recv(rr)) die("post_recv");
-  // The runtime's hello (protocol.hpp, version 5, no authentication).
-  std::array<std::byte, 48> hello{};  // keepalive 0: no heartbeats asked
+  // The runtime's hello (protocol.hpp, version 6, no authentication).
+  std::array<std::byte, 50> hello{};  // keepalive 0: no heartbeats asked
   const std::uint32_t magic = 0x31524441, recv_buffer = kRecv, eager = kRecv - 8;
-  const std::uint16_t version = 5, credits = kPeerCredits;
+  const std::uint16_t version = 6, credits = kPeerCredits;
   const std::uint64_t max_message = 1 << 20;
   std::memcpy(hello.data(), &magic, 4);
   std::memcpy(hello.data() + 4, &version, 2);
@@ -199,6 +199,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::memcpy(hello.data() + 12, &recv_buffer, 4);
   std::memcpy(hello.data() + 16, &eager, 4);
   std::memcpy(hello.data() + 20, &max_message, 8);
+  std::memcpy(hello.data() + 48, &credits, 2);  // max credits: the window is what it grants
   tp::connect_result res;
   std::atomic<bool> connected{false};
   std::thread t([&] {
