@@ -108,7 +108,11 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
   } else if (promised_ <= 0) {
     // More messages than credits granted: they took receives granted to
     // other connections.
-    log().warn("connection qp {}: the peer sent more messages than it had credits", srq_qpn_);
+    // (Once: a burst behind the first one arrives after the connection
+    // failed, and a hostile peer must not flood the log.)
+    if (state_ != state::failed && state_ != state::closed) {
+      log().warn("connection qp {}: the peer sent more messages than it had credits", srq_qpn_);
+    }
     fab_->srq_repost(buffer);
     fail(errc::protocol_error);
   } else {

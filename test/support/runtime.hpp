@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -30,6 +31,26 @@ namespace ad = anydoor;
 // The runtime's wire version (runtime/protocol.hpp's kVersion), for tests
 // that speak the protocol themselves: a change there must be made here too.
 inline constexpr std::uint16_t kWireVersion = 6;
+
+// A runtime hello as a raw provider-level client would send it (see
+// runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:
+// no authentication), receive buffer, eager limit, max message, no nonce.
+inline std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t magic = 0x31524441,
+                                    std::uint16_t max_credits = 8) {
+  std::array<std::byte, 50> h{};
+  const std::uint16_t credits = 8;
+  const std::uint32_t recv_buffer = 8256, eager = 8192;
+  const std::uint64_t max_message = 1 << 20;
+  std::memcpy(h.data(), &magic, 4);
+  std::memcpy(h.data() + 4, &version, 2);
+  h[6] = std::byte{1};  // kind hello
+  std::memcpy(h.data() + 8, &credits, 2);
+  std::memcpy(h.data() + 12, &recv_buffer, 4);
+  std::memcpy(h.data() + 16, &eager, 4);
+  std::memcpy(h.data() + 20, &max_message, 8);
+  std::memcpy(h.data() + 48, &max_credits, 2);
+  return h;
+}
 
 // Runs io until it runs out of work; fails if that takes longer than limit.
 inline void run_to_completion(asio::io_context& io, std::chrono::seconds limit = std::chrono::seconds(60)) {

@@ -113,8 +113,16 @@ class verbs_request final : public connection_request {
     if (vqp->state() == qp_state::reset) {
       if (auto ec = vqp->cm_transition(id_, IBV_QPS_INIT)) return fail(ch, ec);
     }
+    // RTR and RTS before the REP goes out, as the kernel's own accept and
+    // librdmacm's rdma_accept do (the CM allows RTS in REQ_RCVD: our send
+    // PSN is the one the peer chose in its REQ). After ESTABLISHED it may be
+    // too late: a peer that disconnects at once (its DREQ right behind its
+    // RTU) moves the CM to DREQ_RCVD, where rdma_init_qp_attr refuses RTS
+    // with EINVAL, and the connection it saw established would be lost here.
+    // No send is posted on the queue pair until the accept completes.
     if (!vqp->iwarp()) {
       if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTR)) return fail(ch, ec);
+      if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTS)) return fail(ch, ec);
     }
     ibv_device_attr attr{};
     ibv_query_device(id_->verbs, &attr);
@@ -129,9 +137,6 @@ class verbs_request final : public connection_request {
     if (type != RDMA_CM_EVENT_ESTABLISHED) {
       log().warn("verbs: accept: expected ESTABLISHED, got {}", rdma_event_str(type));
       return fail(ch, errc::connection_refused);
-    }
-    if (!vqp->iwarp()) {
-      if (auto ec = vqp->cm_transition(id_, IBV_QPS_RTS)) return fail(ch, ec);
     }
     vqp->adopt(id_, ch);
     id_ = nullptr;

@@ -213,14 +213,30 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
   ibv_qp_attr a{};
   int mask = 0;
   a.qp_state = target;
-  if (rdma_init_qp_attr(id, &a, &mask) != 0) return {errno, std::system_category()};
+  if (rdma_init_qp_attr(id, &a, &mask) != 0) {
+    const std::error_code ec(errno, std::system_category());
+    log().warn("qp {}: rdma_init_qp_attr for {} failed: {} (the connection's rdma_cm state allows no such move)",
+               qp_num(), to_string(from_ibv(target)), ec.message());
+    return ec;
+  }
   if (target == IBV_QPS_INIT) {
     a.qp_access_flags = qp_access_flags(attr_.remote_access);
     mask |= IBV_QP_ACCESS_FLAGS;
   }
+  // Read depths: rdma_cm suggests the peer's values until its REP or
+  // ours goes out (the passive side moves to RTS before its REP): never
+  // more than this device takes, nor more than the 16 conn_param offers.
+  ibv_device_attr dev{};
+  const bool have_dev = ibv_query_device(qp_->context, &dev) == 0;
   if (target == IBV_QPS_RTR) {
     a.min_rnr_timer = rnr_timer_code(attr_.min_rnr_timer_us);
     mask |= IBV_QP_MIN_RNR_TIMER;
+    if ((mask & IBV_QP_MAX_DEST_RD_ATOMIC) != 0 && have_dev) {
+      a.max_dest_rd_atomic = static_cast<std::uint8_t>(std::min<int>({a.max_dest_rd_atomic, dev.max_qp_rd_atom, 16}));
+    }
+  }
+  if (target == IBV_QPS_RTS && (mask & IBV_QP_MAX_QP_RD_ATOMIC) != 0 && have_dev) {
+    a.max_rd_atomic = static_cast<std::uint8_t>(std::min<int>({a.max_rd_atomic, dev.max_qp_init_rd_atom, 16}));
   }
   if (target == IBV_QPS_RTS) {
     log().debug("qp {}: rdma_cm suggests ack timeout {}, retry count {}", qp_num(), a.timeout, a.retry_cnt);
@@ -231,7 +247,16 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
     a.retry_cnt = 7;
     mask |= IBV_QP_RNR_RETRY | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT;
   }
-  if (ibv_modify_qp(qp_, &a, mask) != 0) return {errno, std::system_category()};
+  if (ibv_modify_qp(qp_, &a, mask) != 0) {
+    const std::error_code ec(errno, std::system_category());
+    ibv_qp_attr now{};
+    ibv_qp_init_attr init{};
+    const bool known = ibv_query_qp(qp_, &now, IBV_QP_STATE, &init) == 0;
+    log().warn("qp {}: modify to {} (mask {:#x}) failed: {}; the queue pair is in {}", qp_num(),
+               to_string(from_ibv(target)), mask, ec.message(),
+               known ? to_string(from_ibv(now.qp_state)) : std::string_view("an unknown state"));
+    return ec;
+  }
   posted_state_ = from_ibv(target);
   log().debug("qp {}: -> {}", qp_num(), to_string(posted_state_));
   return {};

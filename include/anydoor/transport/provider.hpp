@@ -149,6 +149,8 @@ class shared_receive_queue {
   // ibv_post_srq_recv; any thread. Either every request is accepted or
   // none is (*bad: the offending one): errc::invalid_argument (more sges
   // than max_sge), errc::queue_full (the queue holds max_wr receives).
+  // (As for queue_pair::post_send, a device error past these checks leaves
+  // the requests before *bad posted.)
   virtual std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad = nullptr) noexcept = 0;
 
   // Arms the limit (ibv_modify_srq with IBV_SRQ_LIMIT): once fewer than
@@ -177,10 +179,18 @@ class queue_pair {
   // State transitions (ibv_modify_qp). Allowed: reset->init, init->rtr and
   // rtr->rts (need a connected peer, normally done by connect/accept),
   // any->error, any->reset. Anything else is errc::invalid_state.
+  // ->reset discards outstanding work without completions, as verbs does:
+  // that includes a shared queue's receive the queue pair was filling (its
+  // wr_id never comes back). Move to error and drain first to get every
+  // receive back.
   virtual std::error_code modify(qp_state next) noexcept = 0;
 
   // Posts the whole span with one doorbell. Either every request is accepted
   // or none is: on error, *bad (if given) is the index of the offending one.
+  // (Every error named here is found before anything is posted. An error
+  // from the device itself past those checks, a system error code, leaves
+  // the requests before *bad posted, as ibv_post_send does; the runtime
+  // fails the connection on any post error.)
   // errc::invalid_argument: too many sges, inline data above max_inline_data
   // or on a read/atomic, an atomic without exactly one 8-byte sge or with a
   // remote address that is not 8-byte aligned. errc::queue_full: the send
