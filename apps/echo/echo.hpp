@@ -36,6 +36,7 @@ struct client_options {
   double timeout = 10;         // seconds a reply may take before the server counts as gone
   bool verify = false;
   bool json = false;
+  std::uint32_t threads = 1;   // client reactors (each its own thread, fabric and share of the connections)
 };
 int run_client(const client_options& o);
 

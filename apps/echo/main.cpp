@@ -14,7 +14,7 @@ constexpr const char* kUsage =
     "anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES] "
     "[--max-connections N] [--threads N] [--credits N] [--srq BUFFERS]\n"
     "       anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS] "
-    "[--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify] [--json] [--provider auto|tcp|verbs]";
+    "[--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify] [--json] [--threads N] [--provider auto|tcp|verbs]";
 
 using anydoor::apps::arg_scanner;
 
@@ -85,9 +85,11 @@ int main(int argc, char** argv) {
         else if (opt == "--timeout") o.timeout = seconds_value(a);
         else if (opt == "--verify") o.verify = true;
         else if (opt == "--json") o.json = true;
+        else if (opt == "--threads") o.threads = static_cast<std::uint32_t>(a.size_value(1, 256));
         else a.fail("unknown option " + std::string(opt));
       }
       if (!connect) a.fail("client needs --connect HOST:PORT");
+      if (o.threads > o.connections) a.fail("--threads must not exceed --connections (each thread drives its own)");
       if (o.count != 0 && o.duration != 0) a.fail("give --count or --duration, not both");
       if (o.count == 0 && o.duration == 0) o.count = 10000;
       return echo::run_client(o);

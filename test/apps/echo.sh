@@ -97,7 +97,17 @@ run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 9000 --count 400 -
 expect_in "$tmp/last.out" "every byte verified"
 run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 100 --count 400 --in-flight 2 --connections 4 --credits 4 --verify
 expect_in "$tmp/last.out" "every byte verified"
-timeout 60 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --connections 2 >"$tmp/c.out" 2>"$tmp/c.err" &
+# client --threads: each thread its own fabric and share of the connections
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --size 300 --count 1001 --in-flight 4 --connections 3 --threads 2 --verify
+expect_in "$tmp/last.out" "^anydoor-echo: 1001 messages of 300 B in .* over 3 connection\(s\), 4 in flight each \(provider tcp, 2 client threads, every byte verified\)"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --count 500 --connections 2 --threads 2 --json
+python3 -c 'import json,sys; o=json.load(open(sys.argv[1])); assert o["threads"]==2 and o["messages"]==500 and o["connections"]==2, o' "$tmp/last.out" || fail "client --threads --json: $(cat "$tmp/last.out")"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 2.5 --connections 2 --threads 2
+[ "$(grep -c '^anydoor-echo: [0-9] s: .* msg/s, .* MB/s (2 client threads)$' "$tmp/last.err")" -ge 2 ] || fail "client --threads: no progress lines: $(cat "$tmp/last.err")"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:$PORT --connections 1 --threads 2; expect_in "$tmp/last.err" "--threads must not exceed --connections"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:$PORT --threads 0; expect_in "$tmp/last.err" "--threads takes"
+# A server that goes away ends a --threads client too (every thread, not just the one that noticed first).
+timeout 60 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --connections 2 --threads 2 >"$tmp/c.out" 2>"$tmp/c.err" &
 cpid=$!
 sleep 1
 kill -TERM "$PID_group"
@@ -105,7 +115,7 @@ timeout 10 tail --pid="$PID_group" -f /dev/null || fail "the --threads server di
 wait "$PID_group"; rc=$?
 [ "$rc" = 0 ] || fail "the --threads server exited $rc after SIGTERM"
 expect_in "$tmp/group.err" "SIGTERM: closing 2 connection\(s\) on 2 reactors"
-expect_in "$tmp/group.out" "served [0-9]+ calls on 10 connection\(s\) \(per reactor: 5 5\)"
+expect_in "$tmp/group.out" "served [0-9]+ calls on 17 connection\(s\) \(per reactor: 9 8\)"
 wait "$cpid"; [ $? = 1 ] || fail "the client did not fail when the --threads server went away"
 pass "--threads 2"
 
