@@ -1,25 +1,36 @@
 // anydoor-kv-server: the key-value store behind RPC (with one-sided GETs
-// on its table) and, with --resp-listen, the Redis protocol.
+// on its table) and, with --resp-listen, the Redis protocol. With
+// --threads N (N > 1) it runs N reactors (a reactor_group) behind one
+// listening socket: the store, its log and the Redis door live on reactor
+// 0; the RPC servers of the others hand each call to reactor 0 and answer
+// from their own thread; GETs by READ touch no server thread at all (the
+// table is registered with every reactor's fabric).
 #include "common/args.hpp"
 #include "resp.hpp"
 #include "service.hpp"
 
 #include <anydoor/fabric.hpp>
+#include <anydoor/reactor_group.hpp>
 
 #include <boost/asio/signal_set.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <future>
 #include <memory>
 #include <optional>
+#include <thread>
+#include <vector>
 
 namespace {
 
 constexpr const char* kUsage =
     "anydoor-kv-server --listen HOST:PORT [--data-dir DIR] [--sync always|everysec|no] [--resp-listen HOST:PORT]\n"
     "       [--max-memory BYTES] [--max-key BYTES] [--max-value BYTES] [--compact-min BYTES]\n"
-    "       [--max-connections N] [--resp-max-clients N] [--provider auto|tcp|verbs]";
+    "       [--max-connections N] [--resp-max-clients N] [--threads N] [--provider auto|tcp|verbs]";
 
 namespace kv = anydoor::apps::kv;
 namespace asio = boost::asio;
@@ -35,6 +46,7 @@ struct options {
   std::uint64_t compact_min = std::uint64_t{1} << 20;
   std::uint32_t resp_max_clients = 1000;
   std::uint32_t max_connections = 128;  // x (send queue + credits) must fit the device's CQ (rxe: 32767)
+  std::size_t threads = 1;              // reactors (per reactor: max_connections)
   std::string provider = "auto";
 };
 
@@ -80,6 +92,8 @@ options parse(int argc, char** argv) {
       o.resp_max_clients = static_cast<std::uint32_t>(a.size_value(1, 100000));
     } else if (opt == "--max-connections") {
       o.max_connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
+    } else if (opt == "--threads") {
+      o.threads = static_cast<std::size_t>(a.size_value(1, 256));
     } else if (opt == "--provider") {
       o.provider = std::string(a.value());
       if (o.provider != "auto" && o.provider != "tcp" && o.provider != "verbs") {
@@ -93,53 +107,87 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-int run(const options& o) {
-  asio::io_context io;
-  kv::store st(o.store);
-  std::unique_ptr<kv::durable_log> log;
-  if (!o.data_dir.empty()) {
-    log = std::make_unique<kv::durable_log>(
-        io, kv::log_options{.dir = o.data_dir, .sync = o.sync, .compact_min = o.compact_min},
-        [&](kv::record_type t, std::string_view k, std::span<const std::byte> v) {
-          if (t == kv::record_type::del) {
-            st.del(k);
-            return;
-          }
-          const auto r = st.put(k, v, true);
-          if (r == kv::put_status::ok) return;
-          throw std::runtime_error(r == kv::put_status::out_of_memory
-                                       ? "the log holds more data than --max-memory " +
-                                             std::to_string(o.store.max_memory) + " bytes takes: raise it"
-                                       : "the log holds a key of " + std::to_string(k.size()) + " or a value of " +
-                                             std::to_string(v.size()) +
-                                             " bytes, above --max-key/--max-value: raise them");
-        });
-    const auto& rep = log->replayed();
-    std::printf("anydoor-kv-server: data dir %s, sync %s: replayed %llu records (%llu keys, %llu log bytes) in %.1f ms\n",
-                o.data_dir.c_str(), kv::to_string(o.sync), static_cast<unsigned long long>(rep.records),
-                static_cast<unsigned long long>(st.stats().keys), static_cast<unsigned long long>(rep.bytes), rep.ms);
-    if (rep.torn_bytes != 0) {
-      std::printf("anydoor-kv-server: cut a torn tail of %llu bytes off the log: %s (saved to %s)\n",
-                  static_cast<unsigned long long>(rep.torn_bytes), rep.torn_why.c_str(), rep.torn_copy.c_str());
-    }
-  } else {
+// Opens the log in --data-dir (replaying it into the store), or says the
+// server is memory-only. Throws std::runtime_error (refusal to start).
+std::unique_ptr<kv::durable_log> open_log(const options& o, asio::io_context& io, kv::store& st) {
+  if (o.data_dir.empty()) {
     std::printf("anydoor-kv-server: memory-only (no --data-dir): the data is lost when the server stops\n");
+    return nullptr;
   }
-  kv::service svc(st, log.get());
-  svc.maybe_compact();  // a log already past twice the live data
+  auto log = std::make_unique<kv::durable_log>(
+      io, kv::log_options{.dir = o.data_dir, .sync = o.sync, .compact_min = o.compact_min},
+      [&](kv::record_type t, std::string_view k, std::span<const std::byte> v) {
+        if (t == kv::record_type::del) {
+          st.del(k);
+          return;
+        }
+        const auto r = st.put(k, v, true);
+        if (r == kv::put_status::ok) return;
+        throw std::runtime_error(r == kv::put_status::out_of_memory
+                                     ? "the log holds more data than --max-memory " +
+                                           std::to_string(o.store.max_memory) + " bytes takes: raise it"
+                                     : "the log holds a key of " + std::to_string(k.size()) + " or a value of " +
+                                           std::to_string(v.size()) +
+                                           " bytes, above --max-key/--max-value: raise them");
+      });
+  const auto& rep = log->replayed();
+  std::printf("anydoor-kv-server: data dir %s, sync %s: replayed %llu records (%llu keys, %llu log bytes) in %.1f ms\n",
+              o.data_dir.c_str(), kv::to_string(o.sync), static_cast<unsigned long long>(rep.records),
+              static_cast<unsigned long long>(st.stats().keys), static_cast<unsigned long long>(rep.bytes), rep.ms);
+  if (rep.torn_bytes != 0) {
+    std::printf("anydoor-kv-server: cut a torn tail of %llu bytes off the log: %s (saved to %s)\n",
+                static_cast<unsigned long long>(rep.torn_bytes), rep.torn_why.c_str(), rep.torn_copy.c_str());
+  }
+  return log;
+}
 
+anydoor::fabric_options fabric_options_for(const options& o) {
   anydoor::fabric_options fo;
   fo.device.provider = o.provider;
   fo.max_connections = o.max_connections;
   fo.connection.max_message = std::max<std::uint64_t>(std::uint64_t{1} << 20, 4 + o.store.max_key + std::uint64_t{o.store.max_value} + 64);
   fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{16} << 20, fo.connection.max_message);
-  anydoor::fabric fab(io, fo);
+  return fo;
+}
+
+void print_listening(const options& o, std::uint16_t port, std::string_view provider, const kv::store& st) {
+  endpoint bound = o.listen;
+  bound.port = port;
+  std::string threads;
+  if (o.threads > 1) {
+    threads = ", ";  // (not ", " + to_string(): GCC 12 at -O3 warns falsely, -Wrestrict)
+    threads += std::to_string(o.threads);
+    threads += " reactor threads";
+  }
+  std::printf("anydoor-kv-server: listening on %s (provider %.*s, %llu buckets, max memory %llu bytes%s)\n",
+              bound.str().c_str(), static_cast<int>(provider.size()), provider.data(),
+              static_cast<unsigned long long>(st.describe().buckets),
+              static_cast<unsigned long long>(o.store.max_memory), threads.c_str());
+  std::fflush(stdout);
+}
+
+std::unique_ptr<kv::resp_door> open_door(const options& o, asio::io_context& io, kv::service& svc) {
+  if (!o.resp) return nullptr;
+  auto door = std::make_unique<kv::resp_door>(io, svc, o.resp->host, o.resp->port, o.resp_max_clients);
+  endpoint rb = *o.resp;
+  rb.port = door->port();
+  std::printf("anydoor-kv-server: redis protocol on %s\n", rb.str().c_str());
+  return door;
+}
+
+int run(const options& o) {
+  asio::io_context io;
+  kv::store st(o.store);
+  std::unique_ptr<kv::durable_log> log = open_log(o, io, st);
+  kv::service svc(st, log.get());
+  svc.maybe_compact();  // a log already past twice the live data
+
+  anydoor::fabric fab(io, fabric_options_for(o));
   anydoor::memory_region table = fab.register_memory(st.memory(), anydoor::access::remote_read);
   anydoor::rpc::server srv({.max_concurrent_calls = 64});
   svc.add_methods(srv, table);
   anydoor::acceptor acc = fab.listen(o.listen.host, o.listen.port);
-  endpoint bound = o.listen;
-  bound.port = acc.port();
+  const std::uint16_t port = acc.port();
   asio::signal_set signals(io, SIGINT, SIGTERM);
   std::unique_ptr<kv::resp_door> door;
   bool failed = false;
@@ -155,26 +203,139 @@ int run(const options& o) {
       stop_all();
     }
   });
-  if (o.resp) {
-    door = std::make_unique<kv::resp_door>(io, svc, o.resp->host, o.resp->port, o.resp_max_clients);
-    endpoint rb = *o.resp;
-    rb.port = door->port();
-    std::printf("anydoor-kv-server: redis protocol on %s\n", rb.str().c_str());
-  }
+  door = open_door(o, io, svc);
   signals.async_wait([&](const anydoor::error_code& ec, int sig) {
     if (ec) return;
     std::fprintf(stderr, "anydoor-kv-server: %s: shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
     stop_all();
   });
-  std::printf("anydoor-kv-server: listening on %s (provider %.*s, %llu buckets, max memory %llu bytes)\n",
-              bound.str().c_str(), static_cast<int>(fab.provider().size()), fab.provider().data(),
-              static_cast<unsigned long long>(st.describe().buckets),
-              static_cast<unsigned long long>(o.store.max_memory));
-  std::fflush(stdout);
+  print_listening(o, port, fab.provider(), st);
   io.run();
   if (log) log->close();
   const auto ss = st.stats();
   std::printf("anydoor-kv-server: stopped with %llu keys\n", static_cast<unsigned long long>(ss.keys));
+  return failed ? 1 : 0;
+}
+
+// Runs f on reactor i and waits for it; what f throws is rethrown here.
+template <class F>
+auto on_reactor(anydoor::reactor_group& g, std::size_t i, F f) -> decltype(f()) {
+  using result = decltype(f());
+  std::promise<result> p;
+  auto done = p.get_future();
+  asio::post(g.get_executor(i), [&p, &f] {
+    try {
+      if constexpr (std::is_void_v<result>) {
+        f();
+        p.set_value();
+      } else {
+        p.set_value(f());
+      }
+    } catch (...) {
+      p.set_exception(std::current_exception());
+    }
+  });
+  return done.get();
+}
+
+// --threads N: reactor 0 is the store's home (the store, the log, the
+// Redis door, and its own RPC server); every other reactor serves the
+// connections placed on it and hands each call to reactor 0. The main
+// thread waits for the signal, then shuts every server down on its own
+// reactor, lets the connections drain, closes the log on reactor 0 and
+// stops the reactors.
+int run_group(const options& o) {
+  // Declared before the group: coroutines still suspended when the reactors
+  // stop are destroyed with their io_contexts, and may touch these then.
+  kv::store st(o.store);
+  std::unique_ptr<kv::durable_log> log;
+  std::unique_ptr<kv::service> svc;
+  std::unique_ptr<kv::resp_door> door;
+  auto group = std::make_unique<anydoor::reactor_group>(
+      anydoor::reactor_group_options{.threads = o.threads, .fabric = fabric_options_for(o)});
+  anydoor::reactor_group& g = *group;
+  const std::size_t n = g.size();
+  log = open_log(o, g.context(0), st);  // nothing on reactor 0 touches it yet
+  svc = std::make_unique<kv::service>(st, log.get());
+  on_reactor(g, 0, [&] { svc->maybe_compact(); });
+  // The Redis door before anything serves: a busy port fails the start
+  // while nothing else runs yet.
+  on_reactor(g, 0, [&] { door = open_door(o, g.context(0), *svc); });
+  std::vector<anydoor::memory_region> tables(n);
+  std::vector<std::unique_ptr<anydoor::rpc::server>> servers;
+  for (std::size_t i = 0; i < n; ++i) {
+    servers.push_back(std::make_unique<anydoor::rpc::server>(anydoor::rpc::server_options{.max_concurrent_calls = 64}));
+    on_reactor(g, i, [&, i] {
+      tables[i] = g.at(i).register_memory(st.memory(), anydoor::access::remote_read);
+      if (i == 0) {
+        svc->add_methods(*servers[i], tables[i]);
+      } else {
+        svc->add_remote_methods(*servers[i], tables[i], g.get_executor(0));
+      }
+    });
+  }
+  std::vector<anydoor::acceptor> accs = g.listen(o.listen.host, o.listen.port);
+  const std::uint16_t port = accs[0].port();
+  asio::io_context main_io;
+  asio::signal_set signals(main_io, SIGINT, SIGTERM);
+  std::atomic<std::size_t> serving{n};
+  std::atomic<bool> failed{false};
+  auto shutdown_all = [&] {
+    for (std::size_t i = 0; i < n; ++i) {
+      asio::post(g.get_executor(i), [&, i] {
+        servers[i]->shutdown(std::chrono::seconds(2));
+        if (i == 0 && door) door->stop();
+      });
+    }
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    on_reactor(g, i, [&, i] {
+      servers[i]->async_serve(std::move(accs[i]), [&](anydoor::error_code ec) {
+        if (ec && ec != std::errc::operation_canceled) {
+          std::fprintf(stderr, "anydoor-kv-server: the listener failed: %s\n", ec.message().c_str());
+          failed = true;
+          asio::post(main_io, [&] { signals.cancel(); shutdown_all(); });
+        }
+        if (--serving == 0) asio::post(main_io, [&] { signals.cancel(); });  // the last server done
+      });
+    });
+  }
+  signals.async_wait([&](const anydoor::error_code& ec, int sig) {
+    if (ec) return;
+    std::fprintf(stderr, "anydoor-kv-server: %s: shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    shutdown_all();
+  });
+  print_listening(o, port, g.at(0).provider(), st);
+  main_io.run();  // until every server's accepting has ended (the signal's shutdown, or a failure)
+  while (serving > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Running calls answer and the connections (RPC and Redis) close within
+  // the shutdown's grace; then what the log holds is written, and the
+  // reactors stop.
+  const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (;;) {
+    std::uint64_t open = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      open += on_reactor(g, i, [&, i] {
+        return servers[i]->stats().connections + (i == 0 && door ? door->stats().connections : 0);
+      });
+    }
+    if (open == 0 || std::chrono::steady_clock::now() > drain_until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  on_reactor(g, 0, [&] {
+    if (log) log->close();
+  });
+  for (std::size_t i = 0; i < n; ++i) on_reactor(g, i, [&, i] { tables[i] = anydoor::memory_region(); });
+  g.stop();
+  std::string per;
+  for (auto& srv : servers) {
+    per.push_back(' ');  // (not " " + to_string(): GCC 12 at -O3 warns falsely, -Wrestrict)
+    per += std::to_string(srv->stats().calls);
+  }
+  servers.clear();
+  group.reset();
+  std::printf("anydoor-kv-server: stopped with %llu keys (RPC calls per reactor:%s)\n",
+              static_cast<unsigned long long>(st.stats().keys), per.c_str());
   return failed ? 1 : 0;
 }
 
@@ -183,7 +344,7 @@ int run(const options& o) {
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   try {
-    return run(o);
+    return o.threads > 1 ? run_group(o) : run(o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "anydoor-kv-server: %s\n", e.what());
     return 1;

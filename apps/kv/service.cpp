@@ -1,6 +1,8 @@
 #include "service.hpp"
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/co_spawn.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <cstring>
@@ -86,47 +88,118 @@ asio::awaitable<rpc::status> service::durable(std::uint64_t lsn) {
   co_return rpc::status();
 }
 
-void service::add_methods(rpc::server& srv, const memory_region& table) {
+layout service::layout_for(const memory_region& table) const {
   layout l = st_.describe();
   const auto packed = table.remote().pack();
   std::memcpy(l.region, packed.data(), packed.size());
-  srv.add(kLayoutMethod, [l](rpc::server_call& call) -> rpc::status {
+  return l;
+}
+
+rpc::status service::get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value) {
+  const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
+  if (key.empty() || key.size() > st_.options().max_key) return check(key, 0);  // the key's error
+  value = get(key);
+  if (!value) return {rpc::errc::not_found, "not found"};
+  return {};
+}
+
+asio::awaitable<rpc::status> service::put_request(std::span<const std::byte> req) {
+  std::uint32_t klen = 0;
+  if (req.size() < 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: shorter than 4 bytes");
+  std::memcpy(&klen, req.data(), 4);
+  if (klen > req.size() - 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: key length past the end");
+  const std::string_view key(reinterpret_cast<const char*>(req.data() + 4), klen);
+  std::uint64_t lsn = 0;
+  rpc::status st = put(key, req.subspan(4 + klen), lsn);
+  if (!st.is_ok()) co_return st;
+  co_return co_await durable(lsn);
+}
+
+asio::awaitable<rpc::status> service::del_request(std::span<const std::byte> req, bool& existed) {
+  const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
+  std::uint64_t lsn = 0;
+  rpc::status st = del(key, existed, lsn);
+  if (!st.is_ok()) co_return st;
+  co_return co_await durable(lsn);
+}
+
+namespace {
+
+void reply_deleted(rpc::server_call& call, bool existed) {
+  const std::byte b{static_cast<unsigned char>(existed ? 1 : 0)};
+  call.reply(std::span<const std::byte>(&b, 1));
+}
+
+}  // namespace
+
+void service::add_methods(rpc::server& srv, const memory_region& table) {
+  srv.add(kLayoutMethod, [l = layout_for(table)](rpc::server_call& call) -> rpc::status {
     call.reply(std::span<const std::byte>(reinterpret_cast<const std::byte*>(&l), sizeof l));
     return {};
   });
   srv.add(kGetMethod, [this](rpc::server_call& call) -> rpc::status {
-    const auto req = call.request();
-    const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
-    if (key.empty() || key.size() > st_.options().max_key) return check(key, 0);  // the key's error
-    auto v = get(key);
-    if (!v) return {rpc::errc::not_found, "not found"};
-    call.reply(*v);
-    return {};
+    std::optional<std::span<const std::byte>> v;
+    rpc::status st = get_request(call.request(), v);
+    if (st.is_ok()) call.reply(*v);
+    return st;
   });
   srv.add(kPutMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
-    const auto req = call.request();
-    std::uint32_t klen = 0;
-    if (req.size() < 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: shorter than 4 bytes");
-    std::memcpy(&klen, req.data(), 4);
-    if (klen > req.size() - 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: key length past the end");
-    const std::string_view key(reinterpret_cast<const char*>(req.data() + 4), klen);
-    std::uint64_t lsn = 0;
-    rpc::status st = put(key, req.subspan(4 + klen), lsn);
-    if (!st.is_ok()) co_return st;
-    co_return co_await durable(lsn);
+    co_return co_await put_request(call.request());
   });
   srv.add(kDelMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
-    const auto req = call.request();
-    const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
     bool existed = false;
-    std::uint64_t lsn = 0;
-    rpc::status st = del(key, existed, lsn);
-    if (!st.is_ok()) co_return st;
-    st = co_await durable(lsn);
-    if (st.is_ok()) {
-      const std::byte b{static_cast<unsigned char>(existed ? 1 : 0)};
-      call.reply(std::span<const std::byte>(&b, 1));
-    }
+    rpc::status st = co_await del_request(call.request(), existed);
+    if (st.is_ok()) reply_deleted(call, existed);
+    co_return st;
+  });
+}
+
+// A call on another reactor: its body runs on the home thread (co_spawn
+// there; the coroutine here resumes on its own reactor when it is done).
+// The request stays valid meanwhile (the call holds it until its handler
+// ends); a value is copied on the home thread, since the store may replace
+// it as soon as that thread moves on.
+// (No cancellation crosses to the home thread: Boost 1.81's co_spawn
+// forwards the caller's cancellation there with a pointer to a signal the
+// caller frees when it resumes, a use-after-free when a call's deadline or
+// a cancel races its completion. A call the home thread has started runs
+// to its end; the server drops a late reply.)
+static auto uncancellable() { return asio::bind_cancellation_slot(asio::cancellation_slot(), asio::use_awaitable); }
+
+void service::add_remote_methods(rpc::server& srv, const memory_region& table,
+                                 asio::io_context::executor_type home) {
+  srv.add(kLayoutMethod, [l = layout_for(table)](rpc::server_call& call) -> rpc::status {
+    call.reply(std::span<const std::byte>(reinterpret_cast<const std::byte*>(&l), sizeof l));
+    return {};
+  });
+  srv.add(kGetMethod, [this, home](rpc::server_call& call) -> asio::awaitable<rpc::status> {
+    std::vector<std::byte> value;
+    rpc::status st = co_await asio::co_spawn(
+        home,
+        [this, req = call.request(), &value]() -> asio::awaitable<rpc::status> {
+          std::optional<std::span<const std::byte>> v;
+          rpc::status s = get_request(req, v);
+          if (s.is_ok()) value.assign(v->begin(), v->end());
+          co_return s;
+        },
+        uncancellable());
+    if (st.is_ok()) call.reply(value);
+    co_return st;
+  });
+  srv.add(kPutMethod, [this, home](rpc::server_call& call) -> asio::awaitable<rpc::status> {
+    co_return co_await asio::co_spawn(
+        home, [this, req = call.request()]() -> asio::awaitable<rpc::status> { co_return co_await put_request(req); },
+        uncancellable());
+  });
+  srv.add(kDelMethod, [this, home](rpc::server_call& call) -> asio::awaitable<rpc::status> {
+    bool existed = false;
+    rpc::status st = co_await asio::co_spawn(
+        home,
+        [this, req = call.request(), &existed]() -> asio::awaitable<rpc::status> {
+          co_return co_await del_request(req, existed);
+        },
+        uncancellable());
+    if (st.is_ok()) reply_deleted(call, existed);
     co_return st;
   });
 }

@@ -1,5 +1,8 @@
 // The key-value service: the store and its log behind both front doors
-// (RPC here, the Redis protocol in resp.hpp). One io thread.
+// (RPC here, the Redis protocol in resp.hpp). The store and its log live on
+// one io thread, the home; with several reactors (anydoor-kv-server
+// --threads), the RPC servers of the other reactors hand each call to the
+// home and reply from their own thread (add_remote_methods).
 //
 // RPC methods (untyped; little-endian):
 //   kv.layout  ()                         -> layout (layout.hpp), the table's region inside
@@ -20,6 +23,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 
 namespace anydoor::apps::kv {
@@ -47,8 +52,13 @@ class service {
   asio::awaitable<rpc::status> durable(std::uint64_t lsn);
   bool must_wait(std::uint64_t lsn) const noexcept { return lsn != 0 && log_ != nullptr && log_->options().sync == sync_mode::always; }
 
-  // Adds the four methods; `table` is the registered table (its remote()).
+  // Adds the four methods to a server on the home thread; `table` is the
+  // table as registered with that server's fabric (its remote()).
   void add_methods(rpc::server& srv, const memory_region& table);
+  // The same four methods for a server on another reactor: each call runs
+  // on `home` (the store's thread) and is answered back on its own; `table`
+  // is the table as registered with that reactor's fabric.
+  void add_remote_methods(rpc::server& srv, const memory_region& table, asio::io_context::executor_type home);
 
   // Compacts the log when it has grown past twice the live data (after
   // writes, and once at start after the replay).
@@ -60,6 +70,11 @@ class service {
 
  private:
   rpc::status check(std::string_view key, std::size_t value_size) const;
+  // The methods' bodies, on the home thread, from the raw request.
+  rpc::status get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value);
+  asio::awaitable<rpc::status> put_request(std::span<const std::byte> req);
+  asio::awaitable<rpc::status> del_request(std::span<const std::byte> req, bool& existed);
+  layout layout_for(const memory_region& table) const;  // the store's layout with the table's region
   store& st_;
   durable_log* log_;
   service_stats stats_;

@@ -157,6 +157,60 @@ run_cmd 0 "$kv" --connect 127.0.0.1:$P get s1
 pass "garbage and half-requests on both ports"
 stop mem TERM
 
+# --- --threads 2: two reactors behind one socket (connections placed round
+# robin). The store, its log and the Redis door live on reactor 0; calls
+# that arrive on reactor 1 run there and are answered back; GETs by READ
+# use reactor 1's own registration of the table.
+d=$tmp/data-threads
+start_server thr env ANYDOOR_LOG=info "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" \
+  --sync always --resp-listen 127.0.0.1:0
+expect_in "$tmp/thr.out" "listening on 127.0.0.1:$PORT \(provider tcp, .*, 2 reactor threads\)"
+expect_in "$tmp/thr.err" "reactor_group: reactor 1 runs on"
+P=$PORT; RP=$(resp_port thr)
+for i in 1 2 3 4 5 6; do run_cmd 0 "$kv" --connect 127.0.0.1:$P put "t$i" "tv$i"; done
+for i in 1 2 3 4 5 6; do
+  for how in rpc read; do
+    run_cmd 0 "$kv" --connect 127.0.0.1:$P get "t$i" --get $how
+    [ "$(cat "$tmp/last.out")" = "tv$i" ] || fail "--threads: get t$i by $how: $(cat "$tmp/last.out")"
+  done
+done
+run_cmd 0 "$kv" --connect 127.0.0.1:$P del t1; expect_in "$tmp/last.out" "^deleted$"
+run_cmd 1 "$kv" --connect 127.0.0.1:$P del t1; expect_in "$tmp/last.out" "^not found$"
+run_cmd 1 "$kv" --connect 127.0.0.1:$P get t1 --get read
+for n in 1 2; do  # an error from the store, on each reactor
+  run_cmd 2 "$kv" --connect 127.0.0.1:$P put "$(head -c 1025 /dev/zero | tr '\0' k)" v
+  expect_in "$tmp/last.err" "key of 1025 bytes is above the limit of 1024 \(--max-key\)"
+done
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --resp-listen 127.0.0.1:$RP  # its door's port is taken
+expect_in "$tmp/last.err" "anydoor-kv-server: .*[Aa]ddress already in use"
+[ "$(redis-cli -p "$RP" get t2)" = tv2 ] || fail "--threads: the Redis door does not see t2"
+[ "$(redis-cli -p "$RP" set t7 tv7)" = OK ] || fail "--threads: SET t7 on the Redis door"
+for n in 1 2; do  # one connection on each reactor
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P get t7 --get read; [ "$(cat "$tmp/last.out")" = tv7 ] || fail "--threads: t7 by read"
+done
+"$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --duration 3 --in-flight 8 --json >"$tmp/w.out" 2>"$tmp/w.err" &
+wpid=$!
+run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --get read --duration 3 --in-flight 8 --json
+wait $wpid || fail "--threads: the writing bench failed: $(cat "$tmp/w.err")"
+check_reads
+stop thr KILL
+start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always
+P=$PORT
+for i in 2 6; do
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P get "t$i"; [ "$(cat "$tmp/last.out")" = "tv$i" ] || fail "--threads: t$i after kill -9"
+done
+run_cmd 1 "$kv" --connect 127.0.0.1:$P get t1
+run_cmd 0 "$kv" --connect 127.0.0.1:$P get t7 --get read; [ "$(cat "$tmp/last.out")" = tv7 ] || fail "--threads: t7 after kill -9"
+stop thr TERM
+python3 - "$tmp/thr.out" <<'PY' || fail "--threads: $(tail -1 "$tmp/thr.out")"
+import re, sys
+m = re.search(r"stopped with (\d+) keys \(RPC calls per reactor: (\d+) (\d+)\)", open(sys.argv[1]).read())
+assert m and int(m.group(1)) >= 6 and int(m.group(2)) > 0 and int(m.group(3)) > 0, m and m.groups()
+PY
+run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 0; expect_in "$tmp/last.err" "--threads takes"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 257; expect_in "$tmp/last.err" "--threads takes"
+pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door, kill -9 and restart, SIGTERM"
+
 # --- limits
 start_server lim "$server" --listen 127.0.0.1:0 --provider tcp --max-key 8 --max-value 100 --max-memory 64K
 P=$PORT
