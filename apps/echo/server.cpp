@@ -6,6 +6,7 @@
 #include "echo.hpp"
 
 #include "common/fd_limit.hpp"
+#include "common/on_reactor.hpp"
 
 #include <anydoor/fabric.hpp>
 #include <anydoor/reactor_group.hpp>
@@ -15,7 +16,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <future>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -61,18 +61,6 @@ void add_echo(rpc::server& srv) {
     call.reply(call.request());
     return {};
   });
-}
-
-// Runs f on reactor i (where its server lives) and returns what it
-// returned; a default value when the reactor does not answer within 5 s.
-template <class F>
-auto on_reactor(reactor_group& g, std::size_t i, F f) -> decltype(f()) {
-  using result = decltype(f());
-  auto p = std::make_shared<std::promise<result>>();
-  auto done = p->get_future();
-  asio::post(g.get_executor(i), [p, f] { p->set_value(f()); });
-  if (done.wait_for(std::chrono::seconds(5)) != std::future_status::ready) return result{};
-  return done.get();
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 // from their own thread; GETs by READ touch no server thread at all (the
 // table is registered with every reactor's fabric).
 #include "common/args.hpp"
+#include "common/on_reactor.hpp"
 #include "resp.hpp"
 #include "service.hpp"
 
@@ -19,7 +20,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
-#include <future>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -36,6 +37,7 @@ namespace kv = anydoor::apps::kv;
 namespace asio = boost::asio;
 using anydoor::apps::arg_scanner;
 using anydoor::apps::endpoint;
+using anydoor::apps::on_reactor;
 
 struct options {
   endpoint listen;
@@ -217,52 +219,82 @@ int run(const options& o) {
   return failed ? 1 : 0;
 }
 
-// Runs f on reactor i and waits for it; what f throws is rethrown here.
-template <class F>
-auto on_reactor(anydoor::reactor_group& g, std::size_t i, F f) -> decltype(f()) {
-  using result = decltype(f());
-  std::promise<result> p;
-  auto done = p.get_future();
-  asio::post(g.get_executor(i), [&p, &f] {
-    try {
-      if constexpr (std::is_void_v<result>) {
-        f();
-        p.set_value();
-      } else {
-        p.set_value(f());
-      }
-    } catch (...) {
-      p.set_exception(std::current_exception());
-    }
-  });
-  return done.get();
-}
-
 // --threads N: reactor 0 is the store's home (the store, the log, the
 // Redis door, and its own RPC server); every other reactor serves the
 // connections placed on it and hands each call to reactor 0. The main
-// thread waits for the signal, then shuts every server down on its own
-// reactor, lets the connections drain, closes the log on reactor 0 and
-// stops the reactors.
+// thread waits for the signal, shuts every server down on its own reactor
+// and lets the connections drain; then one teardown (below) ends the rest.
 int run_group(const options& o) {
   // Declared before the group: coroutines still suspended when the reactors
-  // stop are destroyed with their io_contexts, and may touch these then.
+  // stop are destroyed with their io_contexts, and may touch the store.
   kv::store st(o.store);
-  std::unique_ptr<kv::durable_log> log;
   std::unique_ptr<kv::service> svc;
-  std::unique_ptr<kv::resp_door> door;
   auto group = std::make_unique<anydoor::reactor_group>(
       anydoor::reactor_group_options{.threads = o.threads, .fabric = fabric_options_for(o)});
   anydoor::reactor_group& g = *group;
   const std::size_t n = g.size();
+  // Objects of reactor 0's io_context: destroyed while it exists (see the
+  // teardown).
+  std::unique_ptr<kv::durable_log> log;
+  std::unique_ptr<kv::resp_door> door;
+  std::vector<anydoor::memory_region> tables(n);
+  std::vector<std::unique_ptr<anydoor::rpc::server>> servers;
+
+  // The one way this run ends, on the normal path and when the start fails
+  // part way (an exception: the log, the door or the listener refused):
+  // the servers and the door stop on their reactors and the door's
+  // connections get a bounded time to end; the log writes what it holds;
+  // each reactor drops its table registration; the reactors stop; then the
+  // door and the log are destroyed while their io_context still exists and
+  // nothing runs it, and the servers before the group.
+  struct teardown_guard {
+    std::function<void()> f;
+    ~teardown_guard() { f(); }
+  };
+  teardown_guard teardown{[&] {
+    bool door_idle = true;
+    try {
+      for (std::size_t i = 0; i < servers.size(); ++i) {
+        on_reactor(g, i, [&, i] {
+          servers[i]->shutdown(std::chrono::seconds(2));
+          if (i == 0 && door) door->stop();
+        });
+      }
+      if (servers.empty()) on_reactor(g, 0, [&] { if (door) door->stop(); });
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+      while (!(door_idle = on_reactor(g, 0, [&] { return !door || door->stats().connections == 0; })) &&
+             std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      on_reactor(g, 0, [&] {
+        if (log) log->close();
+      });
+      for (std::size_t i = 0; i < n; ++i) on_reactor(g, i, [&, i] { tables[i] = anydoor::memory_region(); });
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "anydoor-kv-server: while stopping: %s\n", e.what());
+    }
+    g.stop();
+    // A door session still open after the grace is a coroutine of reactor
+    // 0 that refers to the door: the door is then left to the process's
+    // exit rather than freed under it.
+    if (door_idle) {
+      door.reset();
+    } else {
+      std::fprintf(stderr, "anydoor-kv-server: Redis connections still open after 3 s: not waiting longer\n");
+      (void)door.release();
+    }
+    log.reset();
+    servers.clear();
+    group.reset();
+  }};
+
   log = open_log(o, g.context(0), st);  // nothing on reactor 0 touches it yet
   svc = std::make_unique<kv::service>(st, log.get());
+  svc->set_home(g.get_executor(0));
   on_reactor(g, 0, [&] { svc->maybe_compact(); });
   // The Redis door before anything serves: a busy port fails the start
   // while nothing else runs yet.
   on_reactor(g, 0, [&] { door = open_door(o, g.context(0), *svc); });
-  std::vector<anydoor::memory_region> tables(n);
-  std::vector<std::unique_ptr<anydoor::rpc::server>> servers;
   for (std::size_t i = 0; i < n; ++i) {
     servers.push_back(std::make_unique<anydoor::rpc::server>(anydoor::rpc::server_options{.max_concurrent_calls = 64}));
     on_reactor(g, i, [&, i] {
@@ -308,32 +340,24 @@ int run_group(const options& o) {
   print_listening(o, port, g.at(0).provider(), st);
   main_io.run();  // until every server's accepting has ended (the signal's shutdown, or a failure)
   while (serving > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  // Running calls answer and the connections (RPC and Redis) close within
-  // the shutdown's grace; then what the log holds is written, and the
-  // reactors stop.
+  // Running calls answer and the RPC connections close within the
+  // shutdown's grace (the teardown waits for the Redis ones).
   const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
   for (;;) {
     std::uint64_t open = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      open += on_reactor(g, i, [&, i] {
-        return servers[i]->stats().connections + (i == 0 && door ? door->stats().connections : 0);
-      });
+      open += on_reactor(g, i, [&, i] { return servers[i]->stats().connections; });
     }
     if (open == 0 || std::chrono::steady_clock::now() > drain_until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  on_reactor(g, 0, [&] {
-    if (log) log->close();
-  });
-  for (std::size_t i = 0; i < n; ++i) on_reactor(g, i, [&, i] { tables[i] = anydoor::memory_region(); });
-  g.stop();
   std::string per;
-  for (auto& srv : servers) {
+  for (std::size_t i = 0; i < n; ++i) {
     per.push_back(' ');  // (not " " + to_string(): GCC 12 at -O3 warns falsely, -Wrestrict)
-    per += std::to_string(srv->stats().calls);
+    per += std::to_string(on_reactor(g, i, [&, i] { return servers[i]->stats().calls; }));
   }
-  servers.clear();
-  group.reset();
+  teardown.f();
+  teardown.f = [] {};
   std::printf("anydoor-kv-server: stopped with %llu keys (RPC calls per reactor:%s)\n",
               static_cast<unsigned long long>(st.stats().keys), per.c_str());
   return failed ? 1 : 0;

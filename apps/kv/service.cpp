@@ -95,7 +95,13 @@ layout service::layout_for(const memory_region& table) const {
   return l;
 }
 
+std::optional<rpc::status> service::off_home() {
+  if (!home_ || home_->running_in_this_thread()) return std::nullopt;
+  return rpc::status(rpc::errc::internal, "the store was reached off its home thread");
+}
+
 rpc::status service::get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value) {
+  if (auto bad = off_home()) return *bad;
   const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
   if (key.empty() || key.size() > st_.options().max_key) return check(key, 0);  // the key's error
   value = get(key);
@@ -104,6 +110,7 @@ rpc::status service::get_request(std::span<const std::byte> req, std::optional<s
 }
 
 asio::awaitable<rpc::status> service::put_request(std::span<const std::byte> req) {
+  if (auto bad = off_home()) co_return *bad;
   std::uint32_t klen = 0;
   if (req.size() < 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: shorter than 4 bytes");
   std::memcpy(&klen, req.data(), 4);
@@ -116,6 +123,7 @@ asio::awaitable<rpc::status> service::put_request(std::span<const std::byte> req
 }
 
 asio::awaitable<rpc::status> service::del_request(std::span<const std::byte> req, bool& existed) {
+  if (auto bad = off_home()) co_return *bad;
   const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
   std::uint64_t lsn = 0;
   rpc::status st = del(key, existed, lsn);

@@ -64,6 +64,11 @@ class service {
   // writes, and once at start after the replay).
   void maybe_compact();
 
+  // --threads: the store's thread. Each request body then checks that it
+  // runs there and refuses (errc::internal) if not: a call that skipped
+  // the hop to home would race every other reactor on the store.
+  void set_home(asio::io_context::executor_type home) { home_ = home; }
+
   store& data() noexcept { return st_; }
   durable_log* log() noexcept { return log_; }
   const service_stats& stats() const noexcept { return stats_; }
@@ -75,8 +80,11 @@ class service {
   asio::awaitable<rpc::status> put_request(std::span<const std::byte> req);
   asio::awaitable<rpc::status> del_request(std::span<const std::byte> req, bool& existed);
   layout layout_for(const memory_region& table) const;  // the store's layout with the table's region
+  // A status when the caller runs off the home thread (see set_home).
+  std::optional<rpc::status> off_home();
   store& st_;
   durable_log* log_;
+  std::optional<asio::io_context::executor_type> home_;
   service_stats stats_;
 };
 

@@ -194,22 +194,38 @@ run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --get read -
 wait $wpid || fail "--threads: the writing bench failed: $(cat "$tmp/w.err")"
 check_reads
 stop thr KILL
-start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always
-P=$PORT
+start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always \
+  --resp-listen 127.0.0.1:0
+P=$PORT; RP=$(resp_port thr)
 for i in 2 6; do
   run_cmd 0 "$kv" --connect 127.0.0.1:$P get "t$i"; [ "$(cat "$tmp/last.out")" = "tv$i" ] || fail "--threads: t$i after kill -9"
 done
 run_cmd 1 "$kv" --connect 127.0.0.1:$P get t1
 run_cmd 0 "$kv" --connect 127.0.0.1:$P get t7 --get read; [ "$(cat "$tmp/last.out")" = tv7 ] || fail "--threads: t7 after kill -9"
+# SIGTERM under load on both doors: the server stops within the grace and
+# exits 0, and an acknowledged write is there after a restart.
+[ "$(redis-cli -p "$RP" set t8 tv8)" = OK ] || fail "--threads: SET t8 on the Redis door"
+timeout 30 redis-benchmark -p "$RP" -t set -n 10000000 -c 8 -P 4 -q >"$tmp/rb.out" 2>&1 &
+rbpid=$!
+timeout 30 "$kv" --connect 127.0.0.1:$P bench --keys 50 --workload a --duration 20 --in-flight 8 >"$tmp/w.out" 2>&1 &
+wpid=$!
+sleep 1.5
 stop thr TERM
+wait $wpid; [ $? != 124 ] || fail "--threads: the kv bench hung after the server's SIGTERM"
+wait $rbpid; [ $? != 124 ] || fail "--threads: redis-benchmark hung after the server's SIGTERM"
+expect_in "$tmp/thr.err" "SIGTERM: shutting down"
 python3 - "$tmp/thr.out" <<'PY' || fail "--threads: $(tail -1 "$tmp/thr.out")"
 import re, sys
 m = re.search(r"stopped with (\d+) keys \(RPC calls per reactor: (\d+) (\d+)\)", open(sys.argv[1]).read())
 assert m and int(m.group(1)) >= 6 and int(m.group(2)) > 0 and int(m.group(3)) > 0, m and m.groups()
 PY
+start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always
+P=$PORT
+run_cmd 0 "$kv" --connect 127.0.0.1:$P get t8; [ "$(cat "$tmp/last.out")" = tv8 ] || fail "--threads: t8 after SIGTERM under load"
+stop thr TERM
 run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 0; expect_in "$tmp/last.err" "--threads takes"
 run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 257; expect_in "$tmp/last.err" "--threads takes"
-pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door, kill -9 and restart, SIGTERM"
+pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door, kill -9 and restart, SIGTERM under load"
 
 # --- limits
 start_server lim "$server" --listen 127.0.0.1:0 --provider tcp --max-key 8 --max-value 100 --max-memory 64K

@@ -152,13 +152,11 @@ TEST_CASE("shared receive queue: a connection the queue cannot cover is refused 
     // One ends: once its queue pair is gone its 4 receives are free again.
     co_await a.async_close(use_awaitable);
     a = ad::connection();
-    asio::steady_timer t(io);
-    for (int i = 0; i < 200 && server.stats().srq_spare < 4; ++i) {
+    co_await until([&] {
       // (the server's side of `a` goes when its owner drops it)
       if (!held.empty() && !held.front().is_open()) held.erase(held.begin());
-      t.expires_after(std::chrono::milliseconds(10));
-      co_await t.async_wait(use_awaitable);
-    }
+      return server.stats().srq_spare >= 4;
+    }, std::chrono::seconds(2));
     CHECK(server.stats().srq_spare == 4);
     ad::connection d = co_await client.async_connect(addr(acc), use_awaitable);
     CHECK(d.is_open());
@@ -297,12 +295,8 @@ TEST_CASE("shared receive queue: buffers a connection holds count toward its flo
   bool second = false;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection a = co_await acc.async_accept(use_awaitable);
-    asio::steady_timer t(io);
     // The peer's three messages (its window of 4 less the control credit) arrive.
-    for (int i = 0; i < 500 && server.stats().srq_posted > 5; ++i) {
-      t.expires_after(std::chrono::milliseconds(10));
-      co_await t.async_wait(use_awaitable);
-    }
+    co_await until([&] { return server.stats().srq_posted <= 5; });
     CHECK(server.stats().srq_posted == 5);
     { ad::message m = co_await a.async_receive(use_awaitable); }  // one given back, two still held
     ad::connection b = co_await acc.async_accept(use_awaitable);
@@ -317,11 +311,7 @@ TEST_CASE("shared receive queue: buffers a connection holds count toward its flo
     ad::connection a = co_await client.async_connect(addr(acc), use_awaitable);
     const std::vector<std::byte> out(16, std::byte{1});
     for (int k = 0; k < 3; ++k) co_await a.async_send(asio::buffer(out), use_awaitable);
-    asio::steady_timer t(io);
-    for (int i = 0; i < 500 && server.stats().srq_posted != 6; ++i) {
-      t.expires_after(std::chrono::milliseconds(10));
-      co_await t.async_wait(use_awaitable);
-    }
+    co_await until([&] { return server.stats().srq_posted == 6; });
     ad::connection b = co_await client.async_connect(addr(acc), use_awaitable);
     co_await b.async_close(use_awaitable);
     co_await a.async_close(use_awaitable);
@@ -437,12 +427,8 @@ TEST_CASE("shared receive queue: a peer sending far beyond its credits is failed
     ad::connection h = co_await acc.async_accept(use_awaitable);
     // Nothing is taken from it: its 4 credits are never returned, so the
     // fifth message of the burst is one it had no credit for.
-    asio::steady_timer t(io);
-    for (int i = 0; i < 1000 && h.is_open(); ++i) {
-      t.expires_after(std::chrono::milliseconds(10));
-      co_await t.async_wait(use_awaitable);
-    }
-    CHECK_FALSE(h.is_open());
+    const bool closed = co_await until([&] { return !h.is_open(); }, std::chrono::seconds(10));
+    CHECK(closed);
     for (;;) {
       auto [ec, m] = co_await h.async_receive(asio::as_tuple(use_awaitable));
       if (ec) {
@@ -459,11 +445,9 @@ TEST_CASE("shared receive queue: a peer sending far beyond its credits is failed
     }
   }, f.handler());
   asio::co_spawn(io, [&]() -> awaitable<void> {
-    asio::steady_timer t(io);
-    while (!burst_done) {
-      t.expires_after(std::chrono::milliseconds(2));
-      co_await t.async_wait(use_awaitable);
-    }
+    const bool burst_over = co_await until([&] { return burst_done.load(); }, std::chrono::seconds(30),
+                                           std::chrono::milliseconds(2));
+    REQUIRE(burst_over);
     ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
     for (int k = 0; k < kMessages; ++k) {
       const std::vector<std::byte> out = pattern(100 + static_cast<std::size_t>(k), static_cast<std::uint32_t>(k));
@@ -474,10 +458,7 @@ TEST_CASE("shared receive queue: a peer sending far beyond its credits is failed
     co_await c.async_close(use_awaitable);
     release = true;
     // Every receive the burst took is back once its queue pair is gone.
-    for (int i = 0; i < 1000 && server.stats().srq_posted != 32; ++i) {
-      t.expires_after(std::chrono::milliseconds(10));
-      co_await t.async_wait(use_awaitable);
-    }
+    co_await until([&] { return server.stats().srq_posted == 32; }, std::chrono::seconds(10));
   }, f.handler());
   run_to_completion(io);
   release = true;

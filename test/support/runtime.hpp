@@ -7,7 +7,11 @@
 
 #include <anydoor/anydoor.hpp>
 
+#include <boost/asio/awaitable.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include <unistd.h>
 
@@ -50,6 +54,21 @@ inline std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t 
   std::memcpy(h.data() + 20, &max_message, 8);
   std::memcpy(h.data() + 48, &max_credits, 2);
   return h;
+}
+
+// In a coroutine: waits in steps of `step` until pred() holds or `limit`
+// has passed; returns pred()'s last answer (CHECK it after the co_await:
+// a co_await inside a CHECK is not allowed).
+template <class Pred>
+asio::awaitable<bool> until(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(5),
+                            std::chrono::milliseconds step = std::chrono::milliseconds(10)) {
+  asio::steady_timer t(co_await asio::this_coro::executor);
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred() && std::chrono::steady_clock::now() < end) {
+    t.expires_after(step);
+    co_await t.async_wait(asio::use_awaitable);
+  }
+  co_return pred();
 }
 
 // Runs io until it runs out of work; fails if that takes longer than limit.
