@@ -151,15 +151,17 @@ void connection_impl::prepare() {
   registered_ = true;
   const std::size_t q = opt_.send_queue;
   sq_.assign(q, sq_slot{});
-  sq_sge_.assign(q * sge_per_wr_, transport::sge{});
+  stage_sge_.assign(q + sge_per_wr_, transport::sge{});
   atomic_results_.assign(q, 0);
   atomic_mr_ = f.pd->register_memory(atomic_results_.data(), q * sizeof(std::uint64_t), transport::access::local_write);
   notes_.assign(opt_.credits, note_entry{});
-  inline_stage_.assign(q * f.inline_cap, std::byte{0});
+  stage_inline_.assign(std::min<std::size_t>(q * f.inline_cap, kInlineStage), std::byte{0});
   batch_.reserve(q);
-  rq_.assign(opt_.credits, buffer_pool::npos);
-  rq_sge_.assign(opt_.credits, transport::sge{});
-  recv_batch_.reserve(opt_.credits);
+  // (A shared receive queue's connection posts no receives of its own.)
+  const std::size_t own_receives = srq_ ? 0 : opt_.credits;
+  rq_.assign(own_receives, buffer_pool::npos);
+  rq_sge_.assign(own_receives, transport::sge{});
+  recv_batch_.reserve(own_receives);
   inbox_.assign(opt_.credits, inbox_entry{});
   fins_.reserve(opt_.credits);
   const std::uint64_t max_msg = f.device->caps().max_msg_size;

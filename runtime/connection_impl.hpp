@@ -184,14 +184,35 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void park(op_node* n) noexcept;      // ended early: completes when its posted parts are back
   void complete_parked(bool post) noexcept;
   void park_partial_reads() noexcept;
-  transport::sge* slot_sges(std::size_t slot) noexcept { return &sq_sge_[slot * sge_per_wr_]; }
   bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
+  // Work requests that can be queued now: free send queue slots, and room
+  // for one gather entry each (see stage_sge_).
   std::uint32_t sq_free() const noexcept;
-  transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op) noexcept;
+  // Queues a work request (its slot records kind, buffer and op) whose
+  // gather list is `sges`: staged entries (take_sges), or none.
+  transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op,
+                                   std::span<const transport::sge> sges) noexcept;
+  // The next n entries of the gather-list staging; n <= sge_room().
+  transport::sge* take_sges(std::uint32_t n) noexcept {
+    transport::sge* p = stage_sge_.data() + stage_sge_used_;
+    stage_sge_used_ += n;
+    return p;
+  }
+  std::uint32_t sge_room() const noexcept { return static_cast<std::uint32_t>(stage_sge_.size() - stage_sge_used_); }
+  // A SEND of `wire` bytes can go inline: within max_inline_data, and the
+  // inline staging of this batch has room.
+  bool can_inline(std::size_t wire) const noexcept {
+    return wire <= fab_->inline_cap && stage_inline_used_ + wire <= stage_inline_.size();
+  }
   // Queues a SEND of `wire` bytes and returns where the caller writes them:
-  // the slot's inline staging area (copied into the work request) when buf
-  // is buffer_pool::npos, else pool buffer buf.
+  // the inline staging (copied into the work request when it is posted)
+  // when buf is buffer_pool::npos (then can_inline(wire) held), else pool
+  // buffer buf.
   std::byte* stage_send(slot_kind kind, std::uint32_t buf, op_node* op, std::uint32_t wire) noexcept;
+  void reset_staging() noexcept {
+    stage_sge_used_ = 0;
+    stage_inline_used_ = 0;
+  }
   std::uint16_t take_owed() noexcept;
   void post_fins() noexcept;
   void maybe_send_credits() noexcept;
@@ -263,12 +284,24 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // send queue: [sq_retired_, sq_posted_) posted, [sq_posted_, sq_queued_) in batch_
   std::vector<sq_slot> sq_;
-  std::vector<transport::sge> sq_sge_;   // sge_per_wr_ per slot
   std::uint32_t sge_per_wr_ = 1;
   std::vector<std::uint64_t> atomic_results_;  // one per slot, registered
   std::unique_ptr<transport::memory_region> atomic_mr_;
-  std::vector<std::byte> inline_stage_;   // per slot, inline_cap bytes
   std::vector<transport::work_request> batch_;
+  // What the work requests in batch_ point to until they are posted: their
+  // gather lists and the bytes of inline sends. post_send copies both (the
+  // provider contract), so both stagings are empty again after every post:
+  // bump allocators, reset by flush_now and drop_unposted (reset_staging).
+  // Sized for a batch rather than per send queue slot: send_queue +
+  // sge_per_wr_ gather entries (each work request takes one; a put or get
+  // takes fewer pieces per request when they run short) and at most
+  // kInlineStage inline bytes (a send that does not fit goes in a pool
+  // buffer instead, as a large one does).
+  static constexpr std::size_t kInlineStage = 4096;
+  std::vector<transport::sge> stage_sge_;
+  std::size_t stage_sge_used_ = 0;
+  std::vector<std::byte> stage_inline_;
+  std::size_t stage_inline_used_ = 0;
   std::uint64_t sq_retired_ = 0, sq_posted_ = 0, sq_queued_ = 0;
   std::uint32_t since_signal_ = 0;
 

@@ -115,12 +115,12 @@ void connection_impl::revoke_windows() noexcept {
 // fragment_ bytes each, the remote address advancing with them; a transfer
 // larger than the send queue can hold is queued in parts as it drains.
 bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept {
-  for (std::size_t wrs = 0; n->cur_buf < n->nbufs && wrs < max_wrs; ++wrs) {
-    const std::size_t slot = sq_queued_ % sq_.size();
-    transport::sge* sg = slot_sges(slot);
+  for (std::size_t wrs = 0; n->cur_buf < n->nbufs && wrs < max_wrs && sq_free() > 0; ++wrs) {
+    transport::sge* sg = take_sges(0);  // filled first, then taken: k entries
+    const std::uint32_t max_k = std::min(sge_per_wr_, sge_room());
     std::uint64_t bytes = 0;
     std::uint32_t k = 0;
-    for (; k < sge_per_wr_ && n->cur_buf < n->nbufs && bytes < fragment_; ++k) {
+    for (; k < max_k && n->cur_buf < n->nbufs && bytes < fragment_; ++k) {
       const asio::const_buffer& b = n->bufs[n->cur_buf];
       const std::uint64_t take = std::min<std::uint64_t>(b.size() - n->cur_off, fragment_ - bytes);
       sg[k] = {reinterpret_cast<std::uint64_t>(b.data()) + n->cur_off, static_cast<std::uint32_t>(take),
@@ -133,9 +133,8 @@ bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t
       }
     }
     const bool last = last_completes && n->cur_buf == n->nbufs;
-    transport::work_request& wr =
-        next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos, last ? n : nullptr);
-    wr.sg_list = {sg, k};
+    transport::work_request& wr = next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos,
+                                          last ? n : nullptr, {take_sges(k), k});
     wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
     wr.inline_data = false;
     wr.remote_addr = n->remote.addr + n->issued;
@@ -169,9 +168,8 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
         return start_result::started;
       }
       if (sq_free() == 0) return start_result::blocked_queue;
-      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n);
+      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n, {});
       wr.op = transport::opcode::bind_window;
-      wr.sg_list = {};
       wr.inline_data = false;
       wr.bind = {w, &r.registration(), reinterpret_cast<std::uint64_t>(r.addr()), r.length(),
                  r.access() & transport::remote_access_bits};
@@ -182,8 +180,9 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
     case op_kind::compare_swap: {
       if (sq_free() == 0) return start_result::blocked_queue;
       const std::size_t slot = sq_queued_ % sq_.size();
-      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n);
-      *slot_sges(slot) = atomic_mr_->slice(slot * sizeof(std::uint64_t), sizeof(std::uint64_t));
+      transport::sge* sg = take_sges(1);
+      *sg = atomic_mr_->slice(slot * sizeof(std::uint64_t), sizeof(std::uint64_t));
+      transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n, {sg, 1});
       wr.op = n->kind == op_kind::fetch_add ? transport::opcode::fetch_add : transport::opcode::compare_swap;
       wr.inline_data = false;
       wr.remote_addr = n->remote.addr;
@@ -219,7 +218,7 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
         schedule();
         return start_result::blocked_queue;
       }
-      const bool inl = protocol::kRtsSize <= fab_->inline_cap;
+      const bool inl = can_inline(protocol::kRtsSize);
       std::uint32_t buf = buffer_pool::npos;
       if (!inl && !take_send_buffer(n, buf)) {
         schedule();

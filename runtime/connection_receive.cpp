@@ -373,7 +373,7 @@ bool connection_impl::send_auth(protocol::auth_status status) noexcept {
   const bool proof = status == protocol::auth_status::proof;
   const auto wire = static_cast<std::uint32_t>(proof ? protocol::kAuthSize : protocol::kHeaderSize);
   std::uint32_t buf = buffer_pool::npos;
-  if (wire > fab_->inline_cap) {
+  if (!can_inline(wire)) {
     buf = fab_->pool->try_get();
     if (buf == buffer_pool::npos) return false;
   }
@@ -483,9 +483,10 @@ void connection_impl::issue_reads(op_node* n) noexcept {
     const std::uint64_t off = n->issued;
     const auto len = static_cast<std::uint32_t>(std::min(fragment_, n->length - off));
     const bool last = off + len == n->length;
+    transport::sge* sg = take_sges(1);
+    *sg = n->mr->slice(off, len);
     transport::work_request& wr = next_wr(last ? slot_kind::read_last : slot_kind::none, buffer_pool::npos,
-                                          last ? n : nullptr);
-    *slot_sges((sq_queued_ - 1) % sq_.size()) = n->mr->slice(off, len);
+                                          last ? n : nullptr, {sg, 1});
     wr.op = transport::opcode::read;
     wr.inline_data = false;
     wr.remote_addr = n->remote.addr + off;

@@ -16,7 +16,7 @@ namespace anydoor::detail {
 // ---------------------------------------------------------------- sending
 
 std::uint32_t connection_impl::sq_free() const noexcept {
-  return static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_));
+  return std::min(static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_)), sge_room());
 }
 
 std::uint16_t connection_impl::take_owed() noexcept {
@@ -26,12 +26,13 @@ std::uint16_t connection_impl::take_owed() noexcept {
   return n;
 }
 
-transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t buffer, op_node* op) noexcept {
+transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t buffer, op_node* op,
+                                                  std::span<const transport::sge> sges) noexcept {
   const std::size_t slot = sq_queued_ % sq_.size();
   sq_[slot] = {buffer, kind, op, false};
   transport::work_request& wr = batch_.emplace_back();  // capacity = send_queue >= queued
   wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_queued_ & kTagMask));
-  wr.sg_list = {slot_sges(slot), 1};
+  wr.sg_list = sges;
   ++sq_queued_;
   return wr;  // the caller schedules the flush (after posting its completion)
 }
@@ -39,11 +40,11 @@ transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t 
 std::byte* connection_impl::stage_send(slot_kind kind, std::uint32_t buf, op_node* op, std::uint32_t wire) noexcept {
   const bool inl = buf == buffer_pool::npos;
   ++tx_count_;
-  transport::work_request& wr = next_wr(kind, buf, op);
-  const std::size_t slot = (sq_queued_ - 1) % sq_.size();
-  std::byte* out = inl ? inline_stage_.data() + slot * fab_->inline_cap : fab_->pool->data(buf);
-  *slot_sges(slot) = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), wire, 0}
-                         : fab_->pool->slice(buf, 0, wire);
+  std::byte* out = inl ? stage_inline_.data() + stage_inline_used_ : fab_->pool->data(buf);
+  if (inl) stage_inline_used_ += wire;
+  transport::sge* sg = take_sges(1);
+  *sg = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), wire, 0} : fab_->pool->slice(buf, 0, wire);
+  transport::work_request& wr = next_wr(kind, buf, op, {sg, 1});
   wr.op = transport::opcode::send;
   wr.inline_data = inl;
   return out;
@@ -70,7 +71,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   if (credits_ < 2) return credit_stall(n);
   if (sq_free() == 0) return start_result::blocked_queue;
   const std::size_t wire = eager ? protocol::kHeaderSize + n->length : protocol::kRtsSize;
-  const bool inl = wire <= fab_->inline_cap;
+  const bool inl = can_inline(wire);
   std::uint32_t buf = buffer_pool::npos;
   if (!inl && !take_send_buffer(n, buf)) return start_result::blocked_buffer;
   if (!eager) {
@@ -164,7 +165,7 @@ void connection_impl::wait_for_buffer() noexcept {
 
 bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept {
   if (credits_ < 1 || sq_free() == 0) return false;
-  const bool inl = protocol::kHeaderSize <= fab_->inline_cap;
+  const bool inl = can_inline(protocol::kHeaderSize);
   std::uint32_t buf = buffer_pool::npos;
   if (!inl) {
     buf = fab_->pool->try_get();
@@ -312,6 +313,7 @@ void connection_impl::flush_now() noexcept {
   ++stats_.doorbells;
   sq_posted_ = sq_queued_;
   batch_.clear();
+  reset_staging();
 }
 
 // Work requests queued but never posted (the connection failed first).
@@ -331,6 +333,7 @@ void connection_impl::drop_unposted() noexcept {
   }
   sq_queued_ = sq_posted_;
   batch_.clear();
+  reset_staging();
   for (op_node* p = parked_.head; p != nullptr; p = p->next) p->operand = std::min(p->operand, sq_posted_);
   for (std::uint64_t i = rq_posted_; i < rq_queued_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
   rq_queued_ = rq_posted_;

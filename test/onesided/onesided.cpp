@@ -208,6 +208,67 @@ TEST_CASE("scatter-gather: a put gathers several local ranges, a get scatters in
   CHECK(p.a.is_open());
 }
 
+TEST_CASE("gathers issued in one turn beyond the batch's gather staging still go out whole and in order",
+          "[onesided]") {
+  // 12 puts of 16 ranges each, then 12 gets scattering into 16: 192
+  // gather entries per burst where a batch stages send_queue + 16 = 144.
+  // The later ones take fewer entries per work request or wait for the
+  // next doorbell; every byte must land where it belongs.
+  onesided_pair p;
+  constexpr std::size_t kOps = 12, kRanges = 16, kPiece = 256;
+  std::vector<std::byte> target(kOps * kRanges * kPiece);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write |
+                                                          ad::access::remote_read);
+  const auto src = pattern(target.size(), 9);
+  std::vector<std::byte> back(target.size());
+  std::size_t puts_done = 0, gets_done = 0;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    std::vector<std::array<ad::local_range, kRanges>> in(kOps), out(kOps);
+    for (std::size_t op = 0; op < kOps; ++op) {
+      for (std::size_t r = 0; r < kRanges; ++r) {
+        // ranges in reverse order within each op: a mix-up shows
+        const std::size_t at = (op * kRanges + (kRanges - 1 - r)) * kPiece;
+        in[op][r] = asio::buffer(src.data() + at, kPiece);
+        out[op][r] = asio::buffer(back.data() + at, kPiece);
+      }
+    }
+    const std::uint64_t doorbells_before = c.stats().doorbells;
+    for (std::size_t op = 0; op < kOps; ++op) {
+      const std::size_t len = kRanges * kPiece;
+      // the remote range of op: the ranges above, reversed, land in order
+      c.async_put(std::span<const ad::local_range>(in[op]), tr.remote().at(op * len, len),
+                  [&](ad::error_code ec, std::size_t n) {
+                    CHECK_FALSE(ec);
+                    CHECK(n == len);
+                    ++puts_done;
+                  });
+    }
+    co_await c.async_flush(use_awaitable);
+    CHECK(puts_done == kOps);
+    // the burst did not fit one batch (the case this test is about)
+    CHECK(c.stats().doorbells - doorbells_before >= 2);
+    for (std::size_t op = 0; op < kOps; ++op) {
+      const std::size_t len = kRanges * kPiece;
+      c.async_get(std::span<const ad::local_range>(out[op]), tr.remote().at(op * len, len),
+                  [&](ad::error_code ec, std::size_t n) {
+                    CHECK_FALSE(ec);
+                    CHECK(n == len);
+                    ++gets_done;
+                  });
+    }
+    co_await c.async_flush(use_awaitable);
+  });
+  CHECK(gets_done == kOps);
+  for (std::size_t op = 0; op < kOps; ++op) {
+    for (std::size_t r = 0; r < kRanges; ++r) {
+      const std::size_t from = (op * kRanges + (kRanges - 1 - r)) * kPiece;
+      const std::size_t to = (op * kRanges + r) * kPiece;
+      CHECK(std::memcmp(target.data() + to, src.data() + from, kPiece) == 0);
+    }
+  }
+  CHECK(back == src);
+}
+
 TEST_CASE("atomics: fetch_add and compare_swap return the value before and act on the peer's memory", "[onesided]") {
   onesided_pair p;
   alignas(8) std::array<std::uint64_t, 4> words{};

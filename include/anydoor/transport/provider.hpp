@@ -187,6 +187,10 @@ class queue_pair {
 
   // Posts the whole span with one doorbell. Either every request is accepted
   // or none is: on error, *bad (if given) is the index of the offending one.
+  // The requests, their gather lists and the bytes of inline requests are
+  // copied before it returns (ibv_post_send's rule): the caller may reuse
+  // that memory at once; the memory a non-inline sge points to must stay
+  // until the request completes.
   // (Every error named here is found before anything is posted. An error
   // from the device itself past those checks, a system error code, leaves
   // the requests before *bad posted, as ibv_post_send does; the runtime
