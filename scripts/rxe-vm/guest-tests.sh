@@ -31,6 +31,30 @@ suite rpc bin/anydoor-rpc-tests --warn NoTests ${filter:+"$filter"}
 if [ -z "$filter" ] && [ -x bin/anydoor-kv-server ]; then
   suite kv bash ./kv.sh
 fi
+# anydoor-doctor with rxe0 up: the device, its port, the GID anydoor uses,
+# the modules and rdma_cm's route to our own address all pass (exit 0).
+doctor_check() {
+  local out rc
+  out=$(bin/anydoor-doctor --provider verbs --peer $IP:7471); rc=$?
+  echo "$out"
+  [ $rc = 0 ] || { echo "doctor: exit $rc, expected 0"; return 1; }
+  local want
+  for want in "^\[pass\] kernel modules: loaded: ib_core, ib_uverbs, rdma_ucm; software RDMA: rdma_rxe" \
+              "^\[pass\] rdma devices: 1 found: rxe0" \
+              "^\[pass\] device rxe0: InfiniBand, " \
+              "^\[pass\] port rxe0/1: active, Ethernet \(RoCE\), netdev eth0" \
+              "^\[pass\] gid rxe0/1: index [0-9]+ \(RoCE v2, $IP\) is the one anydoor uses" \
+              "^\[pass\] peer $IP:7471: rdma_cm routes it through rxe0 port 1" \
+              "^\[pass\] memlock: unlimited"; do
+    echo "$out" | grep -Eq "$want" || { echo "doctor: no line matching '$want'"; return 1; }
+  done
+  echo "doctor: all verdicts as expected"
+}
+if [ -x bin/anydoor-doctor ] && { [ -z "$filter" ] || [ "$filter" = doctor ]; }; then
+  export IP
+  export -f doctor_check
+  suite doctor bash -c doctor_check
+fi
 if [ "$(cat bench 2>/dev/null)" = 1 ] && [ -x bin/anydoor-perf ]; then
   bash ./bench.sh || fail=$((fail + 1))
 fi
