@@ -156,6 +156,7 @@ void connection_impl::prepare() {
   atomic_mr_ = f.pd->register_memory(atomic_results_.data(), q * sizeof(std::uint64_t), transport::access::local_write);
   notes_.assign(opt_.credits, note_entry{});
   stage_inline_.assign(std::min<std::size_t>(q * f.inline_cap, kInlineStage), std::byte{0});
+  stage_control_.assign(q * protocol::kHeaderSize + protocol::kAuthSize, std::byte{0});
   batch_.reserve(q);
   // (A shared receive queue's connection posts no receives of its own.)
   const std::size_t own_receives = srq_ ? 0 : opt_.credits;
@@ -542,6 +543,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   const state was = state_;
   state_ = state::failed;
   error_ = peer_closed_ ? std::error_code(errc::connection_closed) : ec;
+  if (error_ != errc::connection_closed) fab_->count_failure(error_);
   revoke_windows();
   if (ec == errc::connection_closed) {
     log().debug("connection qp {}: aborted", qp_ ? qp_->qp_num() : 0);

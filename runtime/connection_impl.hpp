@@ -61,6 +61,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void prepare();
   transport::queue_pair& qp() noexcept { return *qp_; }
   transport::path_info path() const noexcept { return qp_ != nullptr ? qp_->path() : transport::path_info{}; }
+  std::uint32_t qp_num() const noexcept { return qp_ != nullptr ? qp_->qp_num() : 0; }
   // The handshake is done: the peer's parameters are known. With `auth`
   // the connection then runs the authentication exchange (protocol.hpp)
   // within the handshake timeout and reports to auth->waiter.
@@ -200,9 +201,14 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   }
   std::uint32_t sge_room() const noexcept { return static_cast<std::uint32_t>(stage_sge_.size() - stage_sge_used_); }
   // A SEND of `wire` bytes can go inline: within max_inline_data, and the
-  // inline staging of this batch has room.
+  // inline staging of this batch has room (control messages have their
+  // own, which always has room for one per free send queue slot: they
+  // never need a pool buffer when the inline limit takes a header).
   bool can_inline(std::size_t wire) const noexcept {
     return wire <= fab_->inline_cap && stage_inline_used_ + wire <= stage_inline_.size();
+  }
+  bool can_inline_control(std::size_t wire) const noexcept {
+    return wire <= fab_->inline_cap && stage_control_used_ + wire <= stage_control_.size();
   }
   // Queues a SEND of `wire` bytes and returns where the caller writes them:
   // the inline staging (copied into the work request when it is posted)
@@ -212,6 +218,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void reset_staging() noexcept {
     stage_sge_used_ = 0;
     stage_inline_used_ = 0;
+    stage_control_used_ = 0;
   }
   std::uint16_t take_owed() noexcept;
   void post_fins() noexcept;
@@ -296,12 +303,15 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // sge_per_wr_ gather entries (each work request takes one; a put or get
   // takes fewer pieces per request when they run short) and at most
   // kInlineStage inline bytes (a send that does not fit goes in a pool
-  // buffer instead, as a large one does).
+  // buffer instead, as a large one does), and control messages (credits,
+  // FIN, close, auth) send_queue headers and one auth message.
   static constexpr std::size_t kInlineStage = 4096;
   std::vector<transport::sge> stage_sge_;
   std::size_t stage_sge_used_ = 0;
   std::vector<std::byte> stage_inline_;
   std::size_t stage_inline_used_ = 0;
+  std::vector<std::byte> stage_control_;
+  std::size_t stage_control_used_ = 0;
   std::uint64_t sq_retired_ = 0, sq_posted_ = 0, sq_queued_ = 0;
   std::uint32_t since_signal_ = 0;
 

@@ -373,7 +373,7 @@ bool connection_impl::send_auth(protocol::auth_status status) noexcept {
   const bool proof = status == protocol::auth_status::proof;
   const auto wire = static_cast<std::uint32_t>(proof ? protocol::kAuthSize : protocol::kHeaderSize);
   std::uint32_t buf = buffer_pool::npos;
-  if (!can_inline(wire)) {
+  if (!can_inline_control(wire)) {
     buf = fab_->pool->try_get();
     if (buf == buffer_pool::npos) return false;
   }

@@ -40,8 +40,16 @@ transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t 
 std::byte* connection_impl::stage_send(slot_kind kind, std::uint32_t buf, op_node* op, std::uint32_t wire) noexcept {
   const bool inl = buf == buffer_pool::npos;
   ++tx_count_;
-  std::byte* out = inl ? stage_inline_.data() + stage_inline_used_ : fab_->pool->data(buf);
-  if (inl) stage_inline_used_ += wire;
+  std::byte* out = nullptr;
+  if (!inl) {
+    out = fab_->pool->data(buf);
+  } else if (kind == slot_kind::control) {
+    out = stage_control_.data() + stage_control_used_;
+    stage_control_used_ += wire;
+  } else {
+    out = stage_inline_.data() + stage_inline_used_;
+    stage_inline_used_ += wire;
+  }
   transport::sge* sg = take_sges(1);
   *sg = inl ? transport::sge{reinterpret_cast<std::uint64_t>(out), wire, 0} : fab_->pool->slice(buf, 0, wire);
   transport::work_request& wr = next_wr(kind, buf, op, {sg, 1});
@@ -165,7 +173,7 @@ void connection_impl::wait_for_buffer() noexcept {
 
 bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept {
   if (credits_ < 1 || sq_free() == 0) return false;
-  const bool inl = can_inline(protocol::kHeaderSize);
+  const bool inl = can_inline_control(protocol::kHeaderSize);
   std::uint32_t buf = buffer_pool::npos;
   if (!inl) {
     buf = fab_->pool->try_get();

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <new>
 #include <stop_token>
 #include <thread>
 
@@ -192,6 +193,20 @@ void fabric_state::want_tick(std::chrono::milliseconds within) {
 }
 
 void fabric_state::add(connection_impl* c) { conns_.push_back(c); }
+
+void fabric_state::count_failure(std::error_code ec) noexcept {
+  for (failure_count& f : failures) {
+    if (f.error == ec) {
+      ++f.count;
+      return;
+    }
+  }
+  try {
+    failures.push_back({ec, 1});
+  } catch (const std::bad_alloc&) {
+    // (out of memory: this one goes uncounted)
+  }
+}
 
 void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); }
 
@@ -406,6 +421,17 @@ fabric_stats fabric::stats() const noexcept {
   s.srq_spare = state_->srq_spare();
   return s;
 }
+
+std::vector<connection_report> fabric::connection_reports() const {
+  std::vector<connection_report> out;
+  out.reserve(state_->connections().size());
+  for (const detail::connection_impl* c : state_->connections()) {
+    out.push_back({c->qp_num(), c->path(), c->is_open(), c->stats()});
+  }
+  return out;
+}
+
+std::vector<failure_count> fabric::failure_counts() const { return state_->failures; }
 
 namespace {
 

@@ -114,6 +114,10 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   void stop_liveness() noexcept;  // joins the thread (~fabric, ~fabric_state)
   void liveness_tick() noexcept;
   void want_tick(std::chrono::milliseconds within);  // the next tick within this (a new connection)
+  // A connection failed with ec (connection_impl::fail): counted by error.
+  void count_failure(std::error_code ec) noexcept;
+  std::vector<failure_count> failures;  // a handful of distinct errors
+  const std::vector<connection_impl*>& connections() const noexcept { return conns_; }
   void add(connection_impl* c);        // prepare()
   void remove(connection_impl* c) noexcept;  // ~connection_impl
   static constexpr std::chrono::milliseconds kMinTick{20};

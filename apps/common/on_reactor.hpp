@@ -7,9 +7,12 @@
 
 #include <boost/asio/post.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <exception>
 #include <future>
+#include <memory>
+#include <optional>
 #include <type_traits>
 
 namespace anydoor::apps {
@@ -34,6 +37,27 @@ auto on_reactor(reactor_group& g, std::size_t i, F f) -> decltype(f()) {
       p.set_exception(std::current_exception());
     }
   });
+  return done.get();
+}
+
+// For a query the caller may give up on (stats while draining): f is
+// moved into the work (it must not refer to the caller's locals, only to
+// what outlives the reactors' run); nullopt when reactor i does not answer
+// within `limit`.
+template <class F>
+auto on_reactor_within(reactor_group& g, std::size_t i, std::chrono::milliseconds limit, F f)
+    -> std::optional<decltype(f())> {
+  using result = decltype(f());
+  auto p = std::make_shared<std::promise<result>>();
+  auto done = p->get_future();
+  boost::asio::post(g.get_executor(i), [p, f = std::move(f)]() mutable {
+    try {
+      p->set_value(f());
+    } catch (...) {
+      p->set_exception(std::current_exception());
+    }
+  });
+  if (done.wait_for(limit) != std::future_status::ready) return std::nullopt;
   return done.get();
 }
 

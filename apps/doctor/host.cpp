@@ -29,6 +29,15 @@ bool module_loaded(const roots& r, const std::string& name) {
   return fs::is_directory(r.sys + "/module/" + name, ec);
 }
 
+bool rdma_part_present(const roots& r, const std::string& module) {
+  if (module_loaded(r, module)) return true;
+  std::error_code ec;
+  if (module == "ib_core") return fs::is_directory(r.sys + "/class/infiniband", ec);
+  if (module == "ib_uverbs") return fs::is_directory(r.sys + "/class/infiniband_verbs", ec);
+  if (module == "rdma_ucm") return fs::exists(r.sys + "/class/misc/rdma_cm", ec);
+  return false;
+}
+
 memlock_limit read_memlock(const roots& r) {
   memlock_limit m;
   std::ifstream limits(r.proc + "/self/limits");
@@ -170,7 +179,9 @@ std::string cuda_toolkit_version(std::string* where) {
   if (at == std::string::npos) return {};
   at = text.find("\"version\"", at);
   if (at == std::string::npos) return {};
-  const auto open = text.find('"', text.find(':', at) + 1);
+  const auto colon = text.find(':', at);
+  if (colon == std::string::npos) return {};
+  const auto open = text.find('"', colon + 1);
   const auto close = open == std::string::npos ? open : text.find('"', open + 1);
   if (close == std::string::npos) return {};
   return text.substr(open + 1, close - open - 1);
@@ -237,6 +248,17 @@ std::vector<std::string> upstream_bridges(const roots& r, const std::string& bdf
   return out;
 }
 
+std::vector<std::string> bridges_between(const roots& r, const std::string& a, const std::string& b) {
+  const auto ca = pci_chain(r, a), cb = pci_chain(r, b);
+  if (ca.size() < 2 || cb.size() < 2 || ca.front() != cb.front()) return {};
+  std::size_t common = 0;  // bridges shared (after the host bridge)
+  while (common + 2 < ca.size() && common + 2 < cb.size() && ca[common + 1] == cb[common + 1]) ++common;
+  std::vector<std::string> out;
+  for (std::size_t i = common + 1; i + 1 < ca.size(); ++i) out.push_back(ca[i]);
+  for (std::size_t i = common + 1; i + 1 < cb.size(); ++i) out.push_back(cb[i]);
+  return out;
+}
+
 std::optional<acs_control> read_acs(const roots& r, const std::string& bdf) {
   std::ifstream in(r.sys + "/bus/pci/devices/" + bdf + "/config", std::ios::binary);
   if (!in) return std::nullopt;
@@ -278,9 +300,18 @@ iommu_info read_iommu(const roots& r) {
   if (auto cmd = read_first_line(r.proc + "/cmdline")) {
     std::istringstream words(*cmd);
     for (std::string w; words >> w;) {
-      if (w == "iommu=pt") i.passthrough = true;
+      if (w == "iommu=pt" || w == "iommu.passthrough=1") i.passthrough = true;
     }
   }
+  // The default domain type each group got (identity: passthrough).
+  bool any = false, all_identity = true;
+  for (const auto& e : fs::directory_iterator(r.sys + "/kernel/iommu_groups", ec)) {
+    if (auto t = read_first_line(e.path().string() + "/type")) {
+      any = true;
+      all_identity = all_identity && *t == "identity";
+    }
+  }
+  if (any && all_identity) i.passthrough = true;
   return i;
 }
 

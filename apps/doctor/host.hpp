@@ -21,6 +21,9 @@ struct roots {
 std::optional<std::string> read_first_line(const std::string& path);
 
 bool module_loaded(const roots& r, const std::string& name);
+// The RDMA kernel parts, loaded as modules or built in: ib_core (the
+// infiniband class), ib_uverbs (infiniband_verbs), rdma_ucm (misc/rdma_cm).
+bool rdma_part_present(const roots& r, const std::string& module);
 
 struct memlock_limit {
   bool unlimited = false;
@@ -67,6 +70,10 @@ pcie_relation relate_pci(const roots& r, const std::string& a, const std::string
 
 // The PCI bridges between a device and its host bridge (nearest first).
 std::vector<std::string> upstream_bridges(const roots& r, const std::string& bdf);
+// The bridges peer-to-peer traffic between a and b passes through below
+// the one where their paths meet (the switch's downstream ports on each
+// side): where ACS redirect would send it up to the root complex.
+std::vector<std::string> bridges_between(const roots& r, const std::string& a, const std::string& b);
 
 // ACS control of a PCI function, from its config space (root may read the
 // extended space). nullopt: no ACS capability, or the space is not readable.
@@ -77,8 +84,9 @@ struct acs_control {
 };
 std::optional<acs_control> read_acs(const roots& r, const std::string& bdf);
 
-// IOMMU groups exist (the IOMMU translates DMA), and whether the kernel was
-// booted with iommu=pt (passthrough).
+// IOMMU groups exist (the IOMMU translates DMA), and whether DMA passes
+// through untranslated: every group's type "identity", or iommu=pt /
+// iommu.passthrough=1 on the kernel command line.
 struct iommu_info {
   bool enabled = false;
   bool passthrough = false;

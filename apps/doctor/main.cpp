@@ -2,11 +2,13 @@
 //
 //   anydoor-doctor [--provider auto|tcp|verbs] [--peer HOST:PORT] [--pool-bytes N]
 //                  [--register-bytes N] [--json] [--sysfs DIR] [--procfs DIR]
+//   anydoor-doctor --attach HOST:PORT [--interval SECONDS] [--count N] [--top N]
 //
 // One line per check, "[pass]", "[warn]" or "[fail]", the check's name and
 // what was found; each warn and fail is followed by "  fix: ..." (--json:
 // one object). Exit code 0 when nothing fails, 1 when a check fails, 2 on a
 // bad command line.
+#include "attach.hpp"
 #include "host.hpp"
 
 #include "common/args.hpp"
@@ -31,7 +33,8 @@ using anydoor::apps::endpoint;
 
 constexpr const char* kUsage =
     "anydoor-doctor [--provider auto|tcp|verbs] [--peer HOST:PORT] [--pool-bytes N] [--register-bytes N] [--json]\n"
-    "               [--sysfs DIR] [--procfs DIR]";
+    "               [--sysfs DIR] [--procfs DIR]\n"
+    "       anydoor-doctor --attach HOST:PORT [--interval SECONDS] [--count N] [--top N]";
 
 struct options {
   std::string provider = "auto";
@@ -40,6 +43,8 @@ struct options {
   std::uint64_t register_bytes = std::uint64_t{64} << 20;
   bool json = false;
   doc::roots roots;
+  std::optional<endpoint> attach;  // --attach: the live counters instead of the checks
+  doc::attach_options watch;
 };
 
 options parse(int argc, char** argv) {
@@ -62,6 +67,19 @@ options parse(int argc, char** argv) {
       o.register_bytes = a.size_value(0, std::uint64_t{1} << 50);
     } else if (opt == "--json") {
       o.json = true;
+    } else if (opt == "--attach") {
+      endpoint e;
+      if (!anydoor::apps::parse_endpoint(a.value(), e) || e.port == 0) a.fail("--attach takes HOST:PORT (port 1..65535)");
+      o.attach = e;
+    } else if (opt == "--interval") {
+      if (!anydoor::apps::parse_seconds(a.value(), o.watch.interval) || o.watch.interval < 0.1 ||
+          o.watch.interval > 3600) {
+        a.fail("--interval takes seconds from 0.1 to 3600");
+      }
+    } else if (opt == "--count") {
+      o.watch.count = a.size_value(1, 1000000);
+    } else if (opt == "--top") {
+      o.watch.top = static_cast<std::size_t>(a.size_value(1, 100000));
     } else if (opt == "--sysfs") {
       o.roots.sys = std::string(a.value());
     } else if (opt == "--procfs") {
@@ -88,7 +106,10 @@ struct check {
 
 std::string bytes_text(std::uint64_t b) {
   char buf[64];
-  if (b >= (std::uint64_t{1} << 30) && b % (std::uint64_t{1} << 30) == 0) {
+  if (b == ~std::uint64_t{0}) return "no limit";  // rxe reports 2^64 - 1
+  if (b >= (std::uint64_t{1} << 40)) {
+    std::snprintf(buf, sizeof buf, "%.1f TiB", static_cast<double>(b) / static_cast<double>(std::uint64_t{1} << 40));
+  } else if (b >= (std::uint64_t{1} << 30) && b % (std::uint64_t{1} << 30) == 0) {
     std::snprintf(buf, sizeof buf, "%llu GiB", static_cast<unsigned long long>(b >> 30));
   } else if (b >= (std::uint64_t{1} << 20)) {
     std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
@@ -129,10 +150,11 @@ class doctor {
     }
     std::string loaded, absent, absent_words;
     for (const char* m : {"ib_core", "ib_uverbs", "rdma_ucm"}) {
-      std::string& to = doc::module_loaded(o_.roots, m) ? loaded : absent;
+      const bool here = doc::rdma_part_present(o_.roots, m);
+      std::string& to = here ? loaded : absent;
       to += to.empty() ? "" : ", ";
       to += m;
-      if (!doc::module_loaded(o_.roots, m)) absent_words += std::string(absent_words.empty() ? "" : " ") + m;
+      if (!here) absent_words += std::string(absent_words.empty() ? "" : " ") + m;
     }
     std::string soft;
     for (const char* m : {"rdma_rxe", "siw"}) {
@@ -165,7 +187,7 @@ class doctor {
     if (inv_.devices.empty()) {
       add("rdma devices", missing(),
           std::string("no RDMA device") + (inv_.error.empty() ? "" : " (" + inv_.error + ")") +
-              (doc::module_loaded(o_.roots, "ib_core") ? "" : ", and the kernel's RDMA core (ib_core) is not loaded") +
+              (doc::rdma_part_present(o_.roots, "ib_core") ? "" : ", and the kernel's RDMA core (ib_core) is not loaded") +
               (o_.provider == "auto" ? ": provider auto will use tcp" : ""),
           "install the NIC's driver (mlx5_ib for ConnectX, irdma for Intel E810, ...); for a test without a NIC, "
           "Soft-RoCE: modprobe rdma_rxe && rdma link add rxe0 type rxe netdev <interface>");
@@ -194,6 +216,7 @@ class doctor {
       check_max_mr(d);
       for (const auto& p : d.ports) any_active = check_port(d, p) || any_active;
     }
+    active_port_ = any_active;
     if (!any_active) {
       add("active port", missing(), "no device has an active port" +
                                         std::string(o_.provider == "auto" ? ": provider auto will use tcp" : ""),
@@ -217,12 +240,13 @@ class doctor {
   // true when the port is active
   bool check_port(const tp::device_entry& d, const tp::port_entry& p) {
     const std::string id = d.name + "/" + std::to_string(p.number);
-    const bool roce = p.link_layer == "Ethernet";
-    std::string detail = p.state + ", " + (roce ? "Ethernet (RoCE)" : d.transport == "iWARP" ? "iWARP" : "InfiniBand");
+    const bool iwarp = d.transport == "iWARP";
+    const bool roce = p.link_layer == "Ethernet" && !iwarp;
+    std::string detail = p.state + ", " + (roce ? "Ethernet (RoCE)" : iwarp ? "iWARP" : "InfiniBand");
     if (!p.netdev.empty()) detail += ", netdev " + p.netdev;
     if (p.state != "active") {
       add("port " + id, missing(), detail,
-          roce || d.transport == "iWARP"
+          roce || iwarp
               ? "bring the link up: ip link set " + (p.netdev.empty() ? std::string("<netdev>") : p.netdev) +
                     " up; check the cable and the switch port"
               : "check the cable, and that a subnet manager runs on the fabric (opensm)");
@@ -238,20 +262,41 @@ class doctor {
       add("mtu " + id, verdict::pass, mtu);
     } else {
       add("mtu " + id, verdict::warn, mtu + ": large transfers move in smaller packets",
-          roce ? "raise the netdev MTU (RoCE 4096 needs about 4200; 9000 with jumbo frames on the switch): ip link set " +
-                     p.netdev + " mtu 9000"
-               : "set the port MTU in the subnet manager's partition configuration");
+          roce || iwarp ? "raise the netdev MTU (RoCE 4096 needs about 4200; 9000 with jumbo frames on the switch): "
+                          "ip link set " + p.netdev + " mtu 9000"
+                        : "set the port MTU in the subnet manager's partition configuration");
     }
-    // GID: the one rdma_cm will use (RoCE: a v2 GID with an IPv4 address).
-    if (p.preferred_gid >= 0) {
+    // GID: the one rdma_cm is expected to use (RoCE: a v2 GID with an IPv4
+    // address); iWARP addresses by IP alone.
+    const char* forced = std::getenv("ANYDOOR_GID_INDEX");
+    if (iwarp) {
+      add("gid " + id, verdict::pass, "iWARP: rdma_cm connects by IP address (" + std::to_string(p.gids.size()) +
+                                          " GIDs, none needed)");
+    } else if (forced != nullptr && *forced != '\0') {
+      const tp::gid_entry* g = nullptr;
+      for (const auto& e : p.gids) {
+        if (std::to_string(e.index) == forced) g = &e;
+      }
+      if (g != nullptr && g->type == "RoCE v2" && !g->ipv4.empty()) {
+        add("gid " + id, verdict::pass, std::string("index ") + forced + " (RoCE v2, " + g->ipv4 +
+                                            ") forced by ANYDOOR_GID_INDEX");
+      } else {
+        add("gid " + id, verdict::fail,
+            std::string("ANYDOOR_GID_INDEX=") + forced + " names " +
+                (g == nullptr ? "no GID of this port" : "a GID that is not RoCE v2 with an IPv4 address") +
+                ": the verbs provider refuses to open the device",
+            "unset ANYDOOR_GID_INDEX, or name a RoCE v2 GID with an IPv4 address (see `rdma link`, "
+            "/sys/class/infiniband/" + d.name + "/ports/" + std::to_string(p.number) + "/gid_attrs/types)");
+      }
+    } else if (p.preferred_gid >= 0) {
       const tp::gid_entry* g = nullptr;
       for (const auto& e : p.gids) {
         if (static_cast<int>(e.index) == p.preferred_gid) g = &e;
       }
       std::string what = "index " + std::to_string(p.preferred_gid);
       if (g != nullptr) what += " (" + g->type + (g->ipv4.empty() ? ", " + g->gid : ", " + g->ipv4) + ")";
-      add("gid " + id, verdict::pass, what + " is the one anydoor uses (" + std::to_string(p.gids.size()) +
-                                          " GIDs; ANYDOOR_GID_INDEX overrides)");
+      add("gid " + id, verdict::pass, what + " is the one anydoor expects rdma_cm to use (" +
+                                          std::to_string(p.gids.size()) + " GIDs; ANYDOOR_GID_INDEX forces one)");
     } else if (roce) {
       bool v1_only = false;
       for (const auto& e : p.gids) v1_only = v1_only || e.type == "RoCE v1";
@@ -298,6 +343,9 @@ class doctor {
                              bytes_text(o_.register_bytes) + ")";
     if (o_.provider == "tcp") {
       add("memlock", verdict::pass, "provider tcp pins no memory");
+    } else if (tcp_in_effect()) {
+      add("memlock", verdict::pass, "provider auto will use tcp here, which pins no memory (the limit is " +
+                                        (m.unlimited ? std::string("unlimited") : bytes_text(m.bytes)) + ")");
     } else if (m.unlimited) {
       add("memlock", verdict::pass, "unlimited");
     } else if (m.bytes >= need) {
@@ -335,7 +383,8 @@ class doctor {
       add(name, verdict::pass, "rdma_cm routes it through " + r.device + " port " + std::to_string(r.port) +
                                    (r.source.empty() ? "" : " from " + r.source));
     } else {
-      add(name, verdict::fail, r.error,
+      add(name, o_.provider == "auto" && tcp_in_effect() ? verdict::warn : verdict::fail,
+          r.error + (o_.provider == "auto" && tcp_in_effect() ? " (provider auto will use tcp here)" : ""),
           "the peer's address must be reachable through an RDMA device's netdev: `ip route get " + o_.peer->host +
               "` should name an interface with a GID (see the gid lines); for IB, IPoIB must be up");
     }
@@ -348,12 +397,13 @@ class doctor {
     const std::string toolkit = doc::cuda_toolkit_version(&where);
     const std::string tk = toolkit.empty() ? "no CUDA toolkit at " + where : "CUDA toolkit " + toolkit + " at " + where;
     if (!cu.driver_loaded) {
+      // GPU memory is optional (and not in anydoor yet): these checks
+      // warn, never fail.
       if (on_bus.empty()) {
-        add("gpu", verdict::warn, "no NVIDIA GPU on the PCI bus (" + cu.error + "; " + tk + ")",
-            "only needed for GPU memory (GPUDirect RDMA): a host with an NVIDIA GPU and its driver");
+        add("gpu", verdict::pass, "no NVIDIA GPU on the PCI bus: GPU memory checks skipped (" + cu.error + "; " + tk + ")");
       } else {
-        add("gpu", verdict::fail, std::to_string(on_bus.size()) + " NVIDIA GPU(s) on the PCI bus but " + cu.error,
-            "install the NVIDIA driver (nvidia-smi must list the GPUs)");
+        add("gpu", verdict::warn, std::to_string(on_bus.size()) + " NVIDIA GPU(s) on the PCI bus but " + cu.error,
+            "install the NVIDIA driver (nvidia-smi must list the GPUs) to use GPU memory");
       }
       return;
     }
@@ -378,7 +428,7 @@ class doctor {
           std::string(all_dma_buf ? "dma-buf supported" : "dma-buf not supported by every GPU") +
               (peermem ? "; nvidia_peermem loaded" : ""));
     } else {
-      add("gpudirect", verdict::fail, "no dma-buf support and nvidia_peermem is not loaded: the NIC cannot reach GPU memory",
+      add("gpudirect", verdict::warn, "no dma-buf support and nvidia_peermem is not loaded: the NIC cannot reach GPU memory",
           "modprobe nvidia-peermem, or use the open kernel driver on Linux >= 5.12 (dma-buf)");
     }
     const doc::iommu_info io = doc::read_iommu(o_.roots);
@@ -404,7 +454,7 @@ class doctor {
       // ACS redirecting peer-to-peer on the switch sends it up to the root
       // complex anyway.
       std::string redirecting;
-      for (const auto& b : doc::upstream_bridges(o_.roots, g.pci_address)) {
+      for (const auto& b : doc::bridges_between(o_.roots, g.pci_address, d.pci_address)) {
         if (auto acs = doc::read_acs(o_.roots, b); acs && (acs->request_redirect || acs->completion_redirect)) {
           redirecting += (redirecting.empty() ? "" : ", ") + b;
         }
@@ -412,7 +462,7 @@ class doctor {
       if (redirecting.empty()) {
         add(name, verdict::pass, detail);
       } else {
-        add(name, verdict::warn, detail + ", but ACS redirects peer-to-peer on " + redirecting,
+        add(name, verdict::warn, detail + ", but ACS redirects peer-to-peer to the root complex on " + redirecting,
             "disable ACS P2P redirect on those bridges (setpci -s BRIDGE ECAP_ACS+6.w=0000) or boot with "
             "pcie_acs_override");
       }
@@ -424,9 +474,14 @@ class doctor {
     }
   }
 
+  // Where the runtime would not use verbs: provider tcp, or auto without
+  // an active RDMA port.
+  bool tcp_in_effect() const { return o_.provider == "tcp" || (o_.provider == "auto" && !active_port_); }
+
   const options& o_;
   std::vector<check> checks_;
   tp::device_inventory inv_;
+  bool active_port_ = false;
 };
 
 std::string json_string(const std::string& s) {
@@ -450,7 +505,12 @@ std::string json_string(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const options o = parse(argc, argv);
+  options o = parse(argc, argv);
+  if (o.attach) {
+    o.watch.host = o.attach->host;
+    o.watch.port = o.attach->port;
+    return doc::attach(o.watch);
+  }
   doctor d(o);
   d.run();
   int counts[3] = {0, 0, 0};

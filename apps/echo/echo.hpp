@@ -6,6 +6,7 @@
 #include <anydoor/rpc.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace anydoor::apps::echo {
@@ -21,6 +22,7 @@ struct server_options {
   std::size_t threads = 1;              // reactor threads (reactor_group when > 1)
   std::uint16_t credits = 64;           // receive buffers posted per connection (with srq: the window)
   std::uint32_t srq = 0;                // shared receive queue buffers per reactor; 0: none
+  std::optional<endpoint> metrics;      // --metrics-listen: live counters (GET /metrics)
 };
 int run_server(const server_options& o);
 

@@ -1,5 +1,6 @@
 // anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES]
 //                     [--max-connections N] [--threads N] [--credits N] [--srq BUFFERS]
+//                     [--metrics-listen HOST:PORT]
 // anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS]
 //                     [--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify]
 //                     [--json] [--provider auto|tcp|verbs]
@@ -12,7 +13,7 @@ namespace {
 
 constexpr const char* kUsage =
     "anydoor-echo server --listen HOST:PORT [--provider auto|tcp|verbs] [--max-message BYTES] "
-    "[--max-connections N] [--threads N] [--credits N] [--srq BUFFERS]\n"
+    "[--max-connections N] [--threads N] [--credits N] [--srq BUFFERS] [--metrics-listen HOST:PORT]\n"
     "       anydoor-echo client --connect HOST:PORT [--size BYTES] [--count N | --duration SECONDS] "
     "[--in-flight N] [--connections N] [--credits N] [--timeout SECONDS] [--verify] [--json] [--threads N] [--provider auto|tcp|verbs]";
 
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
         else if (opt == "--threads") o.threads = static_cast<std::size_t>(a.size_value(1, 256));
         else if (opt == "--credits") o.credits = static_cast<std::uint16_t>(a.size_value(4, 4096));
         else if (opt == "--srq") o.srq = static_cast<std::uint32_t>(a.size_value(8, 1u << 20));
+        else if (opt == "--metrics-listen") o.metrics = endpoint_value(a);
         else a.fail("unknown option " + std::string(opt));
       }
       if (!listen) a.fail("server needs --listen HOST:PORT");

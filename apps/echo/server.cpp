@@ -9,6 +9,7 @@
 #include "common/on_reactor.hpp"
 
 #include <anydoor/fabric.hpp>
+#include <anydoor/metrics.hpp>
 #include <anydoor/reactor_group.hpp>
 
 #include <boost/asio/post.hpp>
@@ -63,6 +64,17 @@ void add_echo(rpc::server& srv) {
   });
 }
 
+// --metrics-listen: the live counters, served from `io`.
+std::unique_ptr<metrics_endpoint> open_metrics(const server_options& o, asio::io_context& io,
+                                               metrics_endpoint::collector c) {
+  if (!o.metrics) return nullptr;
+  auto m = std::make_unique<metrics_endpoint>(io, o.metrics->host, o.metrics->port, std::move(c));
+  endpoint bound = *o.metrics;
+  bound.port = m->port();
+  std::printf("anydoor-echo: metrics on %s (GET /metrics)\n", bound.str().c_str());
+  return m;
+}
+
 }  // namespace
 
 // --threads N: a reactor_group; reactor i serves the connections placed on
@@ -79,7 +91,9 @@ int run_group(const server_options& o) {
   std::atomic<bool> failed{false};
   asio::io_context main_io;
   asio::signal_set signals(main_io, SIGINT, SIGTERM);
+  std::unique_ptr<metrics_endpoint> metrics = open_metrics(o, main_io, collect(group));
   auto shutdown_all = [&] {
+    if (metrics) metrics->stop();
     for (std::size_t i = 0; i < n; ++i) {
       asio::post(group.get_executor(i), [srv = servers[i].get()] { srv->shutdown(std::chrono::seconds(2)); });
     }
@@ -97,7 +111,12 @@ int run_group(const server_options& o) {
           asio::post(main_io, [&] { signals.cancel(); shutdown_all(); });
         }
         // the last server done: the main thread stops waiting
-        if (--serving == 0) asio::post(main_io, [&] { signals.cancel(); });
+        if (--serving == 0) {
+          asio::post(main_io, [&] {
+            signals.cancel();
+            if (metrics) metrics->stop();
+          });
+        }
       });
     });
   }
@@ -105,7 +124,9 @@ int run_group(const server_options& o) {
     if (ec) return;
     std::uint64_t open = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      open += on_reactor(group, i, [srv = servers[i].get()] { return srv->stats().connections; });
+      open += on_reactor_within(group, i, std::chrono::seconds(5),
+                                [srv = servers[i].get()] { return srv->stats().connections; })
+                  .value_or(0);
     }
     std::fprintf(stderr, "anydoor-echo: %s: closing %llu connection(s) on %zu reactors\n",
                  sig == SIGINT ? "SIGINT" : "SIGTERM", static_cast<unsigned long long>(open), n);
@@ -123,7 +144,10 @@ int run_group(const server_options& o) {
   for (;;) {
     std::uint64_t open = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      open += on_reactor(group, i, [srv = servers[i].get()] { return srv->stats().connections; });
+      // (a reactor that does not answer counts as one still open)
+      open += on_reactor_within(group, i, std::chrono::seconds(1),
+                                [srv = servers[i].get()] { return srv->stats().connections; })
+                  .value_or(1);
     }
     if (open == 0 || std::chrono::steady_clock::now() > drain_until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -157,11 +181,13 @@ int run_server(const server_options& o) {
   add_echo(srv);
   bool failed = false;
   asio::signal_set signals(io, SIGINT, SIGTERM);
+  std::unique_ptr<metrics_endpoint> metrics = open_metrics(o, io, collect(fab));
   srv.async_serve(std::move(acc), [&](error_code ec) {
     if (ec && ec != std::errc::operation_canceled) {
       std::fprintf(stderr, "anydoor-echo: the listener failed: %s\n", ec.message().c_str());
       failed = true;
       signals.cancel();
+      if (metrics) metrics->stop();
       srv.shutdown(std::chrono::seconds(2));
     }
   });
@@ -169,6 +195,7 @@ int run_server(const server_options& o) {
     if (ec) return;
     std::fprintf(stderr, "anydoor-echo: %s: closing %llu connection(s)\n", sig == SIGINT ? "SIGINT" : "SIGTERM",
                  static_cast<unsigned long long>(srv.stats().connections));
+    if (metrics) metrics->stop();
     srv.shutdown(std::chrono::seconds(2));
   });
   std::printf("anydoor-echo: listening on %s (provider %.*s, max message %llu bytes%s)\n", bound.str().c_str(),

@@ -11,6 +11,7 @@
 #include "service.hpp"
 
 #include <anydoor/fabric.hpp>
+#include <anydoor/metrics.hpp>
 #include <anydoor/reactor_group.hpp>
 
 #include <boost/asio/signal_set.hpp>
@@ -31,17 +32,20 @@ namespace {
 constexpr const char* kUsage =
     "anydoor-kv-server --listen HOST:PORT [--data-dir DIR] [--sync always|everysec|no] [--resp-listen HOST:PORT]\n"
     "       [--max-memory BYTES] [--max-key BYTES] [--max-value BYTES] [--compact-min BYTES]\n"
-    "       [--max-connections N] [--resp-max-clients N] [--threads N] [--provider auto|tcp|verbs]";
+    "       [--max-connections N] [--resp-max-clients N] [--threads N] [--metrics-listen HOST:PORT]\n"
+    "       [--provider auto|tcp|verbs]";
 
 namespace kv = anydoor::apps::kv;
 namespace asio = boost::asio;
 using anydoor::apps::arg_scanner;
 using anydoor::apps::endpoint;
 using anydoor::apps::on_reactor;
+using anydoor::apps::on_reactor_within;
 
 struct options {
   endpoint listen;
   std::optional<endpoint> resp;
+  std::optional<endpoint> metrics;  // --metrics-listen: live counters (GET /metrics)
   std::string data_dir;
   kv::sync_mode sync = kv::sync_mode::everysec;
   kv::store_options store;
@@ -73,6 +77,8 @@ options parse(int argc, char** argv) {
       listen = true;
     } else if (opt == "--resp-listen") {
       o.resp = ep();
+    } else if (opt == "--metrics-listen") {
+      o.metrics = ep();
     } else if (opt == "--data-dir") {
       o.data_dir = std::string(a.value());
       if (o.data_dir.empty()) a.fail("--data-dir takes a directory");
@@ -177,6 +183,16 @@ std::unique_ptr<kv::resp_door> open_door(const options& o, asio::io_context& io,
   return door;
 }
 
+std::unique_ptr<anydoor::metrics_endpoint> open_metrics(const options& o, asio::io_context& io,
+                                                        anydoor::metrics_endpoint::collector c) {
+  if (!o.metrics) return nullptr;
+  auto m = std::make_unique<anydoor::metrics_endpoint>(io, o.metrics->host, o.metrics->port, std::move(c));
+  endpoint bound = *o.metrics;
+  bound.port = m->port();
+  std::printf("anydoor-kv-server: metrics on %s (GET /metrics)\n", bound.str().c_str());
+  return m;
+}
+
 int run(const options& o) {
   asio::io_context io;
   kv::store st(o.store);
@@ -192,11 +208,13 @@ int run(const options& o) {
   const std::uint16_t port = acc.port();
   asio::signal_set signals(io, SIGINT, SIGTERM);
   std::unique_ptr<kv::resp_door> door;
+  std::unique_ptr<anydoor::metrics_endpoint> metrics = open_metrics(o, io, anydoor::collect(fab));
   bool failed = false;
   auto stop_all = [&] {
     signals.cancel();
     srv.shutdown(std::chrono::seconds(2));
     if (door) door->stop();
+    if (metrics) metrics->stop();
   };
   srv.async_serve(std::move(acc), [&](anydoor::error_code ec) {
     if (ec && ec != std::errc::operation_canceled) {
@@ -239,6 +257,23 @@ int run_group(const options& o) {
   std::unique_ptr<kv::resp_door> door;
   std::vector<anydoor::memory_region> tables(n);
   std::vector<std::unique_ptr<anydoor::rpc::server>> servers;
+
+  // What the serving handlers touch (declared before the teardown, which
+  // completes them: they must outlive it on every path).
+  asio::io_context main_io;
+  asio::signal_set signals(main_io, SIGINT, SIGTERM);
+  std::unique_ptr<anydoor::metrics_endpoint> metrics;  // on main_io, opened once everything serves
+  std::atomic<std::size_t> serving{n};
+  std::atomic<bool> failed{false};
+  auto shutdown_all = [&] {
+    if (metrics) metrics->stop();
+    for (std::size_t i = 0; i < servers.size(); ++i) {
+      asio::post(g.get_executor(i), [&, i] {
+        servers[i]->shutdown(std::chrono::seconds(2));
+        if (i == 0 && door) door->stop();
+      });
+    }
+  };
 
   // The one way this run ends, on the normal path and when the start fails
   // part way (an exception: the log, the door or the listener refused):
@@ -308,18 +343,6 @@ int run_group(const options& o) {
   }
   std::vector<anydoor::acceptor> accs = g.listen(o.listen.host, o.listen.port);
   const std::uint16_t port = accs[0].port();
-  asio::io_context main_io;
-  asio::signal_set signals(main_io, SIGINT, SIGTERM);
-  std::atomic<std::size_t> serving{n};
-  std::atomic<bool> failed{false};
-  auto shutdown_all = [&] {
-    for (std::size_t i = 0; i < n; ++i) {
-      asio::post(g.get_executor(i), [&, i] {
-        servers[i]->shutdown(std::chrono::seconds(2));
-        if (i == 0 && door) door->stop();
-      });
-    }
-  };
   for (std::size_t i = 0; i < n; ++i) {
     on_reactor(g, i, [&, i] {
       servers[i]->async_serve(std::move(accs[i]), [&](anydoor::error_code ec) {
@@ -328,7 +351,12 @@ int run_group(const options& o) {
           failed = true;
           asio::post(main_io, [&] { signals.cancel(); shutdown_all(); });
         }
-        if (--serving == 0) asio::post(main_io, [&] { signals.cancel(); });  // the last server done
+        if (--serving == 0) {  // the last server done
+          asio::post(main_io, [&] {
+            signals.cancel();
+            if (metrics) metrics->stop();
+          });
+        }
       });
     });
   }
@@ -337,6 +365,7 @@ int run_group(const options& o) {
     std::fprintf(stderr, "anydoor-kv-server: %s: shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
     shutdown_all();
   });
+  metrics = open_metrics(o, main_io, anydoor::collect(g));
   print_listening(o, port, g.at(0).provider(), st);
   main_io.run();  // until every server's accepting has ended (the signal's shutdown, or a failure)
   while (serving > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -346,7 +375,10 @@ int run_group(const options& o) {
   for (;;) {
     std::uint64_t open = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      open += on_reactor(g, i, [&, i] { return servers[i]->stats().connections; });
+      // (a reactor that does not answer counts as one still open)
+      open += on_reactor_within(g, i, std::chrono::seconds(1),
+                                [srv = servers[i].get()] { return srv->stats().connections; })
+                  .value_or(1);
     }
     if (open == 0 || std::chrono::steady_clock::now() > drain_until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

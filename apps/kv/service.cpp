@@ -39,6 +39,7 @@ void service::maybe_compact() {
 
 rpc::status service::put(std::string_view key, std::span<const std::byte> value, std::uint64_t& lsn) {
   lsn = 0;
+  if (auto bad = off_home()) return *bad;
   ++stats_.puts;
   if (auto st = check(key, value.size()); !st.is_ok()) {
     ++stats_.errors;
@@ -60,6 +61,7 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
 rpc::status service::del(std::string_view key, bool& existed, std::uint64_t& lsn) {
   lsn = 0;
   existed = false;
+  if (auto bad = off_home()) return *bad;
   ++stats_.dels;
   if (auto st = check(key, 0); !st.is_ok()) {
     ++stats_.errors;
@@ -110,7 +112,6 @@ rpc::status service::get_request(std::span<const std::byte> req, std::optional<s
 }
 
 asio::awaitable<rpc::status> service::put_request(std::span<const std::byte> req) {
-  if (auto bad = off_home()) co_return *bad;
   std::uint32_t klen = 0;
   if (req.size() < 4) co_return rpc::status(rpc::errc::invalid_argument, "malformed put: shorter than 4 bytes");
   std::memcpy(&klen, req.data(), 4);
@@ -123,7 +124,6 @@ asio::awaitable<rpc::status> service::put_request(std::span<const std::byte> req
 }
 
 asio::awaitable<rpc::status> service::del_request(std::span<const std::byte> req, bool& existed) {
-  if (auto bad = off_home()) co_return *bad;
   const std::string_view key(reinterpret_cast<const char*>(req.data()), req.size());
   std::uint64_t lsn = 0;
   rpc::status st = del(key, existed, lsn);

@@ -64,9 +64,9 @@ class service {
   // writes, and once at start after the replay).
   void maybe_compact();
 
-  // --threads: the store's thread. Each request body then checks that it
-  // runs there and refuses (errc::internal) if not: a call that skipped
-  // the hop to home would race every other reactor on the store.
+  // --threads: the store's thread. put, del and every RPC request then
+  // check that they run there and refuse (errc::internal) if not: a call
+  // that skipped the hop to home would race every other reactor on the store.
   void set_home(asio::io_context::executor_type home) { home_ = home; }
 
   store& data() noexcept { return st_; }

@@ -6,6 +6,7 @@
 #include <anydoor/error.hpp>
 #include <anydoor/fabric.hpp>
 #include <anydoor/memory.hpp>
+#include <anydoor/metrics.hpp>
 #include <anydoor/reactor.hpp>
 #include <anydoor/reactor_group.hpp>
 #include <anydoor/transport/provider.hpp>

@@ -33,6 +33,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace anydoor {
 
@@ -118,6 +119,21 @@ struct fabric_stats {
   std::uint64_t srq_spare = 0;
 };
 
+// One connection of a fabric, for monitoring (fabric::connection_reports).
+struct connection_report {
+  std::uint32_t qp_num = 0;
+  transport::path_info path;  // where its traffic goes (tcp: the socket's addresses)
+  bool open = false;          // false: failed or closed, its handle not yet dropped
+  connection_stats stats;
+};
+
+// How many connections of a fabric failed with each error (a local abort,
+// connection_closed, is not counted).
+struct failure_count {
+  error_code error;
+  std::uint64_t count = 0;
+};
+
 class acceptor;
 
 class fabric {
@@ -138,6 +154,10 @@ class fabric {
   transport::protection_domain& protection_domain() noexcept;
   const fabric_options& options() const noexcept;
   fabric_stats stats() const noexcept;
+  // For monitoring (anydoor/metrics.hpp), on the fabric's thread: every
+  // connection it holds, and its connections' failures by error.
+  std::vector<connection_report> connection_reports() const;
+  std::vector<failure_count> failure_counts() const;
   asio::io_context::executor_type get_executor() const noexcept;
 
   // Registers [memory.data(), +size) with exactly `acc` (local reads are

@@ -43,7 +43,7 @@ doctor_check() {
               "^\[pass\] rdma devices: 1 found: rxe0" \
               "^\[pass\] device rxe0: InfiniBand, " \
               "^\[pass\] port rxe0/1: active, Ethernet \(RoCE\), netdev eth0" \
-              "^\[pass\] gid rxe0/1: index [0-9]+ \(RoCE v2, $IP\) is the one anydoor uses" \
+              "^\[pass\] gid rxe0/1: index [0-9]+ \(RoCE v2, $IP\) is the one anydoor expects rdma_cm to use" \
               "^\[pass\] peer $IP:7471: rdma_cm routes it through rxe0 port 1" \
               "^\[pass\] memlock: unlimited"; do
     echo "$out" | grep -Eq "$want" || { echo "doctor: no line matching '$want'"; return 1; }

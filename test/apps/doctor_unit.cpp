@@ -70,6 +70,13 @@ TEST_CASE("doctor: the PCIe relation of two devices from the sysfs tree", "[apps
   CHECK(doc::relate_pci(h.r, "0000:03:00.0", "0000:99:00.0") == doc::pcie_relation::unknown);
   const std::vector<std::string> up = doc::upstream_bridges(h.r, "0000:03:00.0");
   CHECK(up == std::vector<std::string>{"0000:02:08.0", "0000:01:00.0", "0000:00:01.0"});
+  // Peer-to-peer between the GPU and the NIC on the same switch passes only
+  // the switch's two downstream ports; across the root complex, every bridge.
+  CHECK(doc::bridges_between(h.r, "0000:03:00.0", "0000:04:00.0") ==
+        std::vector<std::string>{"0000:02:08.0", "0000:02:10.0"});
+  CHECK(doc::bridges_between(h.r, "0000:03:00.0", "0000:05:00.0") ==
+        std::vector<std::string>{"0000:00:01.0", "0000:01:00.0", "0000:02:08.0", "0000:00:02.0"});
+  CHECK(doc::bridges_between(h.r, "0000:03:00.0", "0000:81:00.0").empty());  // another host bridge
 }
 
 TEST_CASE("doctor: ACS control from a bridge's extended config space", "[apps]") {
@@ -130,6 +137,12 @@ TEST_CASE("doctor: memlock, hugepages, GPUs on the bus, IOMMU and modules from /
   CHECK(doc::nvidia_pci_devices(h.r) == std::vector<std::string>{"0000:3b:00.0"});
 
   CHECK_FALSE(doc::read_iommu(h.r).enabled);
+  h.write("sys/kernel/iommu_groups/0/type", "identity\n");
+  h.write("sys/kernel/iommu_groups/1/type", "identity\n");
+  CHECK(doc::read_iommu(h.r).enabled);
+  CHECK(doc::read_iommu(h.r).passthrough);  // every group identity
+  h.write("sys/kernel/iommu_groups/1/type", "DMA-FQ\n");
+  CHECK_FALSE(doc::read_iommu(h.r).passthrough);
   fs::create_directories(h.root / "sys/class/iommu/dmar0");
   h.write("proc/cmdline", "BOOT_IMAGE=/vmlinuz root=/dev/sda1 intel_iommu=on iommu=pt quiet\n");
   const doc::iommu_info io = doc::read_iommu(h.r);
@@ -137,6 +150,11 @@ TEST_CASE("doctor: memlock, hugepages, GPUs on the bus, IOMMU and modules from /
   CHECK(io.passthrough);
 
   CHECK_FALSE(doc::module_loaded(h.r, "ib_uverbs"));
+  CHECK_FALSE(doc::rdma_part_present(h.r, "ib_uverbs"));
   fs::create_directories(h.root / "sys/module/ib_uverbs");
   CHECK(doc::module_loaded(h.r, "ib_uverbs"));
+  // Built into the kernel: no module directory, but its class is there.
+  CHECK_FALSE(doc::rdma_part_present(h.r, "rdma_ucm"));
+  fs::create_directories(h.root / "sys/class/misc/rdma_cm");
+  CHECK(doc::rdma_part_present(h.r, "rdma_ucm"));
 }

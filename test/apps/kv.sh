@@ -194,7 +194,9 @@ run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --get read -
 wait $wpid || fail "--threads: the writing bench failed: $(cat "$tmp/w.err")"
 check_reads
 stop thr KILL
-start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always \
+# (--sync no: what the log holds reaches the disk only when the server
+# closes it on SIGTERM, below)
+start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync no \
   --resp-listen 127.0.0.1:0
 P=$PORT; RP=$(resp_port thr)
 for i in 2 6; do
@@ -203,13 +205,18 @@ done
 run_cmd 1 "$kv" --connect 127.0.0.1:$P get t1
 run_cmd 0 "$kv" --connect 127.0.0.1:$P get t7 --get read; [ "$(cat "$tmp/last.out")" = tv7 ] || fail "--threads: t7 after kill -9"
 # SIGTERM under load on both doors: the server stops within the grace and
-# exits 0, and an acknowledged write is there after a restart.
+# exits 0, and the writes acknowledged under the load (with --sync no, so
+# only the clean close on SIGTERM writes them) are there after a restart.
 [ "$(redis-cli -p "$RP" set t8 tv8)" = OK ] || fail "--threads: SET t8 on the Redis door"
 timeout 30 redis-benchmark -p "$RP" -t set -n 10000000 -c 8 -P 4 -q >"$tmp/rb.out" 2>&1 &
 rbpid=$!
 timeout 30 "$kv" --connect 127.0.0.1:$P bench --keys 50 --workload a --duration 20 --in-flight 8 >"$tmp/w.out" 2>&1 &
 wpid=$!
-sleep 1.5
+sleep 0.5
+for i in 9 10 11 12 13 14; do  # on both reactors (connections alternate), and the door
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P put "t$i" "tv$i"
+done
+[ "$(redis-cli -p "$RP" set t15 tv15)" = OK ] || fail "--threads: SET t15 on the Redis door under load"
 stop thr TERM
 wait $wpid; [ $? != 124 ] || fail "--threads: the kv bench hung after the server's SIGTERM"
 wait $rbpid; [ $? != 124 ] || fail "--threads: redis-benchmark hung after the server's SIGTERM"
@@ -219,13 +226,25 @@ import re, sys
 m = re.search(r"stopped with (\d+) keys \(RPC calls per reactor: (\d+) (\d+)\)", open(sys.argv[1]).read())
 assert m and int(m.group(1)) >= 6 and int(m.group(2)) > 0 and int(m.group(3)) > 0, m and m.groups()
 PY
-start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always
-P=$PORT
-run_cmd 0 "$kv" --connect 127.0.0.1:$P get t8; [ "$(cat "$tmp/last.out")" = tv8 ] || fail "--threads: t8 after SIGTERM under load"
+start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync always \
+  --metrics-listen 127.0.0.1:0
+P=$PORT; M=$(sed -n 's/.*metrics on [^ ]*:\([0-9][0-9]*\).*/\1/p' "$tmp/thr.out" | head -1)
+for i in 8 9 10 11 12 13 14 15; do
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P get "t$i"; [ "$(cat "$tmp/last.out")" = "tv$i" ] || fail "--threads: t$i after SIGTERM under load"
+done
+# --metrics-listen: the 8 connections above, 4 on each reactor
+python3 - "$M" <<'PY' || fail "--threads: /metrics"
+import re, sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+acc = {m.group(1): int(m.group(2)) for m in re.finditer(r'^anydoor_connections_accepted_total\{reactor="(\d)",[^}]*\} (\d+)$', text, re.M)}
+assert acc == {"0": 4, "1": 4}, acc
+PY
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --metrics-listen 127.0.0.1:$M  # taken
+expect_in "$tmp/last.err" "metrics: cannot listen on 127.0.0.1:$M"
 stop thr TERM
 run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 0; expect_in "$tmp/last.err" "--threads takes"
 run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 257; expect_in "$tmp/last.err" "--threads takes"
-pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door, kill -9 and restart, SIGTERM under load"
+pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door, kill -9 and restart, SIGTERM under load, /metrics"
 
 # --- limits
 start_server lim "$server" --listen 127.0.0.1:0 --provider tcp --max-key 8 --max-value 100 --max-memory 64K

@@ -10,9 +10,11 @@
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/post.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -457,6 +459,27 @@ TEST_CASE("kv resp: pipelined, split and inline requests parse - broken ones are
     CHECK(parse_resp(in, lim, args, used, why) == resp_parse::error);
     CHECK(why.find(want) != std::string::npos);
   }
+}
+
+TEST_CASE("kv service: with a home thread set, the store refuses writes from any other thread", "[kv]") {
+  asio::io_context home;
+  store st({.max_memory = 1 << 20, .max_key = 16, .max_value = 64});
+  service svc(st, nullptr);
+  svc.set_home(home.get_executor());
+  const std::array<std::byte, 3> v{std::byte{1}, std::byte{2}, std::byte{3}};
+  std::uint64_t lsn = 0;
+  bool existed = false;
+  // This thread does not run `home`: refused, the store untouched.
+  anydoor::rpc::status p = svc.put("k", v, lsn);
+  CHECK(p.code() == anydoor::rpc::errc::internal);
+  CHECK(svc.del("k", existed, lsn).code() == anydoor::rpc::errc::internal);
+  CHECK(st.stats().keys == 0);
+  // On the home thread: served.
+  anydoor::rpc::status on_home;
+  asio::post(home, [&] { on_home = svc.put("k", v, lsn); });
+  home.run();
+  CHECK(on_home.is_ok());
+  CHECK(st.stats().keys == 1);
 }
 
 TEST_CASE("kv resp: commands answer as Redis does", "[kv]") {

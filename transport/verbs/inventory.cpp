@@ -11,6 +11,7 @@
 
 #include <arpa/inet.h>
 #include <net/if.h>
+#include <netdb.h>
 #include <poll.h>
 
 #include <algorithm>
@@ -139,10 +140,10 @@ device_inventory inspect_devices() {
       d.max_srq = static_cast<std::uint32_t>(a.max_srq);
       d.max_mw = static_cast<std::uint32_t>(a.max_mw);
       d.atomics = a.atomic_cap != IBV_ATOMIC_NONE;
-      for (std::uint8_t port = 1; port <= a.phys_port_cnt; ++port) {
+      for (int port = 1; port <= a.phys_port_cnt; ++port) {
         port_entry p;
-        p.number = port;
-        inspect_port(ctx, port, p);
+        p.number = static_cast<std::uint8_t>(port);
+        inspect_port(ctx, p.number, p);
         d.ports.push_back(std::move(p));
       }
     }
@@ -159,8 +160,12 @@ route_result resolve_route(const std::string& host, std::uint16_t port, std::chr
   hints.ai_port_space = RDMA_PS_TCP;
   rdma_addrinfo* res = nullptr;
   const std::string service = std::to_string(port);
-  if (rdma_getaddrinfo(host.c_str(), service.c_str(), &hints, &res) != 0 || res == nullptr) {
-    r.error = "cannot resolve '" + host + "' (rdma_getaddrinfo: " + std::strerror(errno) + ")";
+  errno = 0;
+  if (const int rc = rdma_getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0 || res == nullptr) {
+    // (EAI codes, or -1 with errno)
+    r.error = "cannot resolve '" + host + "' (rdma_getaddrinfo: " +
+              (rc == -1 || errno != 0 ? std::string(std::strerror(errno != 0 ? errno : ENODEV)) : gai_strerror(rc)) +
+              ")";
     return r;
   }
   rdma_event_channel* ch = rdma_create_event_channel();
