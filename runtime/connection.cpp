@@ -188,6 +188,7 @@ void connection_impl::prepare() {
 
 void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<auth_setup> auth) {
   peer_ = {peer.credits, peer.max_credits, peer.recv_buffer, peer.eager_limit, peer.max_message};
+  if (qp_ != nullptr) connected_path_ = qp_->path();
   // What we granted in our hello (fabric_state::local_hello).
   const std::uint32_t granted = srq_ ? std::min<std::uint32_t>(opt_.credits, fabric_state::kSrqMinCredits) : opt_.credits;
   if (auth != nullptr) {

@@ -62,6 +62,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   transport::queue_pair& qp() noexcept { return *qp_; }
   transport::path_info path() const noexcept { return qp_ != nullptr ? qp_->path() : transport::path_info{}; }
   std::uint32_t qp_num() const noexcept { return qp_ != nullptr ? qp_->qp_num() : 0; }
+  // The path as on_connected found it (empty before: during setup another
+  // thread may still be writing it), for monitoring without a device query.
+  const transport::path_info& connected_path() const noexcept { return connected_path_; }
   // The handshake is done: the peer's parameters are known. With `auth`
   // the connection then runs the authentication exchange (protocol.hpp)
   // within the handshake timeout and reports to auth->waiter.
@@ -379,6 +382,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   asio::steady_timer buffer_timer_;
   bool buffer_timer_armed_ = false;
   connection_stats stats_;
+  transport::path_info connected_path_;
 };
 
 }  // namespace anydoor::detail

@@ -426,7 +426,7 @@ std::vector<connection_report> fabric::connection_reports() const {
   std::vector<connection_report> out;
   out.reserve(state_->connections().size());
   for (const detail::connection_impl* c : state_->connections()) {
-    out.push_back({c->qp_num(), c->path(), c->is_open(), c->stats()});
+    out.push_back({c->qp_num(), c->connected_path(), c->is_open(), c->stats()});
   }
   return out;
 }

@@ -6,6 +6,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/read_until.hpp>
@@ -16,6 +17,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -170,21 +172,37 @@ std::string prometheus_text(const std::vector<metrics_snapshot>& snaps) {
       {{"anydoor_device_rnr_retry_exceeded_total", "counter", "Requests failed after their RNR retries."},
        [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& { return s.device.rnr_retry_exceeded; }},
   };
+  // Port-wide counters (verbs) come once per source: reactors that read
+  // the same sysfs directory are not added up twice.
+  auto first_of_source = [&](std::size_t i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (!snaps[i].device.source.empty() && snaps[j].device.source == snaps[i].device.source) return false;
+    }
+    return true;
+  };
   for (const device_family& df : device_families) {
     if (std::none_of(snaps.begin(), snaps.end(), [&](const metrics_snapshot& s) { return df.get(s).has_value(); })) {
       continue;
     }
     w.begin(df.f);
-    for (const auto& s : snaps) {
-      if (df.get(s)) w.sample({{"reactor", s.reactor}}, *df.get(s));
+    for (std::size_t i = 0; i < snaps.size(); ++i) {
+      if (df.get(snaps[i]) && first_of_source(i)) w.sample({{"reactor", snaps[i].reactor}}, *df.get(snaps[i]));
     }
   }
   w.begin({"anydoor_connection_failures_total", "counter", "Connections that failed, by error."});
   for (const auto& s : snaps) {
+    // (by message: two codes that read the same are one series)
+    std::vector<std::pair<std::string, std::uint64_t>> by_text;
     for (const failure_count& f : s.failures) {
       const std::string what = f.error.message();
-      w.sample({{"reactor", s.reactor}, {"error", what}}, f.count);
+      auto it = std::find_if(by_text.begin(), by_text.end(), [&](const auto& e) { return e.first == what; });
+      if (it == by_text.end()) {
+        by_text.emplace_back(what, f.count);
+      } else {
+        it->second += f.count;
+      }
     }
+    for (const auto& [what, count] : by_text) w.sample({{"reactor", s.reactor}, {"error", what}}, count);
   }
   using conn_getter = std::uint64_t (*)(const connection_stats&);
   struct conn_family {
@@ -351,10 +369,14 @@ asio::awaitable<void> metrics_endpoint::state::serve(std::shared_ptr<session> ss
         page = response("404 Not Found", "try /metrics\n");
       } else {
         // The collector answers from any thread: the text comes back here.
-        collect([ss, ex = io.get_executor()](std::string text) {
-          asio::post(ex, [ss, text = std::move(text)]() mutable {
-            ss->text = std::move(text);
-            ss->ready.cancel();
+        // (weak: a collection that outlives the session frees nothing of
+        // this io_context on another thread)
+        collect([weak = std::weak_ptr<session>(ss), ex = io.get_executor()](std::string text) {
+          asio::post(ex, [weak, text = std::move(text)]() mutable {
+            if (auto live = weak.lock()) {
+              live->text = std::move(text);
+              live->ready.cancel();
+            }
           });
         });
         if (!ss->text && ss->sock.is_open()) co_await ss->ready.async_wait(tuple);
@@ -369,8 +391,16 @@ asio::awaitable<void> metrics_endpoint::state::serve(std::shared_ptr<session> ss
   }
   if (!page.empty() && ss->sock.is_open()) {
     co_await asio::async_write(ss->sock, asio::buffer(page), tuple);
+    // Our side done; what the client still sends is read and dropped until
+    // it closes (or the deadline): closing with unread input would reset
+    // the connection and could cut the answer off.
     error_code ignored;
-    ss->sock.shutdown(tcp::socket::shutdown_both, ignored);
+    ss->sock.shutdown(tcp::socket::shutdown_send, ignored);
+    std::array<char, 4096> sink;
+    for (;;) {
+      auto [rec, got] = co_await ss->sock.async_read_some(asio::buffer(sink), tuple);
+      if (rec) break;
+    }
   }
   ss->deadline.cancel();
   error_code ignored;
@@ -413,7 +443,18 @@ std::uint64_t metrics_endpoint::scrapes() const noexcept { return state_->scrape
 std::uint64_t metrics_endpoint::rejected() const noexcept { return state_->rejected; }
 
 metrics_endpoint::collector collect(fabric& f) {
-  return [&f](std::function<void(std::string)> done) { done(prometheus_text({snapshot(f, "0")})); };
+  // On the fabric's thread: at once when called there, else posted to it.
+  return [&f](std::function<void(std::string)> done) {
+    asio::dispatch(f.get_executor(), [&f, done = std::move(done)] {
+      std::string text;
+      try {
+        text = prometheus_text({snapshot(f, "0")});
+      } catch (const std::exception& e) {
+        log().error("metrics: collecting: {}", e.what());
+      }
+      done(std::move(text));
+    });
+  };
 }
 
 metrics_endpoint::collector collect(reactor_group& g) {
@@ -430,10 +471,26 @@ metrics_endpoint::collector collect(reactor_group& g) {
     all->done = std::move(done);
     for (std::size_t i = 0; i < g.size(); ++i) {
       asio::post(g.get_executor(i), [&g, all, i] {
-        metrics_snapshot s = snapshot(g.at(i), std::to_string(i));
-        std::lock_guard lk(all->m);
-        all->snaps[i] = std::move(s);
-        if (--all->left == 0) all->done(prometheus_text(all->snaps));
+        // (nothing may escape onto a reactor thread: a failed snapshot
+        // leaves that reactor's part empty)
+        std::optional<metrics_snapshot> s;
+        try {
+          s = snapshot(g.at(i), std::to_string(i));
+        } catch (const std::exception& e) {
+          log().error("metrics: reactor {}: {}", i, e.what());
+        }
+        std::unique_lock lk(all->m);
+        if (s) all->snaps[i] = std::move(*s);
+        if (--all->left != 0) return;
+        std::vector<metrics_snapshot> snaps = std::move(all->snaps);
+        lk.unlock();
+        std::string text;
+        try {
+          text = prometheus_text(snaps);
+        } catch (const std::exception& e) {
+          log().error("metrics: rendering: {}", e.what());
+        }
+        all->done(std::move(text));
       });
     }
   };

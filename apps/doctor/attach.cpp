@@ -1,6 +1,7 @@
 #include "attach.hpp"
 
 #include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <signal.h>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -19,6 +21,16 @@ namespace anydoor::apps::doctor {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
+
+static std::string printable(std::string_view s) {
+  // (what a hostile endpoint sends reaches a terminal: no control bytes)
+  std::string out;
+  for (const char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    out += u < 0x20 || u == 0x7f ? '?' : c;
+  }
+  return out;
+}
 
 bool parse_metrics(std::string_view text, std::vector<sample>& out, std::string& why) {
   std::size_t line_no = 0;
@@ -78,36 +90,58 @@ bool parse_metrics(std::string_view text, std::vector<sample>& out, std::string&
 }
 
 bool fetch_metrics(const std::string& host, std::uint16_t port, std::string& body, std::string& why) {
-  try {
-    asio::io_context io;
-    tcp::resolver resolver(io);
-    tcp::socket sock(io);
-    asio::connect(sock, resolver.resolve(host, std::to_string(port)));
-    const std::string req = "GET /metrics HTTP/1.1\r\nHost: " + host + "\r\nConnection: close\r\n\r\n";
-    asio::write(sock, asio::buffer(req));
-    std::string resp;
-    boost::system::error_code ec;
-    asio::read(sock, asio::dynamic_buffer(resp, std::size_t{64} << 20), ec);
-    if (ec && ec != asio::error::eof) {
-      why = "reading the answer: " + ec.message();
-      return false;
+  // All of it within 10 s, and at most 8 MiB: the endpoint may be anything.
+  constexpr std::size_t kMaxPage = std::size_t{8} << 20;
+  asio::io_context io;
+  tcp::resolver resolver(io);
+  tcp::socket sock(io);
+  std::string resp;
+  const std::string req = "GET /metrics HTTP/1.1\r\nHost: " + host + "\r\nConnection: close\r\n\r\n";
+  bool done = false;
+  boost::system::error_code failed;
+  resolver.async_resolve(host, std::to_string(port), [&](const boost::system::error_code& rec, tcp::resolver::results_type eps) {
+    if (rec) {
+      failed = rec;
+      return;
     }
-    const auto head_end = resp.find("\r\n\r\n");
-    if (head_end == std::string::npos) {
-      why = "not an HTTP answer";
-      return false;
-    }
-    const std::string status = resp.substr(0, resp.find("\r\n"));
-    if (status.find(" 200 ") == std::string::npos) {
-      why = "the endpoint answered '" + status + "'";
-      return false;
-    }
-    body = resp.substr(head_end + 4);
-    return true;
-  } catch (const std::exception& e) {
-    why = e.what();
+    asio::async_connect(sock, eps, [&](const boost::system::error_code& cec, const tcp::endpoint&) {
+      if (cec) {
+        failed = cec;
+        return;
+      }
+      asio::async_write(sock, asio::buffer(req), [&](const boost::system::error_code& wec, std::size_t) {
+        if (wec) {
+          failed = wec;
+          return;
+        }
+        asio::async_read(sock, asio::dynamic_buffer(resp, kMaxPage), [&](const boost::system::error_code& rdec, std::size_t) {
+          if (rdec && rdec != asio::error::eof) failed = rdec;
+          done = true;
+        });
+      });
+    });
+  });
+  io.run_for(std::chrono::seconds(10));
+  if (failed) {
+    why = failed == asio::error::not_found ? "the page is larger than 8 MiB" : failed.message();
     return false;
   }
+  if (!done) {
+    why = "no complete answer within 10 s";
+    return false;
+  }
+  const auto head_end = resp.find("\r\n\r\n");
+  if (head_end == std::string::npos) {
+    why = "not an HTTP answer";
+    return false;
+  }
+  const std::string status = resp.substr(0, std::min(resp.find("\r\n"), std::size_t{200}));
+  if (status.rfind("HTTP/1.", 0) != 0 || status.find(" 200 ") == std::string::npos) {
+    why = "the endpoint answered '" + printable(status) + "'";
+    return false;
+  }
+  body = resp.substr(head_end + 4);
+  return true;
 }
 
 namespace {
@@ -136,7 +170,7 @@ void print_table(const std::vector<sample>& all, std::size_t top) {
   std::printf("%-8s %-8s %6s %9s %10s %8s %13s %9s\n", "reactor", "provider", "open", "accepted", "connected",
               "refused", "completions", "failures");
   for (const auto& [r, prov] : reactors) {
-    std::printf("%-8s %-8s %6.0f %9.0f %10.0f %8.0f %13.0f %9.0f\n", r.c_str(), prov.c_str(),
+    std::printf("%-8s %-8s %6.0f %9.0f %10.0f %8.0f %13.0f %9.0f\n", printable(r).c_str(), printable(prov).c_str(),
                 value_of(all, "anydoor_connections_open", r), value_of(all, "anydoor_connections_accepted_total", r),
                 value_of(all, "anydoor_connections_connected_total", r),
                 value_of(all, "anydoor_connections_refused_total", r),
@@ -177,8 +211,9 @@ void print_table(const std::vector<sample>& all, std::size_t top) {
   }
   for (std::size_t i = 0; i < list.size() && i < top; ++i) {
     const row& r = list[i];
-    std::printf("%-8s %-8s %-16s %-6s %10.0f %10.0f %12.0f %12.0f %8.0f %5.0f\n", r.reactor.c_str(), r.qp.c_str(),
-                r.peer.c_str(), r.state.c_str(), r.in, r.out, r.bytes_in, r.bytes_out, r.stalls, r.rnr);
+    std::printf("%-8s %-8s %-16s %-6s %10.0f %10.0f %12.0f %12.0f %8.0f %5.0f\n", printable(r.reactor).c_str(),
+                printable(r.qp).c_str(), printable(r.peer).c_str(), printable(r.state).c_str(), r.in, r.out, r.bytes_in,
+                r.bytes_out, r.stalls, r.rnr);
   }
   bool header = false;
   for (const auto& s : all) {
@@ -187,16 +222,18 @@ void print_table(const std::vector<sample>& all, std::size_t top) {
     header = true;
     const auto r = s.labels.find("reactor");
     const auto e = s.labels.find("error");
-    std::printf("  reactor %s: %s: %.0f\n", r != s.labels.end() ? r->second.c_str() : "?",
-                e != s.labels.end() ? e->second.c_str() : "?", s.value);
+    std::printf("  reactor %s: %s: %.0f\n", r != s.labels.end() ? printable(r->second).c_str() : "?",
+                e != s.labels.end() ? printable(e->second).c_str() : "?", s.value);
   }
 }
 
 }  // namespace
 
 int attach(const attach_options& o) {
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;  // (no SA_RESTART: a signal ends the wait at once)
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
   for (std::uint64_t n = 1; o.count == 0 || n <= o.count; ++n) {
     std::string body, why;
     std::vector<sample> all;

@@ -274,8 +274,10 @@ class doctor {
                                           " GIDs, none needed)");
     } else if (forced != nullptr && *forced != '\0') {
       const tp::gid_entry* g = nullptr;
+      char* end = nullptr;
+      const long want = std::strtol(forced, &end, 10);  // as the verbs provider reads it
       for (const auto& e : p.gids) {
-        if (std::to_string(e.index) == forced) g = &e;
+        if (end != forced && *end == '\0' && want >= 0 && static_cast<long>(e.index) == want) g = &e;
       }
       if (g != nullptr && g->type == "RoCE v2" && !g->ipv4.empty()) {
         add("gid " + id, verdict::pass, std::string("index ") + forced + " (RoCE v2, " + g->ipv4 +

@@ -81,6 +81,9 @@ std::unique_ptr<metrics_endpoint> open_metrics(const server_options& o, asio::io
 // it with its own rpc::server; the test's thread waits for the signal and
 // shuts every server down on its own reactor.
 int run_group(const server_options& o) {
+  // Outlives the group: a metrics collection still on a reactor when the
+  // group stops posts its page here.
+  asio::io_context main_io;
   reactor_group group({.threads = o.threads, .fabric = make_fabric_options(o)});
   std::vector<acceptor> accs = group.listen(o.listen.host, o.listen.port);
   endpoint bound = o.listen;
@@ -89,7 +92,6 @@ int run_group(const server_options& o) {
   std::vector<std::unique_ptr<rpc::server>> servers;
   std::atomic<std::size_t> serving{n};
   std::atomic<bool> failed{false};
-  asio::io_context main_io;
   asio::signal_set signals(main_io, SIGINT, SIGTERM);
   std::unique_ptr<metrics_endpoint> metrics = open_metrics(o, main_io, collect(group));
   auto shutdown_all = [&] {

@@ -122,7 +122,7 @@ struct fabric_stats {
 // One connection of a fabric, for monitoring (fabric::connection_reports).
 struct connection_report {
   std::uint32_t qp_num = 0;
-  transport::path_info path;  // where its traffic goes (tcp: the socket's addresses)
+  transport::path_info path;  // where its traffic goes (tcp: the socket's addresses); empty during setup
   bool open = false;          // false: failed or closed, its handle not yet dropped
   connection_stats stats;
 };

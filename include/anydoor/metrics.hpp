@@ -42,7 +42,8 @@ metrics_snapshot snapshot(fabric& f, std::string reactor_label);
 // reactor_wakeups_total, pool_buffers, pool_free_buffers,
 // pool_registered_bytes, pool_exhausted_total, srq_posted, srq_spare,
 // device_rnr_naks_sent_total, device_rnr_naks_received_total,
-// device_rnr_retry_exceeded_total (where the device reads them); per
+// device_rnr_retry_exceeded_total (where the device reads them; once per
+// counter source: verbs' are port-wide); per
 // connection {qp, peer, state} connection_messages_sent_total,
 // connection_messages_received_total, connection_bytes_sent_total,
 // connection_bytes_received_total, connection_posts_total,
@@ -81,12 +82,15 @@ class metrics_endpoint {
   std::shared_ptr<state> state_;
 };
 
-// A collector for one fabric: the endpoint must run on the fabric's
-// io_context (the snapshot is taken on the endpoint's thread).
+// A collector for one fabric: the snapshot is taken on the fabric's thread
+// (at once when the endpoint runs on the fabric's io_context, else posted
+// there). The fabric must outlive the endpoint.
 metrics_endpoint::collector collect(fabric& f);
 // A collector for every reactor of a group: each snapshot is taken on its
-// reactor's thread (reactor="0", "1", ...). Stop the endpoint before the
-// group.
+// reactor's thread (reactor="0", "1", ...), the page rendered on the last.
+// Stop the endpoint before the group, and stop (or destroy) the group
+// before the endpoint's io_context is destroyed: a collection under way
+// posts its page there.
 metrics_endpoint::collector collect(reactor_group& g);
 
 }  // namespace anydoor

@@ -57,11 +57,15 @@ for threads in 1 2; do
   P=$PORT; M=$(metrics_port m$threads)
   [ -n "$M" ] || fail "no 'metrics on' line"
   # 3 connections busy for a while; scrape in the middle of it
-  timeout 60 "$echo_bin" client --connect 127.0.0.1:$P --duration 4 --connections 3 --in-flight 2 --provider tcp \
+  timeout 60 "$echo_bin" client --connect 127.0.0.1:$P --duration 8 --connections 3 --in-flight 2 --provider tcp \
     --json >"$tmp/c.out" 2>"$tmp/c.err" &
   cpid=$!
-  sleep 1.5
-  scrape "$M" "$tmp/mid.txt"
+  for _ in $(seq 1 100); do  # until all 3 are open and carrying traffic (at most 10 s)
+    scrape "$M" "$tmp/mid.txt"
+    [ "$(total "$tmp/mid.txt" anydoor_connections_open)" = 3 ] &&
+      [ "$(total "$tmp/mid.txt" anydoor_connection_messages_received_total 'state="open"')" -gt 100 ] && break
+    sleep 0.1
+  done
   [ "$(total "$tmp/mid.txt" anydoor_connections_open)" = 3 ] || fail "threads $threads: open connections mid-run: $(grep connections_open "$tmp/mid.txt")"
   [ "$(total "$tmp/mid.txt" anydoor_connection_messages_received_total 'state="open"')" -gt 100 ] \
     || fail "threads $threads: messages received mid-run: $(grep messages_received "$tmp/mid.txt")"
@@ -79,8 +83,11 @@ for threads in 1 2; do
   wait $cpid || fail "threads $threads: the client failed: $(cat "$tmp/c.err")"
   sent=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["messages"])' "$tmp/c.out")
   # The client's connections go away with it; what the server counted stays in the reactor totals.
-  sleep 0.5
-  scrape "$M" "$tmp/after.txt"
+  for _ in $(seq 1 100); do
+    scrape "$M" "$tmp/after.txt"
+    [ "$(total "$tmp/after.txt" anydoor_connections_open)" = 0 ] && break
+    sleep 0.1
+  done
   [ "$(total "$tmp/after.txt" anydoor_connections_accepted_total)" = 3 ] || fail "threads $threads: accepted"
   [ "$(total "$tmp/after.txt" anydoor_connections_open)" = 0 ] || fail "threads $threads: still open after the client"
   [ "$sent" -gt 0 ] || fail "the client sent nothing"
@@ -112,19 +119,30 @@ assert s.recv(10) == b""
 assert 3 < time.time() - t0 < 10, time.time() - t0
 # 20 silent clients (the limit is 16): the surplus are closed at once.
 idle = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in range(20)]
-time.sleep(0.3)
-closed = 0
 for c in idle:
     c.setblocking(False)
-    try:
-        closed += c.recv(10) == b""
-    except BlockingIOError:
-        pass
-assert closed >= 4, closed
+shut = set()
+deadline = time.time() + 3  # (well inside the 5 s limit the others get)
+while len(shut) < 4 and time.time() < deadline:
+    for i, c in enumerate(idle):
+        if i in shut:
+            continue
+        try:
+            if c.recv(10) == b"":
+                shut.add(i)
+        except BlockingIOError:
+            pass
+    time.sleep(0.05)
+assert len(shut) >= 4, len(shut)
 for c in idle:
     c.close()
 PY
-  sleep 0.3
+  # (the closed idle clients free their places as the server reads their EOF)
+  for _ in $(seq 1 50); do
+    curl_ok=$(python3 -c 'import sys,urllib.request; print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).status)' "$M" 2>/dev/null)
+    [ "$curl_ok" = 200 ] && break
+    sleep 0.1
+  done
   scrape "$M" "$tmp/again.txt"
   pass "--threads $threads: 404, 405, 400, 431, a silent client cut off, surplus clients closed; still serving"
   stop_ok() {

@@ -2,6 +2,7 @@
 // the test's thread only; the reactors' coroutines record what they saw.
 #include "../support/runtime.hpp"
 
+#include <anydoor/metrics.hpp>
 #include <anydoor/reactor_group.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -333,4 +334,43 @@ TEST_CASE("reactor_group: bad options are refused with a reason", "[runtime]") {
   });
   REQUIRE(f.wait_for(5s) == std::future_status::ready);
   CHECK(f.get() == ad::errc::invalid_state);
+}
+
+TEST_CASE("reactor_group: the metrics page has every reactor's connections, each read on its own thread",
+          "[runtime]") {
+  ad::reactor_group g({.threads = 2, .fabric = test_options()});
+  std::vector<ad::acceptor> accs = g.listen(test_host(), 0);
+  served s;
+  serve(g, accs, s);
+  asio::io_context io;  // the endpoint and the clients: the test's thread
+  ad::metrics_endpoint ep(io, "127.0.0.1", 0, ad::collect(g));
+  ad::fabric client(io, test_options());
+  std::string page;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    std::vector<ad::connection> conns;
+    for (std::size_t i = 0; i < 4; ++i) {  // two on each reactor (round robin)
+      ad::connection c = co_await client.async_connect(test_host() + ":" + std::to_string(accs[0].port()), use_awaitable);
+      const auto out = pattern(64, static_cast<std::uint32_t>(i));
+      for (std::size_t k = 0; k <= i; ++k) {  // i + 1 messages on connection i
+        co_await c.async_send(asio::buffer(out), use_awaitable);
+        (void)co_await c.async_receive(use_awaitable);
+      }
+      conns.push_back(std::move(c));
+    }
+    page = co_await http_get_metrics(ep.port());
+    for (auto& c : conns) co_await c.async_close(use_awaitable);
+    ep.stop();
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  REQUIRE(wind_down(g, accs, s));
+  g.stop();
+  INFO(page);
+  CHECK(metric_sum(page, "anydoor_connections_open", "reactor=\"0\"") == 2);
+  CHECK(metric_sum(page, "anydoor_connections_open", "reactor=\"1\"") == 2);
+  // connections 0 and 2 on reactor 0 (1 + 3 messages), 1 and 3 on reactor 1 (2 + 4)
+  CHECK(metric_sum(page, "anydoor_connection_messages_received_total", "reactor=\"0\"") == 4);
+  CHECK(metric_sum(page, "anydoor_connection_messages_received_total", "reactor=\"1\"") == 6);
+  CHECK(ep.scrapes() == 1);
 }

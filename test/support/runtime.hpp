@@ -7,7 +7,12 @@
 
 #include <anydoor/anydoor.hpp>
 
+#include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
@@ -69,6 +74,37 @@ asio::awaitable<bool> until(Pred pred, std::chrono::milliseconds limit = std::ch
     co_await t.async_wait(asio::use_awaitable);
   }
   co_return pred();
+}
+
+// In a coroutine: GET /metrics from 127.0.0.1:port (a metrics_endpoint);
+// the body, or "" when the answer is not 200.
+inline asio::awaitable<std::string> http_get_metrics(std::uint16_t port) {
+  using tcp = asio::ip::tcp;
+  tcp::socket s(co_await asio::this_coro::executor);
+  co_await s.async_connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port), asio::use_awaitable);
+  co_await asio::async_write(s, asio::buffer(std::string_view("GET /metrics HTTP/1.1\r\n\r\n")), asio::use_awaitable);
+  std::string resp;
+  (void)co_await asio::async_read(s, asio::dynamic_buffer(resp), asio::as_tuple(asio::use_awaitable));
+  const auto head = resp.find("\r\n\r\n");
+  if (resp.rfind("HTTP/1.1 200 ", 0) != 0 || head == std::string::npos) co_return std::string();
+  co_return resp.substr(head + 4);
+}
+
+// The sum of a metric's samples whose labels contain `labels` (a
+// substring such as reactor="1"), in a Prometheus text page.
+inline std::uint64_t metric_sum(const std::string& page, const std::string& name, const std::string& labels = "") {
+  std::uint64_t sum = 0;
+  std::size_t at = 0;
+  while (at < page.size()) {
+    const auto nl = page.find('\n', at);
+    const std::string line = page.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
+    at = nl == std::string::npos ? page.size() : nl + 1;
+    if (line.rfind(name + "{", 0) != 0) continue;
+    const auto close = line.rfind("} ");
+    if (close == std::string::npos || line.substr(0, close).find(labels) == std::string::npos) continue;
+    sum += std::stoull(line.substr(close + 2));
+  }
+  return sum;
 }
 
 // Runs io until it runs out of work; fails if that takes longer than limit.
