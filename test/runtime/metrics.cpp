@@ -18,8 +18,12 @@ using asio::use_awaitable;
 
 TEST_CASE("metrics: a fabric's page counts its connections, their traffic and their failures", "[runtime]") {
   asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
+  // (keepalive 1 s: on verbs the server learns of the client's abort only
+  // when its liveness check finds the peer gone; tcp sees the socket close)
+  ad::connection_options co;
+  co.keepalive = std::chrono::milliseconds(1000);
+  ad::fabric server(io, test_options(co));
+  ad::fabric client(io, test_options(co));
   ad::acceptor acc = server.listen(test_host(), 0);
   ad::metrics_endpoint ep(io, "127.0.0.1", 0, ad::collect(server));
   REQUIRE(ep.port() != 0);
@@ -55,7 +59,7 @@ TEST_CASE("metrics: a fabric's page counts its connections, their traffic and th
     open_page = co_await http_get_metrics(ep.port());
     a.abort();                                   // the server's side fails
     co_await b.async_close(use_awaitable);       // the server's side closes cleanly
-    co_await until([&] { return server.stats().connections == 0; });
+    co_await until([&] { return server.stats().connections == 0; }, std::chrono::seconds(15));
     after_page = co_await http_get_metrics(ep.port());
     ep.stop();
   }, f.handler());
