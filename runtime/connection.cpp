@@ -268,6 +268,13 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
               qp_->qp_num(), peer.credits, peer.recv_buffer, eager_limit_, peer.max_message);
 }
 
+void connection_impl::speak_first() noexcept {
+  // (With authentication the proof, sent at once, is the first word. The
+  // last credit stays for control messages, as for a heartbeat.)
+  if (state_ != state::open || auth_ != nullptr || credits_ < 2) return;
+  (void)enqueue_control(protocol::msg_type::credit, 0, 0);
+}
+
 void connection_impl::on_setup_failed() noexcept {
   auto keep = shared_from_this();
   state_ = state::failed;

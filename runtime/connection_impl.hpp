@@ -70,6 +70,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // within the handshake timeout and reports to auth->waiter.
   void on_connected(const protocol::hello& peer, std::unique_ptr<auth_setup> auth = nullptr);
   void on_setup_failed() noexcept;  // the queue pair never connected
+  // The connecting side's first word (capabilities::established_by_message):
+  // an empty credit message, so that a listener whose connection manager
+  // lost our establishment learns of it at once.
+  void speak_first() noexcept;
 
   // Operations (connection.hpp's templates call these).
   op_node* acquire(op_kind kind);
@@ -255,6 +259,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void on_receive_failed(const transport::completion& wc) noexcept;
   void queue_recv(std::uint32_t buffer) noexcept;
   void drop_unposted() noexcept;
+  void drop_unposted_receives() noexcept;
   void on_close_acked() noexcept;
   void on_peer_close() noexcept;
 

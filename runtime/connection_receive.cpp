@@ -120,6 +120,7 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
     --fab_->srq_promised;
     ++held_;
     ++rx_count_;
+    if (state_ == state::setup && qp_ != nullptr) qp_->note_peer_message();  // (the accept may wait for it)
     handle_message(buffer, wc.byte_len);
     // The peer is down to its control credit and we owe it some (a short
     // queue grants one at a time): the flush sends them (maybe_send_credits).
@@ -164,6 +165,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
     release_received(buffer);
     on_receive_failed(wc);
   } else {
+    if (state_ == state::setup && qp_ != nullptr) qp_->note_peer_message();  // (the accept may wait for it)
     handle_message(buffer, wc.byte_len);
   }
   progress_sends(false);
@@ -430,8 +432,10 @@ void connection_impl::on_close_acked() noexcept {
     close_op_ = nullptr;
     complete(n, false, {});
   }
-  // Flush the receives: their buffers go back to the pool.
+  // Flush the receives: their buffers go back to the pool (those not
+  // posted yet at once).
   if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+  drop_unposted_receives();
   park_partial_reads();
   begin_drain();
   deliver(false);

@@ -283,6 +283,9 @@ void connection_impl::flush_now() noexcept {
   // queued waits for on_connected.
   if (qp_ == nullptr || state_ == state::setup) return;
   if (!send_waiting_.empty() || !fins_.empty() || (close_op_ != nullptr && !close_sent_)) progress_sends(true);
+  if (!recv_batch_.empty() && (state_ == state::closed || state_ == state::failed)) {
+    drop_unposted_receives();  // the queue pair is in error: see there
+  }
   if (!recv_batch_.empty()) {
     std::size_t bad = 0;
     if (auto ec = qp_->post_recv(recv_batch_, &bad)) {
@@ -343,6 +346,15 @@ void connection_impl::drop_unposted() noexcept {
   batch_.clear();
   reset_staging();
   for (op_node* p = parked_.head; p != nullptr; p = p->next) p->operand = std::min(p->operand, sq_posted_);
+  drop_unposted_receives();
+}
+
+// Receives queued but not posted (reposts waiting for the next flush) go
+// back to the pool once the queue pair is in error. Nothing can arrive in
+// them, and a receive posted after the move to error may never complete:
+// rxe (Linux 6.1) flushes what the queue held when it failed but leaves a
+// later one, and the connection would wait for it forever before releasing.
+void connection_impl::drop_unposted_receives() noexcept {
   for (std::uint64_t i = rq_posted_; i < rq_queued_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
   rq_queued_ = rq_posted_;
   recv_batch_.clear();

@@ -552,6 +552,7 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
     return;
   }
   impl->on_connected(peer);
+  if (f.device->caps().established_by_message) impl->speak_first();
   ++f.connected;
   log().info("fabric: connected to {}:{} (qp {})", host, port, impl->qp().qp_num());
   h->complete(false, std::error_code{}, connection(std::move(impl)));

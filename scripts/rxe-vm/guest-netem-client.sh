@@ -7,7 +7,7 @@
 # without end: 486 of 600 operations in 240 s, the rest never; a real
 # fabric does not reorder like that within one flow.)
 set -u
-modprobe -a rdma_rxe ib_uverbs rdma_ucm sch_netem ifb act_mirred cls_u32 sch_ingress || { echo "cannot load modules"; exit 100; }
+modprobe -a rdma_rxe ib_uverbs rdma_ucm sch_netem sch_prio ifb act_mirred act_gact cls_u32 sch_ingress || { echo "cannot load modules"; exit 100; }
 ip link set lo up
 ip addr add 10.77.0.2/24 dev eth1 && ip link set eth1 up || { echo "no eth1"; exit 101; }
 rdma link add rxe0 type rxe netdev eth1 || { echo "cannot create rxe0"; exit 102; }
@@ -17,6 +17,9 @@ tc filter add dev eth1 parent ffff: protocol all u32 match u32 0 0 action mirred
 ulimit -l unlimited
 export ANYDOOR_LOG=warn ANYDOOR_PROVIDER=verbs
 ops=$(cat ops 2>/dev/null || echo 600)
+only=$(cat only 2>/dev/null || true)  # NETEM_ONLY of run-netem: a regular expression over the scenario names
+ran=0
+wanted() { { [ -z "$only" ] || [[ "$1" =~ $only ]]; } && ran=$((ran + 1)); }
 server=10.77.0.1:7300
 for i in $(seq 1 120); do ping -c1 -W1 10.77.0.1 >/dev/null 2>&1 && break; sleep 1; done
 ping -c1 -W1 10.77.0.1 >/dev/null || { echo "the server guest is unreachable on the link"; exit 103; }
@@ -36,6 +39,7 @@ impair() {  # impair NETEM-ARGS...: the same rule on both directions
 fail=0
 scenario() {  # scenario NAME NETEM-ARGS...
   local name=$1; shift
+  wanted "$name" || return 0
   impair "$@" || { echo "netem: cannot apply '$*'"; fail=$((fail + 1)); return; }
   echo; echo "=== $name (netem: $*)"
   echo "rxe before: $(counters)"
@@ -51,6 +55,31 @@ scenario reorder delay 2ms reorder 25% 50%
 scenario corrupt-1pct corrupt 1%
 scenario mixed loss 1% duplicate 1% delay 1ms
 impair none
+# rdma_cm's RTU lost: every RTU this guest sends (a CM MAD to QP 1: UDP
+# 4791, BTH destination QP 1, management class 7, attribute 0x0014) is
+# dropped on its way out, resends included. The listener's accept learns
+# that we are connected only from our first message (rdma_notify); without
+# that it gives up after its 2 s handshake timeout and we wait for a region
+# that never comes.
+if ! wanted rtu-lost; then :
+else
+echo; echo "=== rtu-lost (every CM RTU from the client dropped)"
+echo "rxe before: $(counters)"
+if tc qdisc replace dev eth1 root handle 1: prio &&
+   tc filter add dev eth1 parent 1: protocol ip prio 1 u32 match ip protocol 17 0xff match u16 4791 0xffff at 22 \
+     match u32 1 0x00ffffff at 32 match u8 0x07 0xff at 49 match u16 0x0014 0xffff at 64 action drop; then
+  timeout 300 bin/anydoor-netem-check --connect $server --label rtu-lost --ops 50 --deadline 60 || fail=$((fail + 1))
+  dropped=$(tc -s filter show dev eth1 parent 1: | grep -o 'dropped [0-9]*' | head -1 | cut -d' ' -f2)
+  echo "rtu-lost: RTUs dropped: ${dropped:-none}"
+  # No RTU dropped: the filter matched nothing and the scenario proved nothing.
+  [ "${dropped:-0}" -ge 1 ] || { echo "rtu-lost: verdict=fail (the filter dropped no RTU)"; fail=$((fail + 1)); }
+else
+  echo "netem: cannot install the RTU filter"; fail=$((fail + 1))
+fi
+echo "rxe after:  $(counters)"
+impair none
+fi
+if wanted total-loss; then
 echo; echo "=== total-loss (netem loss 100% after connecting)"
 echo "rxe before: $(counters)"
 # rxe (Linux 6.1) keeps retransmitting past the queue pair's retry count
@@ -62,6 +91,8 @@ timeout 300 bin/anydoor-netem-check --connect $server --label total-loss --ops 5
   || fail=$((fail + 1))
 echo "rxe after:  $(counters)"
 impair none
+fi
 bin/anydoor-netem-check --connect $server --quit >/dev/null || echo "could not stop the server"
-echo; echo "=== failed scenarios: $fail"
+[ "$ran" -gt 0 ] || { echo "netem: no scenario matches '$only'"; fail=$((fail + 1)); }
+echo; echo "=== scenarios run: $ran, failed: $fail"
 exit $fail

@@ -27,6 +27,10 @@ using namespace detail;
 
 namespace {
 
+// How often an accept waiting for ESTABLISHED looks whether the peer's
+// first message has come instead.
+constexpr std::chrono::milliseconds kEstablishPoll{20};
+
 // Waits for the next event on a private cm channel, until the deadline
 // (timed_out) or a stop request (operation_canceled, seen within 50 ms).
 std::error_code next_event(rdma_event_channel* ch, clock::time_point deadline, rdma_cm_event** ev,
@@ -130,8 +134,29 @@ class verbs_request final : public connection_request {
     rdma_conn_param p = conn_param(*vqp, wrapped, attr);
     if (rdma_accept(id_, &p) != 0) return fail(ch, {errno, std::system_category()});
     rdma_cm_event* ev = nullptr;
-    // The peer's establishment, within the listener's handshake timeout.
-    if (auto ec = next_event(ch, clock::now() + timeout_, &ev, stop)) return fail(ch, ec);
+    // The peer's establishment (its RTU), within the listener's handshake
+    // timeout. The network can lose the RTU, and the CM resends its REP,
+    // which brings another, only after the peer's CM response timeout
+    // (about 4 s with rdma_cm), past the default 2 s handshake. The peer's
+    // first message proves the connection too (a connecting runtime speaks
+    // first: capabilities::established_by_message); the CM is told with
+    // rdma_notify, and reports ESTABLISHED at once.
+    const auto deadline = clock::now() + timeout_;
+    bool notified = false;
+    for (;;) {
+      const auto ec = next_event(ch, std::min(deadline, clock::now() + kEstablishPoll), &ev, stop);
+      if (!ec) break;
+      if (ec != errc::timed_out || clock::now() >= deadline) return fail(ch, ec);
+      if (!notified && vqp->peer_message_seen()) {
+        notified = true;
+        if (rdma_notify(id_, IBV_EVENT_COMM_EST) == 0) {
+          log().info("verbs: qp {}: the peer's first message came before its RTU (lost?): established by it",
+                     vqp->qp_num());
+        } else {
+          log().debug("verbs: qp {}: rdma_notify: {}", vqp->qp_num(), std::strerror(errno));
+        }
+      }
+    }
     const rdma_cm_event_type type = ev->event;
     rdma_ack_cm_event(ev);
     if (type != RDMA_CM_EVENT_ESTABLISHED) {

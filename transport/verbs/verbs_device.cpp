@@ -119,6 +119,9 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         c.max_srq = attr.max_srq > 0 && attr.max_srq_wr > 0 ? static_cast<std::uint32_t>(attr.max_srq) : 0;
         c.max_srq_wr = c.max_srq != 0 ? static_cast<std::uint32_t>(attr.max_srq_wr) : 0;
         // Type-2 windows (rxe has 2B; siw none).
+        // InfiniBand and RoCE connect with REQ, REP and RTU; iWARP's MPA
+        // exchange ends on the listener's side.
+        c.established_by_message = !state_->iwarp;
         c.memory_windows = attr.max_mw > 0 && (attr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A |
                                                                         IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
         // GID: rdma_cm picks the source GID of a connection from its source

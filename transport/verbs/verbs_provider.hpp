@@ -206,6 +206,7 @@ class verbs_qp final : public queue_pair {
   const qp_attributes& attributes() const noexcept override { return attr_; }
   qp_counters counters() const noexcept override { return counters_; }
   path_info path() const noexcept override;
+  void note_peer_message() noexcept override { peer_message_.store(true, std::memory_order_release); }
 
   // Connection manager.
   ibv_context* context() const noexcept { return dev_->ctx; }
@@ -214,6 +215,8 @@ class verbs_qp final : public queue_pair {
   // Moves the QP to `target` with rdma_init_qp_attr's attributes for the id.
   std::error_code cm_transition(rdma_cm_id* id, ibv_qp_state target) noexcept;
   void adopt(rdma_cm_id* id, rdma_event_channel* channel) noexcept;
+  // A message of the peer's came before the accept saw ESTABLISHED.
+  bool peer_message_seen() const noexcept { return peer_message_.load(std::memory_order_acquire); }
 
   // Completion translation (called by the CQ).
   void complete(const ibv_wc& wc, std::uint32_t slot, bool recv, completion& out) noexcept;
@@ -251,6 +254,8 @@ class verbs_qp final : public queue_pair {
   // Stored last by adopt(), which may run on a connecting thread while the
   // completion queue's thread polls it for cm events.
   std::atomic<rdma_event_channel*> cm_channel_{nullptr};
+  // Set by the runtime's thread (note_peer_message), read by an accepting one.
+  std::atomic<bool> peer_message_{false};
   qp_counters counters_;
   // send queue accounting: [sq_retired_, sq_posted_) occupy slots
   std::vector<send_slot> sq_;

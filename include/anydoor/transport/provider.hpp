@@ -229,6 +229,14 @@ class queue_pair {
   // The path a connected queue pair uses (the GIDs on verbs); zeros before
   // it is connected.
   virtual path_info path() const noexcept = 0;
+
+  // The runtime took a message of the peer's from this queue pair while its
+  // accept may still be running (any thread). A provider whose passive side
+  // waits for the connection manager's word that the peer is connected
+  // (rdma_cm's RTU, which the network can lose) takes the message as that
+  // word: the peer could not have sent it otherwise
+  // (capabilities::established_by_message).
+  virtual void note_peer_message() noexcept {}
 };
 
 // A protection domain (ibv_pd): registrations and queue pairs live in one.

@@ -167,6 +167,12 @@ struct capabilities {
   // receives each holds at most; 0: none.
   std::uint32_t max_srq = 0;
   std::uint32_t max_srq_wr = 0;
+  // The connection manager's last handshake message (rdma_cm's RTU) can be
+  // lost, and the listener then learns that the peer is connected only
+  // from the peer's first message (queue_pair::note_peer_message) or after
+  // the connection manager's own resend, seconds later: a connecting
+  // runtime speaks first.
+  bool established_by_message = false;
 };
 
 // Creation attributes of a shared receive queue (ibv_srq_init_attr).
