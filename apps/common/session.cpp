@@ -5,8 +5,10 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cstring>
 #include <array>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <system_error>
@@ -14,32 +16,40 @@
 namespace anydoor::examples {
 namespace {
 
-session make_session(const session_options& opt) {
-  session s;
-  s.dev = tp::open_device({.provider = opt.provider});
+// The device is opened first (a listener needs it); the rest follows.
+void equip(session& s, const session_options& opt) {
   s.pd = s.dev->alloc_pd();
   s.cq = s.dev->create_cq(opt.queue_depth * 4);
   s.qp = s.pd->create_qp({.send_cq = s.cq.get(), .recv_cq = s.cq.get(), .max_send_wr = opt.queue_depth,
-                          .max_recv_wr = opt.queue_depth});
+                          .max_recv_wr = opt.queue_depth, .max_inline_data = opt.max_inline});
   s.buf.resize(opt.buffer_size);
   s.mr = s.pd->register_memory(s.buf.data(), s.buf.size(),
                                tp::access::local_write | tp::access::remote_write | tp::access::remote_read |
                                    tp::access::remote_atomic);
-  return s;
 }
 
 // The packed form fits the smallest private data a provider carries (55
 // bytes on verbs).
 static_assert(remote_region::packed_size <= 55);
 
-remote_region unpack(std::span<const std::byte> b) {
+// The peer's region, and what follows it.
+void take_peer(session& s, std::span<const std::byte> b) {
   remote_region r;
-  if (auto ec = remote_region::unpack(b, r)) throw std::system_error(ec, "peer sent no region description");
-  return r;
+  const std::error_code ec =
+      b.size() < remote_region::packed_size ? make_error_code(anydoor::errc::protocol_error)
+                                            : remote_region::unpack(b.first(remote_region::packed_size), r);
+  if (ec) throw std::system_error(ec, "peer sent no region description");
+  s.peer = r;
+  s.peer_extra.assign(b.begin() + remote_region::packed_size, b.end());
 }
 
-std::array<std::byte, remote_region::packed_size> describe(const session& s) {
-  return remote_region{reinterpret_cast<std::uint64_t>(s.buf.data()), s.buf.size(), s.mr->rkey()}.pack();
+std::vector<std::byte> describe(const session& s, std::span<const std::byte> extra = {}) {
+  if (extra.size() > kMaxExtra) throw std::invalid_argument("session: too much extra private data");
+  const auto r = remote_region{reinterpret_cast<std::uint64_t>(s.buf.data()), s.buf.size(), s.mr->rkey()}.pack();
+  std::vector<std::byte> out(r.size() + extra.size());
+  std::memcpy(out.data(), r.data(), r.size());
+  if (!extra.empty()) std::memcpy(out.data() + r.size(), extra.data(), extra.size());
+  return out;
 }
 
 }  // namespace
@@ -73,30 +83,42 @@ void session::post(const tp::work_request& wr) {
 }
 
 session accept_one(const std::string& host, std::uint16_t port, const session_options& opt,
-                   void (*on_listen)(std::uint16_t, void*), void* ctx) {
-  session s = make_session(opt);
+                   void (*on_listen)(std::uint16_t, void*), void* ctx,
+                   const std::function<session_options(std::span<const std::byte>)>& configure) {
+  session s;
+  s.dev = tp::open_device({.provider = opt.provider});
   auto lis = s.dev->listen(host, port);
   if (on_listen != nullptr) on_listen(lis->port(), ctx);
   std::error_code ec;
   auto req = lis->get_request(std::chrono::seconds(60), ec);
   if (!req) throw std::system_error(ec, "waiting for a connection");
-  s.peer = unpack(req->private_data());
+  try {
+    take_peer(s, req->private_data());
+    equip(s, configure ? configure(s.peer_extra) : opt);
+  } catch (...) {
+    req->reject({});
+    throw;
+  }
   const auto info = describe(s);
   if (auto aec = req->accept(*s.qp, info)) throw std::system_error(aec, "accept");
   return s;
 }
 
-session connect_to(const std::string& host, std::uint16_t port, const session_options& opt) {
-  session s = make_session(opt);
-  const auto info = describe(s);
+session connect_to(const std::string& host, std::uint16_t port, const session_options& opt,
+                   std::span<const std::byte> extra) {
+  session s;
+  s.dev = tp::open_device({.provider = opt.provider});
+  equip(s, opt);
+  const auto info = describe(s, extra);
   auto r = s.dev->connect(*s.qp, host, port, info, std::chrono::seconds(10));
   if (r.ec) throw std::system_error(r.ec, "connect to " + host + ":" + std::to_string(port));
-  s.peer = unpack(r.private_data);
+  take_peer(s, r.private_data);
   return s;
 }
 
-std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator) {
-  constexpr std::uint32_t kWarmup = 1000;
+std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator,
+                             std::uint32_t warmup) {
+  const std::uint32_t kWarmup = warmup;
   const std::uint32_t total = iters + kWarmup;
   const bool use_inline = size <= s.qp->attributes().max_inline_data;
   const tp::sge sg = s.mr->slice(0, size);
@@ -117,7 +139,7 @@ std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters
       continue;
     }
     ++received;
-    s.post_recv(2, size);
+    if (received < total) s.post_recv(2, size);  // none left behind for a next run (maybe larger)
     if (initiator) {
       const auto t1 = std::chrono::steady_clock::now();
       if (received > kWarmup) rtt.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
@@ -161,33 +183,110 @@ double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void serve_until_disconnect(session& s) {
+double send_stream(session& s, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
+  if (size > s.buf.size() / 2) throw std::invalid_argument("send_stream: message larger than half the buffer");
+  constexpr std::uint32_t kBatch = 16;
+  const bool use_inline = size <= s.qp->attributes().max_inline_data;
+  const tp::sge sg = s.mr->slice(0, size);
+  std::array<tp::work_request, kBatch> wr;
+  const std::uint32_t batch = std::max<std::uint32_t>(1, std::min(kBatch, window / 2));
+  std::uint64_t posted = 0, done = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (done < count) {
+    const std::uint64_t room = std::min<std::uint64_t>(window - (posted - done), count - posted);
+    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(room, batch));
+    if (n > 0 && (n == batch || posted + n == count || posted == done)) {
+      for (std::uint32_t i = 0; i < n; ++i) {
+        wr[i] = {.wr_id = posted + i, .op = tp::opcode::send, .sg_list = {&sg, 1}, .signaled = i + 1 == n,
+                 .inline_data = use_inline};
+      }
+      if (auto ec = s.qp->post_send({wr.data(), n})) throw std::system_error(ec, "post_send");
+      posted += n;
+      continue;
+    }
+    const tp::completion c = s.wait();
+    if (c.opcode == tp::wc_opcode::send) done = c.wr_id + 1;
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void receive_count(session& s, std::uint64_t count, std::uint32_t max_size, std::uint32_t depth) {
+  std::uint64_t posted = 0, received = 0;
+  for (; posted < std::min<std::uint64_t>(depth, count); ++posted) s.post_recv(posted, max_size);
+  while (received < count) {
+    const tp::completion c = s.wait();
+    if (c.opcode != tp::wc_opcode::recv) continue;
+    ++received;
+    if (posted < count) s.post_recv(posted++, max_size);
+  }
+}
+
+std::vector<double> atomic_roundtrips(session& s, std::uint32_t iters, std::uint32_t warmup) {
+  const tp::sge sg = s.mr->slice(0, 8);
+  const tp::work_request wr{.wr_id = 3, .op = tp::opcode::fetch_add, .sg_list = {&sg, 1},
+                            .remote_addr = s.peer.addr, .rkey = s.peer.rkey, .compare_add = 1};
+  std::vector<double> t;
+  t.reserve(iters);
+  for (std::uint32_t i = 0; i < warmup + iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s.post(wr);
+    (void)s.wait();
+    if (i >= warmup) t.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return t;
+}
+
+namespace {
+
+// Polls until the queue pair leaves rts (false) or, with `message`, until a
+// receive completes successfully (true). A failed receive ends it too.
+bool serve_until(session& s, bool message) {
   tp::completion c[16];
   std::error_code ec;
   // The tcp provider executes one-sided work inside poll(): busy-poll. An
   // RDMA device needs no CPU for it: sleep on the notify fd (arm, poll again,
   // then wait) and wake for completions and connection events.
   const bool busy = s.dev->provider() == "tcp";
+  auto arrived = [&](std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+      if (c[k].opcode != tp::wc_opcode::recv) continue;
+      if (c[k].status != tp::wc_status::success) return std::optional<bool>(false);
+      if (message) return std::optional<bool>(true);
+    }
+    return std::optional<bool>();
+  };
   for (std::uint32_t i = 1; !ec; ++i) {
-    const bool got = s.cq->poll(c, ec) > 0;
+    std::size_t n = s.cq->poll(c, ec);
+    if (auto r = arrived(n)) return *r;
     if ((i & 1023) == 0 && s.qp->state() != tp::qp_state::rts) break;
-    if (busy || got || ec) continue;
+    if (busy || n > 0 || ec) continue;
     if ((ec = s.cq->arm())) break;
-    if (s.cq->poll(c, ec) > 0 || ec) continue;
+    n = s.cq->poll(c, ec);
+    if (auto r = arrived(n)) return *r;
+    if (n > 0 || ec) continue;
     pollfd p{s.cq->notify_fd(), POLLIN, 0};
     ::poll(&p, 1, 10);  // 10 ms: the state is looked at again
     s.cq->ack_events();
     i = 1023;  // look at the state after each wait
   }
+  return false;
 }
+
+}  // namespace
+
+void serve_until_disconnect(session& s) { (void)serve_until(s, false); }
+
+bool serve_until_message(session& s) { return serve_until(s, true); }
 
 summary summarize(std::vector<double> v) {
   summary s;
   if (v.empty()) return s;
   std::sort(v.begin(), v.end());
   s.min = v.front();
+  s.max = v.back();
   s.median = v[v.size() / 2];
   s.p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  s.p999 = v[std::min(v.size() - 1, v.size() * 999 / 1000)];
   s.mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
   return s;
 }

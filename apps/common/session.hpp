@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +27,8 @@ struct session {
   // The other side's buffer, for one-sided operations: each side sends its
   // own, packed, in its connect or accept private data.
   remote_region peer;
+  // What else the peer put in its private data, after its region.
+  std::vector<std::byte> peer_extra;
 
   // Busy-polls until one completion arrives; throws on a failed completion
   // or when nothing completes within the timeout.
@@ -37,18 +41,38 @@ struct session_options {
   std::string provider = "auto";
   std::size_t buffer_size = 1 << 20;
   std::uint32_t queue_depth = 128;
+  std::uint32_t max_inline = 64;  // qp_attributes::max_inline_data
 };
 
 // Passive side: listens on host:port, accepts one connection. `on_listen`
-// is told the bound port (port 0 picks one).
+// is told the bound port (port 0 picks one). `configure`, when given, picks
+// the options from the requester's extra private data (the provider is
+// opt's); it may throw to refuse the request.
 session accept_one(const std::string& host, std::uint16_t port, const session_options& opt,
-                   void (*on_listen)(std::uint16_t port, void* ctx) = nullptr, void* ctx = nullptr);
-// Active side.
-session connect_to(const std::string& host, std::uint16_t port, const session_options& opt);
+                   void (*on_listen)(std::uint16_t port, void* ctx) = nullptr, void* ctx = nullptr,
+                   const std::function<session_options(std::span<const std::byte> extra)>& configure = {});
+// Active side; `extra` follows our region in the private data (at most
+// kMaxExtra bytes: the smallest private data a provider carries is 55).
+session connect_to(const std::string& host, std::uint16_t port, const session_options& opt,
+                   std::span<const std::byte> extra = {});
+inline constexpr std::size_t kMaxExtra = 55 - remote_region::packed_size;
 
-// Send/recv ping-pong of `size` bytes, `iters` round trips (plus warm-up).
-// The initiator returns one round-trip time per iteration (ns).
-std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator);
+// Send/recv ping-pong of `size` bytes, `iters` round trips after `warmup`
+// more. The initiator returns one round-trip time per iteration (ns).
+std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator,
+                             std::uint32_t warmup = 1000);
+
+// Streams `count` sends of `size` bytes with `window` in flight (batched,
+// the last of each batch signaled, inline when it fits); the peer runs
+// receive_count. Returns the elapsed seconds.
+double send_stream(session& s, std::uint32_t size, std::uint64_t count, std::uint32_t window);
+// Keeps `depth` receives of up to `max_size` bytes posted until `count`
+// messages have arrived.
+void receive_count(session& s, std::uint64_t count, std::uint32_t max_size, std::uint32_t depth);
+
+// One 8-byte fetch_add on the peer's buffer at a time, `iters` of them after
+// `warmup` more: the time of each (ns, a full round trip).
+std::vector<double> atomic_roundtrips(session& s, std::uint32_t iters, std::uint32_t warmup);
 
 // Streams `count` one-sided operations (write or read) of `size` bytes with
 // `window` in flight between the two buffers; returns the elapsed seconds.
@@ -57,9 +81,12 @@ double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count
 // Drives the passive side (the tcp provider executes one-sided operations in
 // poll) until the peer disconnects.
 void serve_until_disconnect(session& s);
+// Likewise until a message arrives in a receive the caller posted: true, or
+// the connection ends first: false.
+bool serve_until_message(session& s);
 
 struct summary {
-  double median = 0, p99 = 0, min = 0, mean = 0;
+  double median = 0, p99 = 0, p999 = 0, min = 0, max = 0, mean = 0;
 };
 summary summarize(std::vector<double> v);
 

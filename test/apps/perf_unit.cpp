@@ -1,0 +1,95 @@
+// anydoor-perf's plan (bench/perf_plan.hpp): the client's request as the
+// server decodes it, and the schedule both sides derive from it.
+#include "perf_plan.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+
+using namespace anydoor::bench;
+
+TEST_CASE("perf plan: what the client encodes the server decodes", "[perf]") {
+  for (std::size_t t = 1; t < kNames.size(); ++t) {
+    plan p;
+    p.test = static_cast<test_kind>(t);
+    p.all_sizes = t % 2 == 0;
+    p.size = p.test == test_kind::atomic_lat ? 8 : 4096 + static_cast<std::uint32_t>(t);
+    p.iters = 1234;
+    p.window = 77;
+    const auto wire = encode(p);
+    const plan q = decode(wire);
+    CHECK(q.test == p.test);
+    CHECK(q.all_sizes == p.all_sizes);
+    CHECK(q.size == p.size);
+    CHECK(q.iters == 1234u);
+    CHECK(q.window == 77u);
+  }
+}
+
+TEST_CASE("perf plan: a request that is not a plan, or out of range, is refused", "[perf]") {
+  plan p;
+  auto wire = encode(p);
+  CHECK_NOTHROW(decode(wire));
+  CHECK_THROWS_AS(decode(std::span<const std::byte>(wire).first(kPlanSize - 1)), std::runtime_error);  // short
+  CHECK_THROWS_AS(decode({}), std::runtime_error);  // an older client: nothing after its region
+  auto bad = [&](std::size_t at, std::byte v) {
+    auto w = encode(p);
+    w[at] = v;
+    return w;
+  };
+  CHECK_THROWS_AS(decode(bad(0, std::byte{'X'})), std::runtime_error);  // magic
+  CHECK_THROWS_AS(decode(bad(2, std::byte{2})), std::runtime_error);    // another version
+  CHECK_THROWS_AS(decode(bad(3, std::byte{0})), std::runtime_error);    // no test
+  CHECK_THROWS_AS(decode(bad(3, std::byte{7})), std::runtime_error);    // an unknown test
+  CHECK_THROWS_AS(decode(bad(4, std::byte{2})), std::runtime_error);    // all_sizes neither 0 nor 1
+  plan q = p;
+  q.size = 0;
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q.size = kMaxSize + 1;
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q = p;
+  q.iters = 0;
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q.iters = kMaxIters + 1;
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q = p;
+  q.window = 0;
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q.window = kMaxWindow + 1;
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q = p;
+  q.test = test_kind::atomic_lat;
+  q.size = 16;  // atomics are 8 bytes
+  CHECK_THROWS_AS(decode(encode(q)), std::runtime_error);
+  q.size = 8;
+  CHECK_NOTHROW(decode(encode(q)));
+}
+
+TEST_CASE("perf plan: --all-sizes runs every power of two from 2 B to 8 MiB, fewer iterations above 8 KiB",
+          "[perf]") {
+  plan p;
+  p.all_sizes = true;
+  p.iters = 10000;
+  const auto sizes = sizes_of(p);
+  REQUIRE(sizes.size() == 23);
+  CHECK(sizes.front() == 2u);
+  CHECK(sizes.back() == 8u << 20);
+  for (std::size_t i = 1; i < sizes.size(); ++i) CHECK(sizes[i] == 2 * sizes[i - 1]);
+  CHECK(iters_at(p, 8192) == 10000u);
+  CHECK(iters_at(p, 16384) == 5000u);
+  CHECK(iters_at(p, 8u << 20) == kSweepMinIters);  // scaled to 9, held at the minimum
+  p.iters = 50;                                    // fewer than the minimum asked for: that many
+  CHECK(iters_at(p, 8u << 20) == 50u);
+  p.all_sizes = false;
+  p.size = 1u << 20;
+  p.iters = 10000;
+  CHECK(sizes_of(p) == std::vector<std::uint32_t>{1u << 20});
+  CHECK(iters_at(p, p.size) == 10000u);  // one size: all of them
+  p.test = test_kind::atomic_lat;
+  p.size = 8;
+  p.all_sizes = true;
+  CHECK(sizes_of(p) == std::vector<std::uint32_t>{8});  // atomics have one size
+  CHECK(warmup_for(5) == 10u);
+  CHECK(warmup_for(2000) == 200u);
+  CHECK(warmup_for(1'000'000) == 1000u);
+}
