@@ -12,6 +12,8 @@
 # per run (UCX's 50th percentile), which is what is compared. Bandwidth is
 # in MB/s of 10^6 bytes for both.
 #   bench/compare-peers.sh [BUILD_DIR]   (default build/; needs scripts/setup --bench)
+# JSON=FILE also appends the medians to FILE, one object per tool and test
+# (anydoor-perf --json's keys; scripts/plot draws such a file).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -68,3 +70,13 @@ printf '64 KiB write bandwidth (MB/s, median of runs): anydoor %s | UCX tcp put_
   "$ours_bw" "$ucx_bw" "$floor_bw"
 awk -v o="$ours_bw" -v u="$ucx_bw" -v t="$floor_bw" \
   'BEGIN {printf "  ratio anydoor/UCX = %.2f, anydoor/floor = %.2f (above 1: anydoor faster)\n", o/u, o/t}'
+if [[ -n "${JSON:-}" ]]; then
+  json_line "$JSON" anydoor lat 64 "t_typical_us=$ours_lat" "runs=$REPS"
+  json_line "$JSON" libfabric lat 64 "t_avg_us=$fi_lat" "runs=$REPS"
+  json_line "$JSON" ucx lat 64 "t_typical_us=$ucx_lat" "runs=$REPS"
+  json_line "$JSON" tcp-floor lat 64 "t_typical_us=$floor_lat" "runs=$REPS"
+  json_line "$JSON" anydoor write_bw 65536 "bw_avg_MBps=$ours_bw" "runs=$REPS"
+  json_line "$JSON" ucx write_bw 65536 "bw_avg_MBps=$ucx_bw" "runs=$REPS"
+  json_line "$JSON" tcp-floor send_bw 65536 "bw_avg_MBps=$floor_bw" "runs=$REPS"
+  echo "compare-peers: medians appended to $JSON"
+fi

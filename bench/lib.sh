@@ -26,3 +26,17 @@ pair() {
 
 # median of the numbers on stdin, one per line
 median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+
+# json_line FILE TOOL TEST SIZE KEY=VALUE...: appends one JSON object (the
+# keys of anydoor-perf --json, provider tcp) to FILE, for JSON=FILE; a value
+# that is not a number is written as null.
+json_line() {
+  local file=$1 tool=$2 test=$3 size=$4 kv="" p v
+  shift 4
+  for p in "$@"; do
+    v=${p#*=}
+    [[ "$v" =~ ^[0-9]+(\.[0-9]+)?$ ]] || v=null
+    kv+=",\"${p%%=*}\":$v"
+  done
+  printf '{"tool":"%s","provider":"tcp","test":"%s","size":%s%s}\n' "$tool" "$test" "$size" "$kv" >> "$file"
+}

@@ -3,6 +3,10 @@
 //
 //   anydoor-perf --server [--port P] [--provider P]     (P 0: any free port; it prints
 //                                                        "anydoor-perf: listening on 0.0.0.0:PORT")
+// --port defaults to 18515. The server serves one client and exits: it
+// takes --test, -s, -n and --window but follows the client's plan (so a
+// script may give both sides the same arguments); --json and --all-sizes
+// are the client's only (exit 2 on the server).
 //   anydoor-perf --connect HOST [--port P] [--test T] [-s SIZE | --all-sizes] [-n ITERS]
 //                [--window W] [--provider P] [--json]
 //
@@ -16,7 +20,8 @@
 //                  atomic_lat 8 and nothing else, the rest 65536)
 //   --all-sizes    every power of two from 2 B to 8 MiB instead of -s, one result
 //                  each (atomic_lat: 8 B only); sizes above 8 KiB run fewer
-//                  iterations (ITERS * 8 KiB / SIZE, at least 100)
+//                  iterations (ITERS * 8 KiB / SIZE, at least 100, at most
+//                  ITERS). Registers 64 MiB on each side: mind ulimit -l on verbs
 //   -n ITERS       timed iterations per size (default 10000; msg_rate 200000),
 //                  after a warm-up of ITERS/10 (10..1000)
 //   --window W     operations in flight for the streamed tests, 1..4096
@@ -229,7 +234,7 @@ void run_server_plan(session& s, const plan& p) {
   if (p.test == test_kind::lat || p.test == test_kind::send_bw || p.test == test_kind::msg_rate) {
     s.post_recv(kByeId, 1);
   }
-  if (!serve_until_message(s)) throw std::runtime_error("the client left before its run was over");
+  if (!serve_until_message(s, kByeId)) throw std::runtime_error("the client left before its run was over");
   serve_until_disconnect(s);  // (the client waits for the ACK of its last word: leaving now could cut it off)
 }
 

@@ -218,10 +218,12 @@ bool connection_impl::progress_sends(bool post) noexcept {
 void connection_impl::maybe_send_credits() noexcept {
   if (state_ != state::open && state_ != state::closing) return;
   if (auth_ != nullptr) return;  // nothing but the auth message before the peer is authenticated
-  // (One credit alone is worth a message only with a shared receive
-  // queue, where a short queue grants one at a time: a peer down to its
-  // control credit would wait for it forever.)
-  if (peer_closed_ || owed_ == 0 || (owed_ < 2 && !(srq_ && peer_view_ <= 1))) return;
+  // (One credit alone is worth a message only when the peer is down to
+  // its control credit: it could send nothing until our application let go
+  // of what it holds, or until a heartbeat. A shared receive queue grants
+  // one at a time; the connecting side's first word takes one of a short
+  // window.)
+  if (peer_closed_ || owed_ == 0 || (owed_ < 2 && peer_view_ > 1)) return;
   // Half the window back at once (with a shared receive queue, half of
   // what the peer holds now), or whatever there is when the peer is down
   // to the credit kept for control messages.

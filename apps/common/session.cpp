@@ -19,7 +19,9 @@ namespace {
 // The device is opened first (a listener needs it); the rest follows.
 void equip(session& s, const session_options& opt) {
   s.pd = s.dev->alloc_pd();
-  s.cq = s.dev->create_cq(opt.queue_depth * 4);
+  // Sends and receives share it: twice the queue depth, and some room (at
+  // most what the device allows).
+  s.cq = s.dev->create_cq(std::min<std::uint32_t>(opt.queue_depth * 2 + 64, s.dev->caps().max_cqe));
   s.qp = s.pd->create_qp({.send_cq = s.cq.get(), .recv_cq = s.cq.get(), .max_send_wr = opt.queue_depth,
                           .max_recv_wr = opt.queue_depth, .max_inline_data = opt.max_inline});
   s.buf.resize(opt.buffer_size);
@@ -124,7 +126,7 @@ std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters
   const tp::sge sg = s.mr->slice(0, size);
   const tp::work_request wr{.wr_id = 1, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = use_inline};
   std::vector<double> rtt;
-  rtt.reserve(iters);
+  if (initiator) rtt.reserve(iters);  // (the responder records nothing)
   s.post_recv(2, size);
   std::uint32_t sent = 0, received = 0;
   auto t0 = std::chrono::steady_clock::now();
@@ -240,7 +242,7 @@ namespace {
 
 // Polls until the queue pair leaves rts (false) or, with `message`, until a
 // receive completes successfully (true). A failed receive ends it too.
-bool serve_until(session& s, bool message) {
+bool serve_until(session& s, bool message, std::uint64_t wr_id) {
   tp::completion c[16];
   std::error_code ec;
   // The tcp provider executes one-sided work inside poll(): busy-poll. An
@@ -251,7 +253,7 @@ bool serve_until(session& s, bool message) {
     for (std::size_t k = 0; k < n; ++k) {
       if (c[k].opcode != tp::wc_opcode::recv) continue;
       if (c[k].status != tp::wc_status::success) return std::optional<bool>(false);
-      if (message) return std::optional<bool>(true);
+      if (message && c[k].wr_id == wr_id) return std::optional<bool>(true);
     }
     return std::optional<bool>();
   };
@@ -274,9 +276,9 @@ bool serve_until(session& s, bool message) {
 
 }  // namespace
 
-void serve_until_disconnect(session& s) { (void)serve_until(s, false); }
+void serve_until_disconnect(session& s) { (void)serve_until(s, false, 0); }
 
-bool serve_until_message(session& s) { return serve_until(s, true); }
+bool serve_until_message(session& s, std::uint64_t wr_id) { return serve_until(s, true, wr_id); }
 
 summary summarize(std::vector<double> v) {
   summary s;

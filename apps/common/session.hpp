@@ -81,9 +81,9 @@ double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count
 // Drives the passive side (the tcp provider executes one-sided operations in
 // poll) until the peer disconnects.
 void serve_until_disconnect(session& s);
-// Likewise until a message arrives in a receive the caller posted: true, or
-// the connection ends first: false.
-bool serve_until_message(session& s);
+// Likewise until a message arrives in the receive the caller posted with
+// wr_id: true, or the connection ends (or a receive fails) first: false.
+bool serve_until_message(session& s, std::uint64_t wr_id);
 
 struct summary {
   double median = 0, p99 = 0, p999 = 0, min = 0, max = 0, mean = 0;

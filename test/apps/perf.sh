@@ -9,32 +9,61 @@ source "$(dirname "$0")/lib.sh"
 export ANYDOOR_PROVIDER=tcp
 perf=$bin/anydoor-perf
 
+# wait_server: the server exits by itself, with 0, within 30 s of its client
+wait_server() {
+  local i
+  for i in $(seq 1 300); do
+    kill -0 "$PID_perf" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -0 "$PID_perf" 2>/dev/null && fail "the server did not exit within 30 s of its client: $*"
+  wait "$PID_perf" || fail "the server exited with $? after: $*"
+}
+
 # client ARGS...: one server (any port) and one client; the client's output in $tmp/last.out
 client() {
   start_server perf "$perf" --server --port 0
   run_cmd 0 "$perf" --connect 127.0.0.1 --port "$PORT" "$@"
-  wait "$PID_perf" || fail "the server exited with $? after: $*"
+  wait_server "$@"
 }
 
-# Every JSON line carries every key of the interface, numbers where measured.
-json_keys='^\{"tool":"anydoor","provider":"tcp","test":"[a-z_]+","size":[0-9]+,"iters":[0-9]+,"t_min_us":[0-9.null]+,"t_typical_us":[0-9.null]+,"t_avg_us":[0-9.]+,"p99_us":[0-9.null]+,"p999_us":[0-9.null]+,"bw_avg_MBps":[0-9.]+,"msg_rate_Mpps":[0-9.]+\}$'
+# check_json FILE TEST: every line one JSON object with exactly the
+# interface's keys, in order; numbers where measured, null where a streamed
+# test measures no single operation; positive rates.
+check_json() {
+  python3 - "$1" "$2" <<'PY' || fail "$2: bad JSON lines: $(cat "$1")"
+import json, sys
+keys = ["tool", "provider", "test", "size", "iters", "t_min_us", "t_typical_us", "t_avg_us", "p99_us",
+        "p999_us", "bw_avg_MBps", "msg_rate_Mpps"]
+streamed = sys.argv[2] in ("send_bw", "msg_rate", "write_bw", "read_bw")
+lines = [l for l in open(sys.argv[1]) if l.strip()]
+assert lines, "no output"
+for l in lines:
+    r = json.loads(l)
+    assert list(r) == keys, list(r)
+    assert r["tool"] == "anydoor" and r["provider"] == "tcp" and r["test"] == sys.argv[2], r
+    assert isinstance(r["size"], int) and r["size"] > 0 and isinstance(r["iters"], int) and r["iters"] > 0, r
+    for k in ("t_min_us", "t_typical_us", "p99_us", "p999_us"):
+        assert (r[k] is None) if streamed else (isinstance(r[k], (int, float)) and r[k] > 0), (k, r)
+    for k in ("t_avg_us", "bw_avg_MBps", "msg_rate_Mpps"):
+        assert isinstance(r[k], (int, float)) and r[k] > 0, (k, r)
+PY
+}
+
 for t in lat send_bw msg_rate write_bw read_bw atomic_lat; do
   client --test "$t" -n 300 --json
   [ "$(wc -l <"$tmp/last.out")" = 1 ] || fail "$t: one JSON line expected: $(cat "$tmp/last.out")"
-  expect_in "$tmp/last.out" "$json_keys"
-  expect_in "$tmp/last.out" "\"test\":\"$t\""
+  check_json "$tmp/last.out" "$t"
   expect_in "$tmp/last.out" '"iters":300,'
   case $t in
     lat) expect_in "$tmp/last.out" '"size":64,"iters":300,"t_min_us":[0-9]' ;;
     msg_rate|atomic_lat) expect_in "$tmp/last.out" '"size":8,' ;;
     *) expect_in "$tmp/last.out" '"size":65536,"iters":300,"t_min_us":null' ;;
   esac
-  # Measured, not zero: a rate and a bandwidth above nothing.
-  awk -F'"bw_avg_MBps":' '{split($2, a, ","); exit !(a[1] + 0 > 0)}' "$tmp/last.out" || fail "$t: zero bandwidth: $(cat "$tmp/last.out")"
   pass "$t --json"
 done
 
-# Latency fields in order: min <= typical <= p99 <= p999.
+# One size's numbers agree with each other: bandwidth is size over the average.
 client --test lat -s 256 -n 2000 --json
 python3 - "$tmp/last.out" <<'PY' || fail "lat: percentiles out of order: $(cat "$tmp/last.out")"
 import json, sys
@@ -43,7 +72,7 @@ assert r["size"] == 256 and r["iters"] == 2000
 assert 0 < r["t_min_us"] <= r["t_typical_us"] <= r["p99_us"] <= r["p999_us"], r
 assert abs(r["bw_avg_MBps"] - 256 / r["t_avg_us"]) < 0.01 * r["bw_avg_MBps"] + 0.01, r
 PY
-pass "lat: min <= typical <= p99 <= p999; bandwidth = size / average"
+pass "lat: -s and -n as asked; bandwidth = size / average"
 
 # RESULT lines (the compare scripts read median_us= and MBps=).
 client --test lat -n 300
@@ -55,6 +84,7 @@ pass "RESULT lines"
 # --all-sizes: 23 sizes, 2 B to 8 MiB, in order; the server follows without being told.
 for t in lat send_bw read_bw; do
   client --test "$t" --all-sizes -n 20 --json
+  check_json "$tmp/last.out" "$t"
   sizes=$(sed -n 's/.*"size":\([0-9]*\),.*/\1/p' "$tmp/last.out" | tr '\n' ' ')
   want=$(for ((s = 2; s <= 8388608; s *= 2)); do printf '%s ' "$s"; done)
   [ "$sizes" = "$want" ] || fail "$t --all-sizes: sizes '$sizes', expected '$want'"
@@ -68,7 +98,7 @@ pass "atomic_lat --all-sizes: 8 B only"
 # A server's own --test is the client's to decide.
 start_server perf "$perf" --server --port 0 --test write_bw
 run_cmd 0 "$perf" --connect 127.0.0.1 --port "$PORT" --test lat -n 200
-wait "$PID_perf" || fail "the server did not follow the client's plan"
+wait_server "the server did not follow the client's plan"
 expect_in "$tmp/last.out" '^RESULT test=lat '
 pass "the server follows the client's plan"
 
@@ -85,6 +115,15 @@ run_cmd 2 "$perf" --connect 127.0.0.1 --test nope;           expect_in "$tmp/las
 run_cmd 2 "$perf" --connect 127.0.0.1 -s 0;                  expect_in "$tmp/last.err" 'positive number'
 run_cmd 2 "$perf";                                           expect_in "$tmp/last.err" 'exactly one of --server and --connect'
 pass "command-line errors exit 2 with the reason"
+
+# A client that is not anydoor-perf (the runtime's handshake): refused, the server exits 1 saying why.
+start_server perf "$perf" --server --port 0
+timeout 30 "$bin/anydoor-runtime-perf" --connect 127.0.0.1 --port "$PORT" -n 10 >"$tmp/rt.out" 2>&1 && fail "anydoor-runtime-perf got through to anydoor-perf's server"
+for i in $(seq 1 100); do kill -0 "$PID_perf" 2>/dev/null || break; sleep 0.1; done
+wait "$PID_perf"; rc=$?
+[ "$rc" = 1 ] || fail "the server exited with $rc after a foreign client, expected 1"
+expect_in "$tmp/perf.err" 'anydoor-perf: .*(no region description|no anydoor-perf plan)'
+pass "a foreign client is refused; the server says why"
 
 # Nobody listening: exit 1 with the reason.
 run_cmd 1 "$perf" --connect 127.0.0.1 --port 1 -n 10

@@ -322,11 +322,44 @@ TEST_CASE("entering error flushes every outstanding request exactly once", "[con
   auto lc = p.drv.wait_one(p.a.cq.get());
   CHECK(lc.wr_id == 300);
   CHECK(lc.status == tp::wc_status::work_request_flushed);
+  // a receive too, at once after the move to error and later (the runtime
+  // counts on every posted receive coming back before it releases a connection)
+  tp::recv_request late_recv{.wr_id = 301, .sg_list = {&sg, 1}};
+  REQUIRE_FALSE(p.a.qp->post_recv({&late_recv, 1}));
+  auto lr = p.drv.wait_one(p.a.cq.get());
+  CHECK(lr.wr_id == 301);
+  CHECK(lr.status == tp::wc_status::work_request_flushed);
+  CHECK(p.drv.settle(p.a.cq.get(), 20ms).empty());
   // tcp: the peer sees its side fail too, with no hang (verbs: only when it next sends)
   if (testing_tcp()) {
     p.drv.settle(p.b.cq.get(), 50ms);
     CHECK(p.b.qp->state() == tp::qp_state::error);
   }
+}
+
+TEST_CASE("receives posted right after the move to error complete flushed with those before", "[conformance]") {
+  // The runtime posts what it re-queued in the same pass as a close: nothing
+  // may stay outstanding for good, or the connection is never released.
+  connected_pair p({.max_send_wr = 16, .max_recv_wr = 16});
+  std::vector<char> buf(64);
+  auto mr = p.a.pd->register_memory(buf.data(), buf.size(), access::local_write);
+  tp::sge sg = mr->slice(0, 8);
+  std::vector<tp::recv_request> recvs;
+  for (std::uint64_t i = 0; i < 4; ++i) recvs.push_back({.wr_id = 400 + i, .sg_list = {&sg, 1}});
+  REQUIRE_FALSE(p.a.qp->post_recv(recvs));
+  REQUIRE_FALSE(p.a.qp->modify(tp::qp_state::error));
+  std::vector<tp::recv_request> late;
+  for (std::uint64_t i = 0; i < 3; ++i) late.push_back({.wr_id = 500 + i, .sg_list = {&sg, 1}});
+  REQUIRE_FALSE(p.a.qp->post_recv(late));  // before anything was polled
+  auto c = p.drv.wait(p.a.cq.get(), 7);
+  REQUIRE(c.size() == 7);
+  std::set<std::uint64_t> ids;
+  for (auto& x : c) {
+    CHECK(x.status == tp::wc_status::work_request_flushed);
+    ids.insert(x.wr_id);
+  }
+  CHECK(ids == std::set<std::uint64_t>{400, 401, 402, 403, 500, 501, 502});
+  CHECK(p.drv.settle(p.a.cq.get(), 20ms).empty());
 }
 
 TEST_CASE("completion queue overflow is reported, never silent", "[conformance]") {

@@ -146,7 +146,9 @@ class verbs_request final : public connection_request {
     for (;;) {
       const auto ec = next_event(ch, std::min(deadline, clock::now() + kEstablishPoll), &ev, stop);
       if (!ec) break;
-      if (ec != errc::timed_out || clock::now() >= deadline) return fail(ch, ec);
+      // (next_event counts whole milliseconds: within the last one it
+      // returns at once, and that is the deadline.)
+      if (ec != errc::timed_out || clock::now() + std::chrono::milliseconds(1) >= deadline) return fail(ch, ec);
       if (!notified && vqp->peer_message_seen()) {
         notified = true;
         if (rdma_notify(id_, IBV_EVENT_COMM_EST) == 0) {

@@ -8,11 +8,13 @@
 #include "log.hpp"
 
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <system_error>
 
 namespace anydoor::transport::verbs {
@@ -42,12 +44,23 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     ibv_destroy_comp_channel(channel_);
     throw sys_error(err, "epoll_create1");
   }
+  flush_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (flush_fd_ < 0) {
+    const int err = errno;
+    ::close(epfd_);
+    ibv_destroy_cq(cq_);
+    ibv_destroy_comp_channel(channel_);
+    throw sys_error(err, "eventfd");
+  }
+  flushing_.reserve(8);
   watch(channel_->fd);
   watch(dev_->ctx->async_fd);
+  watch(flush_fd_);
 }
 
 verbs_cq::~verbs_cq() {
   ack_events();
+  ::close(flush_fd_);
   ::close(epfd_);
   if (ibv_destroy_cq(cq_) != 0) log().error("ibv_destroy_cq: {} (queue pairs still on it?)", std::strerror(errno));
   ibv_destroy_comp_channel(channel_);
@@ -85,8 +98,24 @@ std::uint32_t verbs_cq::attach(verbs_qp* qp, std::uint32_t wrs) {
 }
 
 void verbs_cq::detach(std::uint32_t index, std::uint32_t wrs) noexcept {
-  if (index < qps_.size()) qps_[index].qp = nullptr;
+  if (index < qps_.size()) {
+    std::erase(flushing_, qps_[index].qp);
+    qps_[index].qp = nullptr;
+  }
   wrs_ -= wrs;
+}
+
+void verbs_cq::flush_later(verbs_qp* qp) noexcept {
+  if (std::find(flushing_.begin(), flushing_.end(), qp) == flushing_.end()) {
+    try {
+      flushing_.push_back(qp);
+    } catch (const std::bad_alloc&) {
+      log().error("verbs: no memory to flush the receives of qp {}: they never complete", qp->qp_num());
+      return;
+    }
+  }
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const auto w = ::write(flush_fd_, &one, sizeof one);  // wakes a reactor asleep on notify_fd
 }
 
 void verbs_cq::on_overflow() noexcept {
@@ -132,6 +161,14 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
       qps_[index].qp->complete(wc, slot, recv, out[n++]);
     }
     if (got < want) break;
+  }
+  if (!flushing_.empty() && n < out.size()) {
+    for (verbs_qp* qp : flushing_) n += qp->complete_flushed(out.subspan(n));
+    std::erase_if(flushing_, [](verbs_qp* qp) { return !qp->flush_pending(); });
+    if (flushing_.empty()) {
+      std::uint64_t count = 0;
+      [[maybe_unused]] const auto r = ::read(flush_fd_, &count, sizeof count);
+    }
   }
   if (n == 0) {
     ++counters_.empty_polls;

@@ -173,6 +173,9 @@ class verbs_cq final : public completion_queue {
   void detach(std::uint32_t index, std::uint32_t wrs) noexcept;
   void on_overflow() noexcept;
   void check_events() noexcept;  // asynchronous and connection events
+  // The queue pair holds receives the provider completes itself (posted in
+  // error): poll() returns them, and the notify fd wakes a reactor for them.
+  void flush_later(verbs_qp* qp) noexcept;
 
  private:
   struct qp_entry {
@@ -184,6 +187,8 @@ class verbs_cq final : public completion_queue {
   ibv_comp_channel* channel_ = nullptr;
   ibv_cq* cq_ = nullptr;
   std::vector<qp_entry> qps_;
+  std::vector<verbs_qp*> flushing_;  // see flush_later
+  int flush_fd_ = -1;                // an eventfd in the epoll set, readable while flushing_ is not empty
   std::uint64_t wrs_ = 0;
   bool overflow_ = false;
   std::uint32_t empty_streak_ = 0;
@@ -220,6 +225,10 @@ class verbs_qp final : public queue_pair {
 
   // Completion translation (called by the CQ).
   void complete(const ibv_wc& wc, std::uint32_t slot, bool recv, completion& out) noexcept;
+  // The receives posted in error, flushed by the provider (see post_recv),
+  // once the device has returned those posted before: how many went to out.
+  std::size_t complete_flushed(std::span<completion> out) noexcept;
+  bool flush_pending() const noexcept { return rq_done_ < rq_posted_ && rq_posted_ > rq_device_; }
   void on_async_error() noexcept;
   // Reads this connection's rdma_cm events (non-blocking): DISCONNECTED
   // (the peer destroyed its connection or died) moves the QP to error.
@@ -262,6 +271,7 @@ class verbs_qp final : public queue_pair {
   std::uint64_t sq_posted_ = 0, sq_retired_ = 0;
   std::vector<std::uint64_t> rq_;  // caller's wr_id per receive slot
   std::uint64_t rq_posted_ = 0, rq_done_ = 0;
+  std::uint64_t rq_device_ = 0;  // [rq_device_, rq_posted_): posted in error, never given to the device
   // post-time scratch (no allocation per post)
   std::vector<ibv_send_wr> swr_;
   std::vector<std::uint32_t> bind_keys_;  // per request of a post: a bind's new rkey

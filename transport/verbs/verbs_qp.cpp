@@ -203,7 +203,7 @@ std::error_code verbs_qp::modify(qp_state next) noexcept {
   posted_state_ = next;
   if (next == qp_state::reset) {
     sq_retired_ = sq_posted_;
-    rq_done_ = rq_posted_;
+    rq_done_ = rq_device_ = rq_posted_;  // (those waiting for a flush are discarded too)
   }
   log().debug("qp {}: {} -> {}", qp_num(), to_string(prev), to_string(next));
   return {};
@@ -392,6 +392,17 @@ std::error_code verbs_qp::post_recv(std::span<const recv_request> wrs, std::size
   if (posted_state_ == qp_state::reset) return errc::invalid_state;
   if (auto ec = check_recv(wrs, attr_.max_recv_sge, attr_.max_recv_wr, rq_posted_ - rq_done_, bad)) return ec;
   if (wrs.empty()) return {};
+  if (posted_state_ == qp_state::error) {
+    // The contract flushes a receive posted in error. rxe (Linux 6.1) never
+    // completes one the device gets after its move to error: the provider
+    // completes them itself (work_request_flushed), after those the device
+    // still owes, so that they keep their order.
+    for (std::size_t i = 0; i < wrs.size(); ++i) rq_[(rq_posted_ + i) % attr_.max_recv_wr] = wrs[i].wr_id;
+    rq_posted_ += wrs.size();
+    counters_.recv_wrs += wrs.size();
+    rcq_->flush_later(this);
+    return {};
+  }
   std::size_t sge_used = 0;
   for (std::size_t i = 0; i < wrs.size(); ++i) {
     const auto slot = static_cast<std::uint32_t>((rq_posted_ + i) % attr_.max_recv_wr);
@@ -408,13 +419,29 @@ std::error_code verbs_qp::post_recv(std::span<const recv_request> wrs, std::size
   if (const int rc = ibv_post_recv(qp_, rwr_.data(), &bad_wr); rc != 0) {
     const auto i = static_cast<std::size_t>(bad_wr - rwr_.data());
     rq_posted_ += i;
+    rq_device_ = rq_posted_;
     counters_.recv_wrs += i;
     if (bad != nullptr) *bad = i;
     return {rc, std::system_category()};
   }
   rq_posted_ += wrs.size();
+  rq_device_ = rq_posted_;
   counters_.recv_wrs += wrs.size();
   return {};
+}
+
+std::size_t verbs_qp::complete_flushed(std::span<completion> out) noexcept {
+  if (rq_done_ < rq_device_) return 0;  // the device's flushes of earlier receives come first
+  std::size_t n = 0;
+  for (; n < out.size() && rq_done_ < rq_posted_; ++n) {
+    out[n] = {};
+    out[n].wr_id = rq_[rq_done_ % attr_.max_recv_wr];
+    out[n].status = wc_status::work_request_flushed;
+    out[n].opcode = wc_opcode::recv;
+    out[n].qp_num = qp_num();
+    ++rq_done_;
+  }
+  return n;
 }
 
 void verbs_qp::complete(const ibv_wc& wc, std::uint32_t slot, bool recv, completion& out) noexcept {
