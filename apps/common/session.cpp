@@ -154,13 +154,15 @@ std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters
   return rtt;
 }
 
-double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
-  const std::uint64_t span = std::min<std::uint64_t>(s.buf.size() / 2, s.peer.length / 2) / size;
-  if (span == 0) throw std::invalid_argument("stream: transfer size larger than half the buffers");
-  // Posts go out in batches of up to kBatch (one doorbell each) and only the
-  // last request of a batch is signaled: its completion retires the batch.
-  constexpr std::uint32_t kBatch = 16;
-  std::array<tp::sge, kBatch> sg;
+namespace {
+
+// Streams `count` requests with `window` in flight. They go out in batches
+// of up to kBatch (one doorbell each) and only the last request of a batch
+// is signaled: its completion retires the batch. fill(i, seq, last) makes
+// the batch's i-th request, number seq. Returns the elapsed seconds.
+constexpr std::uint32_t kBatch = 16;
+template <class Fill>
+double pump(session& s, std::uint64_t count, std::uint32_t window, Fill fill) {
   std::array<tp::work_request, kBatch> wr;
   // Half a window per batch keeps a second batch in flight while one completes.
   const std::uint32_t batch = std::max<std::uint32_t>(1, std::min(kBatch, window / 2));
@@ -170,46 +172,39 @@ double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count
     const std::uint64_t room = std::min<std::uint64_t>(window - (posted - done), count - posted);
     const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(room, batch));
     if (n > 0 && (n == batch || posted + n == count || posted == done)) {
-      for (std::uint32_t i = 0; i < n; ++i) {
-        const std::uint64_t off = ((posted + i) % span) * size;
-        sg[i] = s.mr->slice(off, size);
-        wr[i] = {.wr_id = posted + i, .op = op, .sg_list = {&sg[i], 1}, .signaled = i + 1 == n,
-                 .remote_addr = s.peer.addr + off, .rkey = s.peer.rkey};
-      }
-      if (auto ec = s.qp->post_send({wr.data(), n})) throw std::system_error(ec, "post_send");
-      posted += n;
-      continue;
-    }
-    done = s.wait().wr_id + 1;
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double send_stream(session& s, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
-  if (size > s.buf.size() / 2) throw std::invalid_argument("send_stream: message larger than half the buffer");
-  constexpr std::uint32_t kBatch = 16;
-  const bool use_inline = size <= s.qp->attributes().max_inline_data;
-  const tp::sge sg = s.mr->slice(0, size);
-  std::array<tp::work_request, kBatch> wr;
-  const std::uint32_t batch = std::max<std::uint32_t>(1, std::min(kBatch, window / 2));
-  std::uint64_t posted = 0, done = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  while (done < count) {
-    const std::uint64_t room = std::min<std::uint64_t>(window - (posted - done), count - posted);
-    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(room, batch));
-    if (n > 0 && (n == batch || posted + n == count || posted == done)) {
-      for (std::uint32_t i = 0; i < n; ++i) {
-        wr[i] = {.wr_id = posted + i, .op = tp::opcode::send, .sg_list = {&sg, 1}, .signaled = i + 1 == n,
-                 .inline_data = use_inline};
-      }
+      for (std::uint32_t i = 0; i < n; ++i) wr[i] = fill(i, posted + i, i + 1 == n);
       if (auto ec = s.qp->post_send({wr.data(), n})) throw std::system_error(ec, "post_send");
       posted += n;
       continue;
     }
     const tp::completion c = s.wait();
-    if (c.opcode == tp::wc_opcode::send) done = c.wr_id + 1;
+    if (c.opcode != tp::wc_opcode::recv) done = c.wr_id + 1;
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
+  const std::uint64_t span = std::min<std::uint64_t>(s.buf.size() / 2, s.peer.length / 2) / size;
+  if (span == 0) throw std::invalid_argument("stream: transfer size larger than half the buffers");
+  std::array<tp::sge, kBatch> sg;
+  return pump(s, count, window, [&](std::uint32_t i, std::uint64_t seq, bool last) {
+    const std::uint64_t off = (seq % span) * size;
+    sg[i] = s.mr->slice(off, size);
+    return tp::work_request{.wr_id = seq, .op = op, .sg_list = {&sg[i], 1}, .signaled = last,
+                            .remote_addr = s.peer.addr + off, .rkey = s.peer.rkey};
+  });
+}
+
+double send_stream(session& s, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
+  if (size > s.buf.size() / 2) throw std::invalid_argument("send_stream: message larger than half the buffer");
+  const bool use_inline = size <= s.qp->attributes().max_inline_data;
+  const tp::sge sg = s.mr->slice(0, size);
+  return pump(s, count, window, [&](std::uint32_t, std::uint64_t seq, bool last) {
+    return tp::work_request{.wr_id = seq, .op = tp::opcode::send, .sg_list = {&sg, 1}, .signaled = last,
+                            .inline_data = use_inline};
+  });
 }
 
 void receive_count(session& s, std::uint64_t count, std::uint32_t max_size, std::uint32_t depth) {
