@@ -82,8 +82,10 @@ for ((r = 1; r <= REPS; r++)); do
   [[ $peers == 1 ]] || continue
   echo "perf-report:   fi_pingpong, all sizes" >&2
   o=$(pair "fi_pingpong -p tcp -e msg -S all -I $ITERS -B PORT" "fi_pingpong -p tcp -e msg -S all -I $ITERS -P PORT 127.0.0.1")
-  # rows: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec (usec/xfer: a mean, one way)
+  # rows: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec (usec/xfer: a mean, one way);
+  # its "all" has sizes between the powers of two too: only the powers of two from 2 B are kept
   while read -r bytes _ _ _ _ mbs usec mx; do
+    (( bytes >= 2 && (bytes & (bytes - 1)) == 0 )) || continue
     emit libfabric lat "$bytes" "$ITERS" "$r" "t_avg_us=$usec" "bw_avg_MBps=$mbs" "msg_rate_Mpps=$mx"
   done < <(awk '$1 ~ /^[0-9]+$/ && NF >= 8' <<<"$o")
   for s in "${peer_sizes[@]}"; do
