@@ -59,7 +59,7 @@ emit() {
   local tool=$1 test=$2 size=$3 iters=$4 rep=$5; shift 5
   local kv="" p
   for p in "$@"; do
-    if ! [[ "${p#*=}" =~ ^[0-9.]+$ ]]; then
+    if ! [[ "${p#*=}" =~ ^[0-9]+(\.[0-9]+)?$ ]]; then
       echo "perf-report: $tool $test $size B, run $rep: no number for ${p%%=*} ('${p#*=}'): left out" >&2
       missing=$((missing + 1))
       return 0
@@ -84,26 +84,30 @@ for ((r = 1; r <= REPS; r++)); do
   o=$(pair "fi_pingpong -p tcp -e msg -S all -I $ITERS -B PORT" "fi_pingpong -p tcp -e msg -S all -I $ITERS -P PORT 127.0.0.1")
   # rows: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec (usec/xfer: a mean, one way);
   # its "all" has sizes between the powers of two too: only the powers of two from 2 B are kept
+  # (sizes from 1 KiB on are printed as 1k, 1.5k, 8m: converted to bytes)
   while read -r bytes _ _ _ _ mbs usec mx; do
     (( bytes >= 2 && (bytes & (bytes - 1)) == 0 )) || continue
     emit libfabric lat "$bytes" "$ITERS" "$r" "t_avg_us=$usec" "bw_avg_MBps=$mbs" "msg_rate_Mpps=$mx"
-  done < <(awk '$1 ~ /^[0-9]+$/ && NF >= 8' <<<"$o")
+  done < <(awk 'NF >= 8 && $1 ~ /^[0-9.]+[kmg]?$/ {
+                  n = $1; m = 1
+                  if (n ~ /k$/) m = 1024; else if (n ~ /m$/) m = 1048576; else if (n ~ /g$/) m = 1073741824
+                  sub(/[kmg]$/, "", n); $1 = sprintf("%d", n * m); print }' <<<"$o")
   for s in "${peer_sizes[@]}"; do
     n=$(iters_at "$s")
     echo "perf-report:   UCX and the TCP floor, $s B" >&2
     # ucx_perftest's Final: iters, latency typical/average/overall (us, one way),
     # bandwidth average/overall (MB/s of 2^20 bytes), message rate average/overall
     o=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t tag_lat -s $s -n $n")
-    read -r typ avg < <(awk '$1 == "Final:" {print $3, $4}' <<<"$o")
+    read -r typ avg < <(awk '$1 == "Final:" {print $3, $4}' <<<"$o") || true  # (no Final line: left out by emit)
     emit ucx lat "$s" "$n" "$r" "t_typical_us=${typ:-}" "t_avg_us=${avg:-}"
     o=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s $s -n $n")
-    read -r bw mr < <(awk '$1 == "Final:" {printf "%.3f %.6f\n", $6 * 1.048576, $8 / 1e6}' <<<"$o")
+    read -r bw mr < <(awk '$1 == "Final:" {printf "%.3f %.6f\n", $6 * 1.048576, $8 / 1e6}' <<<"$o") || true
     emit ucx write_bw "$s" "$n" "$r" "bw_avg_MBps=${bw:-}" "msg_rate_Mpps=${mr:-}"
     o=$(pair "$floor --server --port PORT --test lat -s $s -n $n" "$floor --connect 127.0.0.1 --port PORT --test lat -s $s -n $n")
-    read -r med mean < <(sed -n 's/.*median_us=\([0-9.]*\).*mean_us=\([0-9.]*\).*/\1 \2/p' <<<"$o")
+    read -r med mean < <(sed -n 's/.*median_us=\([0-9.]*\).*mean_us=\([0-9.]*\).*/\1 \2/p' <<<"$o") || true
     emit tcp-floor lat "$s" "$n" "$r" "t_typical_us=${med:-}" "t_avg_us=${mean:-}"
     o=$(pair "$floor --server --port PORT --test stream -s $s -n $n" "$floor --connect 127.0.0.1 --port PORT --test stream -s $s -n $n")
-    mbps=$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$o")
+    mbps=$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$o") || true
     emit tcp-floor send_bw "$s" "$n" "$r" "bw_avg_MBps=${mbps:-}"
   done
 done

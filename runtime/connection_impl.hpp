@@ -344,6 +344,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::chrono::steady_clock::time_point srq_state_checked_{};
   std::int64_t credits_ = 0;    // the peer's receives we may use
   std::uint32_t owed_ = 0;      // our receives re-posted, not yet reported
+  // Of owed_, those the peer's credit messages that returned credits took:
+  // sent back alone they would only move one credit to and fro between two
+  // idle peers (maybe_send_credits).
+  std::uint32_t owed_echo_ = 0;
   std::int64_t peer_view_ = 0;  // the peer's credits as we know them
 
   std::vector<inbox_entry> inbox_;  // ring, capacity = credits

@@ -285,7 +285,12 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       notes_[notes_tail_++ % notes_.size()] = {buffer, notification{h.aux, remote_region{b.addr, b.length, b.rkey}}};
       return;
     }
-    case protocol::msg_type::credit: repost(buffer); return;
+    case protocol::msg_type::credit: {
+      const std::uint32_t before = owed_;
+      repost(buffer);
+      if (h.credits > 0 && owed_ > before) owed_echo_ += owed_ - before;
+      return;
+    }
     case protocol::msg_type::close:
       release_received(buffer);
       on_peer_close();

@@ -22,6 +22,7 @@ std::uint32_t connection_impl::sq_free() const noexcept {
 std::uint16_t connection_impl::take_owed() noexcept {
   const auto n = static_cast<std::uint16_t>(std::min<std::uint32_t>(owed_, 0xffff));
   owed_ -= n;
+  owed_echo_ = std::min(owed_echo_, owed_);
   peer_view_ += n;
   return n;
 }
@@ -222,8 +223,11 @@ void connection_impl::maybe_send_credits() noexcept {
   // its control credit: it could send nothing until our application let go
   // of what it holds, or until a heartbeat. A shared receive queue grants
   // one at a time; the connecting side's first word takes one of a short
-  // window.)
-  if (peer_closed_ || owed_ == 0 || (owed_ < 2 && peer_view_ > 1)) return;
+  // window. Not when the credit came from the peer's own lone credit
+  // message, without a shared receive queue: two idle peers would pass it
+  // back and forth without end.)
+  if (peer_closed_ || owed_ == 0) return;
+  if (owed_ < 2 && (peer_view_ > 1 || (!srq_ && owed_ <= owed_echo_))) return;
   // Half the window back at once (with a shared receive queue, half of
   // what the peer holds now), or whatever there is when the peer is down
   // to the credit kept for control messages.

@@ -353,12 +353,13 @@ TEST_CASE("receives posted right after the move to error complete flushed with t
   REQUIRE_FALSE(p.a.qp->post_recv(late));  // before anything was polled
   auto c = p.drv.wait(p.a.cq.get(), 7);
   REQUIRE(c.size() == 7);
-  std::set<std::uint64_t> ids;
+  std::vector<std::uint64_t> ids;  // in the order posted: a receive queue completes in order
   for (auto& x : c) {
     CHECK(x.status == tp::wc_status::work_request_flushed);
-    ids.insert(x.wr_id);
+    CHECK(x.opcode == tp::wc_opcode::recv);
+    ids.push_back(x.wr_id);
   }
-  CHECK(ids == std::set<std::uint64_t>{400, 401, 402, 403, 500, 501, 502});
+  CHECK(ids == std::vector<std::uint64_t>{400, 401, 402, 403, 500, 501, 502});
   CHECK(p.drv.settle(p.a.cq.get(), 20ms).empty());
 }
 

@@ -512,6 +512,54 @@ TEST_CASE("credits: a flood against a slow receiver waits for credits, never cau
   CHECK(server_stats.credit_messages > 0);  // the receiver returned credits while it had nothing to send
 }
 
+TEST_CASE("credits: two idle peers that hold what the other sent do not pass a credit to and fro", "[runtime]") {
+  // A window of 4; each side sends 2 and its peer's application takes
+  // neither: both sides are near their control credit, heartbeats (every
+  // 100 ms) cost a receive each. A lone credit goes back for a heartbeat,
+  // but none for a lone credit, or the two would trade one at the round
+  // trip's rate for as long as they stay idle.
+  asio::io_context io;
+  const ad::fabric_options o = test_options({.credits = 4, .keepalive = std::chrono::milliseconds(400)});
+  ad::fabric server(io, o);
+  ad::fabric client(io, o);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  ad::connection sc, cc;
+  ad::connection_stats s_idle, c_idle;
+  auto side = [&](ad::connection& c, ad::connection_stats& idle) -> awaitable<void> {
+    for (int i = 0; i < 2; ++i) co_await c.async_send(asio::buffer("held", 4), use_awaitable);
+    const ad::connection_stats before = c.stats();
+    asio::steady_timer t(io, std::chrono::milliseconds(1000));
+    co_await t.async_wait(use_awaitable);
+    idle = c.stats();
+    idle.credit_messages -= before.credit_messages;
+    idle.heartbeats -= before.heartbeats;
+    for (int i = 0; i < 2; ++i) {
+      ad::message m = co_await c.async_receive(use_awaitable);
+      CHECK(m.size() == 4);
+    }
+  };
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    sc = co_await acc.async_accept(use_awaitable);
+    co_await side(sc, s_idle);
+    auto [ec, m] = co_await sc.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    cc = co_await client.async_connect(addr(acc), use_awaitable);
+    co_await side(cc, c_idle);
+    co_await cc.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  INFO("idle second: server " << s_idle.credit_messages << " credit messages, " << s_idle.heartbeats
+                              << " heartbeats; client " << c_idle.credit_messages << ", " << c_idle.heartbeats);
+  CHECK(s_idle.heartbeats + c_idle.heartbeats > 0);  // the heartbeats ran (the case this is about)
+  // Heartbeats every 100 ms and at most one lone credit for each: some 40
+  // messages in the second; a credit passed to and fro makes thousands.
+  CHECK(s_idle.credit_messages + s_idle.heartbeats + c_idle.credit_messages + c_idle.heartbeats < 80);
+}
+
 TEST_CASE("batching: sends issued in one turn share a doorbell: only some are signaled", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());

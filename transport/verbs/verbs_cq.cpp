@@ -28,6 +28,7 @@ constexpr std::uint32_t kMaxPollBatch = 32;
 // ---------------------------------------------------------------- completion queue
 
 verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev_(std::move(dev)) {
+  flushing_.reserve(8);  // (before anything that would leak if it threw)
   channel_ = ibv_create_comp_channel(dev_->ctx);
   if (channel_ == nullptr) throw sys_error(errno, "ibv_create_comp_channel");
   set_nonblocking(channel_->fd);
@@ -52,7 +53,6 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     ibv_destroy_comp_channel(channel_);
     throw sys_error(err, "eventfd");
   }
-  flushing_.reserve(8);
   watch(channel_->fd);
   watch(dev_->ctx->async_fd);
   watch(flush_fd_);
@@ -99,10 +99,15 @@ std::uint32_t verbs_cq::attach(verbs_qp* qp, std::uint32_t wrs) {
 
 void verbs_cq::detach(std::uint32_t index, std::uint32_t wrs) noexcept {
   if (index < qps_.size()) {
-    std::erase(flushing_, qps_[index].qp);
+    if (std::erase(flushing_, qps_[index].qp) > 0 && flushing_.empty()) drain_flush_fd();
     qps_[index].qp = nullptr;
   }
   wrs_ -= wrs;
+}
+
+void verbs_cq::drain_flush_fd() noexcept {
+  std::uint64_t count = 0;
+  [[maybe_unused]] const auto r = ::read(flush_fd_, &count, sizeof count);  // not readable until the next flush_later
 }
 
 void verbs_cq::flush_later(verbs_qp* qp) noexcept {
@@ -165,10 +170,7 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
   if (!flushing_.empty() && n < out.size()) {
     for (verbs_qp* qp : flushing_) n += qp->complete_flushed(out.subspan(n));
     std::erase_if(flushing_, [](verbs_qp* qp) { return !qp->flush_pending(); });
-    if (flushing_.empty()) {
-      std::uint64_t count = 0;
-      [[maybe_unused]] const auto r = ::read(flush_fd_, &count, sizeof count);
-    }
+    if (flushing_.empty()) drain_flush_fd();
   }
   if (n == 0) {
     ++counters_.empty_polls;

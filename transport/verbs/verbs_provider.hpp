@@ -176,6 +176,7 @@ class verbs_cq final : public completion_queue {
   // The queue pair holds receives the provider completes itself (posted in
   // error): poll() returns them, and the notify fd wakes a reactor for them.
   void flush_later(verbs_qp* qp) noexcept;
+  void drain_flush_fd() noexcept;
 
  private:
   struct qp_entry {
