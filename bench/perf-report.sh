@@ -54,19 +54,18 @@ results=$out/perf/results.jsonl
 peer_sizes=(2 8 32 128 512 2048 8192 32768 131072 524288 2097152 8388608)
 # anydoor-perf --all-sizes' rule: all ITERS up to 8 KiB, ITERS*8KiB/size above, at least 100.
 iters_at() { local s=$1; if (( s <= 8192 )); then echo "$ITERS"; else local n=$((ITERS * 8192 / s)); (( n < 100 )) && n=100; (( n > ITERS )) && n=$ITERS; echo "$n"; fi; }
-# emit TOOL TEST SIZE ITERS REP KEY=VALUE...: one JSON line
+# emit TOOL TEST SIZE ITERS REP KEY=VALUE...: one JSON line (bench/lib.sh json_line), or
+# none, counted as missing, when a value is not a number
 emit() {
-  local tool=$1 test=$2 size=$3 iters=$4 rep=$5; shift 5
-  local kv="" p
+  local tool=$1 test=$2 size=$3 iters=$4 rep=$5 p; shift 5
   for p in "$@"; do
     if ! [[ "${p#*=}" =~ ^[0-9]+(\.[0-9]+)?$ ]]; then
       echo "perf-report: $tool $test $size B, run $rep: no number for ${p%%=*} ('${p#*=}'): left out" >&2
       missing=$((missing + 1))
       return 0
     fi
-    kv+=",\"${p%%=*}\":${p#*=}"
   done
-  printf '{"tool":"%s","provider":"tcp","test":"%s","size":%s,"iters":%s,"rep":%s%s}\n' "$tool" "$test" "$size" "$iters" "$rep" "$kv" >> "$results"
+  json_line "$results" "$tool" "$test" "$size" "iters=$iters" "rep=$rep" "$@"
 }
 
 missing=0
