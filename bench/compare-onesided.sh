@@ -14,6 +14,12 @@
 # Sizes 8 B to 4 MiB (SIZES overrides); ucx_perftest's MB/s (2^20) is
 # converted to 10^6 bytes per second like ours.
 #   bench/compare-onesided.sh [BUILD_DIR]   (ucx_perftest from scripts/setup --bench)
+# JSON=FILE also appends the medians to FILE, one object per tool, test and
+# size (anydoor-perf --json's keys, with iters and runs): tools
+# anydoor-runtime (anydoor-runtime-perf), ucx and tcp-floor; tests put_lat and
+# get_lat (t_typical_us: the median, one way for put_lat, the whole get for
+# get_lat), write_bw (put bandwidth, bw_avg_MBps, as compare-peers.sh names
+# ucp_put_bw) and, for the floor's stream, send_bw.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -74,3 +80,18 @@ for s in $SIZES; do
     "$pb" "$fb" "$(ratio "$pb" "$fb")"
 done
 echo "(latency ratio below 1 and bandwidth ratio above 1: anydoor faster)"
+if [[ -n "${JSON:-}" ]]; then
+  for s in $SIZES; do
+    n=$(iters "$s" 5000)
+    json_line "$JSON" anydoor-runtime put_lat "$s" "t_typical_us=$(m "put_lat_$s")" "iters=$n" "runs=$REPS"
+    json_line "$JSON" ucx put_lat "$s" "t_typical_us=$(m "ucx_put_lat_$s")" "iters=$n" "runs=$REPS"
+    n=$(iters "$s" 2000)
+    json_line "$JSON" anydoor-runtime get_lat "$s" "t_typical_us=$(m "get_lat_$s")" "iters=$n" "runs=$REPS"
+    json_line "$JSON" ucx get_lat "$s" "t_typical_us=$(m "ucx_get_lat_$s")" "iters=$n" "runs=$REPS"
+    n=$(iters "$s" 20000)
+    json_line "$JSON" anydoor-runtime write_bw "$s" "bw_avg_MBps=$(m "put_bw_$s")" "iters=$n" "runs=$REPS"
+    json_line "$JSON" ucx write_bw "$s" "bw_avg_MBps=$(m "ucx_put_bw_$s")" "iters=$n" "runs=$REPS"
+    json_line "$JSON" tcp-floor send_bw "$s" "bw_avg_MBps=$(m "floor_bw_$s")" "iters=$n" "runs=$REPS"
+  done
+  echo "compare-onesided: medians appended to $JSON"
+fi

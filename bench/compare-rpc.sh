@@ -12,6 +12,12 @@
 #   gRPC (bench/grpc, when built: needs libgrpc++-dev and
 #     protobuf-compiler-grpc) is compared when anydoor-grpc-echo exists.
 #   bench/compare-rpc.sh [BUILD_DIR]   (default build/)
+# JSON=FILE also appends the medians to FILE, one object per tool, test and
+# size (anydoor-perf --json's keys, with iters, window and runs): tools
+# anydoor-rpc (anydoor-rpc-perf), anydoor-runtime (anydoor-runtime-perf: the
+# connection) and grpc (when built); test rtt (the round trip, t_typical_us:
+# not one way, unlike lat), call_rate (RPC and gRPC calls, msg_rate_Mpps),
+# msg_rate and echo_rate (the connection's, msg_rate_Mpps).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -80,4 +86,16 @@ for s in 64 4096; do
     awk -v a="$gl" -v b="$lat" -v c="$rate" -v d="$gr" \
       'BEGIN {printf "  grpc_rtt/rpc_rtt = %.1f, rpc_rate/grpc_rate = %.1f\n", a/b, c/d}'
   fi
+  if [[ -n "${JSON:-}" ]]; then
+    json_line "$JSON" anydoor-rpc rtt "$s" "t_typical_us=$lat" "iters=$ITERS" "runs=$REPS"
+    json_line "$JSON" anydoor-runtime rtt "$s" "t_typical_us=$echo_" "iters=$ITERS" "runs=$REPS"
+    json_line "$JSON" anydoor-rpc call_rate "$s" "msg_rate_Mpps=$rate" "iters=$CALLS" "window=32" "runs=$REPS"
+    json_line "$JSON" anydoor-runtime msg_rate "$s" "msg_rate_Mpps=$msg" "iters=$CALLS" "window=64" "runs=$REPS"
+    json_line "$JSON" anydoor-runtime echo_rate "$s" "msg_rate_Mpps=$er" "iters=$CALLS" "window=32" "runs=$REPS"
+    if [[ $have_grpc == 1 ]]; then
+      json_line "$JSON" grpc rtt "$s" "t_typical_us=$gl" "iters=$ITERS" "runs=$REPS"
+      json_line "$JSON" grpc call_rate "$s" "msg_rate_Mpps=$gr" "iters=$((CALLS / 4))" "window=32" "runs=$REPS"
+    fi
+  fi
 done
+[[ -z "${JSON:-}" ]] || echo "compare-rpc: medians appended to $JSON"

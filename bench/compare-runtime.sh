@@ -8,6 +8,11 @@
 #   64 B message rate, 64 in flight: anydoor-runtime-perf msg_rate (credits 64)
 #     vs ucx_perftest -t tag_bw -s 64 (UCX_TLS=tcp; its default window)
 #   bench/compare-runtime.sh [BUILD_DIR]   (default build/; ucx_perftest from scripts/setup --bench)
+# JSON=FILE also appends the medians to FILE, one object per tool and test
+# (anydoor-perf --json's keys, with iters and runs): anydoor lat (anydoor-perf,
+# the raw provider) and anydoor-runtime lat (the runtime's echo), 64 B,
+# t_typical_us one way; anydoor-runtime msg_rate (msg_rate_Mpps, window,
+# and the posts and doorbells of a run) and ucx msg_rate (tag_bw).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -53,3 +58,14 @@ awk -v e="$echo_" -v r="$raw" 'BEGIN {printf "  runtime overhead = %.1f %% (targ
 printf '64 B message rate (M msg/s, median of runs): anydoor %s | UCX tcp tag_bw %s\n' "$ours" "$ucx"
 awk -v o="$ours" -v u="$ucx" 'BEGIN {printf "  ratio anydoor/UCX = %.2f (above 1: anydoor faster)\n", o/u}'
 echo "  posts/doorbells per run: ${results[ours_db]}"
+if [[ -n "${JSON:-}" ]]; then
+  # ours_db holds POSTS/DOORBELLS per run ("/" where a run printed neither)
+  posts=$(tr ' ' '\n' <<<"${results[ours_db]}" | cut -d/ -f1 | awk NF | median)
+  doorbells=$(tr ' ' '\n' <<<"${results[ours_db]}" | cut -d/ -f2 | awk NF | median)
+  json_line "$JSON" anydoor lat 64 "t_typical_us=$raw" "iters=$ITERS" "runs=$REPS"
+  json_line "$JSON" anydoor-runtime lat 64 "t_typical_us=$echo_" "iters=$ITERS" "runs=$REPS"
+  json_line "$JSON" anydoor-runtime msg_rate 64 "msg_rate_Mpps=$ours" "iters=$MSGS" "window=64" \
+    "posts=$posts" "doorbells=$doorbells" "runs=$REPS"
+  json_line "$JSON" ucx msg_rate 64 "msg_rate_Mpps=$ucx" "iters=$MSGS" "runs=$REPS"
+  echo "compare-runtime: medians appended to $JSON"
+fi

@@ -29,13 +29,14 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2)
 
 # json_line FILE TOOL TEST SIZE KEY=VALUE...: appends one JSON object (the
 # keys of anydoor-perf --json, provider tcp) to FILE, for JSON=FILE; a value
-# that is not a number is written as null.
+# that is not a JSON number (nan, inf, nothing) is written as null; negative
+# numbers and exponents (1.5e+06, as awk prints a large median) are kept.
 json_line() {
   local file=$1 tool=$2 test=$3 size=$4 kv="" p v
   shift 4
   for p in "$@"; do
     v=${p#*=}
-    [[ "$v" =~ ^[0-9]+(\.[0-9]+)?$ ]] || v=null
+    [[ "$v" =~ ^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$ ]] || v=null
     kv+=",\"${p%%=*}\":$v"
   done
   printf '{"tool":"%s","provider":"tcp","test":"%s","size":%s%s}\n' "$tool" "$test" "$size" "$kv" >> "$file"

@@ -320,6 +320,7 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->cookie = 0;
   n->stalled_credit = n->stalled_buffer = false;
   n->npins = 0;
+  n->split_mask = 0;
   n->read_only = false;
   n->cur_buf = 0;
   n->cur_off = 0;
@@ -341,6 +342,7 @@ void connection_impl::release(op_node* n) noexcept {
   unpin(n);
   n->mr.reset();
   n->large.reset();
+  n->remote.pieces = {};  // the peer's keys, shared
   n->phase = op_phase::done;
   free_nodes_.push_back(n);  // capacity reserved in acquire
   fab_->idle();

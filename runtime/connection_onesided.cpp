@@ -7,6 +7,7 @@
 #include "log.hpp"
 #include "registration_cache.hpp"
 #include "scoped_region.hpp"
+#include "split_region.hpp"
 
 #include <algorithm>
 
@@ -37,6 +38,11 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
     case op_kind::compare_swap:
       if (!fab_->device->caps().atomics) return errc::not_supported;
       if (n->remote.length < 8 || n->remote.addr % 8 != 0) return errc::invalid_argument;
+      // In pieces: an aligned word lies in one (pieces are 4 KiB or more).
+      if (!n->remote.pieces.empty()) {
+        if (!n->remote.pieces.covers(n->remote.addr, 8)) return errc::out_of_range;
+        n->remote.rkey = n->remote.pieces.key_at(n->remote.addr);
+      }
       return {};
     case op_kind::flush: return {};
     case op_kind::register_memory: return prepare_window(n);
@@ -46,6 +52,12 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
   const bool into_local = n->kind == op_kind::get;
   if (into_local && n->read_only) return errc::invalid_argument;
   if (n->length > n->remote.length) return errc::out_of_range;
+  // A remote region in pieces whose fields were changed after at() or
+  // unpack made it: its pieces must still cover what is written.
+  if (!n->remote.pieces.empty() && n->length != 0) {
+    if (!n->remote.pieces.covers(n->remote.addr, n->length)) return errc::out_of_range;
+    n->remote.rkey = n->remote.pieces.key_at(n->remote.addr);  // what a notification names
+  }
   for (std::uint8_t i = 0; i < n->nbufs; ++i) {
     const asio::const_buffer b = n->bufs[i];
     if (const memory_region* r = n->regions[i]) {
@@ -56,6 +68,10 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       }
       if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
       n->lkeys[i] = r->lkey();
+      if (r->split() != nullptr) {
+        n->split[i] = r->split();
+        n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
+      }
       continue;
     }
     try {
@@ -63,6 +79,10 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
           fab_->cache->pin(b.data(), b.size(), into_local ? access::local_write : access::none);
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
+      if (e.split != nullptr) {
+        n->split[i] = e.split;
+        n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
+      }
     } catch (const std::exception& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());
@@ -84,6 +104,8 @@ std::error_code connection_impl::prepare_window(op_node* n) noexcept {
     return errc::invalid_argument;
   }
   if (!fab_->device->caps().memory_windows) return errc::not_supported;
+  // A window binds within one registration: no pieces.
+  if (n->dest.size() > (std::uint64_t{1} << fab_->piece_shift)) return errc::not_supported;
   try {
     auto mr = fab_->pd->register_memory(n->dest.data(), n->dest.size(), (acc & access::local_write) | access::mw_bind);
     auto slot = std::make_shared<window_slot>(fab_->pd->alloc_window());
@@ -114,17 +136,34 @@ void connection_impl::revoke_windows() noexcept {
 // A put or get goes out as work requests of at most sge_per_wr_ pieces and
 // fragment_ bytes each, the remote address advancing with them; a transfer
 // larger than the send queue can hold is queued in parts as it drains.
+// Memory registered in pieces: a work request ends where the remote piece
+// does (one rkey each), and a local piece is a scatter/gather element of
+// its own (one lkey each).
 bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept {
+  const bool remote_pieces = !n->remote.pieces.empty();
   for (std::size_t wrs = 0; n->cur_buf < n->nbufs && wrs < max_wrs && sq_free() > 0; ++wrs) {
     transport::sge* sg = take_sges(0);  // filled first, then taken: k entries
     const std::uint32_t max_k = std::min(sge_per_wr_, sge_room());
+    const std::uint64_t raddr = n->remote.addr + n->issued;
+    std::uint64_t limit = fragment_;
+    std::uint32_t rkey = n->remote.rkey;
+    if (remote_pieces) {
+      rkey = n->remote.pieces.key_at(raddr);
+      limit = std::min(limit, n->remote.pieces.piece_end(raddr) - raddr);
+    }
     std::uint64_t bytes = 0;
     std::uint32_t k = 0;
-    for (; k < max_k && n->cur_buf < n->nbufs && bytes < fragment_; ++k) {
+    for (; k < max_k && n->cur_buf < n->nbufs && bytes < limit; ++k) {
       const asio::const_buffer& b = n->bufs[n->cur_buf];
-      const std::uint64_t take = std::min<std::uint64_t>(b.size() - n->cur_off, fragment_ - bytes);
-      sg[k] = {reinterpret_cast<std::uint64_t>(b.data()) + n->cur_off, static_cast<std::uint32_t>(take),
-               n->lkeys[n->cur_buf]};
+      const std::uint64_t at = reinterpret_cast<std::uint64_t>(b.data()) + n->cur_off;
+      std::uint64_t take = std::min<std::uint64_t>(b.size() - n->cur_off, limit - bytes);
+      std::uint32_t lkey = n->lkeys[n->cur_buf];
+      if (((static_cast<unsigned>(n->split_mask) >> n->cur_buf) & 1u) != 0) {
+        const split_region& s = *n->split[n->cur_buf];
+        lkey = s.lkey_at(at);
+        take = std::min(take, s.piece_end(at) - at);
+      }
+      sg[k] = {at, static_cast<std::uint32_t>(take), lkey};
       bytes += take;
       n->cur_off += take;
       if (n->cur_off == b.size()) {
@@ -137,8 +176,8 @@ bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t
                                           last ? n : nullptr, {take_sges(k), k});
     wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
     wr.inline_data = false;
-    wr.remote_addr = n->remote.addr + n->issued;
-    wr.rkey = n->remote.rkey;
+    wr.remote_addr = raddr;
+    wr.rkey = rkey;
     n->issued += bytes;
   }
   return n->cur_buf == n->nbufs;

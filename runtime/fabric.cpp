@@ -5,6 +5,7 @@
 #include "fabric_state.hpp"
 #include "log.hpp"
 #include "registration_cache.hpp"
+#include "split_region.hpp"
 
 #include <boost/asio/post.hpp>
 
@@ -50,6 +51,7 @@ const fabric_options& checked(const fabric_options& o) {
   require(o.cache_max_entries >= 1 && o.cache_max_entries <= (std::size_t{1} << 20),
           "fabric: cache_max_entries must be in 1..2^20");
   require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");
+  require(o.max_piece_bytes == 0 || o.max_piece_bytes >= 4096, "fabric: max_piece_bytes must be 0 or at least 4096");
   require(c.auth_token.size() <= 1024, "fabric: connection.auth_token must be at most 1024 bytes");
   require(o.srq_buffers == 0 || (o.srq_buffers >= 8 && o.srq_buffers <= (1u << 20)),
           "fabric: srq_buffers must be 0 or in 8..2^20");
@@ -119,7 +121,19 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   pool = std::make_unique<buffer_pool>(
       *pd, buffer_pool_options{.buffer_size = recv_buffer, .buffers_per_slab = options.buffers_per_slab,
                                .initial_slabs = 1, .max_bytes = options.pool_max_bytes});
-  cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries);
+  {
+    // (a device that states no limit has none we know of)
+    const std::uint64_t device_limit = caps.max_mr_size != 0 ? caps.max_mr_size : ~std::uint64_t{0};
+    const std::uint64_t limit =
+        options.max_piece_bytes == 0 ? device_limit : std::min(options.max_piece_bytes, device_limit);
+    piece_shift = detail::piece_shift(limit);
+    if (piece_shift == 0) {
+      throw std::system_error(errc::not_supported, "fabric: device " + std::string(device->name()) +
+                                                       " registers at most " + std::to_string(caps.max_mr_size) +
+                                                       " bytes at once (max_mr_size), less than a page");
+    }
+  }
+  cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries, piece_shift);
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
@@ -399,7 +413,7 @@ transport::protection_domain& fabric::protection_domain() noexcept { return *sta
 
 memory_region fabric::register_memory(std::span<std::byte> memory, access acc) {
   if (memory.empty()) throw std::system_error(errc::invalid_argument, "fabric: registering empty memory");
-  return memory_region(state_->pd->register_memory(memory.data(), memory.size(), acc));
+  return memory_region(detail::register_in_pieces(*state_->pd, memory.data(), memory.size(), acc, state_->piece_shift));
 }
 
 std::size_t fabric::forget_memory(const void* addr, std::size_t length) noexcept {

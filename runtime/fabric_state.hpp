@@ -39,6 +39,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::unique_ptr<transport::completion_queue> cq;
   std::unique_ptr<buffer_pool> pool;
   std::unique_ptr<registration_cache> cache;
+  unsigned piece_shift = 0;  // registrations above 2^piece_shift bytes are made in pieces
   std::unique_ptr<anydoor::reactor> reactor;
   bool auth = false;                  // options.connection.auth_token is set: peers must prove it
   auth::own_nonces own_nonces;        // of our handshakes in progress (reflections are refused)

@@ -3,9 +3,13 @@
 
 #include "bytes.hpp"
 #include "scoped_region.hpp"
+#include "split_region.hpp"
 
+#include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace anydoor {
 
@@ -16,7 +20,8 @@ using detail::get_le;
 using detail::put_le;
 
 constexpr std::array<std::byte, 4> kMagic{std::byte{'A'}, std::byte{'D'}, std::byte{'R'}, std::byte{'R'}};
-constexpr std::uint8_t kVersion = 1;
+constexpr std::uint8_t kVersion = 1;        // a region in one piece
+constexpr std::uint8_t kVersionPieces = 2;  // a region in pieces
 
 [[noreturn]] void out_of_range(const char* what, std::uint64_t offset, std::uint64_t len, std::uint64_t size) {
   throw std::system_error(errc::out_of_range, std::string(what) + ": [" + std::to_string(offset) + ", +" +
@@ -28,47 +33,132 @@ constexpr std::uint8_t kVersion = 1;
 
 // ---------------------------------------------------------------- remote_region
 
-remote_region remote_region::at(std::uint64_t offset, std::uint64_t len) const {
-  if (offset > length || len > length - offset) out_of_range("remote_region::at", offset, len, length);
-  return {addr + offset, len, rkey};
+bool operator==(const remote_pieces& a, const remote_pieces& b) noexcept {
+  if (a.count_ != b.count_) return false;
+  if (a.count_ == 0) return true;
+  if (a.shift_ != b.shift_ || a.base_ != b.base_) return false;
+  for (std::uint32_t i = 0; i < a.count_; ++i) {
+    if (a.key(i) != b.key(i)) return false;
+  }
+  return true;
 }
 
-std::array<std::byte, remote_region::packed_size> remote_region::pack() const noexcept {
-  std::array<std::byte, packed_size> out{};
-  std::memcpy(out.data(), kMagic.data(), kMagic.size());
-  out[4] = std::byte{kVersion};
-  std::byte* p = out.data() + 8;
-  put_le(p, addr);
-  put_le(p, length);
-  put_le(p, rkey);
-  put_le(p, fnv1a32(out.data(), 28));
+remote_region remote_region::at(std::uint64_t offset, std::uint64_t len) const {
+  if (offset > length || len > length - offset) out_of_range("remote_region::at", offset, len, length);
+  const std::uint64_t a = addr + offset;
+  if (pieces.empty()) return {addr + offset, len, rkey};
+  // Only the pieces [a, a + len) touches (an empty range: the piece of its
+  // address, or of the last byte at the end).
+  const std::uint64_t first = len == 0 && offset == length ? a - 1 : a;
+  const std::uint64_t last = len == 0 ? first : a + len - 1;
+  if (!pieces.covers(first, last - first + 1)) out_of_range("remote_region::at (pieces)", offset, len, length);
+  remote_region r{a, len, pieces.key_at(first)};
+  const std::uint32_t count = static_cast<std::uint32_t>((last >> pieces.shift_) - (first >> pieces.shift_) + 1);
+  if (count > 1) {
+    r.pieces.base_ = first >> pieces.shift_;
+    const auto skip = static_cast<std::uint32_t>(r.pieces.base_ - pieces.base_);
+    for (std::uint32_t i = 0; i < count; ++i) r.pieces.keys_[i] = pieces.keys_[skip + i];
+    r.pieces.count_ = count;
+    r.pieces.shift_ = pieces.shift_;
+  }
+  return r;
+}
+
+std::vector<std::byte> remote_region::pack() const {
+  std::vector<std::byte> out(packed_length());
+  pack_into(out);
   return out;
 }
 
+std::size_t remote_region::pack_into(std::span<std::byte> out_bytes) const noexcept {
+  const std::size_t n = packed_length();
+  if (out_bytes.size() < n) return 0;
+  const std::span<std::byte> out = out_bytes.first(n);
+  std::fill(out.begin(), out.end(), std::byte{0});
+  std::memcpy(out.data(), kMagic.data(), kMagic.size());
+  std::byte* p = out.data() + 8;
+  if (pieces.empty()) {
+    out[4] = std::byte{kVersion};
+    put_le(p, addr);
+    put_le(p, length);
+    put_le(p, rkey);
+  } else {
+    out[4] = std::byte{kVersionPieces};
+    out[5] = std::byte{pieces.shift_};
+    put_le(p, addr);
+    put_le(p, length);
+    put_le(p, pieces.count_);
+    for (std::uint32_t i = 0; i < pieces.count_; ++i) put_le(p, pieces.key(i));
+  }
+  put_le(p, fnv1a32(out.data(), out.size() - 4));
+  return n;
+}
+
+std::size_t remote_region::packed_length_of(std::span<const std::byte> in) noexcept {
+  if (in.size() < packed_size || std::memcmp(in.data(), kMagic.data(), kMagic.size()) != 0) return 0;
+  const auto version = std::to_integer<std::uint8_t>(in[4]);
+  if (version != kVersionPieces) return packed_size;  // version 1, or one unpack refuses
+  const std::byte* p = in.data() + 24;
+  const auto count = get_le<std::uint32_t>(p);
+  if (count < 2 || count > max_pieces) return 0;
+  return packed_size + 4 * std::size_t{count};
+}
+
 std::error_code remote_region::unpack(std::span<const std::byte> in, remote_region& out) noexcept {
-  if (in.size() != packed_size || std::memcmp(in.data(), kMagic.data(), kMagic.size()) != 0) {
+  if (in.size() < packed_size || std::memcmp(in.data(), kMagic.data(), kMagic.size()) != 0) {
     return errc::protocol_error;
   }
-  const std::byte* p = in.data() + 28;
-  if (get_le<std::uint32_t>(p) != fnv1a32(in.data(), 28)) return errc::protocol_error;
-  if (std::to_integer<std::uint8_t>(in[4]) != kVersion) return errc::version_mismatch;
-  if (in[5] != std::byte{0} || in[6] != std::byte{0} || in[7] != std::byte{0}) return errc::protocol_error;
+  const auto version = std::to_integer<std::uint8_t>(in[4]);
+  if (version == kVersionPieces) {
+    if (packed_length_of(in) != in.size()) return errc::protocol_error;
+  } else if (in.size() != packed_size) {
+    return errc::protocol_error;
+  }
+  const std::byte* p = in.data() + in.size() - 4;
+  if (get_le<std::uint32_t>(p) != fnv1a32(in.data(), in.size() - 4)) return errc::protocol_error;
+  if (version != kVersion && version != kVersionPieces) return errc::version_mismatch;
+  const std::uint8_t shift = version == kVersionPieces ? std::to_integer<std::uint8_t>(in[5]) : 0;
+  if ((version == kVersion && in[5] != std::byte{0}) || in[6] != std::byte{0} || in[7] != std::byte{0}) {
+    return errc::protocol_error;
+  }
   p = in.data() + 8;
   remote_region r;
   r.addr = get_le<std::uint64_t>(p);
   r.length = get_le<std::uint64_t>(p);
-  r.rkey = get_le<std::uint32_t>(p);
   if (r.length == 0 || r.addr + r.length < r.addr) return errc::protocol_error;
-  out = r;
+  if (version == kVersion) {
+    r.rkey = get_le<std::uint32_t>(p);
+    out = std::move(r);
+    return {};
+  }
+  // Pieces: exactly the blocks the range touches, at least two.
+  if (shift < 12 || shift > 62) return errc::protocol_error;
+  const std::uint32_t count = get_le<std::uint32_t>(p);
+  const std::uint64_t first = r.addr >> shift;
+  if ((r.addr + r.length - 1) >> shift != first + count - 1) return errc::protocol_error;
+  for (std::uint32_t i = 0; i < count; ++i) r.pieces.keys_[i] = get_le<std::uint32_t>(p);
+  r.pieces.base_ = first;
+  r.pieces.count_ = count;
+  r.pieces.shift_ = shift;
+  r.rkey = r.pieces.key(0);
+  out = std::move(r);
   return {};
 }
 
 // ---------------------------------------------------------------- memory_region
 
 memory_region::memory_region() noexcept = default;
-memory_region::memory_region(std::unique_ptr<transport::memory_region> mr) noexcept : mr_(std::move(mr)) {}
-memory_region::memory_region(memory_region&&) noexcept = default;
-memory_region& memory_region::operator=(memory_region&&) noexcept = default;
+memory_region::memory_region(std::unique_ptr<transport::memory_region> mr) noexcept
+    : mr_(std::move(mr)), split_(detail::as_split(mr_.get())) {}
+memory_region::memory_region(memory_region&& o) noexcept
+    : mr_(std::move(o.mr_)), split_(std::exchange(o.split_, nullptr)) {}
+memory_region& memory_region::operator=(memory_region&& o) noexcept {
+  if (this != &o) {
+    mr_ = std::move(o.mr_);
+    split_ = std::exchange(o.split_, nullptr);
+  }
+  return *this;
+}
 memory_region::~memory_region() = default;
 
 std::byte* memory_region::data() const noexcept { return mr_ ? static_cast<std::byte*>(mr_->addr()) : nullptr; }
@@ -76,10 +166,18 @@ std::size_t memory_region::size() const noexcept { return mr_ ? mr_->length() : 
 access memory_region::access() const noexcept { return mr_ ? mr_->access() : access::none; }
 std::uint32_t memory_region::lkey() const noexcept { return mr_ ? mr_->lkey() : 0; }
 std::uint32_t memory_region::rkey() const noexcept { return mr_ ? mr_->rkey() : 0; }
+std::size_t memory_region::pieces() const noexcept { return split_ != nullptr ? split_->count() : mr_ ? 1 : 0; }
 
 remote_region memory_region::remote() const noexcept {
   if (!mr_) return {};
-  return {reinterpret_cast<std::uint64_t>(mr_->addr()), mr_->length(), mr_->rkey()};
+  remote_region r{reinterpret_cast<std::uint64_t>(mr_->addr()), mr_->length(), mr_->rkey()};
+  if (split_ != nullptr) {
+    for (std::uint32_t i = 0; i < split_->count(); ++i) r.pieces.keys_[i] = split_->rkeys()[i];
+    r.pieces.base_ = split_->base();
+    r.pieces.count_ = split_->count();
+    r.pieces.shift_ = static_cast<std::uint8_t>(split_->shift());
+  }
+  return r;
 }
 
 local_range memory_region::at(std::size_t offset, std::size_t len) const {
@@ -88,7 +186,10 @@ local_range memory_region::at(std::size_t offset, std::size_t len) const {
   return {data() + offset, len, this};
 }
 
-void memory_region::reset() noexcept { mr_.reset(); }
+void memory_region::reset() noexcept {
+  split_ = nullptr;
+  mr_.reset();
+}
 
 bool memory_region::connection_scoped() const noexcept {
   return dynamic_cast<const detail::scoped_region*>(mr_.get()) != nullptr;
@@ -154,6 +255,58 @@ bool scoped_region::adopt_key() noexcept {
   if (!slot_->bound_key(rkey)) return false;
   set_remote_key(rkey);
   return true;
+}
+
+}  // namespace anydoor::detail
+
+// ---------------------------------------------------------------- registrations in pieces
+
+namespace anydoor::detail {
+
+split_region::split_region(transport::protection_domain& pd, void* addr, std::size_t length, transport::access acc,
+                           unsigned shift)
+    : transport::memory_region(addr, length, 0, 0, acc), shift_(shift) {
+  const auto begin = reinterpret_cast<std::uint64_t>(addr);
+  end_ = begin + length;
+  base_ = begin >> shift;
+  const std::uint64_t count = ((end_ - 1) >> shift) - base_ + 1;
+  pieces_.reserve(count);
+  lkeys_ = std::make_unique<std::uint32_t[]>(count);
+  rkeys_ = std::make_unique<std::uint32_t[]>(count);
+  for (std::uint64_t a = begin; a < end_; a = piece_end(a)) {
+    auto piece = pd.register_memory(reinterpret_cast<void*>(a), piece_end(a) - a, acc);
+    const std::size_t i = pieces_.size();
+    lkeys_[i] = piece->lkey();
+    rkeys_[i] = piece->rkey();
+    pieces_.push_back(std::move(piece));
+  }
+  set_keys(lkeys_[0], rkeys_[0]);
+}
+
+unsigned piece_shift(std::uint64_t limit) noexcept {
+  if (limit < 4096) return 0;
+  return static_cast<unsigned>(std::bit_width(limit) - 1);
+}
+
+std::unique_ptr<transport::memory_region> register_in_pieces(transport::protection_domain& pd, void* addr,
+                                                             std::size_t length, transport::access acc,
+                                                             unsigned shift) {
+  if (shift >= 64 || length <= (std::uint64_t{1} << shift)) return pd.register_memory(addr, length, acc);
+  const auto begin = reinterpret_cast<std::uint64_t>(addr);
+  const std::uint64_t count = ((begin + length - 1) >> shift) - (begin >> shift) + 1;
+  if (count > remote_region::max_pieces) {
+    throw std::system_error(errc::registration_failed,
+                            "registering " + std::to_string(length) + " bytes would take " + std::to_string(count) +
+                                " pieces of at most " + std::to_string(std::uint64_t{1} << shift) +
+                                " bytes, more than remote_region::max_pieces (" +
+                                std::to_string(remote_region::max_pieces) +
+                                "): register it as several regions (or raise fabric_options::max_piece_bytes)");
+  }
+  return std::make_unique<split_region>(pd, addr, length, acc, shift);
+}
+
+const split_region* as_split(const transport::memory_region* mr) noexcept {
+  return dynamic_cast<const split_region*>(mr);
 }
 
 }  // namespace anydoor::detail

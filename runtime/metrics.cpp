@@ -171,6 +171,13 @@ std::string prometheus_text(const std::vector<metrics_snapshot>& snaps) {
        [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& { return s.device.rnr_naks_received; }},
       {{"anydoor_device_rnr_retry_exceeded_total", "counter", "Requests failed after their RNR retries."},
        [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& { return s.device.rnr_retry_exceeded; }},
+      {{"anydoor_device_transport_retries_total", "counter",
+        "Requests the device sent again after an ACK timeout (port-wide on verbs)."},
+       [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& { return s.device.transport_retries; }},
+      {{"anydoor_device_transport_retry_exceeded_total", "counter", "Requests failed after their transport retries."},
+       [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& {
+         return s.device.transport_retry_exceeded;
+       }},
   };
   // Port-wide counters (verbs) come once per source: reactors that read
   // the same sysfs directory are not added up twice.
@@ -187,6 +194,23 @@ std::string prometheus_text(const std::vector<metrics_snapshot>& snaps) {
     w.begin(df.f);
     for (std::size_t i = 0; i < snaps.size(); ++i) {
       if (df.get(snaps[i]) && first_of_source(i)) w.sample({{"reactor", snaps[i].reactor}}, *df.get(snaps[i]));
+    }
+  }
+  // Asynchronous events: each reactor's own device object took its own.
+  static const device_family event_families[] = {
+      {{"anydoor_device_async_events_total", "counter", "Asynchronous events the device reported (verbs)."},
+       [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& { return s.device.async_events; }},
+      {{"anydoor_device_async_errors_total", "counter",
+        "Asynchronous error events: CQ, QP, SRQ, port and device errors (verbs)."},
+       [](const metrics_snapshot& s) -> const std::optional<std::uint64_t>& { return s.device.async_errors; }},
+  };
+  for (const device_family& df : event_families) {
+    if (std::none_of(snaps.begin(), snaps.end(), [&](const metrics_snapshot& s) { return df.get(s).has_value(); })) {
+      continue;
+    }
+    w.begin(df.f);
+    for (const auto& s : snaps) {
+      if (df.get(s)) w.sample({{"reactor", s.reactor}}, *df.get(s));
     }
   }
   w.begin({"anydoor_connection_failures_total", "counter", "Connections that failed, by error."});

@@ -1,6 +1,7 @@
 #include "registration_cache.hpp"
 
 #include "log.hpp"
+#include "split_region.hpp"
 
 #include <unistd.h>
 
@@ -57,7 +58,7 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
   }
   std::unique_ptr<transport::memory_region> mr;
   try {
-    mr = pd_.register_memory(reinterpret_cast<void*>(begin), end - begin, merged);
+    mr = register_in_pieces(pd_, reinterpret_cast<void*>(begin), end - begin, merged, piece_shift_);
   } catch (const std::system_error& e) {
     if (overlapping.empty()) throw;
     // A neighbour may cover memory that is gone (forget_memory was not
@@ -66,7 +67,7 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     begin = addr & ~(page - 1);
     end = (last + page - 1) & ~(page - 1);
     merged = acc;
-    mr = pd_.register_memory(reinterpret_cast<void*>(begin), end - begin, merged);
+    mr = register_in_pieces(pd_, reinterpret_cast<void*>(begin), end - begin, merged, piece_shift_);
   }
   for (entry* e : overlapping) {
     retire(e);
@@ -78,6 +79,7 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
   e.end = end;
   e.acc = merged;
   e.mr = std::move(mr);
+  e.split = as_split(e.mr.get());
   e.pins = 1;
   index_.emplace(begin, std::move(fresh));
   lru_front(&e);

@@ -23,6 +23,8 @@
 
 namespace anydoor::detail {
 
+class split_region;
+
 class registration_cache {
  public:
   struct entry {
@@ -30,14 +32,17 @@ class registration_cache {
     std::uintptr_t end = 0;
     access acc = access::none;
     std::unique_ptr<transport::memory_region> mr;
+    const split_region* split = nullptr;  // mr itself when it is in pieces
     std::uint32_t pins = 0;
     bool retired = false;  // out of the index; deregistered at the last unpin
     entry* lru_prev = nullptr;  // valid entries, most recent first
     entry* lru_next = nullptr;
   };
 
-  registration_cache(transport::protection_domain& pd, std::size_t max_bytes, std::size_t max_entries) noexcept
-      : pd_(pd), max_bytes_(max_bytes), max_entries_(max_entries) {}
+  // Registrations above 2^piece_shift bytes are made in pieces (split_region).
+  registration_cache(transport::protection_domain& pd, std::size_t max_bytes, std::size_t max_entries,
+                     unsigned piece_shift = 63) noexcept
+      : pd_(pd), max_bytes_(max_bytes), max_entries_(max_entries), piece_shift_(piece_shift) {}
   ~registration_cache();
   registration_cache(const registration_cache&) = delete;
   registration_cache& operator=(const registration_cache&) = delete;
@@ -63,6 +68,7 @@ class registration_cache {
   transport::protection_domain& pd_;
   std::size_t max_bytes_;
   std::size_t max_entries_;
+  unsigned piece_shift_;
   std::map<std::uintptr_t, std::unique_ptr<entry>> index_;  // valid entries by begin
   std::vector<std::unique_ptr<entry>> retired_;             // pinned, waiting for their last unpin
   entry* lru_head_ = nullptr;

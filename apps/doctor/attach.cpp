@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <ctime>
 #include <map>
+#include <string>
+#include <string_view>
 #include <thread>
 
 namespace anydoor::apps::doctor {
@@ -215,6 +217,20 @@ void print_table(const std::vector<sample>& all, std::size_t top) {
                 printable(r.qp).c_str(), printable(r.peer).c_str(), printable(r.state).c_str(), r.in, r.out, r.bytes_in,
                 r.bytes_out, r.stalls, r.rnr);
   }
+  // The device's own counters, where it keeps them (anydoor_device_*:
+  // RNR, transport retries, asynchronous events), one line per reactor.
+  std::map<std::string, std::string> devices;
+  for (const auto& s : all) {
+    constexpr std::string_view prefix = "anydoor_device_";
+    if (s.name.rfind(prefix, 0) != 0) continue;
+    std::string what = s.name.substr(prefix.size());
+    if (what.ends_with("_total")) what.resize(what.size() - 6);
+    const auto r = s.labels.find("reactor");
+    char value[32];
+    std::snprintf(value, sizeof value, "%.0f", s.value);
+    devices[r != s.labels.end() ? r->second : "?"] += " " + printable(what) + " " + value;
+  }
+  for (const auto& [r, line] : devices) std::printf("device (reactor %s):%s\n", printable(r).c_str(), line.c_str());
   bool header = false;
   for (const auto& s : all) {
     if (s.name != "anydoor_connection_failures_total") continue;

@@ -232,8 +232,10 @@ class doctor {
                                    bytes_text(need) + ", --register-bytes)");
     } else {
       add(name, verdict::warn,
-          bytes_text(d.max_mr_size) + " < " + bytes_text(need) + " (--register-bytes): a larger registration fails",
-          "register in pieces of at most " + bytes_text(d.max_mr_size));
+          bytes_text(d.max_mr_size) + " < " + bytes_text(need) +
+              " (--register-bytes): anydoor registers such memory in pieces (one region to its user), but a "
+              "connection-scoped registration or a kv table that large is refused",
+          "keep connection-scoped registrations and the kv store's memory within " + bytes_text(d.max_mr_size));
     }
   }
 

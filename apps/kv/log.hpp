@@ -3,9 +3,12 @@
 //
 //   sync always:   a write is acknowledged once an fsync covers it; writers
 //                  waiting at the same time share one fsync (group commit)
-//   sync everysec: written at once, fsynced about once a second (a power
-//                  failure loses at most about a second)
-//   sync no:       written at once; the OS decides when it reaches the disk
+//   sync everysec: written by the log thread once the turn's replies went
+//                  out, fsynced about once a second (a power failure loses
+//                  at most about a second; a kill -9 in the moment between
+//                  a reply and its write loses that write)
+//   sync no:       written the same way; the OS decides when it reaches the
+//                  disk
 // (Redis's appendfsync terms, on purpose.) A write is visible to readers
 // as soon as it is applied, before it is durable, as in Redis.
 //

@@ -5,7 +5,11 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <anydoor/error.hpp>
+
 #include <cstring>
+#include <string>
+#include <system_error>
 
 namespace anydoor::apps::kv {
 
@@ -92,8 +96,14 @@ asio::awaitable<rpc::status> service::durable(std::uint64_t lsn) {
 
 layout service::layout_for(const memory_region& table) const {
   layout l = st_.describe();
-  const auto packed = table.remote().pack();
-  std::memcpy(l.region, packed.data(), packed.size());
+  // The layout carries one key: a table the device registered in pieces
+  // (larger than its max_mr_size) cannot be read through it.
+  if (table.remote().pack_into(std::as_writable_bytes(std::span(l.region))) == 0) {
+    throw std::system_error(make_error_code(anydoor::errc::not_supported),
+                            "kv: the table (" + std::to_string(table.size()) + " bytes) is registered in " +
+                                std::to_string(table.pieces()) +
+                                " pieces, and the layout names one: give the store less memory");
+  }
   return l;
 }
 

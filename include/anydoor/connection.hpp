@@ -336,7 +336,8 @@ class connection {
   // whichever comes first; memory_region::revoked() tells. Queued with the
   // sends and started in order: a message sent after it completes may
   // carry its remote() to the peer. void(error_code, memory_region).
-  // Errors: errc::not_supported (a device without memory windows: siw),
+  // Errors: errc::not_supported (a device without memory windows: siw;
+  // memory larger than one registration, fabric_options::max_piece_bytes),
   // invalid_argument (empty memory, no remote right, a flag other than
   // local_write and remote_*, remote_write or remote_atomic without
   // local_write), registration_failed, wc_status::memory_window_bind_error

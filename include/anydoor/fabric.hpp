@@ -87,6 +87,16 @@ struct fabric_options {
   // memory_region): registrations kept, least recently used evicted first.
   std::size_t cache_max_entries = 1024;                  // 1..2^20
   std::size_t cache_max_bytes = std::size_t{1} << 30;    // at least 4096
+  // Registrations (register_memory, and the cache's) larger than this are
+  // made in pieces: the aligned blocks of the largest power of two at most
+  // this that the memory touches, each its own registration (at most
+  // remote_region::max_pieces). A region in pieces is one memory_region to
+  // its user; its remote() carries every piece's key and operations on it
+  // and on its ranges go to the right piece. 0 (the default): the device's
+  // max_mr_size. 0 or at least 4096; above max_mr_size means max_mr_size.
+  // Connection-scoped registrations and rendezvous messages stay within
+  // one registration of the device's max_mr_size.
+  std::uint64_t max_piece_bytes = 0;
   // Shared receive queue. 0 (the default): each connection posts
   // connection.credits receive buffers of its own. N: the fabric posts N
   // pool buffers to one shared receive queue (the device must have them:
@@ -161,9 +171,11 @@ class fabric {
   asio::io_context::executor_type get_executor() const noexcept;
 
   // Registers [memory.data(), +size) with exactly `acc` (local reads are
-  // always allowed); the region deregisters when destroyed. Throws
-  // std::system_error: errc::invalid_argument (empty memory; remote write or
-  // atomics without local_write, as verbs requires), registration_failed.
+  // always allowed), in pieces when it is larger than the device registers
+  // at once (max_piece_bytes); the region deregisters when destroyed.
+  // Throws std::system_error: errc::invalid_argument (empty memory; remote
+  // write or atomics without local_write, as verbs requires),
+  // registration_failed.
   memory_region register_memory(std::span<std::byte> memory, access acc);
 
   // The registration cache (one-sided operations on plain buffers):

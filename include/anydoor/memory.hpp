@@ -35,6 +35,8 @@
 #include <memory>
 #include <span>
 #include <system_error>
+#include <type_traits>
+#include <vector>
 
 namespace anydoor {
 
@@ -45,31 +47,96 @@ namespace asio = boost::asio;
 // connection::async_register_memory sets itself.
 using access = transport::access;
 
+// The most pieces one region may be registered in (its remote_region
+// carries every key inline, so it stays a plain value: copied without
+// allocating or counting references, destroyed trivially).
+inline constexpr std::uint32_t max_region_pieces = 16;
+
+// The remote keys of a region its owner registered in pieces (memory
+// larger than the owner's device registers at once, its max_mr_size, or
+// than fabric_options::max_piece_bytes): piece i covers the addresses of
+// the 2^shift()-byte aligned block base() + i, within the region, and is
+// reached with key(i). Filled by memory_region::remote() and by
+// remote_region::unpack; read-only to users (for tools and tests).
+class remote_pieces {
+ public:
+  bool empty() const noexcept { return count_ == 0; }
+  std::uint32_t count() const noexcept { return count_; }
+  unsigned shift() const noexcept { return shift_; }
+  std::uint64_t base() const noexcept { return base_; }  // the first piece's block: address >> shift()
+  std::uint32_t key(std::uint32_t i) const noexcept { return keys_[i]; }  // i < count()
+
+  // Whether [a, a + len) lies in the pieces (len > 0).
+  bool covers(std::uint64_t a, std::uint64_t len) const noexcept {
+    const std::uint64_t last = a + len - 1;
+    return len != 0 && last >= a && (a >> shift_) >= base_ && (last >> shift_) - base_ < count_;
+  }
+  // The key for address a, and where its piece ends; a must be covered.
+  std::uint32_t key_at(std::uint64_t a) const noexcept { return key(static_cast<std::uint32_t>((a >> shift_) - base_)); }
+  std::uint64_t piece_end(std::uint64_t a) const noexcept { return ((a >> shift_) + 1) << shift_; }
+
+  friend bool operator==(const remote_pieces& a, const remote_pieces& b) noexcept;
+
+ private:
+  friend struct remote_region;
+  friend class memory_region;
+  std::uint64_t base_ = 0;
+  std::uint32_t count_ = 0;
+  std::uint8_t shift_ = 0;
+  std::array<std::uint32_t, max_region_pieces> keys_{};
+};
+
 // The peer's memory, as its owner described it.
 struct remote_region {
   std::uint64_t addr = 0;
   std::uint64_t length = 0;
-  std::uint32_t rkey = 0;
+  std::uint32_t rkey = 0;  // the key for addr (of a region in pieces: of addr's piece)
+  remote_pieces pieces{};  // empty unless the owner registered the region in pieces
 
-  // [offset, offset + len) of this region. Throws std::system_error
-  // (errc::out_of_range) when it does not lie inside.
+  // [offset, offset + len) of this region (of a region in pieces: only the
+  // pieces it touches; one piece makes it a plain region). Throws
+  // std::system_error (errc::out_of_range) when it does not lie inside.
   remote_region at(std::uint64_t offset, std::uint64_t len) const;
 
-  // The wire form (version 1, 32 bytes, little-endian): magic "ADRR", u8
-  // version, 3 zero bytes, u64 addr, u64 length, u32 rkey, u32 check (FNV-1a
-  // of the 28 bytes before it).
+  // The wire forms, little-endian, ending with a u32 check (FNV-1a of the
+  // bytes before it):
+  //  - version 1, a region in one piece, packed_size (32) bytes: magic
+  //    "ADRR", u8 1, 3 zero bytes, u64 addr, u64 length, u32 rkey, check;
+  //  - version 2, a region in pieces, 32 + 4 * pieces bytes: magic "ADRR",
+  //    u8 2, u8 shift (12..62), 2 zero bytes, u64 addr, u64 length, u32
+  //    pieces (2..max_pieces, exactly the blocks the range touches), a u32
+  //    key per piece, check.
   static constexpr std::size_t packed_size = 32;
-  std::array<std::byte, packed_size> pack() const noexcept;
-  // Validates and decodes: errc::protocol_error for a wrong size, magic,
-  // check, nonzero reserved bytes, a zero length or a range that wraps
-  // around; errc::version_mismatch for another version. `out` is unchanged
-  // on error.
+  static constexpr std::uint32_t max_pieces = max_region_pieces;
+  static constexpr std::size_t max_packed_size = packed_size + 4 * max_pieces;
+  std::size_t packed_length() const noexcept { return packed_size + (pieces.empty() ? 0 : 4 * pieces.count()); }
+  std::vector<std::byte> pack() const;
+  // Packs into the front of `out` without allocating: returns
+  // packed_length(), or 0 (nothing written) when `out` is shorter.
+  std::size_t pack_into(std::span<std::byte> out) const noexcept;
+  // Validates and decodes exactly one descriptor: errc::protocol_error for
+  // a wrong size, magic, check, nonzero reserved bytes, a zero length, a
+  // range that wraps around, or pieces that do not match the range;
+  // errc::version_mismatch for an unknown version. `out` is unchanged on
+  // error.
   static std::error_code unpack(std::span<const std::byte> in, remote_region& out) noexcept;
+  // The length of the descriptor that `in` starts with, read from its
+  // first 32 bytes (for a descriptor inside a larger message; unpack still
+  // validates it): 0 when `in` is shorter than that or is no descriptor.
+  static std::size_t packed_length_of(std::span<const std::byte> in) noexcept;
 
   friend bool operator==(const remote_region&, const remote_region&) = default;
 };
 
+// A plain value: copies never allocate, and (GCC 12 destroys a braced
+// temporary in a co_await expression twice) nothing it holds can be freed
+// twice.
+static_assert(std::is_trivially_copyable_v<remote_region> && std::is_trivially_destructible_v<remote_region>);
+
 class memory_region;
+namespace detail {
+class split_region;
+}
 
 // Local memory of a one-sided operation. From a memory_region (whole, or
 // at()), or from an Asio buffer: then the registration cache provides the
@@ -110,8 +177,14 @@ class memory_region {
   std::size_t size() const noexcept;
   std::span<std::byte> bytes() const noexcept { return {data(), size()}; }
   anydoor::access access() const noexcept;
+  // The keys (of a region in pieces: of its first piece; remote() carries
+  // them all, and operations on its ranges find each piece's own).
   std::uint32_t lkey() const noexcept;
   std::uint32_t rkey() const noexcept;
+  // How many registrations it is: 1, or more for memory larger than the
+  // device registers at once (fabric_options::max_piece_bytes); 0 when
+  // empty. To its user a region in pieces is one region.
+  std::size_t pieces() const noexcept;
 
   // What a peer needs to reach this region (meaningful with remote access).
   remote_region remote() const noexcept;
@@ -130,8 +203,12 @@ class memory_region {
   // nothing any more (local use goes on). False for any other region.
   bool revoked() const noexcept;
 
+  // Runtime-internal: the pieces of a region in pieces, else null.
+  const detail::split_region* split() const noexcept { return split_; }
+
  private:
   std::unique_ptr<transport::memory_region> mr_;
+  const detail::split_region* split_ = nullptr;  // mr_ itself when it is one
 };
 
 inline local_range::local_range(const memory_region& region) noexcept

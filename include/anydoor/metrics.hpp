@@ -42,8 +42,10 @@ metrics_snapshot snapshot(fabric& f, std::string reactor_label);
 // reactor_wakeups_total, pool_buffers, pool_free_buffers,
 // pool_registered_bytes, pool_exhausted_total, srq_posted, srq_spare,
 // device_rnr_naks_sent_total, device_rnr_naks_received_total,
-// device_rnr_retry_exceeded_total (where the device reads them; once per
-// counter source: verbs' are port-wide); per
+// device_rnr_retry_exceeded_total, device_transport_retries_total,
+// device_transport_retry_exceeded_total (where the device reads them; once
+// per counter source: verbs' are port-wide), device_async_events_total,
+// device_async_errors_total (verbs: each reactor's device object); per
 // connection {qp, peer, state} connection_messages_sent_total,
 // connection_messages_received_total, connection_bytes_sent_total,
 // connection_bytes_received_total, connection_posts_total,

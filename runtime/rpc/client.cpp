@@ -116,10 +116,7 @@ void client_impl::start(call_op* op, const call_options& o) noexcept {
                                              : std::min<std::chrono::microseconds>(o.timeout, kMaxTimeout);
   op->due = timeout.count() > 0 ? clock::now() + timeout : clock::time_point::max();
   op->bulk = o.bulk;
-  if (op->bulk.length != 0) {
-    const auto packed = op->bulk.pack();
-    std::copy(packed.begin(), packed.end(), op->header.begin() + wire::kHeaderSize);
-  }
+  if (op->bulk.length != 0) op->bulk.pack_into(std::span(op->header).subspan(wire::kHeaderSize));
   op->st = call_op::state::unsent;
   if (deadlines_.insert(*op)) arm_timer();
   if (state_ == state::connecting) {
@@ -170,7 +167,7 @@ void client_impl::send_request(call_op& op, bool post) noexcept {
     return;
   }
   const bool bulk = op.bulk.length != 0;
-  const std::size_t head = wire::kHeaderSize + (bulk ? remote_region::packed_size : 0);
+  const std::size_t head = wire::kHeaderSize + (bulk ? op.bulk.packed_length() : 0);
   const bool follows = head + payload > conn_.eager_limit() && payload != 0;
   wire::header h;
   h.type = wire::kind::request;

@@ -132,12 +132,13 @@ void session::on_request(const wire::header& h, message m) noexcept {
   if (h.reserved != 0 || (h.flags & ~wire::kKnownFlags) != 0) {
     s.pre = status(errc::invalid_argument, "malformed request: unknown flags or reserved bits set");
   } else if ((h.flags & wire::kFlagBulk) != 0) {
-    if (m.size() < off + remote_region::packed_size) {
+    const std::size_t len = m.size() < off ? 0 : remote_region::packed_length_of(m.bytes().subspan(off));
+    if (len == 0 || m.size() < off + len) {
       s.pre = status(errc::invalid_argument, "malformed request: the bulk region is missing");
-    } else if (auto ec = remote_region::unpack(m.bytes().subspan(off, remote_region::packed_size), s.bulk_)) {
+    } else if (auto ec = remote_region::unpack(m.bytes().subspan(off, len), s.bulk_)) {
       s.pre = status(errc::invalid_argument, "malformed request: the bulk region does not decode");
     }
-    off += remote_region::packed_size;
+    off += std::max(len, remote_region::packed_size);
   }
   off = std::min(off, m.size());
   if ((h.flags & wire::kFlagPayloadFollows) != 0) {

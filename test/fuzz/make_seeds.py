@@ -61,7 +61,7 @@ write("handshake", {
     "old_version": tcp_handshake(1, hello(1, version=2)),
 })
 
-# --- region: remote_region's 32-byte wire form (include/anydoor/memory.hpp).
+# --- region: remote_region's wire forms, versions 1 and 2 (include/anydoor/memory.hpp).
 def fnv1a32(b):
     h = 2166136261
     for c in b:
@@ -74,8 +74,16 @@ def region(addr, length, rkey):
     return body + struct.pack("<I", fnv1a32(body))
 
 
+def region_pieces(addr, length, shift, keys):
+    body = (b"ADRR" + bytes([2, shift, 0, 0]) + struct.pack("<QQI", addr, length, len(keys))
+            + b"".join(struct.pack("<I", k) for k in keys))
+    return body + struct.pack("<I", fnv1a32(body))
+
+
 write("region", {
     "small": region(0x7f0000001000, 4096, 0x40001),
+    "pieces": region_pieces(0x7f0000001100, 3 * 4096, 12, [11, 12, 13, 14]),
+    "pieces_big": region_pieces(0x7f0000000000, 1 << 31, 30, [21, 22]),
     "top": region(0xffffffffffff0000, 0x10000, 1),
     "one": region(1, 1, 0),
 })

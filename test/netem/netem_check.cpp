@@ -220,6 +220,7 @@ int run_server(const options& o) {
 // ------------------------------------------------------------------ client
 
 struct client_run {
+  client_run(const options& opts, ad::fabric& f) : o(opts), fab(f) {}
   const options& o;
   ad::fabric& fab;
   ad::connection c;

@@ -7,6 +7,7 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_future.hpp>
 
+#include <algorithm>
 #include <array>
 #include <csignal>
 #include <cstdio>
@@ -124,6 +125,45 @@ TEST_CASE("rpc: bulk data: the handler reads and writes the caller's memory by R
   }, f.handler());
   run_to_completion(env.io);
   f.check();
+}
+
+TEST_CASE("rpc: a bulk region in pieces travels whole: the handler reads and writes every piece", "[rpc]") {
+  rpc_env env({}, {}, 32768);  // 32 KiB pieces on both sides
+  constexpr std::uint64_t kCopy = 0x4011;  // reads the bulk region, writes it back reversed
+  std::vector<std::byte> server_mem(std::size_t{1} << 20);
+  std::vector<std::size_t> server_pieces;
+  env.srv.add(kCopy, [&](rpc::server_call& call) -> awaitable<rpc::status> {
+    const std::size_t n = call.bulk().length;
+    server_pieces.push_back(call.bulk().pieces.count());
+    co_await call.async_bulk_get(asio::buffer(server_mem.data(), n), use_awaitable);
+    std::reverse(server_mem.begin(), server_mem.begin() + static_cast<std::ptrdiff_t>(n));
+    co_await call.async_bulk_put(asio::buffer(server_mem.data(), n), use_awaitable);
+    co_return rpc::status{};
+  });
+  env.serve();
+  failure f;
+  std::vector<std::byte> mine = pattern(300000, 31);
+  const std::vector<std::byte> sent = mine;
+  std::size_t client_pieces = 0;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    ad::memory_region mr = env.client_fab.register_memory(
+        std::span(mine).subspan(100), ad::access::local_write | ad::access::remote_read | ad::access::remote_write);
+    client_pieces = mr.pieces();
+    co_await cli.async_call(kCopy, asio::const_buffer(), {.bulk = mr.remote()}, use_awaitable);
+    // The same call slot with a one-piece region after it.
+    co_await cli.async_call(kCopy, asio::const_buffer(), {.bulk = mr.remote().at(20, 1000)}, use_awaitable);
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  REQUIRE(client_pieces > 2);
+  CHECK(server_pieces == std::vector<std::size_t>{client_pieces, 0});  // the second call's region: one piece
+  std::vector<std::byte> want(sent.begin() + 100, sent.end());
+  std::reverse(want.begin(), want.end());
+  std::reverse(want.begin() + 20, want.begin() + 1020);
+  CHECK(std::equal(want.begin(), want.end(), mine.begin() + 100));
+  CHECK(std::equal(sent.begin(), sent.begin() + 100, mine.begin()));
 }
 
 TEST_CASE("rpc: malformed requests from a raw peer get invalid_argument, unframeable ones end only that "

@@ -29,8 +29,13 @@ struct rpc_env {
   ad::error_code serve_ec;
   bool serve_done = false;
 
-  explicit rpc_env(rpc::server_options so = {}, ad::connection_options co = {})
-      : server_fab(io, test_options(co)), client_fab(io, test_options(co)), srv(so) {}
+  explicit rpc_env(rpc::server_options so = {}, ad::connection_options co = {}, std::uint64_t max_piece_bytes = 0)
+      : server_fab(io, with_pieces(test_options(co), max_piece_bytes)),
+        client_fab(io, with_pieces(test_options(co), max_piece_bytes)), srv(so) {}
+  static ad::fabric_options with_pieces(ad::fabric_options o, std::uint64_t max_piece_bytes) {
+    o.max_piece_bytes = max_piece_bytes;
+    return o;
+  }
 
   void serve() {
     ad::acceptor acc = server_fab.listen(test_host(), 0);

@@ -102,6 +102,36 @@ TEST_CASE("metrics: label values are escaped and every family is declared once",
   CHECK(page.find(ad::make_error_code(ad::errc::protocol_error).message()) != std::string::npos);
 }
 
+TEST_CASE("metrics: device retries come once per source, asynchronous events once per reactor, absent ones not at all",
+          "[runtime]") {
+  ad::metrics_snapshot s;
+  s.reactor = "0";
+  s.provider = "verbs";
+  s.device.source = "/sys/class/infiniband/rxe0/ports/1/hw_counters";
+  s.device.transport_retries = 7;
+  s.device.transport_retry_exceeded = 2;
+  s.device.async_events = 5;
+  s.device.async_errors = 1;
+  ad::metrics_snapshot t = s;  // a second reactor on the same port, its own device object
+  t.reactor = "1";
+  t.device.async_events = 4;
+  t.device.async_errors = 0;
+  const std::string page = ad::prometheus_text({s, t});
+  CHECK(metric_sum(page, "anydoor_device_transport_retries_total", "") == 7);  // port-wide: once
+  CHECK(metric_sum(page, "anydoor_device_transport_retry_exceeded_total", "") == 2);
+  CHECK(metric_sum(page, "anydoor_device_async_events_total", "") == 9);  // each reactor's own
+  CHECK(metric_sum(page, "anydoor_device_async_events_total", "reactor=\"1\"") == 4);
+  CHECK(metric_sum(page, "anydoor_device_async_errors_total", "") == 1);
+  CHECK(page.find("# TYPE anydoor_device_async_events_total counter") != std::string::npos);
+  // tcp keeps none of them: no family at all, rather than a zero that means nothing.
+  ad::metrics_snapshot u;
+  u.reactor = "0";
+  u.provider = "tcp";
+  const std::string tcp_page = ad::prometheus_text({u});
+  CHECK(tcp_page.find("anydoor_device_transport_retries_total") == std::string::npos);
+  CHECK(tcp_page.find("anydoor_device_async_events_total") == std::string::npos);
+}
+
 TEST_CASE("metrics: the endpoint refuses what is not GET /metrics, and a port in use", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());

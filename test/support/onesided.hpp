@@ -11,6 +11,18 @@
 
 namespace anydoor::test {
 
+// Re-seals a packed remote_region (its last 4 bytes: FNV-1a of the bytes
+// before them) after a test changed its bytes.
+inline void reseal(std::vector<std::byte>& p) {
+  const std::size_t n = p.size() - 4;
+  std::uint32_t h = 2166136261u;
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= std::to_integer<std::uint32_t>(p[i]);
+    h *= 16777619u;
+  }
+  for (std::size_t i = 0; i < 4; ++i) p[n + i] = static_cast<std::byte>((h >> (8 * i)) & 0xff);
+}
+
 // Two fabrics on one io_context, connected: `a` initiates, `b` is the target.
 struct onesided_pair {
   asio::io_context io;

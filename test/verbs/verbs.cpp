@@ -50,6 +50,23 @@ TEST_CASE("verbs: capabilities come from the device", "[verbs]") {
   CHECK(c.atomics);  // rxe supports atomics
 }
 
+TEST_CASE("verbs: the device's counters: RNR, transport retries and asynchronous events", "[verbs]") {
+  auto dev = open_verbs();
+  const tp::device_counters c = dev->counters();
+  CHECK(c.async_events.has_value());
+  CHECK(c.async_errors.has_value());
+  INFO("counters read from: " << c.source);
+  if (!c.rnr_naks_sent && !c.rnr_naks_received) {
+    WARN("this kernel's " << dev->name() << " has no hw_counters: " << c.source);
+    return;
+  }
+  // Where the RNR counters are, rxe also has its retry counters.
+  if (std::string(dev->name()).starts_with("rxe")) {
+    CHECK(c.transport_retries.has_value());
+    CHECK(c.transport_retry_exceeded.has_value());
+  }
+}
+
 TEST_CASE("verbs: registration keeps exactly the requested access", "[verbs]") {
   auto dev = open_verbs();
   auto pd = dev->alloc_pd();

@@ -43,6 +43,7 @@ void device_state::drain_async_events() noexcept {
   if (!lock.owns_lock()) return;
   ibv_async_event ev;
   while (ibv_get_async_event(ctx, &ev) == 0) {
+    async_events.fetch_add(1, std::memory_order_relaxed);
     switch (ev.event_type) {
       case IBV_EVENT_CQ_ERR:
       case IBV_EVENT_QP_FATAL:
@@ -52,6 +53,7 @@ void device_state::drain_async_events() noexcept {
       case IBV_EVENT_DEVICE_FATAL:
       case IBV_EVENT_SRQ_ERR:
         log().warn("verbs {}: asynchronous event: {}", name, ibv_event_type_str(ev.event_type));
+        async_errors.fetch_add(1, std::memory_order_relaxed);
         break;
       case IBV_EVENT_SRQ_LIMIT_REACHED:
       case IBV_EVENT_QP_LAST_WQE_REACHED:  // a queue pair of a shared receive queue went to error
@@ -219,6 +221,8 @@ device_counters verbs_device::counters() const {
       {"responder_rnr_nak", "requester_rnr_nak", "requester_rnr_nak_retries_exceeded"},  // mana
   };
   device_counters c;
+  c.async_events = state_->async_events.load(std::memory_order_relaxed);
+  c.async_errors = state_->async_errors.load(std::memory_order_relaxed);
   const std::string base = "/sys/class/infiniband/" + state_->name;
   const std::string dirs[] = {base + "/ports/" + std::to_string(state_->port) + "/hw_counters", base + "/hw_counters"};
   auto read = [](const std::string& path) -> std::optional<std::uint64_t> {
@@ -239,6 +243,15 @@ device_counters verbs_device::counters() const {
       c.rnr_naks_received = received;
       c.rnr_retry_exceeded = exceeded;
       c.source = dir;
+      // Transport retries: rxe counts each retry its completer makes, mlx5
+      // the ACK timeouts (each one a retry); retry_cnt running out is rxe's
+      // retry_exceeded_err, mlx5's req_transport_retries_exceeded.
+      for (const char* r : {"completer_retry_err", "local_ack_timeout_err"}) {
+        if ((c.transport_retries = read(dir + "/" + r))) break;
+      }
+      for (const char* r : {"retry_exceeded_err", "req_transport_retries_exceeded"}) {
+        if ((c.transport_retry_exceeded = read(dir + "/" + r))) break;
+      }
       return c;
     }
   }

@@ -43,6 +43,8 @@ struct device_state {
   std::string name;
   capabilities caps;
   std::mutex async_mutex;
+  std::atomic<std::uint64_t> async_events{0};  // every asynchronous event taken
+  std::atomic<std::uint64_t> async_errors{0};  // of them, the errors
   // Shared receive queues, found by their wr_ids' index (see verbs_srq):
   // registered and removed under srq_mutex, looked up without a lock.
   static constexpr std::uint32_t kMaxSrqs = 1u << 16;

@@ -166,7 +166,7 @@ class server_call {
             ec = make_error_code(anydoor::errc::out_of_range);
           }
           if (ec) return detail::complete_later(std::move(handler), conn_->get_executor(), ec, std::size_t{0});
-          const remote_region r{bulk_.addr + off, l.size(), bulk_.rkey};
+          const remote_region r = bulk_.at(off, l.size());  // keeps its pieces, if any
           if (is_put) {
             conn_->async_put(l, r, std::move(handler));
           } else {

@@ -56,6 +56,11 @@ class memory_region {
       : addr_(addr), length_(length), lkey_(lkey), rkey_(rkey), access_(acc) {}
   // For a wrapper whose remote key is known only later (a window's).
   void set_remote_key(std::uint32_t rkey) noexcept { rkey_ = rkey; }
+  // For a wrapper whose keys are known only once it has registered.
+  void set_keys(std::uint32_t lkey, std::uint32_t rkey) noexcept {
+    lkey_ = lkey;
+    rkey_ = rkey;
+  }
 
  private:
   void* addr_;

@@ -230,6 +230,16 @@ struct device_counters {
   std::optional<std::uint64_t> rnr_naks_received;   // requester: the peer had no receive posted
   std::optional<std::uint64_t> rnr_retry_exceeded;  // requester: rnr_retry ran out (the request failed)
   std::string source;  // where they were read (a sysfs directory), or why there are none
+  // Transport retries, read where the RNR counters are (verbs: port-wide;
+  // tcp keeps none: the kernel's TCP retransmits for it).
+  std::optional<std::uint64_t> transport_retries;         // requester: requests sent again (ACK timeout)
+  std::optional<std::uint64_t> transport_retry_exceeded;  // requester: retry_cnt ran out (the request failed)
+  // Asynchronous events this device object has taken (verbs:
+  // ibv_get_async_event, every type), and the errors among them (CQ, QP,
+  // SRQ, port and device errors). Empty where the provider has no event
+  // channel (tcp).
+  std::optional<std::uint64_t> async_events;
+  std::optional<std::uint64_t> async_errors;
 };
 
 // Where a connected queue pair's traffic goes (ibv_query_qp's address

@@ -101,7 +101,8 @@ struct call_op : deadline_hook {
   ::anydoor::detail::pending_handler handler;
   // The header and, when the call carries one, the packed bulk region after
   // it (one buffer, so it can go in one work request at any eager limit).
-  std::array<std::byte, kFrameBytes + remote_region::packed_size> header{};
+  // (room for a region in pieces: remote_region::max_packed_size)
+  std::array<std::byte, kFrameBytes + remote_region::max_packed_size> header{};
   std::array<std::byte, kFrameBytes> cancel_frame{};
   asio::cancellation_signal send_cancel;  // withdraws a one-message request still queued
   std::vector<std::byte> encoded;  // a typed request, encoded
