@@ -342,7 +342,9 @@ void connection_impl::release(op_node* n) noexcept {
   unpin(n);
   n->mr.reset();
   n->large.reset();
-  n->remote.pieces = {};  // the peer's keys, shared
+  for (unsigned i = 0; n->split_mask != 0; ++i, n->split_mask = static_cast<std::uint16_t>(n->split_mask >> 1)) {
+    if ((n->split_mask & 1u) != 0) n->split[i].reset();
+  }
   n->phase = op_phase::done;
   free_nodes_.push_back(n);  // capacity reserved in acquire
   fab_->idle();

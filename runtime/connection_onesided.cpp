@@ -69,7 +69,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
       n->lkeys[i] = r->lkey();
       if (r->split() != nullptr) {
-        n->split[i] = r->split();
+        n->split[i] = r->split()->table();
         n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
       }
       continue;
@@ -80,7 +80,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
       if (e.split != nullptr) {
-        n->split[i] = e.split;
+        n->split[i] = e.split->table();
         n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
       }
     } catch (const std::exception& e) {
@@ -159,7 +159,7 @@ bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t
       std::uint64_t take = std::min<std::uint64_t>(b.size() - n->cur_off, limit - bytes);
       std::uint32_t lkey = n->lkeys[n->cur_buf];
       if (((static_cast<unsigned>(n->split_mask) >> n->cur_buf) & 1u) != 0) {
-        const split_region& s = *n->split[n->cur_buf];
+        const piece_table& s = *n->split[n->cur_buf];
         lkey = s.lkey_at(at);
         take = std::min(take, s.piece_end(at) - at);
       }

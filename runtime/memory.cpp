@@ -265,22 +265,25 @@ namespace anydoor::detail {
 
 split_region::split_region(transport::protection_domain& pd, void* addr, std::size_t length, transport::access acc,
                            unsigned shift)
-    : transport::memory_region(addr, length, 0, 0, acc), shift_(shift) {
+    : transport::memory_region(addr, length, 0, 0, acc) {
+  auto t = std::make_shared<piece_table>();
   const auto begin = reinterpret_cast<std::uint64_t>(addr);
-  end_ = begin + length;
-  base_ = begin >> shift;
-  const std::uint64_t count = ((end_ - 1) >> shift) - base_ + 1;
+  t->end = begin + length;
+  t->base = begin >> shift;
+  t->shift = shift;
+  const std::uint64_t count = ((t->end - 1) >> shift) - t->base + 1;
   pieces_.reserve(count);
-  lkeys_ = std::make_unique<std::uint32_t[]>(count);
+  t->lkeys = std::make_unique<std::uint32_t[]>(count);
   rkeys_ = std::make_unique<std::uint32_t[]>(count);
-  for (std::uint64_t a = begin; a < end_; a = piece_end(a)) {
-    auto piece = pd.register_memory(reinterpret_cast<void*>(a), piece_end(a) - a, acc);
+  for (std::uint64_t a = begin; a < t->end; a = t->piece_end(a)) {
+    auto piece = pd.register_memory(reinterpret_cast<void*>(a), t->piece_end(a) - a, acc);
     const std::size_t i = pieces_.size();
-    lkeys_[i] = piece->lkey();
+    t->lkeys[i] = piece->lkey();
     rkeys_[i] = piece->rkey();
     pieces_.push_back(std::move(piece));
   }
-  set_keys(lkeys_[0], rkeys_[0]);
+  set_keys(t->lkeys[0], rkeys_[0]);
+  table_ = std::move(t);
 }
 
 unsigned piece_shift(std::uint64_t limit) noexcept {

@@ -16,6 +16,22 @@
 
 namespace anydoor::detail {
 
+// The local keys of a registration in pieces, shared with the operations
+// that use it: an operation that outlives its region (destroyed mid-way,
+// a user error) reads valid keys and fails at the device, as with a region
+// in one piece, instead of reading freed memory.
+struct piece_table {
+  std::uint64_t base = 0;  // the first piece's block
+  std::uint64_t end = 0;   // the region's end
+  unsigned shift = 0;
+  std::unique_ptr<std::uint32_t[]> lkeys;
+
+  // For an address of the region: its piece's local key, and where that
+  // piece ends (the region's end for the last).
+  std::uint32_t lkey_at(std::uint64_t a) const noexcept { return lkeys[(a >> shift) - base]; }
+  std::uint64_t piece_end(std::uint64_t a) const noexcept { return std::min(((a >> shift) + 1) << shift, end); }
+};
+
 class split_region final : public transport::memory_region {
  public:
   // Registers [addr, addr + length) in pieces of the 2^shift-byte aligned
@@ -24,24 +40,17 @@ class split_region final : public transport::memory_region {
   split_region(transport::protection_domain& pd, void* addr, std::size_t length, transport::access acc,
                unsigned shift);
 
-  unsigned shift() const noexcept { return shift_; }
+  unsigned shift() const noexcept { return table_->shift; }
   std::uint32_t count() const noexcept { return static_cast<std::uint32_t>(pieces_.size()); }
-  std::uint64_t base() const noexcept { return base_; }  // the first piece's block
-
-  // For an address of the region: its piece's local key, and where that
-  // piece ends (the region's end for the last).
-  std::uint32_t lkey_at(std::uint64_t a) const noexcept { return lkeys_[(a >> shift_) - base_]; }
-  std::uint64_t piece_end(std::uint64_t a) const noexcept { return std::min(((a >> shift_) + 1) << shift_, end_); }
+  std::uint64_t base() const noexcept { return table_->base; }
+  const std::shared_ptr<const piece_table>& table() const noexcept { return table_; }
   // Every piece's remote key, in order (count() of them).
   const std::uint32_t* rkeys() const noexcept { return rkeys_.get(); }
 
  private:
   std::vector<std::unique_ptr<transport::memory_region>> pieces_;
-  std::unique_ptr<std::uint32_t[]> lkeys_;
+  std::shared_ptr<const piece_table> table_;
   std::unique_ptr<std::uint32_t[]> rkeys_;
-  std::uint64_t base_ = 0;
-  std::uint64_t end_ = 0;
-  unsigned shift_ = 0;
 };
 
 // The shift of the pieces for a registration limit: the largest power of

@@ -60,14 +60,19 @@
 // `local` is a local_range: a range of a memory_region, or any buffer (the
 // fabric's registration cache registers it); put and get also take a span
 // of up to 16 local ranges (gather / scatter; read when the operation
-// starts). The local memory must stay valid until the operation completes.
+// starts). The local memory, and a memory_region it lies in, must stay
+// valid until the operation completes (a region destroyed earlier fails the
+// transfer at the device, like any deregistered key).
 // A put or get completes when it is complete at the peer (RC: acknowledged);
 // the transfer is split at the device's message limit. Errors on the
 // operation itself: errc::out_of_range (local data larger than the remote
-// range), errc::invalid_argument (more than 16 ranges, a const buffer as a
+// range; a remote region in pieces whose addr or length were changed so
+// that its pieces no longer cover the range), errc::invalid_argument (more than 16 ranges, a const buffer as a
 // get's destination, a region without local_write as one, an atomic target
 // that is not 8 bytes aligned and long), errc::not_supported (atomics on a
-// device without them), errc::registration_failed. The peer refusing the
+// device without them), errc::registration_failed (also: a buffer the
+// cache would register in more than remote_region::max_pieces pieces).
+// The peer refusing the
 // access (outside its region, an unknown or deregistered key, missing
 // access) completes that operation with wc_status::remote_access_error (or
 // remote_invalid_request) and, as RC requires, fails the connection: later

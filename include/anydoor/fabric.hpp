@@ -94,8 +94,9 @@ struct fabric_options {
   // its user; its remote() carries every piece's key and operations on it
   // and on its ranges go to the right piece. 0 (the default): the device's
   // max_mr_size. 0 or at least 4096; above max_mr_size means max_mr_size.
-  // Connection-scoped registrations and rendezvous messages stay within
-  // one registration of the device's max_mr_size.
+  // Not in pieces: a connection-scoped registration (one window) must fit
+  // one piece (not_supported otherwise); rendezvous messages register with
+  // the device's own max_mr_size.
   std::uint64_t max_piece_bytes = 0;
   // Shared receive queue. 0 (the default): each connection posts
   // connection.credits receive buffers of its own. N: the fabric posts N

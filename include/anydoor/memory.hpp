@@ -64,7 +64,7 @@ class remote_pieces {
   std::uint32_t count() const noexcept { return count_; }
   unsigned shift() const noexcept { return shift_; }
   std::uint64_t base() const noexcept { return base_; }  // the first piece's block: address >> shift()
-  std::uint32_t key(std::uint32_t i) const noexcept { return keys_[i]; }  // i < count()
+  std::uint32_t key(std::uint32_t i) const noexcept { return i < count_ ? keys_[i] : 0; }  // 0: no piece i
 
   // Whether [a, a + len) lies in the pieces (len > 0).
   bool covers(std::uint64_t a, std::uint64_t len) const noexcept {
@@ -117,8 +117,10 @@ struct remote_region {
   // Validates and decodes exactly one descriptor: errc::protocol_error for
   // a wrong size, magic, check, nonzero reserved bytes, a zero length, a
   // range that wraps around, or pieces that do not match the range;
-  // errc::version_mismatch for an unknown version. `out` is unchanged on
-  // error.
+  // errc::version_mismatch for an unknown version of 32 bytes (a longer
+  // one cannot be told from garbage: protocol_error). A peer built before
+  // version 2 refuses a region in pieces with protocol_error. `out` is
+  // unchanged on error.
   static std::error_code unpack(std::span<const std::byte> in, remote_region& out) noexcept;
   // The length of the descriptor that `in` starts with, read from its
   // first 32 bytes (for a descriptor inside a larger message; unpack still
@@ -218,7 +220,7 @@ inline local_range::local_range(const memory_region& region) noexcept
 // peer's async_put_with_notify and the range of our memory it wrote.
 struct notification {
   std::uint32_t value = 0;
-  remote_region range;  // addr, length and rkey as the writer used them
+  remote_region range;  // addr, length and the rkey of addr's piece as the writer used them (never pieces)
 };
 
 // The fabric's registration cache (fabric::stats().cache).

@@ -228,6 +228,7 @@ TEST_CASE("pieces: put, get, scatter-gather, the cache, atomics and notification
   std::size_t moved_bytes[8] = {};
   std::uint64_t before[3] = {};
   std::uint64_t words[2] = {};
+  std::uint32_t pieces_in_targets = 0;
   std::uint64_t puts = 0;
   bool whole = false, part = false, read = false, gathered = false, scattered = false, cached = false;
   p.run([&](ad::connection& c) -> awaitable<void> {
@@ -256,10 +257,17 @@ TEST_CASE("pieces: put, get, scatter-gather, the cache, atomics and notification
     moved_bytes[6] = co_await c.async_get(asio::buffer(plain_back), dst.at(7, plain.size()), use_awaitable);
     // Atomics on both sides of an edge.
     if (atomics) {
+      // Targets that still carry pieces (a range over the edge, and the
+      // whole region moved to the word): the word's own piece key is used.
       std::memset(tmem.data() + word_before, 0, 16);
-      before[0] = co_await c.async_fetch_add(dst.at(word_before, 8), 5, use_awaitable);
-      before[1] = co_await c.async_fetch_add(dst.at(word_after, 8), 6, use_awaitable);
-      before[2] = co_await c.async_compare_swap(dst.at(word_after, 8), 6, 60, use_awaitable);
+      const ad::remote_region over_edge = dst.at(word_before, 16);
+      ad::remote_region at_after = dst;
+      at_after.addr += word_after;
+      at_after.length = 8;
+      pieces_in_targets = over_edge.pieces.count() + at_after.pieces.count();
+      before[0] = co_await c.async_fetch_add(over_edge, 5, use_awaitable);
+      before[1] = co_await c.async_fetch_add(at_after, 6, use_awaitable);
+      before[2] = co_await c.async_compare_swap(at_after, 6, 60, use_awaitable);
       std::memcpy(words, tmem.data() + word_before, 16);
     }
     // A notification names the range and the key of its first piece.
@@ -281,6 +289,7 @@ TEST_CASE("pieces: put, get, scatter-gather, the cache, atomics and notification
   CHECK(moved_bytes[6] == plain.size());
   CHECK(plain_back == plain);
   if (atomics) {
+    CHECK(pieces_in_targets == 2 + dst.pieces.count());
     CHECK(before[0] == 0);
     CHECK(before[1] == 0);
     CHECK(before[2] == 6);
@@ -337,11 +346,19 @@ TEST_CASE("pieces: ranges outside the pieces are refused, large messages still g
       auto [e3, v3] = co_await c.async_fetch_add(moved, 1, asio::as_tuple(use_awaitable));
       CHECK(e3 == ad::errc::out_of_range);
     }
-    // A connection-scoped registration is one window: no pieces.
-    std::vector<std::byte> scoped(3 * kPiece);
-    auto [e4, sr] = co_await c.async_register_memory(scoped, ad::access::local_write | ad::access::remote_write,
-                                                     asio::as_tuple(use_awaitable));
-    CHECK(e4 == ad::errc::not_supported);
+    // A connection-scoped registration is one window: no pieces (siw has
+    // no windows at all, which says not_supported before the size does).
+    if (p.fa.device().caps().memory_windows) {
+      std::vector<std::byte> scoped(3 * kPiece);
+      auto [e4, sr] = co_await c.async_register_memory(scoped, ad::access::local_write | ad::access::remote_write,
+                                                       asio::as_tuple(use_awaitable));
+      CHECK(e4 == ad::errc::not_supported);
+      auto [e5, fits] = co_await c.async_register_memory(std::span(scoped).first(kPiece),
+                                                         ad::access::local_write | ad::access::remote_write,
+                                                         asio::as_tuple(use_awaitable));
+      CHECK_FALSE(e5);
+      CHECK(fits.connection_scoped());
+    }
     open_after = c.is_open();
     put_after = co_await c.async_put(asio::buffer(src), dst.at(1000, src.size()), use_awaitable);
   });
@@ -350,6 +367,24 @@ TEST_CASE("pieces: ranges outside the pieces are refused, large messages still g
   CHECK(put_after == src.size());
   CHECK(got == big);
   CHECK(same(tmem.data() + 1000, src.data(), src.size()));
+
+  // A plain buffer the cache would need 17 pieces for: registration_failed
+  // on the operation, and the connection stays.
+  std::vector<std::byte> wide(std::size_t{2} << 20);
+  const auto skew = reinterpret_cast<std::uintptr_t>(wide.data()) % kPiece;
+  std::byte* const edge = wide.data() + (skew == 0 ? 0 : kPiece - skew);  // a block edge
+  ad::memory_region wr = p.fb.register_memory(std::span(edge, 16 * kPiece), ad::access::local_write | ad::access::remote_write);
+  REQUIRE(wr.pieces() == 16);
+  ad::error_code too_wide;
+  bool open_after_wide = false;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    auto [ec, n] = co_await c.async_put(asio::buffer(edge + 4096 + 8, 16 * kPiece - 8), wr.remote().at(8, 16 * kPiece - 8),
+                                        asio::as_tuple(use_awaitable));
+    too_wide = ec;
+    open_after_wide = c.is_open();
+  });
+  CHECK(too_wide == ad::errc::registration_failed);
+  CHECK(open_after_wide);
 
   // Every piece deregisters with the region: a put to a middle piece fails.
   tr.reset();

@@ -2,6 +2,7 @@
 // server that dies mid-call, channels that reconnect, completion tokens,
 // options and registration errors.
 #include "support.hpp"
+#include "../support/onesided.hpp"
 
 #include <boost/asio/deferred.hpp>
 #include <boost/asio/this_coro.hpp>
@@ -35,6 +36,34 @@ std::vector<std::byte> frame(std::uint8_t version, std::uint8_t kind, std::uint8
   for (std::size_t i = 0; i < 8; ++i) f[8 + i] = static_cast<std::byte>(id >> (8 * i));
   for (std::size_t i = 0; i < 8; ++i) f[16 + i] = static_cast<std::byte>(method >> (8 * i));
   return f;
+}
+
+// A packed remote_region, version 1 (one key) or 2 (`keys` pieces of
+// 2^shift bytes), sealed unless `seal` is false.
+std::vector<std::byte> descriptor(std::uint8_t version, std::uint8_t shift, std::uint64_t addr, std::uint64_t length,
+                                  std::vector<std::uint32_t> keys, bool seal = true) {
+  std::vector<std::byte> d{std::byte{'A'}, std::byte{'D'}, std::byte{'R'}, std::byte{'R'}, std::byte{version},
+                           std::byte{shift}, std::byte{0}, std::byte{0}};
+  auto put = [&](std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) d.push_back(static_cast<std::byte>((v >> (8 * i)) & 0xff));
+  };
+  put(addr, 8);
+  put(length, 8);
+  if (version == 2) put(keys.size(), 4);
+  for (std::uint32_t k : keys) put(k, 4);
+  put(0, 4);
+  if (seal) anydoor::test::reseal(d);
+  return d;
+}
+
+std::vector<std::byte> operator+(std::vector<std::byte> a, const std::vector<std::byte>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<std::byte> first_bytes(std::vector<std::byte> v, std::size_t n) {
+  v.resize(n);
+  return v;
 }
 
 struct parsed_reply {
@@ -179,13 +208,24 @@ TEST_CASE("rpc: malformed requests from a raw peer get invalid_argument, unframe
     struct bad {
       const char* what;
       std::vector<std::byte> bytes;
+      const char* says = "malformed request";
     };
+    constexpr std::uint64_t kAt = 0x7f0000000000;
+    const auto bulk = [&](std::uint64_t id) { return frame(1, 1, 1, 0, 0, id, m::echo.id); };
     const std::vector<bad> framed = {
         {"unknown flags", frame(1, 1, 0x80, 0, 0, 11, m::echo.id)},
         {"reserved byte", frame(1, 1, 0, 7, 0, 12, m::echo.id)},
-        {"bulk flag without a region", frame(1, 1, 1, 0, 0, 13, m::echo.id, 8)},
-        {"bulk region that does not decode", frame(1, 1, 1, 0, 0, 14, m::echo.id, 32)},
+        {"bulk flag without a region", frame(1, 1, 1, 0, 0, 13, m::echo.id, 8), "the bulk region is missing"},
+        {"bulk region that is garbage", frame(1, 1, 1, 0, 0, 14, m::echo.id, 32), "the bulk region is missing"},
         {"payload inline and to follow", frame(1, 1, 2, 0, 0, 15, m::echo.id, 5)},
+        {"bulk region with a bad check", bulk(16) + descriptor(1, 0, kAt, 4096, {7}, false),
+         "the bulk region does not decode"},
+        {"bulk region in 17 pieces", bulk(17) + descriptor(2, 12, kAt, 17 * 4096, std::vector<std::uint32_t>(17, 7)),
+         "the bulk region is missing"},
+        {"bulk region in pieces cut short", bulk(18) + first_bytes(descriptor(2, 12, kAt, 3 * 4096, {1, 2, 3}), 40),
+         "the bulk region is missing"},
+        {"bulk region whose pieces do not match its range", bulk(19) + descriptor(2, 12, kAt, 4096, {1, 2}),
+         "the bulk region does not decode"},
     };
     for (const auto& b : framed) {
       INFO(b.what);
@@ -197,6 +237,7 @@ TEST_CASE("rpc: malformed requests from a raw peer get invalid_argument, unframe
       CHECK(r.status == static_cast<std::uint32_t>(rpc::errc::invalid_argument));
       CHECK(r.id == static_cast<std::uint64_t>(b.bytes[8]));
       CHECK(r.payload.rfind("malformed request", 0) == 0);
+      CHECK(r.payload.find(b.says) != std::string::npos);
     }
     // Still served: a well-formed request on the same connection.
     auto ok = frame(1, 1, 0, 0, 0, 99, m::echo.id);

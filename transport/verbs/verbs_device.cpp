@@ -221,6 +221,7 @@ device_counters verbs_device::counters() const {
       {"responder_rnr_nak", "requester_rnr_nak", "requester_rnr_nak_retries_exceeded"},  // mana
   };
   device_counters c;
+  state_->drain_async_events();  // (a busy-polling reactor may not have taken them yet)
   c.async_events = state_->async_events.load(std::memory_order_relaxed);
   c.async_errors = state_->async_errors.load(std::memory_order_relaxed);
   const std::string base = "/sys/class/infiniband/" + state_->name;

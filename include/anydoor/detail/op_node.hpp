@@ -19,7 +19,7 @@
 namespace anydoor::detail {
 
 class connection_impl;
-class split_region;
+struct piece_table;
 
 enum class op_kind : std::uint8_t {
   send,
@@ -74,9 +74,10 @@ struct op_node {
   std::array<const memory_region*, kMaxGather> regions{};
   std::array<std::uint32_t, kMaxGather> lkeys{};
   std::array<void*, kMaxGather> pins{};  // registration-cache entries held
-  // Pieces registered in pieces (bit i: bufs[i] lies in split[i], whose
-  // pieces give its keys; lkeys[i] is then unused).
-  std::array<const split_region*, kMaxGather> split{};
+  // Local memory registered in pieces (bit i: bufs[i] lies in split[i],
+  // whose table gives its keys; lkeys[i] is then unused). Held until the
+  // operation is released.
+  std::array<std::shared_ptr<const piece_table>, kMaxGather> split{};
   std::uint16_t split_mask = 0;
   std::uint8_t npins = 0;
   bool read_only = false;  // a piece came from a const buffer
