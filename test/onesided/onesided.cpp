@@ -23,17 +23,6 @@ using asio::use_awaitable;
 
 namespace {
 
-// The error code f() throws (std::system_error), or none.
-template <class F>
-std::error_code thrown(F f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
-  return {};
-}
-
 bool atomics_supported(const ad::fabric& f) {
   return const_cast<ad::fabric&>(f).device().caps().atomics;
 }

@@ -34,16 +34,6 @@ std::uint64_t blocks_touched(const void* p, std::size_t n) {
   return ((a + n - 1) >> kShift) - (a >> kShift) + 1;
 }
 
-template <class F>
-std::error_code thrown(F f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
-  return {};
-}
-
 void put_u32(std::vector<std::byte>& p, std::size_t at, std::uint32_t v) {
   for (std::size_t i = 0; i < 4; ++i) p[at + i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
 }

@@ -9,7 +9,20 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <system_error>
+
 namespace anydoor::test {
+
+// The error code f() throws (std::system_error), or none.
+template <class F>
+std::error_code thrown(F f) {
+  try {
+    f();
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+  return {};
+}
 
 // Re-seals a packed remote_region (its last 4 bytes: FNV-1a of the bytes
 // before them) after a test changed its bytes.
