@@ -58,6 +58,13 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
     if (!n->remote.pieces.covers(n->remote.addr, n->length)) return errc::out_of_range;
     n->remote.rkey = n->remote.pieces.key_at(n->remote.addr);  // what a notification names
   }
+  // A local piece registered in pieces: its keys come from the region's
+  // table, which the operation holds until it is released.
+  auto hold_pieces = [n](std::uint8_t i, const split_region* s) noexcept {
+    if (s == nullptr) return;
+    n->split[i] = s->table();
+    n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
+  };
   for (std::uint8_t i = 0; i < n->nbufs; ++i) {
     const asio::const_buffer b = n->bufs[i];
     if (const memory_region* r = n->regions[i]) {
@@ -68,10 +75,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       }
       if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
       n->lkeys[i] = r->lkey();
-      if (r->split() != nullptr) {
-        n->split[i] = r->split()->table();
-        n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
-      }
+      hold_pieces(i, r->split());
       continue;
     }
     try {
@@ -79,10 +83,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
           fab_->cache->pin(b.data(), b.size(), into_local ? access::local_write : access::none);
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
-      if (e.split != nullptr) {
-        n->split[i] = e.split->table();
-        n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
-      }
+      hold_pieces(i, e.split);
     } catch (const std::exception& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());
