@@ -264,7 +264,7 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
     wake_posted_ = true;
     asio::post(io_, [this] {
       wake_posted_ = false;
-      cv_.notify_one();
+      end_of_turn();
     });
   }
   if (!work_) work_.emplace(io_.get_executor());
@@ -272,6 +272,53 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
   if (compacting_) logical_if_failed_ += n;
   ++stats_.records;
   return lsn_;
+}
+
+void durable_log::end_of_turn() noexcept {
+  // always: the thread writes and fsyncs (the io thread never waits for a
+  // disk flush). everysec and no: the io thread writes the turn's records
+  // itself, as Redis writes its AOF buffer before it replies, so their
+  // replies wait for one write(2), not for a hand-off to another thread
+  // and back. While a compaction runs, or the thread still writes records
+  // handed to it earlier, the records go to the thread too: one writer at
+  // a time keeps the file in order. (fd_ changes only in a compaction,
+  // while compacting_ holds; its end is posted here after the change.)
+  bool hand_off = o_.sync == sync_mode::always || compacting_ || failed_;
+  std::vector<std::byte> buf;
+  std::uint64_t end = 0;
+  {
+    std::lock_guard lk(m_);
+    if (stop_) return;  // close() writes what is left
+    if (handed_ || thread_writing_) hand_off = true;
+    if (hand_off) {
+      handed_ = true;
+    } else {
+      buf.swap(pending_);
+      pending_.swap(spare_);
+      end = pending_end_;
+    }
+  }
+  if (hand_off) {
+    cv_.notify_one();
+    return;
+  }
+  if (buf.empty()) return;
+  const std::error_code ec = write_all(fd_, buf.data(), buf.size());
+  bool wake = false;
+  {
+    std::lock_guard lk(m_);
+    buf.clear();
+    if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
+    if (ec) {
+      write_error_ = ec;
+      write_error_what_ = "the log " + path_ + " cannot be written: " + ec.message();
+    } else if (o_.sync == sync_mode::everysec && !unsynced_) {
+      unsynced_ = true;  // the thread fsyncs within about a second
+      wake = true;
+    }
+  }
+  if (wake) cv_.notify_one();
+  on_durable(end, ec, false, {});
 }
 
 void durable_log::maybe_compact(std::uint64_t live_bytes,
@@ -350,17 +397,31 @@ void durable_log::run() noexcept {
   bool dirty = false;
   clock::time_point last_sync = clock::now();
   bool failed = false;
+  // With everysec and no the io thread writes the records itself
+  // (end_of_turn) unless it hands them here (handed_), or a compaction or
+  // the stop needs them: only then does this thread take pending_.
+  const bool writes_all = o_.sync == sync_mode::always;
   for (;;) {
-    auto ready = [&] { return stop_ || !pending_.empty() || compact_.has_value(); };
+    auto ready = [&] {
+      return stop_ || compact_.has_value() || ((writes_all || handed_) && !pending_.empty());
+    };
     if (o_.sync == sync_mode::everysec && dirty) {
       cv_.wait_until(lk, last_sync + std::chrono::seconds(1), ready);
     } else {
-      cv_.wait(lk, ready);
+      cv_.wait(lk, [&] { return ready() || unsynced_; });
+    }
+    if (unsynced_) {  // written by the io thread, not yet fsynced
+      unsynced_ = false;
+      dirty = true;
     }
     const bool stopping = stop_;
     std::vector<std::byte> buf;
-    buf.swap(pending_);
-    pending_.swap(spare_);  // the buffer the last round used, emptied
+    if (writes_all || handed_ || stopping || compact_) {
+      handed_ = false;
+      thread_writing_ = true;  // until written: the io thread hands its records here meanwhile
+      buf.swap(pending_);
+      pending_.swap(spare_);  // the buffer the last round used, emptied
+    }
     const std::uint64_t end = pending_end_;
     std::optional<compaction> c = std::move(compact_);
     compact_.reset();
@@ -403,6 +464,7 @@ void durable_log::run() noexcept {
     }
     buf.clear();
     lk.lock();
+    thread_writing_ = false;
     if (ec && !failed) {
       failed = true;
       write_error_ = ec;

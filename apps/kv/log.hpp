@@ -3,12 +3,17 @@
 //
 //   sync always:   a write is acknowledged once an fsync covers it; writers
 //                  waiting at the same time share one fsync (group commit)
-//   sync everysec: written by the log thread once the turn's replies went
-//                  out, fsynced about once a second (a power failure loses
-//                  at most about a second; a kill -9 in the moment between
-//                  a reply and its write loses that write)
-//   sync no:       written the same way; the OS decides when it reaches the
-//                  disk
+//   sync everysec: a write is acknowledged once the log thread has written
+//                  it to the file (write(2): a kill -9 of the server loses
+//                  nothing acknowledged), fsynced about once a second (a
+//                  power failure loses at most about a second)
+//   sync no:       acknowledged once written the same way; the OS decides
+//                  when it reaches the disk
+// The records of one io_context turn are written together, in one write(2)
+// (with always also one fsync). With always the log thread writes and
+// fsyncs them; with everysec and no the io thread writes them itself at
+// the end of the turn, as Redis writes its AOF buffer before it replies,
+// and the thread only fsyncs (everysec) and compacts.
 // (Redis's appendfsync terms, on purpose.) A write is visible to readers
 // as soon as it is applied, before it is durable, as in Redis.
 //
@@ -115,12 +120,12 @@ class durable_log {
   std::string error_text() const;
 
   // void(std::error_code): once the record `lsn` is as durable as the sync
-  // mode promises (always: fsynced; the others: at once).
+  // mode promises (always: fsynced; everysec and no: written to the file).
   template <class Token>
   auto async_wait(std::uint64_t lsn, Token&& token) {
     return asio::async_initiate<Token, void(std::error_code)>(
         [this, lsn](auto handler) {
-          if (o_.sync != sync_mode::always || lsn <= durable_ || failed_) {
+          if (lsn <= durable_ || failed_) {
             const std::error_code ec = failed_ ? error() : std::error_code();
             asio::post(io_, [h = std::move(handler), ec]() mutable { std::move(h)(ec); });
             return;
@@ -145,6 +150,7 @@ class durable_log {
     std::size_t marker = 0;  // pending bytes the snapshot already covers
   };
   void run() noexcept;
+  void end_of_turn() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
   std::error_code compact(const compaction& c, const std::vector<std::byte>& buf) noexcept;
   void on_durable(std::uint64_t lsn, std::error_code ec, bool compacted, std::error_code compact_ec) noexcept;
@@ -177,6 +183,9 @@ class durable_log {
   std::vector<std::byte> pending_, spare_;
   std::uint64_t pending_end_ = 0;
   std::optional<compaction> compact_;
+  bool handed_ = false;          // the thread is to write what pending_ holds
+  bool thread_writing_ = false;  // the thread writes records it took
+  bool unsynced_ = false;  // the io thread wrote records that wait for an fsync
   bool stop_ = false;
   std::error_code write_error_;
   std::string write_error_what_;

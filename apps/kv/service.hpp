@@ -50,7 +50,7 @@ class service {
   std::optional<std::span<const std::byte>> get(std::string_view key);
   // Waits until `lsn` is as durable as --sync promises.
   asio::awaitable<rpc::status> durable(std::uint64_t lsn);
-  bool must_wait(std::uint64_t lsn) const noexcept { return lsn != 0 && log_ != nullptr && log_->options().sync == sync_mode::always; }
+  bool must_wait(std::uint64_t lsn) const noexcept { return lsn != 0 && log_ != nullptr; }
 
   // Adds the four methods to a server on the home thread; `table` is the
   // table as registered with that server's fabric (its remote()).

@@ -408,6 +408,104 @@ TEST_CASE("kv log: a compaction that fails keeps the old log, loses nothing, and
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("kv log: a write is answered only once the file holds it - in every sync mode (kill -9 loses nothing answered)",
+          "[kv]") {
+  for (const sync_mode mode : {sync_mode::always, sync_mode::everysec, sync_mode::no}) {
+    INFO("sync " << to_string(mode));
+    const std::string dir = tmpdir();
+    asio::io_context io;
+    store st({.max_memory = 1 << 20});
+    {
+      durable_log log(io, {.dir = dir, .sync = mode},
+                      [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+      service svc(st, &log);
+      int answered = 0, short_file = 0;
+      for (int i = 0; i < 100; ++i) {
+        std::uint64_t lsn = 0;
+        REQUIRE(svc.put("key" + std::to_string(i), B("value-" + std::to_string(i)), lsn).is_ok());
+        REQUIRE(lsn != 0);
+        CHECK(svc.must_wait(lsn));  // the service waits in every mode
+        log.async_wait(lsn, [&, lsn](std::error_code ec) {
+          CHECK_FALSE(ec);
+          // The log's sequence numbers count record bytes after the file header.
+          if (std::filesystem::file_size(dir + "/kv.log") < kLogHeader + lsn) ++short_file;
+          ++answered;
+        });
+        io.restart();
+        io.run();
+      }
+      CHECK(answered == 100);
+      CHECK(short_file == 0);
+      const std::uint64_t fsyncs = log.stats().fsyncs;
+      if (mode == sync_mode::always) CHECK(fsyncs == 100);
+      if (mode == sync_mode::everysec) CHECK(fsyncs <= 5);  // about once a second, not once per write
+      if (mode == sync_mode::no) CHECK(fsyncs == 0);
+      log.close();
+    }
+    std::filesystem::remove_all(dir);
+  }
+}
+
+TEST_CASE("kv log: everysec and no - writes by the io thread, compactions by the log thread, in order", "[kv]") {
+  for (const sync_mode mode : {sync_mode::everysec, sync_mode::no}) {
+    INFO("sync " << to_string(mode));
+    const std::string dir = tmpdir();
+    asio::io_context io;
+    store st({.max_memory = 4 << 20});
+    log_stats stats;
+    {
+      durable_log log(io, {.dir = dir, .sync = mode, .compact_min = 16 << 10},
+                      [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+      service svc(st, &log);
+      std::uint64_t acked = 0, writes = 0;
+      std::mt19937 rng(7);
+      for (int turn = 0; turn < 400; ++turn) {
+        // 1 to 8 writes per io_context turn, some while a compaction runs
+        const int n = 1 + static_cast<int>(rng() % 8);
+        for (int i = 0; i < n; ++i) {
+          std::uint64_t lsn = 0;
+          const std::string key = "key" + std::to_string(rng() % 12);
+          if (rng() % 9 == 0) {
+            bool existed = false;
+            REQUIRE(svc.del(key, existed, lsn).is_ok());
+            if (!existed) continue;
+          } else {
+            REQUIRE(svc.put(key, B(std::to_string(turn) + std::string(200, static_cast<char>('a' + i))), lsn).is_ok());
+          }
+          ++writes;
+          log.async_wait(lsn, [&](std::error_code ec) {
+            CHECK_FALSE(ec);
+            ++acked;
+          });
+        }
+        io.restart();
+        if (turn % 3 == 0) io.poll(); else io.run();  // sometimes a turn ends with the thread still busy
+      }
+      io.restart();
+      io.run();
+      CHECK(acked == writes);
+      stats = log.stats();
+      log.close();
+    }
+    CHECK(stats.compactions >= 2);  // ~90 KB of records for 12 live keys
+    CHECK(stats.compaction_failures == 0);
+    store back({.max_memory = 4 << 20});
+    io.restart();
+    durable_log again(io, {.dir = dir, .sync = mode}, [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+      if (t == record_type::put) back.put(k, v, true); else back.del(k);
+    });
+    CHECK(again.replayed().torn_bytes == 0);
+    CHECK(back.stats().keys == st.stats().keys);
+    st.for_each([&](std::string_view k, std::span<const std::byte> v) {
+      auto got = back.get(k);
+      REQUIRE(got);
+      CHECK(S(*got) == S(v));
+    });
+    again.close();
+    std::filesystem::remove_all(dir);
+  }
+}
+
 TEST_CASE("kv resp: pipelined, split and inline requests parse - broken ones are errors", "[kv]") {
   const resp_limits lim{.max_args = 8, .max_bulk = 100, .max_inline = 64};
   std::vector<std::string_view> args;
