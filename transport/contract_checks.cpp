@@ -2,6 +2,9 @@
 
 #include <anydoor/error.hpp>
 
+#include <cstdint>
+#include <string>
+
 namespace anydoor::transport {
 
 bool binding_ok(const work_request& wr) noexcept {
@@ -58,16 +61,33 @@ void check_srq(const srq_attributes& attr, const capabilities& caps) {
   }
 }
 
-void check_registration(const void* addr, std::size_t length, access acc) {
+namespace {
+void check_access(access acc, const char* what) {
   constexpr auto known =
       access::local_write | access::remote_write | access::remote_read | access::remote_atomic | access::mw_bind;
-  if (addr == nullptr || length == 0 || (acc & known) != acc) {
-    throw std::system_error(errc::invalid_argument, "register_memory: null address, zero length or unknown access flag");
-  }
+  if ((acc & known) != acc) throw std::system_error(errc::invalid_argument, std::string(what) + ": unknown access flag");
   // As with verbs: remote write and atomic access require local write.
   if ((has(acc, access::remote_write) || has(acc, access::remote_atomic)) && !has(acc, access::local_write)) {
-    throw std::system_error(errc::invalid_argument, "register_memory: remote_write/remote_atomic need local_write");
+    throw std::system_error(errc::invalid_argument, std::string(what) + ": remote_write/remote_atomic need local_write");
   }
+}
+}  // namespace
+
+void check_registration(const void* addr, std::size_t length, access acc) {
+  if (addr == nullptr || length == 0) {
+    throw std::system_error(errc::invalid_argument, "register_memory: null address or zero length");
+  }
+  check_access(acc, "register_memory");
+}
+
+void check_dmabuf_registration(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova, access acc) {
+  if (fd < 0) throw std::system_error(errc::invalid_argument, "register_dmabuf: no file descriptor (" + std::to_string(fd) + ")");
+  if (length == 0) throw std::system_error(errc::invalid_argument, "register_dmabuf: zero length");
+  if (offset > UINT64_MAX - length) {
+    throw std::system_error(errc::invalid_argument, "register_dmabuf: offset + length wraps around");
+  }
+  if (iova > UINT64_MAX - length) throw std::system_error(errc::invalid_argument, "register_dmabuf: iova + length wraps around");
+  check_access(acc, "register_dmabuf");
 }
 
 void check_listen(const listen_options& options) {

@@ -56,6 +56,10 @@ std::error_code check_recv(std::span<const recv_request> wrs, std::uint32_t max_
 void check_srq(const srq_attributes& attr, const capabilities& caps);
 // register_memory's checks; throws std::system_error(errc::invalid_argument).
 void check_registration(const void* addr, std::size_t length, access acc);
+// register_dmabuf's arguments: errc::invalid_argument for a negative fd,
+// a zero length, offset + length or iova + length wrapping, or access as
+// check_registration refuses it. (The buffer's end is the provider's to check.)
+void check_dmabuf_registration(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova, access acc);
 // listen's checks on its options; throws std::system_error(errc::invalid_argument).
 void check_listen(const listen_options& options);
 

@@ -67,7 +67,8 @@ TEST_CASE("capabilities of the tcp provider", "[unit]") {
   CHECK(c.max_msg_size >= (1u << 30));
   CHECK(c.max_private_data == 56);
   CHECK(c.atomics);
-  CHECK_FALSE(c.gpu_memory);
+  CHECK(c.dmabuf);             // tcp maps a buffer fd
+  CHECK_FALSE(c.peer_memory);  // and never takes a GPU pointer as such
 }
 
 TEST_CASE("setup calls refuse bad arguments with clear errors", "[unit]") {

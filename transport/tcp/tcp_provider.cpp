@@ -9,12 +9,15 @@
 #include "tcp/tcp_device.hpp"
 
 #include <sys/epoll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <random>
 #include <system_error>
 #include <thread>
@@ -39,7 +42,8 @@ registration_table::registration_table(std::uint32_t generation)
   free_count_ = kCapacity - 1;
 }
 
-std::uint32_t registration_table::take_slot(std::byte* addr, std::uint64_t length, access acc, std::uint64_t owner) {
+std::uint32_t registration_table::take_slot(std::uint64_t addr, std::uint64_t length, access acc, std::uint64_t owner,
+                                            std::uint64_t delta) {
   std::lock_guard lock(mutex_);
   if (free_count_ == 0) return 0;
   const std::uint32_t index = free_[free_head_];
@@ -50,20 +54,25 @@ std::uint32_t registration_table::take_slot(std::byte* addr, std::uint64_t lengt
   e.generation = (e.generation + 1) & mask;
   const std::uint32_t key = (index << kGenerationBits) | e.generation;  // never 0: index >= 1
   // Release stores after remove()'s key 0: see bind().
-  e.addr.store(reinterpret_cast<std::uint64_t>(addr), std::memory_order_release);
+  e.addr.store(addr, std::memory_order_release);
   e.length.store(length, std::memory_order_release);
   e.acc.store(static_cast<std::uint32_t>(acc), std::memory_order_release);
   e.owner.store(owner, std::memory_order_release);
   e.parent.store(0, std::memory_order_release);
+  e.delta.store(delta, std::memory_order_release);
   e.key.store(key, std::memory_order_release);
   return key;
 }
 
 std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, access acc) {
-  return take_slot(addr, length, acc, 0);
+  return take_slot(reinterpret_cast<std::uint64_t>(addr), length, acc, 0, 0);
 }
 
-std::uint32_t registration_table::add_window() { return take_slot(nullptr, 0, access::none, kUnbound); }
+std::uint32_t registration_table::add_mapped(std::uint64_t iova, std::uint64_t length, access acc, std::byte* mapped) {
+  return take_slot(iova, length, acc, 0, reinterpret_cast<std::uint64_t>(mapped) - iova);
+}
+
+std::uint32_t registration_table::add_window() { return take_slot(0, 0, access::none, kUnbound, 0); }
 
 std::uint32_t registration_table::bind(std::uint32_t key, std::uint32_t parent, std::uint64_t addr,
                                        std::uint64_t length, access rights, std::uint64_t owner) noexcept {
@@ -89,6 +98,7 @@ std::uint32_t registration_table::bind(std::uint32_t key, std::uint32_t parent, 
   e.length.store(length, std::memory_order_release);
   e.acc.store(static_cast<std::uint32_t>(rights & remote_access_bits), std::memory_order_release);
   e.parent.store(parent, std::memory_order_release);
+  e.delta.store(p.delta.load(std::memory_order_relaxed), std::memory_order_release);  // the parent's bytes
   e.owner.store(owner, std::memory_order_release);
   e.key.store(bound, std::memory_order_release);
   return bound;
@@ -121,11 +131,12 @@ std::byte* registration_table::lookup(const entry& e, std::uint32_t key, std::ui
   const auto acc = static_cast<access>(e.acc.load(std::memory_order_acquire));
   const std::uint64_t owner = e.owner.load(std::memory_order_acquire);
   parent = e.parent.load(std::memory_order_acquire);
+  const std::uint64_t delta = e.delta.load(std::memory_order_acquire);
   if (e.key.load(std::memory_order_acquire) != key) return nullptr;
   if (owner != 0 && (via == 0 || owner != via)) return nullptr;  // a window: its queue pair only
   if (!has(acc, need)) return nullptr;
   if (addr < base || len > length || addr - base > length - len) return nullptr;
-  return reinterpret_cast<std::byte*>(addr);
+  return reinterpret_cast<std::byte*>(addr + delta);
 }
 
 std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
@@ -195,6 +206,56 @@ std::unique_ptr<memory_region> tcp_pd::register_memory(void* addr, std::size_t l
     throw std::system_error(errc::registration_failed, "register_memory: registration table full");
   }
   return std::make_unique<tcp_mr>(table_, addr, length, key, acc);
+}
+
+tcp_dmabuf_mr::tcp_dmabuf_mr(std::shared_ptr<registration_table> table, std::uint64_t iova, std::size_t length,
+                             std::uint32_t key, transport::access acc, void* map, std::size_t map_length) noexcept
+    : memory_region(reinterpret_cast<void*>(iova), length, key, key, acc),
+      table_(std::move(table)),
+      map_(map),
+      map_length_(map_length) {}
+
+tcp_dmabuf_mr::~tcp_dmabuf_mr() {
+  table_->remove(lkey());  // waits for the accesses that pinned it
+  ::munmap(map_, map_length_);
+}
+
+// The software NIC reaches a dma-buf the way the CPU can: through a shared
+// mapping of the fd (a udmabuf, a memfd, any mappable buffer; a GPU's
+// dma-buf is not mappable this way, and the tcp provider reaches device
+// memory with CUDA copies instead).
+std::unique_ptr<memory_region> tcp_pd::register_dmabuf(int fd, std::uint64_t offset, std::size_t length,
+                                                       std::uint64_t iova, access acc) {
+  check_dmabuf_registration(fd, offset, length, iova, acc);
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) {
+    throw std::system_error(errc::registration_failed,
+                            "register_dmabuf: fd " + std::to_string(fd) + ": " + std::strerror(errno));
+  }
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (offset > size || length > size - offset) {
+    throw std::system_error(errc::invalid_argument, "register_dmabuf: [" + std::to_string(offset) + ", +" +
+                                                        std::to_string(length) + ") ends past the buffer's " +
+                                                        std::to_string(size) + " bytes");
+  }
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t start = offset & ~(page - 1);
+  const std::size_t lead = static_cast<std::size_t>(offset - start);
+  const std::size_t map_length = lead + length;
+  // The mapping is as writable as the registration: a read-only buffer
+  // registered for writing is refused here, as a device would.
+  const int prot = has(acc, access::local_write) ? PROT_READ | PROT_WRITE : PROT_READ;
+  void* map = ::mmap(nullptr, map_length, prot, MAP_SHARED, fd, static_cast<off_t>(start));
+  if (map == MAP_FAILED) {
+    throw std::system_error(errc::registration_failed,
+                            std::string("register_dmabuf: the buffer cannot be mapped: ") + std::strerror(errno));
+  }
+  const std::uint32_t key = table_->add_mapped(iova, length, acc, static_cast<std::byte*>(map) + lead);
+  if (key == 0) {
+    ::munmap(map, map_length);
+    throw std::system_error(errc::registration_failed, "register_dmabuf: registration table full");
+  }
+  return std::make_unique<tcp_dmabuf_mr>(table_, iova, length, key, acc, map, map_length);
 }
 
 std::unique_ptr<queue_pair> tcp_pd::create_qp(const qp_attributes& attr) {
@@ -410,7 +471,8 @@ capabilities device_caps() noexcept {
   c.memory_windows = true;
   c.max_srq = 1u << 16;
   c.max_srq_wr = 1u << 20;
-  c.gpu_memory = false;
+  c.dmabuf = true;        // a buffer fd it can map (register_dmabuf)
+  c.peer_memory = false;  // GPU memory: through CUDA copies, never a device pointer as such
   return c;
 }
 

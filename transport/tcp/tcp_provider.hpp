@@ -55,6 +55,9 @@ class registration_table {
   // deterministic keys, for the fuzz target's fixed inputs only.
   explicit registration_table(std::uint32_t generation);
   std::uint32_t add(std::byte* addr, std::uint64_t length, access acc);  // 0 when full
+  // A registration addressed as [iova, iova + length) whose bytes are at
+  // `mapped` (a dma-buf's mapping): lookups translate. 0 when full.
+  std::uint32_t add_mapped(std::uint64_t iova, std::uint64_t length, access acc, std::byte* mapped);
   std::uint32_t add_window();                                            // unbound; 0 when full
   // Binds the unbound window `key` to [addr, addr+length) of registration
   // `parent` for queue pair `owner` (its serial); returns the window's new
@@ -64,7 +67,9 @@ class registration_table {
   void remove(std::uint32_t key) noexcept;
   // The registration behind key when [addr, addr+len) lies inside it, it
   // grants `need` and answers to `via`; nullptr otherwise. Only for checks:
-  // the memory may go away right after it returns.
+  // the memory may go away right after it returns. The pointer is where
+  // addr's byte is (addr itself, but for a registration made by
+  // add_mapped, or a window on one).
   std::byte* check(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
                    std::uint64_t via) const noexcept;
   // As check(), and on success the registration stays until unpin(key):
@@ -84,11 +89,13 @@ class registration_table {
     std::atomic<std::uint32_t> acc{0};
     std::atomic<std::uint64_t> owner{0};
     std::atomic<std::uint32_t> parent{0};  // a window's registration
+    std::atomic<std::uint64_t> delta{0};   // where the bytes are, less addr (add_mapped; modulo 2^64)
     mutable std::atomic<std::uint32_t> pins{0};
     std::uint32_t generation = 0;
   };
   static std::uint32_t index_of(std::uint32_t key) noexcept { return key >> kGenerationBits; }
-  std::uint32_t take_slot(std::byte* addr, std::uint64_t length, access acc, std::uint64_t owner);
+  std::uint32_t take_slot(std::uint64_t addr, std::uint64_t length, access acc, std::uint64_t owner,
+                          std::uint64_t delta);
   std::byte* lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
                     std::uint64_t via, std::uint32_t& parent) const noexcept;
   std::byte* pin_one(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need, std::uint64_t via,
@@ -108,6 +115,21 @@ class tcp_mr final : public memory_region {
 
  private:
   std::shared_ptr<registration_table> table_;
+};
+
+// A dma-buf registration (register_dmabuf): the buffer is mapped shared,
+// and addressed as [iova, iova + length). Deregistering removes the key
+// (waiting for accesses in flight) before the mapping goes.
+class tcp_dmabuf_mr final : public memory_region {
+ public:
+  tcp_dmabuf_mr(std::shared_ptr<registration_table> table, std::uint64_t iova, std::size_t length, std::uint32_t key,
+                transport::access acc, void* map, std::size_t map_length) noexcept;
+  ~tcp_dmabuf_mr() override;
+
+ private:
+  std::shared_ptr<registration_table> table_;
+  void* map_;
+  std::size_t map_length_;
 };
 
 class tcp_window final : public memory_window {
@@ -182,6 +204,8 @@ class tcp_pd final : public protection_domain {
   explicit tcp_pd(std::uint32_t generation)
       : table_(std::make_shared<registration_table>(generation)), shared_(std::make_shared<device_state>()) {}
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
+  std::unique_ptr<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova,
+                                                 access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
   std::unique_ptr<memory_window> alloc_window() override;
   std::unique_ptr<shared_receive_queue> create_srq(const srq_attributes& attr) override;
@@ -334,6 +358,10 @@ class tcp_qp final : public queue_pair {
     bool header = false;         // the first iovec of a frame
     std::uint32_t key = 0;       // request_payload (lkey), read_payload (rkey)
     std::uint64_t resp = 0;      // read_payload, read_end: the response's ring position
+    // request_payload, read_payload: the iovec's base less the registered
+    // address it stands for, once pin_iov translated it (a dma-buf's
+    // mapping; 0 for ordinary memory)
+    std::uint64_t delta = 0;
   };
   enum class rx_phase : std::uint8_t { header, payload };
   enum class after_payload : std::uint8_t {

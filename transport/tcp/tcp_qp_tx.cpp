@@ -161,9 +161,13 @@ bool tcp_qp::pin_iov() noexcept {
     iov_ref& ref = iov_ref_[i];
     if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
     const access need = ref.kind == iov_kind::read_payload ? access::remote_read : access::none;
-    const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base);
-    if (table_.pin(ref.key, addr, iov_[i].iov_len, need, via(need)) != nullptr) {
+    // iov_base holds the registered address until it is first pinned, then
+    // where the bytes are (a dma-buf registration's mapping): delta undoes it.
+    const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base) - ref.delta;
+    if (std::byte* p = table_.pin(ref.key, addr, iov_[i].iov_len, need, via(need)); p != nullptr) {
       pinned_[npinned_++] = ref.key;
+      iov_[i].iov_base = p;
+      ref.delta = reinterpret_cast<std::uint64_t>(p) - addr;
       continue;
     }
     if (ref.kind == iov_kind::request_payload) {

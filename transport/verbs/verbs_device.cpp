@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <system_error>
 
@@ -117,7 +118,10 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         c.max_cqe = static_cast<std::uint32_t>(attr.max_cqe);
         c.max_private_data = kMaxUserPrivateData;
         c.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
-        c.gpu_memory = false;
+        // dmabuf: probed below; peer_memory: ibv_reg_mr on GPU pointers
+        // works once nvidia-peermem (or the older nv_peer_mem) is loaded.
+        c.peer_memory = std::filesystem::exists("/sys/module/nvidia_peermem") ||
+                        std::filesystem::exists("/sys/module/nv_peer_mem");
         c.max_srq = attr.max_srq > 0 && attr.max_srq_wr > 0 ? static_cast<std::uint32_t>(attr.max_srq) : 0;
         c.max_srq_wr = c.max_srq != 0 ? static_cast<std::uint32_t>(attr.max_srq_wr) : 0;
         // Type-2 windows (rxe has 2B; siw none).
@@ -199,10 +203,23 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
     }
   }
   if (cq != nullptr) ibv_destroy_cq(cq);
+  // dma-buf registration: the kernel refuses a driver without it
+  // (EOPNOTSUPP, as rxe and siw do) before it looks at the fd, so a
+  // registration of fd -1 tells the two apart (EBADF: supported).
+  if (pd != nullptr) {
+    errno = 0;
+    if (ibv_mr* mr = ibv_reg_dmabuf_mr(pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE)) {
+      ibv_dereg_mr(mr);
+      state_->caps.dmabuf = true;
+    } else {
+      state_->caps.dmabuf = errno != EOPNOTSUPP && errno != ENOSYS && errno != EPROTONOSUPPORT && errno != 0;
+    }
+  }
   if (pd != nullptr) ibv_dealloc_pd(pd);
-  log().info("verbs: opened {} port {} ({} GID index {}, max_inline {}, atomics {})", state_->name, state_->port,
-             state_->gid_forced ? "forced" : "first RoCE v2 IPv4", state_->gid_index, state_->caps.max_inline,
-             state_->caps.atomics ? "yes" : "no");
+  log().info("verbs: opened {} port {} ({} GID index {}, max_inline {}, atomics {}, dma-buf {}, peer memory {})",
+             state_->name, state_->port, state_->gid_forced ? "forced" : "first RoCE v2 IPv4", state_->gid_index,
+             state_->caps.max_inline, state_->caps.atomics ? "yes" : "no", state_->caps.dmabuf ? "yes" : "no",
+             state_->caps.peer_memory ? "yes" : "no");
 }
 
 // RNR counters from the port's sysfs hw_counters, under the names each
@@ -284,6 +301,22 @@ std::unique_ptr<memory_region> verbs_pd::register_memory(void* addr, std::size_t
   if (mr == nullptr) {
     throw std::system_error(errc::registration_failed,
                             std::string("ibv_reg_mr: ") + std::strerror(errno));
+  }
+  return std::make_unique<verbs_mr>(mr, acc);
+}
+
+std::unique_ptr<memory_region> verbs_pd::register_dmabuf(int fd, std::uint64_t offset, std::size_t length,
+                                                        std::uint64_t iova, access acc) {
+  check_dmabuf_registration(fd, offset, length, iova, acc);
+  if (!dev_->caps.dmabuf) {
+    throw std::system_error(errc::not_supported,
+                            "register_dmabuf: " + dev_->name + "'s driver has no dma-buf registration");
+  }
+  ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, offset, length, iova, fd, static_cast<int>(ibv_access(acc)));  // addr() is iova
+  if (mr == nullptr) {
+    const int e = errno;
+    throw std::system_error(e == EOPNOTSUPP ? make_error_code(errc::not_supported) : make_error_code(errc::registration_failed),
+                            std::string("ibv_reg_dmabuf_mr: ") + std::strerror(e));
   }
   return std::make_unique<verbs_mr>(mr, acc);
 }

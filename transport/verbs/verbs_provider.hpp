@@ -86,6 +86,8 @@ class verbs_pd final : public protection_domain {
   explicit verbs_pd(std::shared_ptr<device_state> dev);
   ~verbs_pd() override;
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
+  std::unique_ptr<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova,
+                                                 access acc) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
   std::unique_ptr<memory_window> alloc_window() override;
   std::unique_ptr<shared_receive_queue> create_srq(const srq_attributes& attr) override;

@@ -254,6 +254,20 @@ class protection_domain {
   virtual std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length,
                                                          access acc) = 0;
 
+  // Registers [offset, offset + length) of the buffer behind the dma-buf
+  // file descriptor `fd` (ibv_reg_dmabuf_mr), addressed by work requests
+  // and by peers as [iova, iova + length): the region's addr() is iova,
+  // and slice() and remote accesses use that range. The fd stays the
+  // caller's: the registration holds its own reference to the buffer, so
+  // the fd may be closed at once. Throws std::system_error:
+  // errc::not_supported when caps().dmabuf is false (rxe, siw);
+  // errc::invalid_argument for a negative fd, a zero length, a range that
+  // wraps (offset or iova) or ends past the buffer, or access as for
+  // register_memory; errc::registration_failed when the device refuses the
+  // buffer (not a dma-buf, not mappable) or has no room.
+  virtual std::unique_ptr<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length,
+                                                         std::uint64_t iova, access acc) = 0;
+
   // Creates a queue pair in state reset. Throws std::system_error
   // (errc::invalid_argument: attributes out of range, completion queues or
   // a shared receive queue of another provider or domain).

@@ -161,7 +161,13 @@ struct capabilities {
   std::uint32_t max_cqe = 0;
   std::uint32_t max_private_data = 0;
   bool atomics = false;
-  bool gpu_memory = false;
+  // Memory the CPU does not address the usual way:
+  // dmabuf: protection_domain::register_dmabuf works (ibv_reg_dmabuf_mr;
+  //   tcp: any buffer fd it can map, a udmabuf or a memfd);
+  // peer_memory: register_memory takes GPU device pointers (verbs with
+  //   nvidia-peermem loaded).
+  bool dmabuf = false;
+  bool peer_memory = false;
   bool memory_windows = false;  // type-2 memory windows (protection_domain::alloc_window)
   // Shared receive queues (protection_domain::create_srq): how many, and
   // receives each holds at most; 0: none.
