@@ -273,3 +273,36 @@ TEST_CASE("dma-buf registration: writes, reads, atomics, sends and receives reac
     CHECK(std::equal(before.begin(), before.end(), buf.view));
   }
 }
+
+TEST_CASE("dma-buf registration: a memory window bound on it reaches the buffer's bytes", "[conformance]") {
+  test_buffer buf;
+  connected_pair p;
+  if (!device_has_dmabuf(*p.a.dev)) return;
+  if (!p.a.dev->caps().memory_windows) {
+    WARN("skipped: " << p.a.dev->name() << " has no memory windows");
+    return;
+  }
+  if (!buf.real_dmabuf && !testing_tcp()) {
+    WARN("skipped: " << p.a.dev->name() << " needs a real dma-buf and this host has no /dev/udmabuf");
+    return;
+  }
+  constexpr std::size_t kOff = 8192, kLen = 8192;
+  constexpr std::uint64_t kIova = 0x7e0000000000ull;
+  auto mr = p.a.pd->register_dmabuf(buf.fd, kOff, kLen, kIova, access::local_write | access::mw_bind);
+  auto w = p.a.pd->alloc_window();
+  tp::work_request bw{.wr_id = 1, .op = tp::opcode::bind_window};
+  bw.bind = {w.get(), mr.get(), kIova + 1024, 2048, access::remote_write | access::remote_read};
+  REQUIRE_FALSE(p.a.qp->post_send({&bw, 1}));
+  REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+
+  std::vector<std::uint8_t> src(512, 0x3c);
+  auto smr = p.b.pd->register_memory(src.data(), src.size(), access::local_write);
+  tp::sge sg = smr->slice(0, 512);
+  tp::work_request wr{.wr_id = 2, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = kIova + 1500,
+                      .rkey = w->rkey()};
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::all_of(buf.view + kOff + 1500, buf.view + kOff + 2012, [](std::byte b) { return b == std::byte{0x3c}; }));
+  CHECK(buf.filled_except(kOff + 1500, 512));
+  w.reset();  // windows go before their registration
+}

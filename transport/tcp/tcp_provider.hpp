@@ -125,6 +125,7 @@ class tcp_dmabuf_mr final : public memory_region {
   tcp_dmabuf_mr(std::shared_ptr<registration_table> table, std::uint64_t iova, std::size_t length, std::uint32_t key,
                 transport::access acc, void* map, std::size_t map_length) noexcept;
   ~tcp_dmabuf_mr() override;
+  const registration_table* table() const noexcept { return table_.get(); }
 
  private:
   std::shared_ptr<registration_table> table_;

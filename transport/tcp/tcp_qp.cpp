@@ -345,8 +345,10 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
   for (std::size_t i = 0; i < wrs.size(); ++i) {
     if (wrs[i].op != opcode::bind_window) continue;
     const auto* w = dynamic_cast<const tcp_window*>(wrs[i].bind.window);
-    const auto* r = dynamic_cast<const tcp_mr*>(wrs[i].bind.region);
-    if (w == nullptr || r == nullptr || w->table() != &table_ || r->table() != &table_) {
+    const registration_table* rt = nullptr;
+    if (const auto* r = dynamic_cast<const tcp_mr*>(wrs[i].bind.region)) rt = r->table();
+    if (const auto* r = dynamic_cast<const tcp_dmabuf_mr*>(wrs[i].bind.region)) rt = r->table();
+    if (w == nullptr || rt == nullptr || w->table() != &table_ || rt != &table_) {
       if (bad != nullptr) *bad = i;
       return errc::invalid_argument;
     }
