@@ -6,6 +6,7 @@
 #include "log.hpp"
 #include "registration_cache.hpp"
 #include "split_region.hpp"
+#include "cuda/register.hpp"
 
 #include <boost/asio/post.hpp>
 
@@ -167,6 +168,14 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
              device->provider(), device->name(), options.max_connections, c.eager_limit, c.credits,
              to_string(reactor->mode()),
              srq != nullptr ? ", shared receive queue of " + std::to_string(options.srq_buffers) + " buffers" : "");
+  // Which path each kind of memory takes, and why (GPU memory needs a
+  // driver: without one the line is for the curious only).
+  const std::string gpu = cuda::detail::device_memory_path(*device);
+  if (cuda::driver().usable) {
+    log().info("fabric: memory kinds: host and cuda_host: registered as they are; cuda_device: {}", gpu);
+  } else {
+    log().debug("fabric: memory kinds: host only; cuda_device: {}", gpu);
+  }
 }
 
 void fabric_state::start_liveness() {
@@ -413,7 +422,19 @@ transport::protection_domain& fabric::protection_domain() noexcept { return *sta
 
 memory_region fabric::register_memory(std::span<std::byte> memory, access acc) {
   if (memory.empty()) throw std::system_error(errc::invalid_argument, "fabric: registering empty memory");
-  return memory_region(detail::register_in_pieces(*state_->pd, memory.data(), memory.size(), acc, state_->piece_shift));
+  const memory_kind kind = cuda::kind_of(memory.data());
+  if (kind == memory_kind::cuda_device) {
+    return memory_region(cuda::detail::register_device_memory(*state_->device, *state_->pd, memory.data(),
+                                                              memory.size(), acc),
+                         kind);
+  }
+  if (kind == memory_kind::cuda_managed) {
+    throw std::system_error(errc::not_supported,
+                            "fabric: CUDA managed memory cannot be registered (it migrates between host and GPU): "
+                            "register a cuMemAlloc or cuMemHostAlloc buffer");
+  }
+  return memory_region(detail::register_in_pieces(*state_->pd, memory.data(), memory.size(), acc, state_->piece_shift),
+                       kind);
 }
 
 std::size_t fabric::forget_memory(const void* addr, std::size_t length) noexcept {

@@ -150,12 +150,15 @@ std::error_code remote_region::unpack(std::span<const std::byte> in, remote_regi
 memory_region::memory_region() noexcept = default;
 memory_region::memory_region(std::unique_ptr<transport::memory_region> mr) noexcept
     : mr_(std::move(mr)), split_(detail::as_split(mr_.get())) {}
+memory_region::memory_region(std::unique_ptr<transport::memory_region> mr, memory_kind kind) noexcept
+    : mr_(std::move(mr)), split_(detail::as_split(mr_.get())), kind_(kind) {}
 memory_region::memory_region(memory_region&& o) noexcept
-    : mr_(std::move(o.mr_)), split_(std::exchange(o.split_, nullptr)) {}
+    : mr_(std::move(o.mr_)), split_(std::exchange(o.split_, nullptr)), kind_(std::exchange(o.kind_, memory_kind::host)) {}
 memory_region& memory_region::operator=(memory_region&& o) noexcept {
   if (this != &o) {
     mr_ = std::move(o.mr_);
     split_ = std::exchange(o.split_, nullptr);
+    kind_ = std::exchange(o.kind_, memory_kind::host);
   }
   return *this;
 }
@@ -188,6 +191,7 @@ local_range memory_region::at(std::size_t offset, std::size_t len) const {
 
 void memory_region::reset() noexcept {
   split_ = nullptr;
+  kind_ = memory_kind::host;
   mr_.reset();
 }
 

@@ -3,6 +3,7 @@
 
 #include <anydoor/buffer_pool.hpp>
 #include <anydoor/connection.hpp>
+#include <anydoor/cuda.hpp>
 #include <anydoor/error.hpp>
 #include <anydoor/fabric.hpp>
 #include <anydoor/memory.hpp>

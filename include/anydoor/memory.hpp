@@ -25,6 +25,7 @@
 // contract).
 #pragma once
 
+#include <anydoor/cuda.hpp>
 #include <anydoor/transport/provider.hpp>
 
 #include <boost/asio/buffer.hpp>
@@ -170,6 +171,7 @@ class memory_region {
  public:
   memory_region() noexcept;
   explicit memory_region(std::unique_ptr<transport::memory_region> mr) noexcept;
+  memory_region(std::unique_ptr<transport::memory_region> mr, memory_kind kind) noexcept;
   memory_region(memory_region&&) noexcept;
   memory_region& operator=(memory_region&&) noexcept;
   ~memory_region();
@@ -187,6 +189,9 @@ class memory_region {
   // device registers at once (fabric_options::max_piece_bytes); 0 when
   // empty. To its user a region in pieces is one region.
   std::size_t pieces() const noexcept;
+  // What the memory is (fabric::register_memory asks the CUDA driver; see
+  // <anydoor/cuda.hpp>): host for an empty region.
+  memory_kind kind() const noexcept { return kind_; }
 
   // What a peer needs to reach this region (meaningful with remote access).
   remote_region remote() const noexcept;
@@ -211,6 +216,7 @@ class memory_region {
  private:
   std::unique_ptr<transport::memory_region> mr_;
   const detail::split_region* split_ = nullptr;  // mr_ itself when it is one
+  memory_kind kind_ = memory_kind::host;
 };
 
 inline local_range::local_range(const memory_region& region) noexcept

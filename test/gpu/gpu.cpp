@@ -1,0 +1,74 @@
+// GPU memory on a real GPU (label gpu). Exits 77 (CTest: skipped) with the
+// reason where no GPU is usable: the driver's own words. Allocations come
+// from the CUDA runtime (linked statically); anydoor itself only opens the
+// driver at run time.
+#include <anydoor/cuda.hpp>
+#include <anydoor/error.hpp>
+#include <anydoor/fabric.hpp>
+
+#include <boost/asio/io_context.hpp>
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+struct device_buffer {
+  void* p = nullptr;
+  explicit device_buffer(std::size_t n) { REQUIRE(cudaMalloc(&p, n) == cudaSuccess); }
+  ~device_buffer() { cudaFree(p); }
+};
+}  // namespace
+
+TEST_CASE("gpu: memory kinds are detected per pointer", "[gpu]") {
+  using anydoor::memory_kind;
+  device_buffer dev(1 << 20);
+  CHECK(anydoor::cuda::kind_of(dev.p) == memory_kind::cuda_device);
+  CHECK(anydoor::cuda::kind_of(static_cast<char*>(dev.p) + 4096) == memory_kind::cuda_device);
+  void* managed = nullptr;
+  REQUIRE(cudaMallocManaged(&managed, 1 << 20) == cudaSuccess);
+  CHECK(anydoor::cuda::kind_of(managed) == memory_kind::cuda_managed);
+  void* pinned = nullptr;
+  REQUIRE(cudaMallocHost(&pinned, 1 << 20) == cudaSuccess);
+  CHECK(anydoor::cuda::kind_of(pinned) == memory_kind::cuda_host);
+  std::string host(100, 'x');
+  CHECK(anydoor::cuda::kind_of(host.data()) == memory_kind::host);
+
+  boost::asio::io_context io;
+  anydoor::fabric fab(io, {.device = {.provider = "tcp"}});
+  // Pinned host memory registers as host memory does, and says what it is.
+  auto r = fab.register_memory({static_cast<std::byte*>(pinned), 1 << 20}, anydoor::access::local_write);
+  CHECK(r.kind() == memory_kind::cuda_host);
+  r.reset();
+  // Device memory on the tcp provider: refused with the reason (its CUDA
+  // copy path is not built yet); managed memory: refused everywhere.
+  try {
+    (void)fab.register_memory({static_cast<std::byte*>(dev.p), 1 << 20}, anydoor::access::local_write);
+    FAIL("device memory registered on tcp");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == anydoor::errc::not_supported);
+    CHECK(std::string(e.what()).find("tcp provider does not reach GPU memory") != std::string::npos);
+  }
+  try {
+    (void)fab.register_memory({static_cast<std::byte*>(managed), 1 << 20}, anydoor::access::local_write);
+    FAIL("managed memory registered");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == anydoor::errc::not_supported);
+  }
+  cudaFree(managed);
+  cudaFreeHost(pinned);
+}
+
+int main(int argc, char** argv) {
+  const auto& d = anydoor::cuda::driver();
+  if (!d.usable) {
+    std::printf("skipped: no usable GPU: %s\n", d.why.c_str());
+    return 77;
+  }
+  std::printf("CUDA driver %d.%d, %d GPU(s)\n", d.version / 1000, d.version % 1000 / 10, d.devices);
+  return Catch::Session().run(argc, argv);
+}

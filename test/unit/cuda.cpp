@@ -1,0 +1,78 @@
+// The CUDA driver, loaded at run time: what a host without a GPU (every CI
+// machine) sees, in a build with CUDA and in one without. With
+// ANYDOOR_TEST_CUDA_EXPECT=stub (the cuda-stub-driver CTest, which puts the
+// toolkit's stub libcuda first on LD_LIBRARY_PATH) the stub must be named.
+#include <anydoor/cuda.hpp>
+#include <anydoor/fabric.hpp>
+
+#include <boost/asio/io_context.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+std::string expectation() {
+  const char* e = std::getenv("ANYDOOR_TEST_CUDA_EXPECT");
+  return e != nullptr ? e : "";
+}
+}  // namespace
+
+TEST_CASE("cuda: the driver is opened at run time and says what it found", "[unit][cuda]") {
+  const auto& d = anydoor::cuda::driver();
+  CHECK(&d == &anydoor::cuda::driver());  // loaded once
+  INFO("driver: usable " << d.usable << ", version " << d.version << ", devices " << d.devices << ", why: " << d.why);
+#ifdef ANYDOOR_TEST_BUILT_WITH_CUDA
+  CHECK(anydoor::cuda::built_with_cuda());
+#else
+  CHECK_FALSE(anydoor::cuda::built_with_cuda());
+  CHECK_FALSE(d.usable);
+  CHECK(d.why.find("built without CUDA") != std::string::npos);
+#endif
+  if (d.usable) {
+    CHECK(d.devices > 0);
+    CHECK(d.version >= 11070);
+    CHECK(d.why.empty());
+  } else {
+    CHECK_FALSE(d.why.empty());
+    CHECK(d.devices == 0);
+  }
+  if (expectation() == "stub") {
+    REQUIRE(anydoor::cuda::built_with_cuda());
+    CHECK_FALSE(d.usable);
+    CHECK(d.why.find("stub library (CUDA_ERROR_STUB_LIBRARY)") != std::string::npos);
+  } else if (anydoor::cuda::built_with_cuda()) {
+    // Without the stub: on a host with no driver library the reason names it.
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (lib == nullptr && !d.usable && ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL) == nullptr) {
+      CHECK(d.why.find("libcuda.so.1 cannot be loaded (no NVIDIA driver installed)") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("cuda: without a usable driver every pointer is host memory, and regions say so", "[unit][cuda]") {
+  using anydoor::memory_kind;
+  CHECK(anydoor::to_string(memory_kind::host) == "host");
+  CHECK(anydoor::to_string(memory_kind::cuda_device) == "cuda_device");
+  CHECK(anydoor::to_string(memory_kind::cuda_managed) == "cuda_managed");
+  CHECK(anydoor::to_string(memory_kind::cuda_host) == "cuda_host");
+  std::vector<std::byte> heap(4096);
+  int stack = 0;
+  CHECK(anydoor::cuda::kind_of(heap.data()) == memory_kind::host);  // host memory is host, driver or not
+  CHECK(anydoor::cuda::kind_of(&stack) == memory_kind::host);
+  CHECK(anydoor::cuda::kind_of(nullptr) == memory_kind::host);
+
+  boost::asio::io_context io;
+  anydoor::fabric fab(io, {.device = {.provider = "tcp"}});
+  anydoor::memory_region r = fab.register_memory(std::span(heap), anydoor::access::local_write);
+  CHECK(r.kind() == memory_kind::host);
+  anydoor::memory_region moved = std::move(r);
+  CHECK(moved.kind() == memory_kind::host);
+  CHECK(moved.size() == heap.size());
+  moved.reset();
+  CHECK(moved.kind() == memory_kind::host);
+}
