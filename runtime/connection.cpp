@@ -5,6 +5,7 @@
 #include <anydoor/error.hpp>
 
 #include "log.hpp"
+#include "cuda/driver.hpp"
 #include "scoped_region.hpp"
 #include "registration_cache.hpp"
 
@@ -406,6 +407,12 @@ void connection_impl::queue_send(op_node* n) {
 }
 
 void connection_impl::start_receive(op_node* n) {
+  if (n->kind == op_kind::receive_buffer && !cuda::detail::cpu_reachable(n->dest.data())) {
+    // Messages are copied into the buffer; GPU memory takes one-sided
+    // operations on a registered region for now.
+    complete(n, true, errc::not_supported);
+    return;
+  }
   recv_waiting_.push_back(n);
   deliver(true);
 }

@@ -5,6 +5,7 @@
 #include <anydoor/error.hpp>
 
 #include "log.hpp"
+#include "cuda/driver.hpp"
 #include "registration_cache.hpp"
 #include "scoped_region.hpp"
 #include "split_region.hpp"
@@ -84,6 +85,10 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
       hold_pieces(i, e.split);
+    } catch (const std::system_error& e) {
+      log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
+                 e.what());
+      return e.code() == errc::not_supported ? e.code() : make_error_code(errc::registration_failed);
     } catch (const std::exception& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());
@@ -107,6 +112,8 @@ std::error_code connection_impl::prepare_window(op_node* n) noexcept {
   if (!fab_->device->caps().memory_windows) return errc::not_supported;
   // A window binds within one registration: no pieces.
   if (n->dest.size() > (std::uint64_t{1} << fab_->piece_shift)) return errc::not_supported;
+  // Registered as host memory: not GPU memory (fabric::register_memory takes that).
+  if (!cuda::detail::cpu_reachable(n->dest.data(), true)) return errc::not_supported;
   try {
     auto mr = fab_->pd->register_memory(n->dest.data(), n->dest.size(), (acc & access::local_write) | access::mw_bind);
     auto slot = std::make_shared<window_slot>(fab_->pd->alloc_window());

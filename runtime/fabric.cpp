@@ -6,6 +6,7 @@
 #include "log.hpp"
 #include "registration_cache.hpp"
 #include "split_region.hpp"
+#include "cuda/driver.hpp"
 #include "cuda/register.hpp"
 
 #include <boost/asio/post.hpp>
@@ -170,11 +171,14 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
              srq != nullptr ? ", shared receive queue of " + std::to_string(options.srq_buffers) + " buffers" : "");
   // Which path each kind of memory takes, and why (GPU memory needs a
   // driver: without one the line is for the curious only).
-  const std::string gpu = cuda::detail::device_memory_path(*device);
-  if (cuda::driver().usable) {
-    log().info("fabric: memory kinds: host and cuda_host: registered as they are; cuda_device: {}", gpu);
+  // (A process that has not loaded the driver has no GPU memory: the
+  // driver is not loaded, let alone initialised, for this line.)
+  if (cuda::detail::process_has_cuda(true) && cuda::driver().usable) {
+    log().info("fabric: memory kinds: host and cuda_host: registered as they are; cuda_device: {}",
+               cuda::detail::device_memory_path(*device));
   } else {
-    log().debug("fabric: memory kinds: host only; cuda_device: {}", gpu);
+    log().debug("fabric: memory kinds: host only (no CUDA driver loaded in this process{})",
+                cuda::built_with_cuda() ? "" : "; built without CUDA");
   }
 }
 
@@ -422,7 +426,8 @@ transport::protection_domain& fabric::protection_domain() noexcept { return *sta
 
 memory_region fabric::register_memory(std::span<std::byte> memory, access acc) {
   if (memory.empty()) throw std::system_error(errc::invalid_argument, "fabric: registering empty memory");
-  const memory_kind kind = cuda::kind_of(memory.data());
+  const memory_kind kind =
+      cuda::detail::process_has_cuda(true) ? cuda::kind_of(memory.data()) : memory_kind::host;
   if (kind == memory_kind::cuda_device) {
     return memory_region(cuda::detail::register_device_memory(*state_->device, *state_->pd, memory.data(),
                                                               memory.size(), acc),

@@ -1,6 +1,9 @@
 #include "registration_cache.hpp"
 
 #include "log.hpp"
+#include "cuda/driver.hpp"
+
+#include <anydoor/error.hpp>
 #include "split_region.hpp"
 
 #include <unistd.h>
@@ -41,6 +44,13 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     }
   }
   ++stats_.misses;
+  if (!cuda::detail::cpu_reachable(p, true)) {
+    // The cache registers page-rounded host memory; GPU memory is
+    // registered by fabric::register_memory (dma-buf or peer memory).
+    throw std::system_error(anydoor::errc::not_supported,
+                            "GPU memory passed as a plain buffer: register it with fabric::register_memory and use "
+                            "the region");
+  }
   const std::uintptr_t page = page_size();
   std::uintptr_t begin = addr & ~(page - 1);
   std::uintptr_t end = (last + page - 1) & ~(page - 1);

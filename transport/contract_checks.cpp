@@ -87,6 +87,13 @@ void check_dmabuf_registration(int fd, std::uint64_t offset, std::size_t length,
     throw std::system_error(errc::invalid_argument, "register_dmabuf: offset + length wraps around");
   }
   if (iova > UINT64_MAX - length) throw std::system_error(errc::invalid_argument, "register_dmabuf: iova + length wraps around");
+  // As devices map pages: iova and offset lie at the same place in their
+  // pages (so an 8-byte-aligned iova is an 8-byte-aligned byte, for atomics).
+  constexpr std::uint64_t kPage = 4096;
+  if (((iova ^ offset) & (kPage - 1)) != 0) {
+    throw std::system_error(errc::invalid_argument,
+                            "register_dmabuf: iova and offset must have the same offset within a 4 KiB page");
+  }
   check_access(acc, "register_dmabuf");
 }
 

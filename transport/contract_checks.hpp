@@ -57,8 +57,9 @@ void check_srq(const srq_attributes& attr, const capabilities& caps);
 // register_memory's checks; throws std::system_error(errc::invalid_argument).
 void check_registration(const void* addr, std::size_t length, access acc);
 // register_dmabuf's arguments: errc::invalid_argument for a negative fd,
-// a zero length, offset + length or iova + length wrapping, or access as
-// check_registration refuses it. (The buffer's end is the provider's to check.)
+// a zero length, offset + length or iova + length wrapping, iova and offset
+// at different places in a 4 KiB page, or access as check_registration
+// refuses it. (The buffer's end is the provider's to check.)
 void check_dmabuf_registration(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova, access acc);
 // listen's checks on its options; throws std::system_error(errc::invalid_argument).
 void check_listen(const listen_options& options);

@@ -289,7 +289,9 @@ void durable_log::end_of_turn() noexcept {
   {
     std::lock_guard lk(m_);
     if (stop_) return;  // close() writes what is left
-    if (handed_ || thread_writing_) hand_off = true;
+    // The thread's write failed (its failure is on its way here): nothing
+    // after its records may be written, or answered, before that.
+    if (handed_ || thread_writing_ || write_error_) hand_off = true;
     if (hand_off) {
       handed_ = true;
     } else {

@@ -2,6 +2,8 @@
 
 #include <anydoor/error.hpp>
 
+#include <atomic>
+#include <ctime>
 #include <mutex>
 
 #ifdef ANYDOOR_HAVE_CUDA
@@ -50,6 +52,8 @@ struct api {
   CUresult (*ctx_push)(CUcontext) = nullptr;
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*range_handle)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_retain)(CUcontext*, CUdevice) = nullptr;
 };
 
 struct loaded {
@@ -85,6 +89,8 @@ loaded load() noexcept {
   sym(l.fn.ctx_push, "cuCtxPushCurrent_v2");
   sym(l.fn.ctx_pop, "cuCtxPopCurrent_v2");
   sym(l.fn.range_handle, "cuMemGetHandleForAddressRange");
+  sym(l.fn.device_get, "cuDeviceGet");
+  sym(l.fn.primary_retain, "cuDevicePrimaryCtxRetain");
   if (!all) {
     l.status.why = "libcuda.so.1 lacks driver API entry points the runtime needs (a driver older than CUDA 11.7?)";
     l.fn = {};
@@ -119,6 +125,25 @@ const loaded& the_driver() noexcept {
 
 const driver_status& driver() noexcept { return the_driver().status; }
 
+namespace detail {
+bool process_has_cuda(bool look_now) noexcept {
+  static std::atomic<bool> loaded{false};
+  static std::atomic<std::int64_t> next_look{0};
+  if (loaded.load(std::memory_order_relaxed)) return true;
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+  if (!look_now && now < next_look.load(std::memory_order_relaxed)) return false;
+  next_look.store(now + 10000000, std::memory_order_relaxed);
+  if (void* h = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD)) {
+    ::dlclose(h);  // (NOLOAD took a reference)
+    loaded.store(true, std::memory_order_relaxed);
+    return true;
+  }
+  return false;
+}
+}  // namespace detail
+
 memory_kind kind_of(const void* p) noexcept {
   const loaded& d = the_driver();
   if (!d.status.usable || p == nullptr) return memory_kind::host;
@@ -148,6 +173,20 @@ std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, 
   if (CUresult r = d.fn.pointer_attribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, ptr); r != CUDA_SUCCESS) {
     why = "the pointer's CUDA context: " + result_text(d.fn, r);
     return make_error_code(errc::invalid_argument);
+  }
+  if (ctx == nullptr) {
+    // Memory of no context (cuMemCreate, stream-ordered pools): its
+    // device's primary context exports it. (Retained for the process's
+    // life: the runtime never creates or destroys contexts.)
+    int ordinal = -1;
+    CUdevice dev = 0;
+    CUresult r = d.fn.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
+    if (r == CUDA_SUCCESS) r = d.fn.device_get(&dev, ordinal);
+    if (r == CUDA_SUCCESS) r = d.fn.primary_retain(&ctx, dev);
+    if (r != CUDA_SUCCESS || ctx == nullptr) {
+      why = "the pointer's device context: " + result_text(d.fn, r);
+      return make_error_code(errc::invalid_argument);
+    }
   }
   // The driver exports host-page-aligned ranges only.
   const aligned_range a = page_cover(p, n, static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)));
@@ -182,6 +221,8 @@ const driver_status& driver() noexcept {
 memory_kind kind_of(const void*) noexcept { return memory_kind::host; }
 
 namespace detail {
+bool process_has_cuda(bool) noexcept { return false; }
+
 std::error_code export_dmabuf(const void*, std::size_t, dmabuf_export&, std::string& why) noexcept {
   why = driver().why;
   return make_error_code(errc::not_supported);

@@ -13,6 +13,19 @@
 
 namespace anydoor::cuda::detail {
 
+// Whether this process has loaded the CUDA driver (libcuda.so.1) yet:
+// without it no pointer can be GPU memory. Never loads it. Once loaded it
+// stays true; before, it looks again at most every 10 ms (a data-path
+// check costs a clock read, not a dlopen), or now with look_now (for
+// registrations, which cost far more anyway).
+bool process_has_cuda(bool look_now = false) noexcept;
+
+// Whether the CPU can read and write p (memcpy): false only for GPU device
+// memory, as the driver says. No driver call in a process without CUDA.
+inline bool cpu_reachable(const void* p, bool look_now = false) noexcept {
+  return !process_has_cuda(look_now) || !driver().usable || kind_of(p) != memory_kind::cuda_device;
+}
+
 // A dma-buf of GPU memory (cuMemGetHandleForAddressRange): the fd covers
 // the host-page-aligned range around [p, p + n); p's byte is at `offset`
 // in it. The caller closes fd.

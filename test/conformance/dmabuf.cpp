@@ -124,6 +124,10 @@ TEST_CASE("dma-buf registration: bad arguments are refused, and a device without
         anydoor::errc::invalid_argument);  // remote write needs local write
   CHECK(thrown([&] { e.pd->register_dmabuf(buf.fd, 0, 4096, 0, static_cast<tp::access>(1u << 20)); }) ==
         anydoor::errc::invalid_argument);
+  // iova and offset at different places in their pages (an aligned iova
+  // would be a misaligned byte).
+  CHECK(thrown([&] { e.pd->register_dmabuf(buf.fd, 4096 + 4, 4096, 0x10000, rw); }) ==
+        anydoor::errc::invalid_argument);
   if (!e.dev->caps().dmabuf) {
     if (e.dev->provider() == "tcp") FAIL("the tcp device reports no dma-buf registration");
     CHECK(thrown([&] { e.pd->register_dmabuf(buf.fd, 0, 4096, 0, rw); }) == anydoor::errc::not_supported);
@@ -244,6 +248,35 @@ TEST_CASE("dma-buf registration: writes, reads, atomics, sends and receives reac
   REQUIRE(rc.status == tp::wc_status::success);
   CHECK(rc.byte_len == 300);
   CHECK(std::memcmp(buf.view + kOff + 20000, local.data() + 100, 300) == 0);
+
+  // Large ones: a write straight from the socket into the mapping, a read
+  // response gathered from it (24 KiB each, at odd offsets).
+  std::vector<std::uint8_t> big(24 << 10);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::uint8_t>(i * 7 + 3);
+  auto bmr = p.b.pd->register_memory(big.data(), big.size(), access::local_write);
+  sg = bmr->slice(0, static_cast<std::uint32_t>(big.size()));
+  wr = {.wr_id = 11, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = kIova + 1000, .rkey = mr->rkey()};
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(buf.view + kOff + 1000, big.data(), big.size()) == 0);
+  for (std::size_t i = 0; i < big.size(); ++i) buf.view[kOff + 5000 + i] = static_cast<std::byte>(i * 11 + 1);
+  std::fill(big.begin(), big.end(), std::uint8_t{0});
+  wr = {.wr_id = 12, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = kIova + 5000, .rkey = mr->rkey()};
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(big.data(), buf.view + kOff + 5000, big.size()) == 0);
+  // And a large send from the region (a gather straight from the mapping).
+  std::vector<std::uint8_t> in2(big.size());
+  auto i2mr = p.b.pd->register_memory(in2.data(), in2.size(), access::local_write);
+  tp::sge r2 = i2mr->slice(0, static_cast<std::uint32_t>(in2.size()));
+  rr = {.wr_id = 13, .sg_list = {&r2, 1}};
+  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  tp::sge s2 = mr->slice(2000, static_cast<std::uint32_t>(in2.size()));
+  wr = send_wr(14, {&s2, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(in2.data(), buf.view + kOff + 2000, in2.size()) == 0);
 
   SECTION("a write that ends past iova + length is refused and writes nothing") {
     std::vector<std::byte> before(buf.view, buf.view + kBufferSize);

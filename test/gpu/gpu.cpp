@@ -2,14 +2,17 @@
 // reason where no GPU is usable: the driver's own words. Allocations come
 // from the CUDA runtime (linked statically); anydoor itself only opens the
 // driver at run time.
-#include <anydoor/cuda.hpp>
-#include <anydoor/error.hpp>
-#include <anydoor/fabric.hpp>
-
-#include <boost/asio/io_context.hpp>
-
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "../support/runtime.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -61,6 +64,48 @@ TEST_CASE("gpu: memory kinds are detected per pointer", "[gpu]") {
   }
   cudaFree(managed);
   cudaFreeHost(pinned);
+}
+
+TEST_CASE("gpu: messages and plain buffers of device memory are refused with not_supported, never copied", "[gpu]") {
+  namespace asio = boost::asio;
+  using anydoor::test::addr;
+  using anydoor::test::test_host;
+  using anydoor::test::test_options;
+  device_buffer dev(1 << 20);
+  asio::io_context io;
+  anydoor::fabric server(io, test_options());
+  anydoor::fabric client(io, test_options());
+  anydoor::acceptor acc = server.listen(test_host(), 0);
+  anydoor::test::failure f;
+  std::vector<std::byte> host(4096);
+  anydoor::memory_region target = server.register_memory(std::span(host), anydoor::access::local_write |
+                                                                             anydoor::access::remote_write);
+  const anydoor::remote_region remote = target.remote();
+  bool done = false;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    anydoor::connection s = co_await acc.async_accept(asio::use_awaitable);
+    auto [ec, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the client's goodbye
+    (void)m;
+    CHECK(ec == anydoor::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    anydoor::connection c = co_await client.async_connect(addr(acc), asio::use_awaitable);
+    const asio::mutable_buffer d(dev.p, 4096);
+    auto [e1, n1] = co_await c.async_send(asio::const_buffer(d), asio::as_tuple(asio::use_awaitable));
+    CHECK(e1 == anydoor::errc::not_supported);
+    auto [e2, n2] = co_await c.async_receive(d, asio::as_tuple(asio::use_awaitable));
+    CHECK(e2 == anydoor::errc::not_supported);
+    auto [e3, n3] = co_await c.async_put(asio::const_buffer(d), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(e3 == anydoor::errc::not_supported);
+    (void)n1;
+    (void)n2;
+    (void)n3;
+    co_await c.async_close(asio::use_awaitable);
+    done = true;
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  CHECK(done);
 }
 
 int main(int argc, char** argv) {

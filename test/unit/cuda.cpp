@@ -75,4 +75,17 @@ TEST_CASE("cuda: without a usable driver every pointer is host memory, and regio
   CHECK(moved.size() == heap.size());
   moved.reset();
   CHECK(moved.kind() == memory_kind::host);
+  // A kind other than the default goes with a move, and reset forgets it.
+  anydoor::memory_region pinned(fab.protection_domain().register_memory(heap.data(), heap.size(),
+                                                                        anydoor::access::local_write),
+                                memory_kind::cuda_host);
+  CHECK(pinned.kind() == memory_kind::cuda_host);
+  anydoor::memory_region other;
+  other = std::move(pinned);
+  CHECK(other.kind() == memory_kind::cuda_host);
+  CHECK(pinned.kind() == memory_kind::host);  // NOLINT: moved-from is empty
+  anydoor::memory_region third(std::move(other));
+  CHECK(third.kind() == memory_kind::cuda_host);
+  third.reset();
+  CHECK(third.kind() == memory_kind::host);
 }

@@ -8,6 +8,8 @@
 #include "contract_checks.hpp"
 #include "log.hpp"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -312,17 +314,30 @@ std::unique_ptr<memory_region> verbs_pd::register_dmabuf(int fd, std::uint64_t o
     throw std::system_error(errc::not_supported,
                             "register_dmabuf: " + dev_->name + "'s driver has no dma-buf registration");
   }
-  ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, offset, length, iova, fd, static_cast<int>(ibv_access(acc)));  // addr() is iova
+  // The buffer's end, as tcp checks it (a dma-buf's inode has its size;
+  // 0 means not known: the device checks).
+  struct stat st{};
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    if (offset > size || length > size - offset) {
+      throw std::system_error(errc::invalid_argument, "register_dmabuf: [" + std::to_string(offset) + ", +" +
+                                                          std::to_string(length) + ") ends past the buffer's " +
+                                                          std::to_string(size) + " bytes");
+    }
+  }
+  ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, offset, length, iova, fd, static_cast<int>(ibv_access(acc)));
   if (mr == nullptr) {
     const int e = errno;
     throw std::system_error(e == EOPNOTSUPP ? make_error_code(errc::not_supported) : make_error_code(errc::registration_failed),
                             std::string("ibv_reg_dmabuf_mr: ") + std::strerror(e));
   }
-  return std::make_unique<verbs_mr>(mr, acc);
+  return std::make_unique<verbs_mr>(mr, acc, iova);
 }
 
 verbs_mr::verbs_mr(ibv_mr* mr, transport::access acc) noexcept
     : memory_region(mr->addr, mr->length, mr->lkey, mr->rkey, acc), mr_(mr) {}
+verbs_mr::verbs_mr(ibv_mr* mr, transport::access acc, std::uint64_t iova) noexcept
+    : memory_region(reinterpret_cast<void*>(iova), mr->length, mr->lkey, mr->rkey, acc), mr_(mr) {}
 
 verbs_mr::~verbs_mr() {
   if (ibv_dereg_mr(mr_) != 0) log().error("ibv_dereg_mr: {}", std::strerror(errno));

@@ -134,6 +134,9 @@ class verbs_srq final : public shared_receive_queue {
 class verbs_mr final : public memory_region {
  public:
   verbs_mr(ibv_mr* mr, transport::access acc) noexcept;
+  // A dma-buf registration: addressed from iova (libibverbs leaves the
+  // dma-buf offset in mr->addr).
+  verbs_mr(ibv_mr* mr, transport::access acc, std::uint64_t iova) noexcept;
   ~verbs_mr() override;
   ibv_mr* raw() const noexcept { return mr_; }
 

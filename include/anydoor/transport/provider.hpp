@@ -262,9 +262,13 @@ class protection_domain {
   // the fd may be closed at once. Throws std::system_error:
   // errc::not_supported when caps().dmabuf is false (rxe, siw);
   // errc::invalid_argument for a negative fd, a zero length, a range that
-  // wraps (offset or iova) or ends past the buffer, or access as for
+  // wraps (offset or iova) or ends past the buffer, iova and offset at
+  // different places within a 4 KiB page, or access as for
   // register_memory; errc::registration_failed when the device refuses the
-  // buffer (not a dma-buf, not mappable) or has no room.
+  // buffer (not a dma-buf, not mappable) or has no room. An iova is not a
+  // CPU address: gather lists of inline sends (which the CPU copies) must
+  // not point into such a region. tcp maps the buffer: a memfd truncated
+  // under a registration faults the process (seal it, F_SEAL_SHRINK).
   virtual std::unique_ptr<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length,
                                                          std::uint64_t iova, access acc) = 0;
 
