@@ -338,6 +338,24 @@ TEST_CASE("kv log: records round-trip - a cut at every byte of the last record i
 }
 
 namespace {
+// Replays the log in `dir` into a fresh store: it must equal `live`, and
+// no tail may be torn.
+void expect_replay_equals(asio::io_context& io, const std::string& dir, sync_mode mode, const store& live) {
+  store back({.max_memory = 4 << 20});
+  io.restart();
+  durable_log again(io, {.dir = dir, .sync = mode}, [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+    if (t == record_type::put) back.put(k, v, true); else back.del(k);
+  });
+  CHECK(again.replayed().torn_bytes == 0);
+  CHECK(back.stats().keys == live.stats().keys);
+  live.for_each([&](std::string_view k, std::span<const std::byte> v) {
+    auto got = back.get(k);
+    REQUIRE(got);
+    CHECK(S(*got) == S(v));
+  });
+  again.close();
+}
+
 // Writes 300 puts (distinct values) and deletes without running the io
 // context, so that a compaction starts early and the later records follow
 // its marker; runs it; then replays the log into a fresh store and checks
@@ -373,19 +391,7 @@ log_stats write_compact_replay(const std::string& dir, bool break_compaction) {
     CHECK(stats.fsyncs < 300);  // group commit: the writers shared fsyncs
     log.close();
   }
-  store back({.max_memory = 4 << 20});
-  io.restart();
-  durable_log again(io, {.dir = dir, .sync = sync_mode::always},
-                    [&](record_type t, std::string_view k, std::span<const std::byte> v) {
-                      if (t == record_type::put) back.put(k, v, true); else back.del(k);
-                    });
-  CHECK(back.stats().keys == st.stats().keys);
-  st.for_each([&](std::string_view k, std::span<const std::byte> v) {
-    auto got = back.get(k);
-    REQUIRE(got);
-    CHECK(S(*got) == S(v));
-  });
-  again.close();
+  expect_replay_equals(io, dir, sync_mode::always, st);
   return stats;
 }
 }  // namespace
@@ -489,19 +495,7 @@ TEST_CASE("kv log: everysec and no - writes by the io thread, compactions by the
     }
     CHECK(stats.compactions >= 2);  // ~90 KB of records for 12 live keys
     CHECK(stats.compaction_failures == 0);
-    store back({.max_memory = 4 << 20});
-    io.restart();
-    durable_log again(io, {.dir = dir, .sync = mode}, [&](record_type t, std::string_view k, std::span<const std::byte> v) {
-      if (t == record_type::put) back.put(k, v, true); else back.del(k);
-    });
-    CHECK(again.replayed().torn_bytes == 0);
-    CHECK(back.stats().keys == st.stats().keys);
-    st.for_each([&](std::string_view k, std::span<const std::byte> v) {
-      auto got = back.get(k);
-      REQUIRE(got);
-      CHECK(S(*got) == S(v));
-    });
-    again.close();
+    expect_replay_equals(io, dir, mode, st);
     std::filesystem::remove_all(dir);
   }
 }

@@ -96,16 +96,6 @@ bool device_has_dmabuf(const tp::device& d) {
   return false;
 }
 
-template <class F>
-std::error_code thrown(F&& f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
-  return {};
-}
-
 }  // namespace
 
 TEST_CASE("dma-buf registration: bad arguments are refused, and a device without it says not_supported",

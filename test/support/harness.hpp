@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -96,6 +97,17 @@ inline bool device_keeps(const tp::device& d, const std::optional<std::uint64_t>
   }
   WARN("skipped: the device keeps no " << name << " counter (" << where << ")");
   return false;
+}
+
+// The error code f() throws (std::system_error), or none.
+template <class F>
+std::error_code thrown(F f) {
+  try {
+    f();
+  } catch (const std::system_error& e) {
+    return e.code();
+  }
+  return {};
 }
 
 // Polls a set of completion queues, keeping what each produced.

@@ -13,16 +13,7 @@
 
 namespace anydoor::test {
 
-// The error code f() throws (std::system_error), or none.
-template <class F>
-std::error_code thrown(F f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
-  return {};
-}
+// (thrown() is in harness.hpp.)
 
 // Re-seals a packed remote_region (its last 4 bytes: FNV-1a of the bytes
 // before them) after a test changed its bytes.

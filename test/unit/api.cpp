@@ -7,15 +7,6 @@ using namespace anydoor::test;
 using tp::access;
 
 namespace {
-template <typename F>
-std::error_code thrown(F&& f) {
-  try {
-    f();
-  } catch (const std::system_error& e) {
-    return e.code();
-  }
-  return {};
-}
 
 struct env_guard {
   std::string name;
