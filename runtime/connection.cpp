@@ -390,6 +390,16 @@ void connection_impl::start_send(op_node* n) {
     complete(n, true, ec);
     return;
   }
+  // Messages are copied (or registered as host memory): not from GPU
+  // memory (yet). Asked once per message, and only in a process with CUDA.
+  if (n->nbufs != 0xff && cuda::detail::process_has_cuda()) {
+    for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+      if (!cuda::detail::cpu_reachable(n->bufs[i].data())) {
+        complete(n, true, errc::not_supported);
+        return;
+      }
+    }
+  }
   queue_send(n);
 }
 

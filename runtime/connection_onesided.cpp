@@ -113,7 +113,7 @@ std::error_code connection_impl::prepare_window(op_node* n) noexcept {
   // A window binds within one registration: no pieces.
   if (n->dest.size() > (std::uint64_t{1} << fab_->piece_shift)) return errc::not_supported;
   // Registered as host memory: not GPU memory (fabric::register_memory takes that).
-  if (!cuda::detail::cpu_reachable(n->dest.data(), true)) return errc::not_supported;
+  if (!cuda::detail::host_registrable(n->dest.data(), true)) return errc::not_supported;
   try {
     auto mr = fab_->pd->register_memory(n->dest.data(), n->dest.size(), (acc & access::local_write) | access::mw_bind);
     auto slot = std::make_shared<window_slot>(fab_->pd->alloc_window());

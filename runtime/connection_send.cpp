@@ -5,7 +5,6 @@
 #include <anydoor/error.hpp>
 
 #include "log.hpp"
-#include "cuda/driver.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -71,13 +70,6 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
     send_waiting_.remove(n);
     complete(n, post, errc::message_size);
     return start_result::started;
-  }
-  for (std::uint8_t i = 0; i < n->nbufs; ++i) {
-    if (!cuda::detail::cpu_reachable(n->bufs[i].data())) {  // messages are copied: not from GPU memory (yet)
-      send_waiting_.remove(n);
-      complete(n, post, errc::not_supported);
-      return start_result::started;
-    }
   }
   const bool eager = n->length <= eager_limit_;
   if (!eager && n->nbufs != 1) {

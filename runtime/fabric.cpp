@@ -173,12 +173,15 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   // driver: without one the line is for the curious only).
   // (A process that has not loaded the driver has no GPU memory: the
   // driver is not loaded, let alone initialised, for this line.)
-  if (cuda::detail::process_has_cuda(true) && cuda::driver().usable) {
+  if (!cuda::built_with_cuda()) {
+    log().debug("fabric: memory kinds: host only (built without CUDA)");
+  } else if (!cuda::detail::process_has_cuda(true)) {
+    log().debug("fabric: memory kinds: host only (this process has not loaded the CUDA driver)");
+  } else if (!cuda::driver().usable) {
+    log().info("fabric: memory kinds: host only: {}", cuda::driver().why);
+  } else {
     log().info("fabric: memory kinds: host and cuda_host: registered as they are; cuda_device: {}",
                cuda::detail::device_memory_path(*device));
-  } else {
-    log().debug("fabric: memory kinds: host only (no CUDA driver loaded in this process{})",
-                cuda::built_with_cuda() ? "" : "; built without CUDA");
   }
 }
 

@@ -44,12 +44,12 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     }
   }
   ++stats_.misses;
-  if (!cuda::detail::cpu_reachable(p, true)) {
+  if (!cuda::detail::host_registrable(p)) {
     // The cache registers page-rounded host memory; GPU memory is
     // registered by fabric::register_memory (dma-buf or peer memory).
     throw std::system_error(anydoor::errc::not_supported,
-                            "GPU memory passed as a plain buffer: register it with fabric::register_memory and use "
-                            "the region");
+                            "GPU (device or managed) memory passed as a plain buffer: register device memory with "
+                            "fabric::register_memory and use the region");
   }
   const std::uintptr_t page = page_size();
   std::uintptr_t begin = addr & ~(page - 1);

@@ -53,7 +53,9 @@ struct api {
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*range_handle)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_state)(CUdevice, unsigned*, int*) = nullptr;
   CUresult (*primary_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*primary_release)(CUdevice) = nullptr;
 };
 
 struct loaded {
@@ -90,7 +92,9 @@ loaded load() noexcept {
   sym(l.fn.ctx_pop, "cuCtxPopCurrent_v2");
   sym(l.fn.range_handle, "cuMemGetHandleForAddressRange");
   sym(l.fn.device_get, "cuDeviceGet");
+  sym(l.fn.primary_state, "cuDevicePrimaryCtxGetState");
   sym(l.fn.primary_retain, "cuDevicePrimaryCtxRetain");
+  sym(l.fn.primary_release, "cuDevicePrimaryCtxRelease_v2");
   if (!all) {
     l.status.why = "libcuda.so.1 lacks driver API entry points the runtime needs (a driver older than CUDA 11.7?)";
     l.fn = {};
@@ -127,9 +131,9 @@ const driver_status& driver() noexcept { return the_driver().status; }
 
 namespace detail {
 bool process_has_cuda(bool look_now) noexcept {
-  static std::atomic<bool> loaded{false};
+  static std::atomic<bool> seen{false};
   static std::atomic<std::int64_t> next_look{0};
-  if (loaded.load(std::memory_order_relaxed)) return true;
+  if (seen.load(std::memory_order_relaxed)) return true;
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
   const std::int64_t now = std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
@@ -137,7 +141,7 @@ bool process_has_cuda(bool look_now) noexcept {
   next_look.store(now + 10000000, std::memory_order_relaxed);
   if (void* h = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD)) {
     ::dlclose(h);  // (NOLOAD took a reference)
-    loaded.store(true, std::memory_order_relaxed);
+    seen.store(true, std::memory_order_relaxed);
     return true;
   }
   return false;
@@ -174,19 +178,32 @@ std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, 
     why = "the pointer's CUDA context: " + result_text(d.fn, r);
     return make_error_code(errc::invalid_argument);
   }
+  bool release_primary = false;
+  CUdevice dev = 0;
   if (ctx == nullptr) {
     // Memory of no context (cuMemCreate, stream-ordered pools): its
-    // device's primary context exports it. (Retained for the process's
-    // life: the runtime never creates or destroys contexts.)
+    // device's primary context exports it, if the application made it
+    // active (the runtime never creates a context of its own).
     int ordinal = -1;
-    CUdevice dev = 0;
+    unsigned flags = 0;
+    int active = 0;
     CUresult r = d.fn.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
     if (r == CUDA_SUCCESS) r = d.fn.device_get(&dev, ordinal);
-    if (r == CUDA_SUCCESS) r = d.fn.primary_retain(&ctx, dev);
-    if (r != CUDA_SUCCESS || ctx == nullptr) {
-      why = "the pointer's device context: " + result_text(d.fn, r);
+    if (r == CUDA_SUCCESS) r = d.fn.primary_state(dev, &flags, &active);
+    if (r != CUDA_SUCCESS) {
+      why = "the pointer's device: " + result_text(d.fn, r);
       return make_error_code(errc::invalid_argument);
     }
+    if (active == 0) {
+      why = "the memory belongs to no CUDA context and its device's primary context is not active";
+      return make_error_code(errc::invalid_argument);
+    }
+    r = d.fn.primary_retain(&ctx, dev);
+    if (r != CUDA_SUCCESS || ctx == nullptr) {
+      why = "the device's primary context: " + (r != CUDA_SUCCESS ? result_text(d.fn, r) : std::string("none"));
+      return make_error_code(errc::invalid_argument);
+    }
+    release_primary = true;
   }
   // The driver exports host-page-aligned ranges only.
   const aligned_range a = page_cover(p, n, static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)));
@@ -197,6 +214,7 @@ std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, 
     CUcontext popped = nullptr;
     d.fn.ctx_pop(&popped);
   }
+  if (release_primary) d.fn.primary_release(dev);  // the dma-buf holds the memory, not the context
   if (r != CUDA_SUCCESS || fd < 0) {
     why = "cuMemGetHandleForAddressRange (dma-buf): " + result_text(d.fn, r);
     return make_error_code(r == CUDA_ERROR_NOT_SUPPORTED ? errc::not_supported : errc::registration_failed);
