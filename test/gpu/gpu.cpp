@@ -1,10 +1,7 @@
-// GPU memory on a real GPU (label gpu). Exits 77 (CTest: skipped) with the
-// reason where no GPU is usable: the driver's own words. Allocations come
+// GPU memory on a real GPU (label gpu). gpu/main.cpp exits 77 (CTest:
+// skipped) with the reason where no GPU is usable. Allocations come
 // from the CUDA runtime (linked statically); anydoor itself only opens the
 // driver at run time.
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
 #include "../support/runtime.hpp"
 
 #include <anydoor/anydoor.hpp>
@@ -106,14 +103,4 @@ TEST_CASE("gpu: messages and plain buffers of device memory are refused with not
   anydoor::test::run_to_completion(io);
   f.check();
   CHECK(done);
-}
-
-int main(int argc, char** argv) {
-  const auto& d = anydoor::cuda::driver();
-  if (!d.usable) {
-    std::printf("skipped: no usable GPU: %s\n", d.why.c_str());
-    return 77;
-  }
-  std::printf("CUDA driver %d.%d, %d GPU(s)\n", d.version / 1000, d.version % 1000 / 10, d.devices);
-  return Catch::Session().run(argc, argv);
 }
