@@ -323,6 +323,7 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->npins = 0;
   n->split_mask = 0;
   n->read_only = false;
+  n->device_mask = 0;
   n->cur_buf = 0;
   n->cur_off = 0;
   n->issued = 0;
@@ -390,14 +391,18 @@ void connection_impl::start_send(op_node* n) {
     complete(n, true, ec);
     return;
   }
-  // Messages are copied (or registered as host memory): not from GPU
-  // memory (yet). Asked once per message, and only in a process with CUDA.
-  if (n->nbufs != 0xff && cuda::detail::process_has_cuda()) {
+  // GPU device memory is copied out (eager) or registered as such
+  // (rendezvous); managed memory is refused (it migrates). Asked once per
+  // message, and only in a process with CUDA.
+  if (n->nbufs != 0xff && cuda::detail::any_gpu_memory()) {
     for (std::uint8_t i = 0; i < n->nbufs; ++i) {
-      if (!cuda::detail::cpu_reachable(n->bufs[i].data())) {
+      if (n->bufs[i].size() == 0) continue;
+      const memory_kind k = cuda::detail::kind_here(n->bufs[i].data());
+      if (k == memory_kind::cuda_managed) {
         complete(n, true, errc::not_supported);
         return;
       }
+      if (k == memory_kind::cuda_device) n->device_mask = static_cast<std::uint16_t>(n->device_mask | (1u << i));
     }
   }
   queue_send(n);
@@ -417,11 +422,15 @@ void connection_impl::queue_send(op_node* n) {
 }
 
 void connection_impl::start_receive(op_node* n) {
-  if (n->kind == op_kind::receive_buffer && !cuda::detail::cpu_reachable(n->dest.data())) {
-    // Messages are copied into the buffer; GPU memory takes one-sided
-    // operations on a registered region for now.
-    complete(n, true, errc::not_supported);
-    return;
+  if (n->kind == op_kind::receive_buffer && n->dest.size() != 0 && cuda::detail::any_gpu_memory()) {
+    // GPU device memory: eager messages are copied in, rendezvous ones
+    // read into it as registered device memory; managed memory is refused.
+    const memory_kind k = cuda::detail::kind_here(n->dest.data());
+    if (k == memory_kind::cuda_managed) {
+      complete(n, true, errc::not_supported);
+      return;
+    }
+    if (k == memory_kind::cuda_device) n->device_mask = 1;
   }
   recv_waiting_.push_back(n);
   deliver(true);

@@ -4,6 +4,8 @@
 
 #include <anydoor/error.hpp>
 
+#include "cuda/driver.hpp"
+#include "cuda/register.hpp"
 #include "log.hpp"
 
 #include <boost/asio/post.hpp>
@@ -466,7 +468,8 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
       n->large.reset(new std::byte[b.length]);
       dst = n->large.get();
     }
-    n->mr = fab_->pd->register_memory(dst, b.length, transport::access::local_write);
+    n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, dst, b.length, transport::access::local_write,
+                                       !allocate && n->device_mask != 0);
   } catch (const std::exception& e2) {
     log().warn("connection: cannot receive a {}-byte message: {}", b.length, e2.what());
     n->large.reset();
@@ -566,11 +569,20 @@ void connection_impl::deliver(bool post) noexcept {
         repost(e.buffer);
         complete(n, post, errc::message_size);
       } else {
-        if (len > 0) std::memcpy(n->dest.data(), data + protocol::kHeaderSize, len);
+        std::error_code ec;
+        if (len > 0 && n->device_mask != 0) {
+          std::string why;
+          ec = cuda::detail::copy_to_device(n->dest.data(), data + protocol::kHeaderSize, len, why);
+          if (ec) log().warn("connection: copying a {}-byte message into GPU memory failed: {}", len, why);
+        } else if (len > 0) {
+          std::memcpy(n->dest.data(), data + protocol::kHeaderSize, len);
+        }
         repost(e.buffer);
-        ++stats_.messages_received;
-        stats_.bytes_received += len;
-        complete(n, post, {}, len);
+        if (!ec) {
+          ++stats_.messages_received;
+          stats_.bytes_received += len;
+        }
+        complete(n, post, ec, ec ? 0 : len);
       }
       continue;
     }

@@ -4,6 +4,8 @@
 
 #include <anydoor/error.hpp>
 
+#include "cuda/driver.hpp"
+#include "cuda/register.hpp"
 #include "log.hpp"
 
 #include <algorithm>
@@ -80,13 +82,37 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   if (credits_ < 2) return credit_stall(n);
   if (sq_free() == 0) return start_result::blocked_queue;
   const std::size_t wire = eager ? protocol::kHeaderSize + n->length : protocol::kRtsSize;
-  const bool inl = can_inline(wire);
+  // An eager message from GPU memory is copied into a pool buffer (never
+  // inline: the work request would copy it with the CPU) before anything
+  // is staged, so that a failed copy sends nothing.
+  const bool from_device = n->device_mask != 0;
+  const bool inl = !(eager && from_device) && can_inline(wire);
   std::uint32_t buf = buffer_pool::npos;
   if (!inl && !take_send_buffer(n, buf)) return start_result::blocked_buffer;
+  if (eager && from_device) {
+    std::byte* p = fab_->pool->data(buf) + protocol::kHeaderSize;
+    std::string why;
+    for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+      std::error_code ec;
+      if ((n->device_mask & (1u << i)) != 0) {
+        ec = cuda::detail::copy_to_host(p, n->bufs[i].data(), n->bufs[i].size(), why);
+      } else if (n->bufs[i].size() != 0) {
+        std::memcpy(p, n->bufs[i].data(), n->bufs[i].size());
+      }
+      if (ec) {
+        log().warn("connection: copying a {}-byte message out of GPU memory failed: {}", n->length, why);
+        fab_->put_buffer(buf);
+        send_waiting_.remove(n);
+        complete(n, post, ec);
+        return start_result::started;
+      }
+      p += n->bufs[i].size();
+    }
+  }
   if (!eager) {
     try {
-      n->mr = fab_->pd->register_memory(const_cast<void*>(n->bufs[0].data()), n->bufs[0].size(),
-                                        transport::access::remote_read);
+      n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, const_cast<void*>(n->bufs[0].data()),
+                                         n->bufs[0].size(), transport::access::remote_read, from_device);
     } catch (const std::system_error& e) {
       log().warn("connection: registering a {}-byte rendezvous source failed: {}", n->length, e.what());
       if (buf != buffer_pool::npos) fab_->put_buffer(buf);
@@ -102,7 +128,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   protocol::encode(h, out);
   if (eager) {
     std::byte* p = out + protocol::kHeaderSize;
-    for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+    for (std::uint8_t i = 0; i < n->nbufs && !from_device; ++i) {  // (from GPU memory: copied above)
       std::memcpy(p, n->bufs[i].data(), n->bufs[i].size());
       p += n->bufs[i].size();
     }

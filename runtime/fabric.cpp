@@ -135,7 +135,8 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
                                                        " bytes at once (max_mr_size), less than a page");
     }
   }
-  cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries, piece_shift);
+  cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries, piece_shift,
+                                               device.get());
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
@@ -173,7 +174,10 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   // driver: without one the line is for the curious only).
   // (A process that has not loaded the driver has no GPU memory: the
   // driver is not loaded, let alone initialised, for this line.)
-  if (!cuda::built_with_cuda()) {
+  if (cuda::detail::installed_test_backend() != nullptr) {
+    log().info("fabric: memory kinds: a test stands in for the GPU; cuda_device: {}",
+               cuda::detail::device_memory_path(*device));
+  } else if (!cuda::built_with_cuda()) {
     log().debug("fabric: memory kinds: host only (built without CUDA)");
   } else if (!cuda::detail::process_has_cuda(true)) {
     log().debug("fabric: memory kinds: host only (this process has not loaded the CUDA driver)");
@@ -430,7 +434,7 @@ transport::protection_domain& fabric::protection_domain() noexcept { return *sta
 memory_region fabric::register_memory(std::span<std::byte> memory, access acc) {
   if (memory.empty()) throw std::system_error(errc::invalid_argument, "fabric: registering empty memory");
   const memory_kind kind =
-      cuda::detail::process_has_cuda(true) ? cuda::kind_of(memory.data()) : memory_kind::host;
+      cuda::detail::any_gpu_memory(true) ? cuda::detail::kind_here(memory.data()) : memory_kind::host;
   if (kind == memory_kind::cuda_device) {
     return memory_region(cuda::detail::register_device_memory(*state_->device, *state_->pd, memory.data(),
                                                               memory.size(), acc),

@@ -2,6 +2,7 @@
 
 #include "log.hpp"
 #include "cuda/driver.hpp"
+#include "cuda/register.hpp"
 
 #include <anydoor/error.hpp>
 #include "split_region.hpp"
@@ -44,14 +45,20 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     }
   }
   ++stats_.misses;
-  if (!cuda::detail::host_registrable(p)) {
-    // The cache registers page-rounded host memory; GPU memory is
-    // registered by fabric::register_memory (dma-buf or peer memory).
+  // GPU device memory: registered as the device takes it, exactly the
+  // range (a page around it may be another allocation, or none); managed
+  // memory: refused (it migrates).
+  const memory_kind kind = cuda::detail::any_gpu_memory() ? cuda::detail::kind_here(p) : memory_kind::host;
+  const bool device = kind == memory_kind::cuda_device;
+  if (kind == memory_kind::cuda_managed) {
     throw std::system_error(anydoor::errc::not_supported,
-                            "GPU (device or managed) memory passed as a plain buffer: register device memory with "
-                            "fabric::register_memory and use the region");
+                            "CUDA managed memory passed as a plain buffer (it migrates between host and GPU): use "
+                            "cuMemAlloc or cuMemHostAlloc memory");
   }
-  const std::uintptr_t page = page_size();
+  if (device && device_ == nullptr) {
+    throw std::system_error(anydoor::errc::not_supported, "GPU memory passed to a registration cache without a device");
+  }
+  const std::uintptr_t page = device ? 1 : page_size();
   std::uintptr_t begin = addr & ~(page - 1);
   std::uintptr_t end = (last + page - 1) & ~(page - 1);
   access merged = acc;
@@ -67,8 +74,13 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     merged = merged | e->acc;
   }
   std::unique_ptr<transport::memory_region> mr;
+  auto make = [&] {
+    return device ? cuda::detail::register_device_memory(*device_, pd_, reinterpret_cast<void*>(begin), end - begin,
+                                                         merged)
+                  : register_in_pieces(pd_, reinterpret_cast<void*>(begin), end - begin, merged, piece_shift_);
+  };
   try {
-    mr = register_in_pieces(pd_, reinterpret_cast<void*>(begin), end - begin, merged, piece_shift_);
+    mr = make();
   } catch (const std::system_error& e) {
     if (overlapping.empty()) throw;
     // A neighbour may cover memory that is gone (forget_memory was not
@@ -77,7 +89,7 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     begin = addr & ~(page - 1);
     end = (last + page - 1) & ~(page - 1);
     merged = acc;
-    mr = register_in_pieces(pd_, reinterpret_cast<void*>(begin), end - begin, merged, piece_shift_);
+    mr = make();
   }
   for (entry* e : overlapping) {
     retire(e);

@@ -40,9 +40,12 @@ class registration_cache {
   };
 
   // Registrations above 2^piece_shift bytes are made in pieces (split_region).
+  // GPU device memory is registered as the device takes it (cuda/
+  // register.hpp), exactly the range asked for and never in pieces; without
+  // `device` it is refused.
   registration_cache(transport::protection_domain& pd, std::size_t max_bytes, std::size_t max_entries,
-                     unsigned piece_shift = 63) noexcept
-      : pd_(pd), max_bytes_(max_bytes), max_entries_(max_entries), piece_shift_(piece_shift) {}
+                     unsigned piece_shift = 63, transport::device* device = nullptr) noexcept
+      : pd_(pd), device_(device), max_bytes_(max_bytes), max_entries_(max_entries), piece_shift_(piece_shift) {}
   ~registration_cache();
   registration_cache(const registration_cache&) = delete;
   registration_cache& operator=(const registration_cache&) = delete;
@@ -66,6 +69,7 @@ class registration_cache {
   void lru_unlink(entry* e) noexcept;
 
   transport::protection_domain& pd_;
+  transport::device* device_;
   std::size_t max_bytes_;
   std::size_t max_entries_;
   unsigned piece_shift_;

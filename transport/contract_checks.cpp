@@ -97,6 +97,22 @@ void check_dmabuf_registration(int fd, std::uint64_t offset, std::size_t length,
   check_access(acc, "register_dmabuf");
 }
 
+void check_copied_registration(const void* addr, std::size_t length, access acc, const memory_copier* copier) {
+  if (addr == nullptr || length == 0) {
+    throw std::system_error(errc::invalid_argument, "register_copied: null address or zero length");
+  }
+  if (reinterpret_cast<std::uintptr_t>(addr) > UINTPTR_MAX - length) {
+    throw std::system_error(errc::invalid_argument, "register_copied: address + length wraps around");
+  }
+  if (copier == nullptr) throw std::system_error(errc::invalid_argument, "register_copied: no copier");
+  check_access(acc, "register_copied");
+  if (has(acc, access::remote_atomic)) {
+    throw std::system_error(errc::not_supported,
+                            "register_copied: remote_atomic: an atomic needs direct access to the memory, and this "
+                            "device reaches it through copies");
+  }
+}
+
 void check_listen(const listen_options& options) {
   if (options.handshake_timeout.count() <= 0 || options.max_pending == 0) {
     throw std::system_error(errc::invalid_argument, "listen: handshake_timeout and max_pending must be positive");

@@ -61,6 +61,8 @@ void check_registration(const void* addr, std::size_t length, access acc);
 // at different places in a 4 KiB page, or access as check_registration
 // refuses it. (The buffer's end is the provider's to check.)
 void check_dmabuf_registration(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova, access acc);
+// register_copied's (provider.hpp), for a device with caps().copied_memory.
+void check_copied_registration(const void* addr, std::size_t length, access acc, const memory_copier* copier);
 // listen's checks on its options; throws std::system_error(errc::invalid_argument).
 void check_listen(const listen_options& options);
 

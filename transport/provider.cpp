@@ -41,6 +41,7 @@ class anydoor_category final : public std::error_category {
       case errc::out_of_range: return "offset or length outside the region";
       case errc::not_supported: return "operation not supported by the device";
       case errc::peer_out_of_memory: return "the receiver could not allocate or register memory for the message";
+      case errc::device_copy_failed: return "a copy to or from GPU memory failed";
     }
     return "unknown anydoor error " + std::to_string(ev);
   }
@@ -143,6 +144,12 @@ std::vector<std::string> available_providers() {
 #else
   return {"tcp"};
 #endif
+}
+
+std::unique_ptr<memory_region> protection_domain::register_copied(void*, std::size_t, access,
+                                                                  std::shared_ptr<memory_copier>) {
+  throw std::system_error(errc::not_supported,
+                          "register_copied: this device reaches memory directly or not at all (caps().copied_memory)");
 }
 
 std::unique_ptr<device> open_device(const device_options& options) {

@@ -29,9 +29,10 @@ enum class errc {
   out_of_range,          // an offset or length falls outside a region
   not_supported,         // the device does not support the operation (atomics)
   peer_out_of_memory,    // the receiver could not allocate or register memory for the message
+  device_copy_failed,    // a copy to or from GPU memory failed (the CUDA driver's error is logged)
 };
 // The last value, for tests that walk every code.
-inline constexpr errc errc_last = errc::peer_out_of_memory;
+inline constexpr errc errc_last = errc::device_copy_failed;
 
 const std::error_category& error_category() noexcept;
 

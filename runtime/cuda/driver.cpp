@@ -2,9 +2,13 @@
 
 #include <anydoor/error.hpp>
 
+#include "log.hpp"
+
 #include <atomic>
 #include <ctime>
 #include <mutex>
+#include <system_error>
+#include <utility>
 
 #ifdef ANYDOOR_HAVE_CUDA
 #include <cuda.h>
@@ -27,6 +31,18 @@ std::string_view to_string(memory_kind k) noexcept {
 namespace cuda {
 
 namespace detail {
+namespace {
+std::atomic<test_backend*> g_test_backend{nullptr};
+}  // namespace
+
+void use_test_backend(test_backend* b) noexcept { g_test_backend.store(b, std::memory_order_release); }
+test_backend* installed_test_backend() noexcept { return g_test_backend.load(std::memory_order_acquire); }
+
+memory_kind kind_here(const void* p) noexcept {
+  if (test_backend* b = installed_test_backend()) return b->kind(p);
+  return kind_of(p);
+}
+
 aligned_range page_cover(const void* p, std::size_t n, std::size_t page) noexcept {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   const std::uintptr_t start = a & ~(static_cast<std::uintptr_t>(page) - 1);
@@ -56,6 +72,13 @@ struct api {
   CUresult (*primary_state)(CUdevice, unsigned*, int*) = nullptr;
   CUresult (*primary_retain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*primary_release)(CUdevice) = nullptr;
+  CUresult (*memcpy_dtoh)(void*, CUdeviceptr, size_t) = nullptr;
+  CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t) = nullptr;
+  CUresult (*memcpy_dtoh_async)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*memcpy_htod_async)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*stream_destroy)(CUstream) = nullptr;
+  CUresult (*stream_synchronize)(CUstream) = nullptr;
 };
 
 struct loaded {
@@ -95,6 +118,13 @@ loaded load() noexcept {
   sym(l.fn.primary_state, "cuDevicePrimaryCtxGetState");
   sym(l.fn.primary_retain, "cuDevicePrimaryCtxRetain");
   sym(l.fn.primary_release, "cuDevicePrimaryCtxRelease_v2");
+  sym(l.fn.memcpy_dtoh, "cuMemcpyDtoH_v2");
+  sym(l.fn.memcpy_htod, "cuMemcpyHtoD_v2");
+  sym(l.fn.memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
+  sym(l.fn.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
+  sym(l.fn.stream_create, "cuStreamCreate");
+  sym(l.fn.stream_destroy, "cuStreamDestroy_v2");
+  sym(l.fn.stream_synchronize, "cuStreamSynchronize");
   if (!all) {
     l.status.why = "libcuda.so.1 lacks driver API entry points the runtime needs (a driver older than CUDA 11.7?)";
     l.fn = {};
@@ -166,30 +196,38 @@ memory_kind kind_of(const void* p) noexcept {
 
 namespace detail {
 
-std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, std::string& why) noexcept {
-  const loaded& d = the_driver();
-  if (!d.status.usable) {
-    why = d.status.why;
-    return make_error_code(errc::not_supported);
+namespace {
+
+// The context GPU memory at ptr belongs to, made current for a scope: the
+// pointer's own, or for memory of no context (cuMemCreate, stream-ordered
+// pools) its device's primary context if the application made it active
+// (retained meanwhile; the runtime never creates a context of its own).
+class context_scope {
+ public:
+  context_scope() = default;
+  context_scope(const context_scope&) = delete;
+  context_scope& operator=(const context_scope&) = delete;
+  ~context_scope() {
+    if (pushed_) {
+      CUcontext popped = nullptr;
+      fn_->ctx_pop(&popped);
+    }
+    if (primary_) fn_->primary_release(dev_);
   }
-  const auto ptr = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
-  CUcontext ctx = nullptr;
-  if (CUresult r = d.fn.pointer_attribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, ptr); r != CUDA_SUCCESS) {
-    why = "the pointer's CUDA context: " + result_text(d.fn, r);
-    return make_error_code(errc::invalid_argument);
-  }
-  bool release_primary = false;
-  CUdevice dev = 0;
-  if (ctx == nullptr) {
-    // Memory of no context (cuMemCreate, stream-ordered pools): its
-    // device's primary context exports it, if the application made it
-    // active (the runtime never creates a context of its own).
+  // Finds and retains the context (not current yet).
+  std::error_code find(const loaded& d, CUdeviceptr ptr, std::string& why) noexcept {
+    fn_ = &d.fn;
+    if (CUresult r = d.fn.pointer_attribute(&ctx_, CU_POINTER_ATTRIBUTE_CONTEXT, ptr); r != CUDA_SUCCESS) {
+      why = "the pointer's CUDA context: " + result_text(d.fn, r);
+      return make_error_code(errc::invalid_argument);
+    }
+    if (ctx_ != nullptr) return {};
     int ordinal = -1;
     unsigned flags = 0;
     int active = 0;
     CUresult r = d.fn.pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
-    if (r == CUDA_SUCCESS) r = d.fn.device_get(&dev, ordinal);
-    if (r == CUDA_SUCCESS) r = d.fn.primary_state(dev, &flags, &active);
+    if (r == CUDA_SUCCESS) r = d.fn.device_get(&dev_, ordinal);
+    if (r == CUDA_SUCCESS) r = d.fn.primary_state(dev_, &flags, &active);
     if (r != CUDA_SUCCESS) {
       why = "the pointer's device: " + result_text(d.fn, r);
       return make_error_code(errc::invalid_argument);
@@ -198,23 +236,151 @@ std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, 
       why = "the memory belongs to no CUDA context and its device's primary context is not active";
       return make_error_code(errc::invalid_argument);
     }
-    r = d.fn.primary_retain(&ctx, dev);
-    if (r != CUDA_SUCCESS || ctx == nullptr) {
+    r = d.fn.primary_retain(&ctx_, dev_);
+    if (r != CUDA_SUCCESS || ctx_ == nullptr) {
       why = "the device's primary context: " + (r != CUDA_SUCCESS ? result_text(d.fn, r) : std::string("none"));
       return make_error_code(errc::invalid_argument);
     }
-    release_primary = true;
+    primary_ = true;
+    return {};
   }
+  CUresult enter() noexcept {
+    const CUresult r = fn_->ctx_push(ctx_);
+    pushed_ = r == CUDA_SUCCESS;
+    return r;
+  }
+  // Hands the retained context over (the caller releases a primary one).
+  CUcontext take(bool& primary, CUdevice& dev) noexcept {
+    primary = std::exchange(primary_, false);
+    dev = dev_;
+    return ctx_;
+  }
+
+ private:
+  const api* fn_ = nullptr;
+  CUcontext ctx_ = nullptr;
+  CUdevice dev_ = 0;
+  bool primary_ = false;
+  bool pushed_ = false;
+};
+
+CUdeviceptr as_device(const void* p) noexcept { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)); }
+
+std::error_code sync_copy(bool to_host, void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  const loaded& d = the_driver();
+  if (!d.status.usable) {
+    why = d.status.why;
+    return make_error_code(errc::not_supported);
+  }
+  context_scope scope;
+  if (std::error_code ec = scope.find(d, as_device(to_host ? src : dst), why)) {
+    return make_error_code(errc::device_copy_failed);
+  }
+  CUresult r = scope.enter();
+  if (r == CUDA_SUCCESS) r = to_host ? d.fn.memcpy_dtoh(dst, as_device(src), n) : d.fn.memcpy_htod(as_device(dst), src, n);
+  if (r != CUDA_SUCCESS) {
+    why = std::string(to_host ? "cuMemcpyDtoH" : "cuMemcpyHtoD") + ": " + result_text(d.fn, r);
+    return make_error_code(errc::device_copy_failed);
+  }
+  return {};
+}
+
+// The tcp provider's way into GPU memory: copies on a stream of its own
+// in the memory's context, one at a time (the provider's threads share
+// it), each waited for.
+class cuda_copier final : public transport::memory_copier {
+ public:
+  cuda_copier(const loaded& d, CUcontext ctx, bool primary, CUdevice dev, CUstream stream) noexcept
+      : d_(d), ctx_(ctx), primary_(primary), dev_(dev), stream_(stream) {}
+  ~cuda_copier() override {
+    if (d_.fn.ctx_push(ctx_) == CUDA_SUCCESS) {
+      d_.fn.stream_destroy(stream_);
+      CUcontext popped = nullptr;
+      d_.fn.ctx_pop(&popped);
+    }
+    if (primary_) d_.fn.primary_release(dev_);
+  }
+  cuda_copier(const cuda_copier&) = delete;
+  cuda_copier& operator=(const cuda_copier&) = delete;
+  std::error_code to_host(void* dst, const void* src, std::size_t n) noexcept override {
+    return copy(true, dst, src, n);
+  }
+  std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept override {
+    return copy(false, dst, src, n);
+  }
+
+ private:
+  std::error_code copy(bool to_host, void* dst, const void* src, std::size_t n) noexcept {
+    std::lock_guard lock(mutex_);
+    CUresult r = d_.fn.ctx_push(ctx_);
+    if (r != CUDA_SUCCESS) return failed(r);
+    r = to_host ? d_.fn.memcpy_dtoh_async(dst, as_device(src), n, stream_)
+                : d_.fn.memcpy_htod_async(as_device(dst), src, n, stream_);
+    if (r == CUDA_SUCCESS) r = d_.fn.stream_synchronize(stream_);
+    CUcontext popped = nullptr;
+    d_.fn.ctx_pop(&popped);
+    return r == CUDA_SUCCESS ? std::error_code{} : failed(r);
+  }
+  std::error_code failed(CUresult r) noexcept {
+    // The provider logs the error code; the driver's words, once, here.
+    if (!warned_.exchange(true)) log().warn("cuda: a copy for the tcp provider failed: {}", result_text(d_.fn, r));
+    return make_error_code(errc::device_copy_failed);
+  }
+  const loaded& d_;
+  CUcontext ctx_;
+  bool primary_;
+  CUdevice dev_;
+  CUstream stream_;
+  std::mutex mutex_;
+  std::atomic<bool> warned_{false};
+};
+
+}  // namespace
+
+std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  if (test_backend* b = installed_test_backend()) return b->to_host(dst, src, n);
+  return sync_copy(true, dst, src, n, why);
+}
+
+std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  if (test_backend* b = installed_test_backend()) return b->to_device(dst, src, n);
+  return sync_copy(false, dst, src, n, why);
+}
+
+std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t n) {
+  if (test_backend* b = installed_test_backend()) return b->copier(p, n);
+  const loaded& d = the_driver();
+  if (!d.status.usable) throw std::system_error(errc::not_supported, d.status.why);
+  context_scope scope;
+  std::string why;
+  if (std::error_code ec = scope.find(d, as_device(p), why)) throw std::system_error(ec, why);
+  CUresult r = scope.enter();
+  CUstream stream = nullptr;
+  if (r == CUDA_SUCCESS) r = d.fn.stream_create(&stream, CU_STREAM_NON_BLOCKING);
+  if (r != CUDA_SUCCESS) throw std::system_error(errc::registration_failed, "cuStreamCreate: " + result_text(d.fn, r));
+  bool primary = false;
+  CUdevice dev = 0;
+  CUcontext ctx = scope.take(primary, dev);
+  return std::make_shared<cuda_copier>(d, ctx, primary, dev, stream);
+}
+
+std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, std::string& why) noexcept {
+  const loaded& d = the_driver();
+  if (!d.status.usable) {
+    why = d.status.why;
+    return make_error_code(errc::not_supported);
+  }
+  context_scope scope;
+  if (std::error_code ec = scope.find(d, as_device(p), why)) return ec;
   // The driver exports host-page-aligned ranges only.
   const aligned_range a = page_cover(p, n, static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)));
   int fd = -1;
-  CUresult r = d.fn.ctx_push(ctx);
+  CUresult r = scope.enter();
   if (r == CUDA_SUCCESS) {
     r = d.fn.range_handle(&fd, static_cast<CUdeviceptr>(a.start), a.length, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
-    CUcontext popped = nullptr;
-    d.fn.ctx_pop(&popped);
   }
-  if (release_primary) d.fn.primary_release(dev);  // the dma-buf holds the memory, not the context
+  // (the scope pops the context, and releases a primary one: the dma-buf
+  // holds the memory, not the context)
   if (r != CUDA_SUCCESS || fd < 0) {
     why = "cuMemGetHandleForAddressRange (dma-buf): " + result_text(d.fn, r);
     return make_error_code(r == CUDA_ERROR_NOT_SUPPORTED ? errc::not_supported : errc::registration_failed);
@@ -240,6 +406,23 @@ memory_kind kind_of(const void*) noexcept { return memory_kind::host; }
 
 namespace detail {
 bool process_has_cuda(bool) noexcept { return false; }
+
+std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  if (test_backend* b = installed_test_backend()) return b->to_host(dst, src, n);
+  why = driver().why;
+  return make_error_code(errc::not_supported);
+}
+
+std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  if (test_backend* b = installed_test_backend()) return b->to_device(dst, src, n);
+  why = driver().why;
+  return make_error_code(errc::not_supported);
+}
+
+std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t n) {
+  if (test_backend* b = installed_test_backend()) return b->copier(p, n);
+  throw std::system_error(errc::not_supported, driver().why);
+}
 
 std::error_code export_dmabuf(const void*, std::size_t, dmabuf_export&, std::string& why) noexcept {
   why = driver().why;

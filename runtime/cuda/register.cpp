@@ -10,29 +10,31 @@
 
 namespace anydoor::cuda::detail {
 
-namespace {
-bool is_tcp(const transport::device& dev) { return dev.provider() == "tcp"; }
-}  // namespace
-
 std::string device_memory_path(const transport::device& dev) {
   const std::string where = std::string(dev.provider()) + " device " + std::string(dev.name());
-  if (!driver().usable) return "none: " + driver().why;
-  // The software NIC's dma-bufs are host buffers it maps; a GPU's cannot
-  // be mapped that way, and its CUDA-copy path is not built yet.
-  if (is_tcp(dev)) return "none on " + where + ": the tcp provider does not reach GPU memory yet";
-  if (dev.caps().peer_memory) return "GPUDirect RDMA through nvidia-peermem (ibv_reg_mr on device pointers) on " + where;
-  if (dev.caps().dmabuf) return "GPUDirect RDMA through dma-buf (ibv_reg_dmabuf_mr) on " + where;
+  if (!driver().usable && installed_test_backend() == nullptr) return "none: " + driver().why;
+  const transport::capabilities& c = dev.caps();
+  if (c.peer_memory) return "GPUDirect RDMA through nvidia-peermem (ibv_reg_mr on device pointers) on " + where;
+  // (A device that reaches memory by copies maps dma-bufs of host memory
+  // only: a GPU's are not mappable.)
+  if (c.dmabuf && !c.copied_memory) return "GPUDirect RDMA through dma-buf (ibv_reg_dmabuf_mr) on " + where;
+  if (c.copied_memory) {
+    return "CUDA copies by the software NIC on " + where + " (a stream of its own, through its host buffers)";
+  }
   return "none on " + where + ": it has neither dma-buf registration nor nvidia-peermem";
 }
 
 std::unique_ptr<transport::memory_region> register_device_memory(transport::device& dev,
                                                                  transport::protection_domain& pd, void* p,
                                                                  std::size_t n, transport::access acc) {
-  if (!driver().usable || is_tcp(dev) || (!dev.caps().peer_memory && !dev.caps().dmabuf)) {
+  const transport::capabilities& c = dev.caps();
+  const bool usable = driver().usable || installed_test_backend() != nullptr;
+  if (!usable || (!c.peer_memory && !c.dmabuf && !c.copied_memory)) {
     throw std::system_error(errc::not_supported, "register_memory: GPU memory cannot be registered: " +
                                                      device_memory_path(dev));
   }
-  if (dev.caps().peer_memory) return pd.register_memory(p, n, acc);
+  if (c.peer_memory) return pd.register_memory(p, n, acc);
+  if (c.copied_memory) return pd.register_copied(p, n, acc, make_copier(p, n));
   dmabuf_export e;
   std::string why;
   if (std::error_code ec = export_dmabuf(p, n, e, why)) {
@@ -46,6 +48,11 @@ std::unique_ptr<transport::memory_region> register_device_memory(transport::devi
     ::close(e.fd);
     throw;
   }
+}
+
+std::unique_ptr<transport::memory_region> register_any(transport::device& dev, transport::protection_domain& pd,
+                                                       void* p, std::size_t n, transport::access acc, bool device) {
+  return device ? register_device_memory(dev, pd, p, n, acc) : pd.register_memory(p, n, acc);
 }
 
 }  // namespace anydoor::cuda::detail

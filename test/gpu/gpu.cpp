@@ -15,6 +15,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace {
 struct device_buffer {
@@ -44,14 +45,18 @@ TEST_CASE("gpu: memory kinds are detected per pointer", "[gpu]") {
   auto r = fab.register_memory({static_cast<std::byte*>(pinned), 1 << 20}, anydoor::access::local_write);
   CHECK(r.kind() == memory_kind::cuda_host);
   r.reset();
-  // Device memory on the tcp provider: refused with the reason (its CUDA
-  // copy path is not built yet); managed memory: refused everywhere.
+  // Device memory on the tcp provider: registered, reached by CUDA copies;
+  // not for atomics (they need the memory itself); managed memory: refused.
+  auto d = fab.register_memory({static_cast<std::byte*>(dev.p), 1 << 20},
+                               anydoor::access::local_write | anydoor::access::remote_write);
+  CHECK(d.kind() == memory_kind::cuda_device);
+  d.reset();
   try {
-    (void)fab.register_memory({static_cast<std::byte*>(dev.p), 1 << 20}, anydoor::access::local_write);
-    FAIL("device memory registered on tcp");
+    (void)fab.register_memory({static_cast<std::byte*>(dev.p), 1 << 20},
+                              anydoor::access::local_write | anydoor::access::remote_atomic);
+    FAIL("device memory registered for atomics on tcp");
   } catch (const std::system_error& e) {
     CHECK(e.code() == anydoor::errc::not_supported);
-    CHECK(std::string(e.what()).find("tcp provider does not reach GPU memory") != std::string::npos);
   }
   try {
     (void)fab.register_memory({static_cast<std::byte*>(managed), 1 << 20}, anydoor::access::local_write);
@@ -63,44 +68,95 @@ TEST_CASE("gpu: memory kinds are detected per pointer", "[gpu]") {
   cudaFreeHost(pinned);
 }
 
-TEST_CASE("gpu: messages and plain buffers of device memory are refused with not_supported, never copied", "[gpu]") {
+namespace {
+std::vector<std::byte> pattern(std::size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 151 + seed) >> 2);
+  return v;
+}
+std::vector<std::byte> read_device(const void* p, std::size_t n) {
+  std::vector<std::byte> v(n);
+  REQUIRE(cudaMemcpy(v.data(), p, n, cudaMemcpyDeviceToHost) == cudaSuccess);
+  return v;
+}
+}  // namespace
+
+TEST_CASE("gpu: device-to-device host-to-device and device-to-host sends and puts and gets over tcp", "[gpu]") {
   namespace asio = boost::asio;
-  using anydoor::test::addr;
-  using anydoor::test::test_host;
-  using anydoor::test::test_options;
-  device_buffer dev(1 << 20);
+  const std::size_t size = GENERATE(std::size_t{1}, std::size_t{4096}, std::size_t{1} << 20, std::size_t{64} << 20);
+  INFO(size << " bytes");
+  device_buffer csrc(size), cdst(size), sdst(size), sregion_mem(size);
+  const auto p1 = pattern(size, 1), p2 = pattern(size, 2), p3 = pattern(size, 3);
+  REQUIRE(cudaMemcpy(csrc.p, p1.data(), size, cudaMemcpyHostToDevice) == cudaSuccess);
+  std::vector<std::byte> host(size);
   asio::io_context io;
-  anydoor::fabric server(io, test_options());
-  anydoor::fabric client(io, test_options());
-  anydoor::acceptor acc = server.listen(test_host(), 0);
+  anydoor::fabric server(io, anydoor::test::test_options());
+  anydoor::fabric client(io, anydoor::test::test_options());
+  anydoor::memory_region sregion = server.register_memory(
+      {static_cast<std::byte*>(sregion_mem.p), size},
+      anydoor::access::local_write | anydoor::access::remote_write | anydoor::access::remote_read);
+  const anydoor::remote_region sremote = sregion.remote();
+  anydoor::acceptor acc = server.listen(anydoor::test::test_host(), 0);
   anydoor::test::failure f;
-  std::vector<std::byte> host(4096);
-  anydoor::memory_region target = server.register_memory(std::span(host), anydoor::access::local_write |
-                                                                             anydoor::access::remote_write);
-  const anydoor::remote_region remote = target.remote();
   bool done = false;
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
     anydoor::connection s = co_await acc.async_accept(asio::use_awaitable);
-    auto [ec, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the client's goodbye
+    auto [e1, n1] = co_await s.async_receive(asio::mutable_buffer(sdst.p, size), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e1);
+    CHECK(n1 == size);
+    const bool d2d = read_device(sdst.p, size) == p1;
+    CHECK(d2d);
+    auto [e2, n2] = co_await s.async_receive(asio::mutable_buffer(sdst.p, size), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e2);
+    const bool h2d = read_device(sdst.p, size) == p2;
+    CHECK(h2d);
+    (void)n2;
+    auto [e3, n3] = co_await s.async_send(asio::const_buffer(sdst.p, size), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e3);
+    (void)n3;
+    auto [e4, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
     (void)m;
-    CHECK(ec == anydoor::errc::connection_closed);
+    CHECK(e4 == anydoor::errc::connection_closed);
   }, f.handler());
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    anydoor::connection c = co_await client.async_connect(addr(acc), asio::use_awaitable);
-    const asio::mutable_buffer d(dev.p, 4096);
-    auto [e1, n1] = co_await c.async_send(asio::const_buffer(d), asio::as_tuple(asio::use_awaitable));
-    CHECK(e1 == anydoor::errc::not_supported);
-    auto [e2, n2] = co_await c.async_receive(d, asio::as_tuple(asio::use_awaitable));
-    CHECK(e2 == anydoor::errc::not_supported);
-    auto [e3, n3] = co_await c.async_put(asio::const_buffer(d), remote, asio::as_tuple(asio::use_awaitable));
-    CHECK(e3 == anydoor::errc::not_supported);
+    anydoor::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    auto [e1, n1] = co_await c.async_send(asio::const_buffer(csrc.p, size), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e1);
     (void)n1;
+    auto [e2, n2] = co_await c.async_send(asio::buffer(p2), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e2);
     (void)n2;
-    (void)n3;
+    auto [e3, n3] = co_await c.async_receive(asio::buffer(host), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e3);
+    CHECK(n3 == size);
+    const bool d2h = host == p2;
+    CHECK(d2h);
+    // One-sided: device -> remote device region, back into device memory,
+    // and host memory to and from it.
+    auto [e5, x5] = co_await c.async_put(asio::const_buffer(csrc.p, size), sremote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e5);
+    (void)x5;
+    const bool put_d2d = read_device(sregion_mem.p, size) == p1;
+    CHECK(put_d2d);
+    auto [e6, x6] = co_await c.async_get(asio::mutable_buffer(cdst.p, size), sremote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e6);
+    (void)x6;
+    const bool get_d2d = read_device(cdst.p, size) == p1;
+    CHECK(get_d2d);
+    auto [e7, x7] = co_await c.async_put(asio::buffer(p3), sremote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e7);
+    (void)x7;
+    const bool put_h2d = read_device(sregion_mem.p, size) == p3;
+    CHECK(put_h2d);
+    auto [e8, x8] = co_await c.async_get(asio::buffer(host), sremote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e8);
+    (void)x8;
+    const bool get_d2h = host == p3;
+    CHECK(get_d2h);
     co_await c.async_close(asio::use_awaitable);
     done = true;
   }, f.handler());
-  anydoor::test::run_to_completion(io);
+  anydoor::test::run_to_completion(io, std::chrono::seconds(120));
   f.check();
   CHECK(done);
 }

@@ -43,7 +43,7 @@ registration_table::registration_table(std::uint32_t generation)
 }
 
 std::uint32_t registration_table::take_slot(std::uint64_t addr, std::uint64_t length, access acc, std::uint64_t owner,
-                                            std::uint64_t delta) {
+                                            std::uint64_t delta, memory_copier* copier) {
   std::lock_guard lock(mutex_);
   if (free_count_ == 0) return 0;
   const std::uint32_t index = free_[free_head_];
@@ -60,19 +60,24 @@ std::uint32_t registration_table::take_slot(std::uint64_t addr, std::uint64_t le
   e.owner.store(owner, std::memory_order_release);
   e.parent.store(0, std::memory_order_release);
   e.delta.store(delta, std::memory_order_release);
+  e.copier.store(copier, std::memory_order_release);
   e.key.store(key, std::memory_order_release);
   return key;
 }
 
 std::uint32_t registration_table::add(std::byte* addr, std::uint64_t length, access acc) {
-  return take_slot(reinterpret_cast<std::uint64_t>(addr), length, acc, 0, 0);
+  return take_slot(reinterpret_cast<std::uint64_t>(addr), length, acc, 0, 0, nullptr);
+}
+
+std::uint32_t registration_table::add_copied(std::byte* addr, std::uint64_t length, access acc, memory_copier* copier) {
+  return take_slot(reinterpret_cast<std::uint64_t>(addr), length, acc, 0, 0, copier);
 }
 
 std::uint32_t registration_table::add_mapped(std::uint64_t iova, std::uint64_t length, access acc, std::byte* mapped) {
-  return take_slot(iova, length, acc, 0, reinterpret_cast<std::uint64_t>(mapped) - iova);
+  return take_slot(iova, length, acc, 0, reinterpret_cast<std::uint64_t>(mapped) - iova, nullptr);
 }
 
-std::uint32_t registration_table::add_window() { return take_slot(0, 0, access::none, kUnbound, 0); }
+std::uint32_t registration_table::add_window() { return take_slot(0, 0, access::none, kUnbound, 0, nullptr); }
 
 std::uint32_t registration_table::bind(std::uint32_t key, std::uint32_t parent, std::uint64_t addr,
                                        std::uint64_t length, access rights, std::uint64_t owner) noexcept {
@@ -99,6 +104,7 @@ std::uint32_t registration_table::bind(std::uint32_t key, std::uint32_t parent, 
   e.acc.store(static_cast<std::uint32_t>(rights & remote_access_bits), std::memory_order_release);
   e.parent.store(parent, std::memory_order_release);
   e.delta.store(p.delta.load(std::memory_order_relaxed), std::memory_order_release);  // the parent's bytes
+  e.copier.store(p.copier.load(std::memory_order_relaxed), std::memory_order_release);
   e.owner.store(owner, std::memory_order_release);
   e.key.store(bound, std::memory_order_release);
   return bound;
@@ -122,7 +128,8 @@ void registration_table::remove(std::uint32_t key) noexcept {
 }
 
 std::byte* registration_table::lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len,
-                                      access need, std::uint64_t via, std::uint32_t& parent) const noexcept {
+                                      access need, std::uint64_t via, std::uint32_t& parent,
+                                      memory_copier*& copier) const noexcept {
   // Acquire loads (plain loads on x86), so that the re-check below comes
   // after them: fields of a later registration or bind of the slot go with
   // a changed key (the stores are release, after the key is cleared).
@@ -132,6 +139,7 @@ std::byte* registration_table::lookup(const entry& e, std::uint32_t key, std::ui
   const std::uint64_t owner = e.owner.load(std::memory_order_acquire);
   parent = e.parent.load(std::memory_order_acquire);
   const std::uint64_t delta = e.delta.load(std::memory_order_acquire);
+  copier = e.copier.load(std::memory_order_acquire);
   if (e.key.load(std::memory_order_acquire) != key) return nullptr;
   if (owner != 0 && (via == 0 || owner != via)) return nullptr;  // a window: its queue pair only
   if (!has(acc, need)) return nullptr;
@@ -146,30 +154,35 @@ std::byte* registration_table::check(std::uint32_t key, std::uint64_t addr, std:
   const entry& e = entries_[index];
   if (e.key.load(std::memory_order_acquire) != key) return nullptr;
   std::uint32_t parent = 0;
-  std::byte* p = lookup(e, key, addr, len, need, via, parent);
+  memory_copier* copier = nullptr;
+  std::byte* p = lookup(e, key, addr, len, need, via, parent, copier);
   if (p == nullptr || parent == 0) return p;
   return check(parent, addr, len, access::none, 0);
 }
 
 std::byte* registration_table::pin_one(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
-                                       std::uint64_t via, std::uint32_t& parent) const noexcept {
+                                       std::uint64_t via, std::uint32_t& parent,
+                                       memory_copier*& copier) const noexcept {
   const std::uint32_t index = index_of(key);
   if (index == 0 || index >= kCapacity) return nullptr;
   const entry& e = entries_[index];
   e.pins.fetch_add(1, std::memory_order_seq_cst);
-  std::byte* p = e.key.load(std::memory_order_seq_cst) == key ? lookup(e, key, addr, len, need, via, parent) : nullptr;
+  std::byte* p =
+      e.key.load(std::memory_order_seq_cst) == key ? lookup(e, key, addr, len, need, via, parent, copier) : nullptr;
   if (p == nullptr) e.pins.fetch_sub(1, std::memory_order_release);
   return p;
 }
 
 std::byte* registration_table::pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
-                                   std::uint64_t via) const noexcept {
+                                   std::uint64_t via, memory_copier*& copier) const noexcept {
   std::uint32_t parent = 0;
-  std::byte* p = pin_one(key, addr, len, need, via, parent);
+  copier = nullptr;
+  std::byte* p = pin_one(key, addr, len, need, via, parent, copier);
   if (p == nullptr || parent == 0) return p;
-  // A window: its registration is pinned too (a registration has no parent).
+  // A window: its registration is pinned too (a registration has no
+  // parent), and says how its bytes move.
   std::uint32_t none = 0;
-  if (pin_one(parent, addr, len, access::none, 0, none) == nullptr) {
+  if (pin_one(parent, addr, len, access::none, 0, none, copier) == nullptr) {
     entries_[index_of(key)].pins.fetch_sub(1, std::memory_order_release);
     return nullptr;
   }
@@ -256,6 +269,23 @@ std::unique_ptr<memory_region> tcp_pd::register_dmabuf(int fd, std::uint64_t off
     throw std::system_error(errc::registration_failed, "register_dmabuf: registration table full");
   }
   return std::make_unique<tcp_dmabuf_mr>(table_, iova, length, key, acc, map, map_length);
+}
+
+tcp_copied_mr::tcp_copied_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length,
+                             std::uint32_t key, transport::access acc, std::shared_ptr<memory_copier> copier) noexcept
+    : memory_region(addr, length, key, key, acc), table_(std::move(table)), copier_(std::move(copier)) {}
+
+tcp_copied_mr::~tcp_copied_mr() { table_->remove(lkey()); }  // waits for the copies in flight; then the copier may go
+
+// Memory the CPU cannot reach (GPU device memory): the software NIC sends
+// from it and receives into it through the copier, a piece at a time
+// through its own host buffers (tcp_qp's tx bounce and rx staging).
+std::unique_ptr<memory_region> tcp_pd::register_copied(void* addr, std::size_t length, access acc,
+                                                       std::shared_ptr<memory_copier> copier) {
+  check_copied_registration(addr, length, acc, copier.get());
+  const std::uint32_t key = table_->add_copied(static_cast<std::byte*>(addr), length, acc, copier.get());
+  if (key == 0) throw std::system_error(errc::registration_failed, "register_copied: registration table full");
+  return std::make_unique<tcp_copied_mr>(table_, addr, length, key, acc, std::move(copier));
 }
 
 std::unique_ptr<queue_pair> tcp_pd::create_qp(const qp_attributes& attr) {
@@ -473,6 +503,7 @@ capabilities device_caps() noexcept {
   c.max_srq_wr = 1u << 20;
   c.dmabuf = true;        // a buffer fd it can map (register_dmabuf)
   c.peer_memory = false;  // GPU memory: through CUDA copies, never a device pointer as such
+  c.copied_memory = true;  // (register_copied: the runtime's CUDA copier)
   return c;
 }
 

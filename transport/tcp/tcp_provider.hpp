@@ -58,6 +58,9 @@ class registration_table {
   // A registration addressed as [iova, iova + length) whose bytes are at
   // `mapped` (a dma-buf's mapping): lookups translate. 0 when full.
   std::uint32_t add_mapped(std::uint64_t iova, std::uint64_t length, access acc, std::byte* mapped);
+  // A registration of memory the CPU cannot reach, whose bytes move
+  // through `copier` (register_copied): pin() says so. 0 when full.
+  std::uint32_t add_copied(std::byte* addr, std::uint64_t length, access acc, memory_copier* copier);
   std::uint32_t add_window();                                            // unbound; 0 when full
   // Binds the unbound window `key` to [addr, addr+length) of registration
   // `parent` for queue pair `owner` (its serial); returns the window's new
@@ -75,7 +78,14 @@ class registration_table {
   // As check(), and on success the registration stays until unpin(key):
   // the caller may read or write [addr, addr+len) meanwhile.
   std::byte* pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
-                 std::uint64_t via) const noexcept;
+                 std::uint64_t via) const noexcept {
+    memory_copier* copier = nullptr;
+    return pin(key, addr, len, need, via, copier);
+  }
+  // As pin(), and `copier` is the registration's (add_copied): the bytes
+  // at the pointer then move only through it (nullptr: the CPU's).
+  std::byte* pin(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need, std::uint64_t via,
+                 memory_copier*& copier) const noexcept;
   void unpin(std::uint32_t key) const noexcept;
 
  private:
@@ -90,16 +100,17 @@ class registration_table {
     std::atomic<std::uint64_t> owner{0};
     std::atomic<std::uint32_t> parent{0};  // a window's registration
     std::atomic<std::uint64_t> delta{0};   // where the bytes are, less addr (add_mapped; modulo 2^64)
+    std::atomic<memory_copier*> copier{nullptr};  // add_copied's (the region holds it)
     mutable std::atomic<std::uint32_t> pins{0};
     std::uint32_t generation = 0;
   };
   static std::uint32_t index_of(std::uint32_t key) noexcept { return key >> kGenerationBits; }
   std::uint32_t take_slot(std::uint64_t addr, std::uint64_t length, access acc, std::uint64_t owner,
-                          std::uint64_t delta);
+                          std::uint64_t delta, memory_copier* copier);
   std::byte* lookup(const entry& e, std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need,
-                    std::uint64_t via, std::uint32_t& parent) const noexcept;
+                    std::uint64_t via, std::uint32_t& parent, memory_copier*& copier) const noexcept;
   std::byte* pin_one(std::uint32_t key, std::uint64_t addr, std::uint64_t len, access need, std::uint64_t via,
-                     std::uint32_t& parent) const noexcept;
+                     std::uint32_t& parent, memory_copier*& copier) const noexcept;
   std::mutex mutex_;
   std::unique_ptr<entry[]> entries_;
   std::vector<std::uint32_t> free_;  // a ring of free slot indices, oldest first
@@ -197,6 +208,21 @@ struct device_state {
   std::atomic<std::uint32_t> connected{0};  // queue pairs that attached a socket, for fault_plan::qp
 };
 
+// A registration of memory the CPU cannot reach (register_copied): the
+// software NIC moves its bytes through the copier, which the region holds
+// until its key is gone.
+class tcp_copied_mr final : public memory_region {
+ public:
+  tcp_copied_mr(std::shared_ptr<registration_table> table, void* addr, std::size_t length, std::uint32_t key,
+                transport::access acc, std::shared_ptr<memory_copier> copier) noexcept;
+  ~tcp_copied_mr() override;
+  const registration_table* table() const noexcept { return table_.get(); }
+
+ private:
+  std::shared_ptr<registration_table> table_;
+  std::shared_ptr<memory_copier> copier_;
+};
+
 class tcp_pd final : public protection_domain {
  public:
   explicit tcp_pd(std::shared_ptr<device_state> shared = std::make_shared<device_state>())
@@ -207,6 +233,8 @@ class tcp_pd final : public protection_domain {
   std::unique_ptr<memory_region> register_memory(void* addr, std::size_t length, access acc) override;
   std::unique_ptr<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length, std::uint64_t iova,
                                                  access acc) override;
+  std::unique_ptr<memory_region> register_copied(void* addr, std::size_t length, access acc,
+                                                 std::shared_ptr<memory_copier> copier) override;
   std::unique_ptr<queue_pair> create_qp(const qp_attributes& attr) override;
   std::unique_ptr<memory_window> alloc_window() override;
   std::unique_ptr<shared_receive_queue> create_srq(const srq_attributes& attr) override;
@@ -379,7 +407,12 @@ class tcp_qp final : public queue_pair {
   void add_header(const void* p, iov_ref ref) noexcept;
   void add_header(const void* p) noexcept;
   bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
-  bool pin_iov() noexcept;                                  // false: the stream must be cut
+  bool pin_iov() noexcept;  // false: the stream must be cut
+  // Copies up to kTxBounce bytes of iovec i (copied memory at registered
+  // address addr, pinned at p) into tx_bounce_ and points it there; false
+  // when the copier fails.
+  bool bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier) noexcept;
+  void unbounce() noexcept;  // after the sendmsg: the bounced iovec as it was, less what went
   void unpin_iov() noexcept;
   void poison_read(std::uint64_t pos) noexcept;
   bool iov_holds_requests() const noexcept;
@@ -477,6 +510,17 @@ class tcp_qp final : public queue_pair {
   std::array<std::uint32_t, kMaxIov> pinned_{};  // keys pinned for the sendmsg in progress
   std::size_t npinned_ = 0;
   std::size_t iov_count_ = 0, iov_pos_ = 0;
+  std::size_t iov_end_ = 0;  // the sendmsg in progress sends [iov_pos_, iov_end_) (pin_iov)
+  // Copied memory (register_copied) goes out through tx_bounce_, one piece
+  // per sendmsg: the iovec bounced_ then points there, for bounced_len_ of
+  // its bounced_full_ bytes at registered address bounced_addr_, and is
+  // put back after the sendmsg (unbounce) with what it did not send.
+  static constexpr std::size_t kTxBounce = 256 * 1024;
+  std::unique_ptr<std::byte[]> tx_bounce_;
+  static constexpr std::size_t kNoBounce = ~std::size_t{0};
+  std::size_t bounced_ = kNoBounce;
+  std::uint64_t bounced_addr_ = 0;
+  std::size_t bounced_len_ = 0, bounced_full_ = 0;
   bool want_write_ = false;
   bool want_read_ = true;
 

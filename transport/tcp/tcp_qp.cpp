@@ -348,6 +348,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
     const registration_table* rt = nullptr;
     if (const auto* r = dynamic_cast<const tcp_mr*>(wrs[i].bind.region)) rt = r->table();
     if (const auto* r = dynamic_cast<const tcp_dmabuf_mr*>(wrs[i].bind.region)) rt = r->table();
+    if (const auto* r = dynamic_cast<const tcp_copied_mr*>(wrs[i].bind.region)) rt = r->table();
     if (w == nullptr || rt == nullptr || w->table() != &table_ || rt != &table_) {
       if (bad != nullptr) *bad = i;
       return errc::invalid_argument;

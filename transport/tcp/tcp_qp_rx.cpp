@@ -213,9 +213,16 @@ void tcp_qp::receive() noexcept {
       if (rx_begin_ < rx_end_) {
         got = static_cast<std::size_t>(std::min<std::uint64_t>(want, rx_end_ - rx_begin_));
         if (s != nullptr && s->key != 0) {
-          if (std::byte* p = table_.pin(s->key, s->addr, got, s->need, via(s->need))) {
-            std::memcpy(p, rx_buf_.data() + rx_begin_, got);
+          memory_copier* copier = nullptr;
+          if (std::byte* p = table_.pin(s->key, s->addr, got, s->need, via(s->need), copier)) {
+            std::error_code ec;
+            if (copier == nullptr) std::memcpy(p, rx_buf_.data() + rx_begin_, got);
+            else ec = copier->to_device(p, rx_buf_.data() + rx_begin_, got);
             table_.unpin(s->key);
+            if (ec) {
+              log().warn("qp {}: copying {} arriving bytes into copied memory failed: {}", qpn_, got, ec.message());
+              lose_payload();
+            }
           } else {
             lose_payload();
           }
@@ -226,8 +233,14 @@ void tcp_qp::receive() noexcept {
         rx_begin_ = rx_end_ = 0;
         std::byte* direct = nullptr;
         if (s != nullptr && s->key != 0 && want >= kDirectReadMin) {
-          direct = table_.pin(s->key, s->addr, want, s->need, via(s->need));
-          if (direct == nullptr) lose_payload();
+          memory_copier* copier = nullptr;
+          direct = table_.pin(s->key, s->addr, want, s->need, via(s->need), copier);
+          if (direct == nullptr) {
+            lose_payload();
+          } else if (copier != nullptr) {
+            table_.unpin(s->key);  // copied memory: through the staging buffer (above)
+            direct = nullptr;
+          }
         }
         const ssize_t n = direct != nullptr ? ::recv(fd_, direct, static_cast<std::size_t>(want), MSG_DONTWAIT)
                                             : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
@@ -372,7 +385,15 @@ bool tcp_qp::handle_request(const frame_header& h) noexcept {
         nak(h.psn, nak_code::invalid_request, true);
         return false;
       }
-      std::byte* p = table_.pin(h.rkey, h.remote_addr, 8, access::remote_atomic, serial_);
+      memory_copier* copier = nullptr;
+      std::byte* p = table_.pin(h.rkey, h.remote_addr, 8, access::remote_atomic, serial_, copier);
+      if (p != nullptr && copier != nullptr) {
+        // Copied memory (a window granting atomics on it): an atomic needs
+        // the memory itself.
+        table_.unpin(h.rkey);
+        log().warn("qp {}: the peer's atomic {} targets copied memory, which takes no atomics", qpn_, h.psn);
+        p = nullptr;
+      }
       if (p == nullptr) {
         nak(h.psn, nak_code::remote_access, true);
         return false;
@@ -605,15 +626,21 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         return false;
       }
       const sge& dst = head.wr.sg_list[0];
-      std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write, 0);
-      if (p == nullptr) {
-        log().warn("qp {}: the destination of atomic {} was deregistered", qpn_, h.psn);
+      memory_copier* copier = nullptr;
+      std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write, 0, copier);
+      std::error_code ec;
+      if (p != nullptr) {
+        if (copier == nullptr) std::memcpy(p, &h.compare_add, 8);
+        else ec = copier->to_device(p, &h.compare_add, 8);
+        table_.unpin(dst.lkey);
+      }
+      if (p == nullptr || ec) {
+        if (p == nullptr) log().warn("qp {}: the destination of atomic {} was deregistered", qpn_, h.psn);
+        else log().warn("qp {}: copying atomic {}'s result into copied memory failed: {}", qpn_, h.psn, ec.message());
         close_when_flushed_ = false;
         enter_error(wc_status::local_protection_error);
         return false;
       }
-      std::memcpy(p, &h.compare_add, 8);
-      table_.unpin(dst.lkey);
       complete_head(wc_status::success, 8);
       return true;
     }

@@ -157,18 +157,38 @@ bool tcp_qp::iov_holds_requests() const noexcept {
 // gone cuts the stream (false).
 bool tcp_qp::pin_iov() noexcept {
   npinned_ = 0;
-  for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
+  iov_end_ = iov_count_;
+  for (std::size_t i = iov_pos_; i < iov_end_; ++i) {
     iov_ref& ref = iov_ref_[i];
     if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
     const access need = ref.kind == iov_kind::read_payload ? access::remote_read : access::none;
     // iov_base holds the registered address until it is first pinned, then
     // where the bytes are (a dma-buf registration's mapping): delta undoes it.
     const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base) - ref.delta;
-    if (std::byte* p = table_.pin(ref.key, addr, iov_[i].iov_len, need, via(need)); p != nullptr) {
+    memory_copier* copier = nullptr;
+    std::byte* p = table_.pin(ref.key, addr, iov_[i].iov_len, need, via(need), copier);
+    if (p != nullptr && copier == nullptr) {
       pinned_[npinned_++] = ref.key;
       iov_[i].iov_base = p;
       ref.delta = reinterpret_cast<std::uint64_t>(p) - addr;
       continue;
+    }
+    if (p != nullptr) {
+      // Copied memory: this sendmsg ends with a piece of it, copied out
+      // (the next one sends the rest; the bounce holds the bytes, so the
+      // registration need not stay pinned).
+      if (i != iov_pos_ && bounced_ != kNoBounce) {
+        table_.unpin(ref.key);
+        iov_end_ = i;
+        break;
+      }
+      const bool copied = bounce(i, addr, p, *copier);
+      table_.unpin(ref.key);
+      if (copied) {
+        iov_end_ = i + 1;
+        break;
+      }
+      p = nullptr;
     }
     if (ref.kind == iov_kind::request_payload) {
       unpin_iov();
@@ -179,6 +199,42 @@ bool tcp_qp::pin_iov() noexcept {
     poison_read(ref.resp);
   }
   return true;
+}
+
+bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier) noexcept {
+  if (tx_bounce_ == nullptr) tx_bounce_.reset(new (std::nothrow) std::byte[kTxBounce]);
+  if (tx_bounce_ == nullptr) {
+    log().warn("qp {}: no memory for the bounce buffer of copied memory", qpn_);
+    return false;
+  }
+  const std::size_t n = std::min(iov_[i].iov_len, kTxBounce);
+  if (const std::error_code ec = copier.to_host(tx_bounce_.get(), p, n)) {
+    log().warn("qp {}: copying {} bytes out of copied memory failed: {}", qpn_, n, ec.message());
+    return false;
+  }
+  bounced_ = i;
+  bounced_addr_ = addr;
+  bounced_full_ = iov_[i].iov_len;
+  bounced_len_ = n;
+  iov_[i].iov_base = tx_bounce_.get();
+  iov_[i].iov_len = n;
+  return true;
+}
+
+void tcp_qp::unbounce() noexcept {
+  if (bounced_ == kNoBounce) return;
+  const std::size_t i = bounced_;
+  bounced_ = kNoBounce;
+  // What of the piece went: all of it once iov_pos_ is past the iovec,
+  // the part before its base while it is the current one, else none.
+  std::size_t sent = 0;
+  if (iov_pos_ > i) sent = bounced_len_;
+  else if (iov_pos_ == i) sent = static_cast<std::size_t>(static_cast<std::byte*>(iov_[i].iov_base) - tx_bounce_.get());
+  const std::size_t left = bounced_full_ - sent;
+  iov_[i].iov_base = reinterpret_cast<void*>(bounced_addr_ + sent);  // a registered address again
+  iov_[i].iov_len = left;
+  iov_ref_[i].delta = 0;
+  if (left != 0 && iov_pos_ > i) iov_pos_ = i;
 }
 
 void tcp_qp::unpin_iov() noexcept {
@@ -255,9 +311,10 @@ void tcp_qp::flush() noexcept {
     }
     msghdr msg{};
     msg.msg_iov = &iov_[iov_pos_];
-    msg.msg_iovlen = iov_count_ - iov_pos_;
+    msg.msg_iovlen = iov_end_ - iov_pos_;
     const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     unpin_iov();
+    if (n < 0) unbounce();  // (nothing went)
     ++counters_.tx_syscalls;
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -275,6 +332,7 @@ void tcp_qp::flush() noexcept {
       left -= take;
       if (v.iov_len == 0) ++iov_pos_;
     }
+    unbounce();
   }
   if (rx_paused_ && resp_tail_ - resp_head_ < resp_.size()) {
     rx_paused_ = false;  // room again: read on (what arrived meanwhile waits in the socket)

@@ -81,6 +81,8 @@ struct op_node {
   std::uint16_t split_mask = 0;
   std::uint8_t npins = 0;
   bool read_only = false;  // a piece came from a const buffer
+  // GPU device memory: send, bit i: bufs[i] is; receive_buffer, bit 0: dest is.
+  std::uint16_t device_mask = 0;
   // Large transfers start in pieces as the send queue drains: the next
   // local piece (bufs[cur_buf] at cur_off) and the bytes already issued.
   std::uint8_t cur_buf = 0;

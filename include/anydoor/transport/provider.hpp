@@ -244,6 +244,21 @@ class queue_pair {
   virtual void note_peer_message() noexcept {}
 };
 
+// How a device without direct access reaches memory the CPU cannot load
+// or store (GPU device memory): copies to and from host memory, which the
+// caller of protection_domain::register_copied provides (the runtime: CUDA
+// copies). The device calls it from its own threads, several at once, with
+// ranges inside the registration: implementations are thread-safe. A copy
+// that fails is reported as the error, never thrown.
+class memory_copier {
+ public:
+  virtual ~memory_copier() = default;
+  // [src, src + n) of the copied memory into host memory at dst.
+  virtual std::error_code to_host(void* dst, const void* src, std::size_t n) noexcept = 0;
+  // Host memory [src, src + n) into the copied memory at dst.
+  virtual std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept = 0;
+};
+
 // A protection domain (ibv_pd): registrations and queue pairs live in one.
 class protection_domain {
  public:
@@ -271,6 +286,19 @@ class protection_domain {
   // under a registration faults the process (seal it, F_SEAL_SHRINK).
   virtual std::unique_ptr<memory_region> register_dmabuf(int fd, std::uint64_t offset, std::size_t length,
                                                          std::uint64_t iova, access acc) = 0;
+
+  // Registers [addr, addr + length) of memory the CPU cannot reach (GPU
+  // device memory), which the device reads and writes through `copier`
+  // (held until the region is gone): the region's addr() is addr, and
+  // work requests and peers use it as any other. Throws std::system_error:
+  // errc::not_supported where caps().copied_memory is false (verbs: a NIC
+  // reaches GPU memory directly or not at all), and for remote_atomic
+  // access (an atomic needs the memory itself); errc::invalid_argument as
+  // register_memory, and for a null copier; errc::registration_failed
+  // when the device has no room. Inline sends must not gather from such a
+  // region (the CPU copies them).
+  virtual std::unique_ptr<memory_region> register_copied(void* addr, std::size_t length, access acc,
+                                                         std::shared_ptr<memory_copier> copier);
 
   // Creates a queue pair in state reset. Throws std::system_error
   // (errc::invalid_argument: attributes out of range, completion queues or

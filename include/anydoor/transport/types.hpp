@@ -166,8 +166,11 @@ struct capabilities {
   //   tcp: any buffer fd it can map, a udmabuf or a memfd);
   // peer_memory: register_memory takes GPU device pointers (verbs with
   //   nvidia-peermem loaded).
+  // copied_memory: register_copied works (the device reaches memory the
+  //   CPU cannot, GPU device memory, through the caller's copier: tcp).
   bool dmabuf = false;
   bool peer_memory = false;
+  bool copied_memory = false;
   bool memory_windows = false;  // type-2 memory windows (protection_domain::alloc_window)
   // Shared receive queues (protection_domain::create_srq): how many, and
   // receives each holds at most; 0: none.

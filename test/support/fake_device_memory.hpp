@@ -1,0 +1,101 @@
+// Host memory standing in for GPU device memory, for tests on machines
+// without a GPU. The address handed out (dev) is mapped PROT_NONE: a load
+// or store by the CPU faults, as one into GPU memory would, so code under
+// test that touches it other than through the copier crashes the test.
+// The bytes live in a memfd, reached by the test (and by fake_copier)
+// through a second, writable mapping (view), as a GPU's bytes are reached
+// only by copies.
+#pragma once
+
+#include <anydoor/error.hpp>
+#include <anydoor/transport/provider.hpp>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+namespace anydoor::test {
+
+class fake_device_memory {
+ public:
+  explicit fake_device_memory(std::size_t size) : size_(size) {
+    fd_ = ::memfd_create("anydoor-fake-device", MFD_CLOEXEC);
+    if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(size)) != 0) throw std::runtime_error("memfd");
+    void* d = ::mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd_, 0);
+    void* v = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (d == MAP_FAILED || v == MAP_FAILED) throw std::runtime_error("mmap");
+    dev_ = static_cast<std::byte*>(d);
+    view_ = static_cast<std::byte*>(v);
+  }
+  ~fake_device_memory() {
+    ::munmap(dev_, size_);
+    ::munmap(view_, size_);
+    ::close(fd_);
+  }
+  fake_device_memory(const fake_device_memory&) = delete;
+  fake_device_memory& operator=(const fake_device_memory&) = delete;
+
+  std::byte* dev() const noexcept { return dev_; }    // what code under test gets
+  std::byte* view() const noexcept { return view_; }  // what the test reads and writes
+  std::size_t size() const noexcept { return size_; }
+  bool contains(const void* p, std::size_t n) const noexcept {
+    const auto* b = static_cast<const std::byte*>(p);
+    return b >= dev_ && n <= size_ && static_cast<std::size_t>(b - dev_) <= size_ - n;
+  }
+  std::byte* view_of(const void* p) const noexcept { return view_ + (static_cast<const std::byte*>(p) - dev_); }
+
+ private:
+  std::size_t size_;
+  int fd_ = -1;
+  std::byte* dev_ = nullptr;
+  std::byte* view_ = nullptr;
+};
+
+// Copies between a fake_device_memory and host memory, counting bytes,
+// failing every copy after `fail_after` more have succeeded (negative:
+// never), and refusing (with a note in bad_range) ranges outside the
+// memory, which the caller never should pass.
+class fake_copier final : public anydoor::transport::memory_copier {
+ public:
+  explicit fake_copier(const fake_device_memory& m) : m_(m) {}
+  std::error_code to_host(void* dst, const void* src, std::size_t n) noexcept override {
+    if (std::error_code ec = admit(src, n)) return ec;
+    std::memcpy(dst, m_.view_of(src), n);
+    to_host_bytes += n;
+    return {};
+  }
+  std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept override {
+    if (std::error_code ec = admit(dst, n)) return ec;
+    std::memcpy(m_.view_of(dst), src, n);
+    to_device_bytes += n;
+    return {};
+  }
+  std::atomic<std::uint64_t> to_host_bytes{0}, to_device_bytes{0};
+  std::atomic<std::uint64_t> copies{0};
+  std::atomic<long> fail_after{-1};
+  std::atomic<bool> bad_range{false};
+
+ private:
+  std::error_code admit(const void* p, std::size_t n) noexcept {
+    if (!m_.contains(p, n)) {
+      bad_range = true;
+      return make_error_code(errc::invalid_argument);
+    }
+    ++copies;
+    long left = fail_after.load();
+    while (left >= 0) {
+      if (left == 0) return make_error_code(errc::device_copy_failed);
+      if (fail_after.compare_exchange_weak(left, left - 1)) break;
+    }
+    return {};
+  }
+  const fake_device_memory& m_;
+};
+
+}  // namespace anydoor::test
