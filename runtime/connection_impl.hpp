@@ -83,6 +83,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_receive(op_node* n);
   void start_close(op_node* n);
   void start_onesided(op_node* n);
+  // A put or get that went through the staging pipeline (staging.hpp) ends.
+  void complete_staged(op_node* n, std::error_code ec, std::size_t size) noexcept { complete(n, true, ec, size); }
   void cancel(op_node* n, asio::cancellation_type type);
   void abort() noexcept;
   void on_handle_released() noexcept;
@@ -179,6 +181,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   start_result try_start(op_node* n, bool post) noexcept;
   start_result try_start_onesided(op_node* n, bool post) noexcept;
   std::error_code prepare_onesided(op_node* n) noexcept;  // checks and keys the local memory
+  bool stages(const op_node* n) const noexcept;           // GPU memory through the staging pipeline
+  void start_staged(op_node* n);
   std::error_code prepare_window(op_node* n) noexcept;    // register_memory: the region and its window
   void revoke_windows() noexcept;                         // the connection ends: every window it bound
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool

@@ -6,9 +6,11 @@
 
 #include "log.hpp"
 #include "cuda/driver.hpp"
+#include "cuda/register.hpp"
 #include "registration_cache.hpp"
 #include "scoped_region.hpp"
 #include "split_region.hpp"
+#include "staging.hpp"
 
 #include <algorithm>
 
@@ -26,11 +28,45 @@ void connection_impl::start_onesided(op_node* n) {
     complete(n, true, ec);
     return;
   }
+  if (stages(n)) {
+    start_staged(n);
+    return;
+  }
   if (const std::error_code ec = prepare_onesided(n)) {
     complete(n, true, ec);
     return;
   }
   queue_send(n);
+}
+
+// Whether a put or get goes through the staging pipeline: its local side
+// is one plain buffer of GPU device memory, and the fabric stages (always,
+// for small transfers, or because the device cannot reach GPU memory).
+bool connection_impl::stages(const op_node* n) const noexcept {
+  if ((n->kind != op_kind::put && n->kind != op_kind::get) || n->nbufs != 1 || n->regions[0] != nullptr) return false;
+  if (!cuda::detail::any_gpu_memory() || cuda::detail::kind_here(n->bufs[0].data()) != memory_kind::cuda_device) {
+    return false;
+  }
+  const fabric_options& o = fab_->options;
+  return o.gpu_staging || n->length <= o.gpu_bounce_threshold || !cuda::detail::reaches_gpu_memory(*fab_->device);
+}
+
+void connection_impl::start_staged(op_node* n) {
+  if (n->length > n->remote.length) {
+    complete(n, true, errc::out_of_range);
+    return;
+  }
+  if (n->kind == op_kind::get && n->read_only) {
+    complete(n, true, errc::invalid_argument);
+    return;
+  }
+  try {
+    auto t = std::make_shared<staged_transfer>(shared_from_this(), n, fab_->staging(), fab_->copies());
+    t->start();
+  } catch (const std::exception& e) {
+    log().warn("connection: staging a {}-byte transfer of GPU memory failed: {}", n->length, e.what());
+    complete(n, true, errc::registration_failed);
+  }
 }
 
 std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {

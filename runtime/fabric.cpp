@@ -4,6 +4,7 @@
 #include "connection_impl.hpp"
 #include "fabric_state.hpp"
 #include "log.hpp"
+#include "staging.hpp"
 #include "registration_cache.hpp"
 #include "split_region.hpp"
 #include "cuda/driver.hpp"
@@ -57,6 +58,11 @@ const fabric_options& checked(const fabric_options& o) {
   require(c.auth_token.size() <= 1024, "fabric: connection.auth_token must be at most 1024 bytes");
   require(o.srq_buffers == 0 || (o.srq_buffers >= 8 && o.srq_buffers <= (1u << 20)),
           "fabric: srq_buffers must be 0 or in 8..2^20");
+  require(o.gpu_staging_chunk >= 4096 && o.gpu_staging_chunk <= (std::size_t{1} << 30),
+          "fabric: gpu_staging_chunk must be in 4096..2^30");
+  require(o.gpu_bounce_threshold <= (std::size_t{1} << 30), "fabric: gpu_bounce_threshold must be at most 2^30");
+  require(o.gpu_staging_buffers >= 2 && o.gpu_staging_buffers <= 1024,
+          "fabric: gpu_staging_buffers must be in 2..1024");
   require(c.keepalive.count() == 0 || (c.keepalive >= std::chrono::milliseconds(200) && c.keepalive <= std::chrono::hours(1)),
           "fabric: connection.keepalive must be 0 or in 200 ms..1 h");
   return o;
@@ -268,6 +274,18 @@ fabric_state::~fabric_state() {
   reactor.reset();
   cache.reset();
   pool.reset();
+}
+
+staging_area& fabric_state::staging() {
+  if (staging_ == nullptr) {
+    staging_ = std::make_unique<staging_area>(*pd, piece_shift, options.gpu_staging_chunk, options.gpu_staging_buffers);
+  }
+  return *staging_;
+}
+
+copy_thread& fabric_state::copies() {
+  if (copies_ == nullptr) copies_ = std::make_unique<copy_thread>(io);
+  return *copies_;
 }
 
 void fabric_state::busy() noexcept {

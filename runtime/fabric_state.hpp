@@ -25,7 +25,9 @@
 namespace anydoor::detail {
 
 class connection_impl;
+class copy_thread;
 class registration_cache;
+class staging_area;
 
 class fabric_state : public std::enable_shared_from_this<fabric_state> {
  public:
@@ -39,6 +41,10 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::unique_ptr<transport::completion_queue> cq;
   std::unique_ptr<buffer_pool> pool;
   std::unique_ptr<registration_cache> cache;
+  // GPU memory's staging buffers and copy thread (staging.hpp), made on
+  // first use.
+  staging_area& staging();
+  copy_thread& copies();
   unsigned piece_shift = 0;  // registrations above 2^piece_shift bytes are made in pieces
   std::unique_ptr<anydoor::reactor> reactor;
   bool auth = false;                  // options.connection.auth_token is set: peers must prove it
@@ -154,6 +160,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::condition_variable_any tick_cv_;
   bool tick_wanted_ = false;  // under tick_m_
   std::jthread liveness_;  // last: stopped first
+  std::unique_ptr<staging_area> staging_;
+  std::unique_ptr<copy_thread> copies_;
 };
 
 }  // namespace anydoor::detail

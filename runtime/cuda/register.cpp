@@ -50,6 +50,11 @@ std::unique_ptr<transport::memory_region> register_device_memory(transport::devi
   }
 }
 
+bool reaches_gpu_memory(const transport::device& dev) noexcept {
+  const transport::capabilities& c = dev.caps();
+  return (driver().usable || installed_test_backend() != nullptr) && (c.peer_memory || c.dmabuf || c.copied_memory);
+}
+
 std::unique_ptr<transport::memory_region> register_any(transport::device& dev, transport::protection_domain& pd,
                                                        void* p, std::size_t n, transport::access acc, bool device) {
   return device ? register_device_memory(dev, pd, p, n, acc) : pd.register_memory(p, n, acc);

@@ -27,6 +27,10 @@ std::unique_ptr<transport::memory_region> register_device_memory(transport::devi
                                                                  transport::protection_domain& pd, void* p,
                                                                  std::size_t n, transport::access acc);
 
+// Whether `dev` reaches GPU device memory at all (GPUDirect RDMA, or the
+// tcp provider's copies) with a usable driver (or a test's stand-in).
+bool reaches_gpu_memory(const transport::device& dev) noexcept;
+
 // Registers [p, p + n) as one region whatever it is: GPU device memory as
 // register_device_memory does (`device` says it is), anything else as host
 // memory. Throws as those do.

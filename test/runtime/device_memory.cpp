@@ -17,6 +17,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <cstring>
@@ -270,4 +271,170 @@ TEST_CASE("device memory: managed memory and atomics are refused, a failed copy 
   f.check();
   CHECK(done);
   CHECK_FALSE(copier.bad_range);
+}
+
+TEST_CASE("device memory: the staging pipeline moves puts and gets in order in chunks through two buffers",
+          "[device_memory]") {
+  if (skipped_off_tcp()) return;
+  constexpr std::size_t kChunk = 4096;
+  constexpr std::size_t kSize = 25 * kChunk + 123;  // 26 chunks, the last one short
+  fake_device_memory dev(4 * kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fake_copier& copier = backend.the_copier();
+  std::byte* src = dev.dev() + 3;  // odd offsets
+  std::byte* dst = dev.dev() + kSize + 8192 + 5;
+  fill(dev.view() + 3, kSize, 9);
+  std::vector<std::byte> host(kSize);
+
+  asio::io_context io;
+  // Staging forced with a small chunk: the device (tcp) could reach the
+  // memory itself, so this also shows the option's effect: no copy of the
+  // provider's (those are whole-transfer sized or 64 KiB pieces) appears.
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_staging = true;
+  opt.gpu_staging_chunk = kChunk;
+  opt.gpu_staging_buffers = 2;
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, opt);
+  ad::memory_region region = server.register_memory(std::span(host), ad::access::local_write |
+                                                                       ad::access::remote_write |
+                                                                       ad::access::remote_read);
+  const ad::remote_region remote = region.remote();
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  bool done = false;
+  std::vector<fake_copier::copy_record> put_log, get_log;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the client's goodbye
+    (void)m;
+    CHECK(e == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    copier.clear_log();
+    auto [e1, n1] = co_await c.async_put(asio::const_buffer(src, kSize), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e1);
+    CHECK(n1 == kSize);
+    put_log = copier.log();
+    const bool put_ok = std::memcmp(host.data(), dev.view() + 3, kSize) == 0;
+    CHECK(put_ok);
+    // Back into other GPU memory.
+    copier.clear_log();
+    auto [e2, n2] = co_await c.async_get(asio::mutable_buffer(dst, kSize), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e2);
+    CHECK(n2 == kSize);
+    get_log = copier.log();
+    const bool get_ok = std::memcmp(dev.view() + kSize + 8192 + 5, dev.view() + 3, kSize) == 0;
+    CHECK(get_ok);
+    // Two at once on two buffers: one waits for the other's buffers.
+    fill(dev.view() + 3, kSize, 10);
+    std::vector<std::byte> host2(kSize);
+    ad::memory_region r2 = server.register_memory(std::span(host2), ad::access::local_write | ad::access::remote_write);
+    int ended = 0;
+    boost::system::error_code ea, eb;
+    c.async_put(asio::const_buffer(src, kSize), remote, [&](boost::system::error_code ec, std::size_t) {
+      ea = ec;
+      ++ended;
+    });
+    c.async_put(asio::const_buffer(src, kSize), r2.remote(), [&](boost::system::error_code ec, std::size_t) {
+      eb = ec;
+      ++ended;
+    });
+    while (ended < 2) co_await asio::post(io, asio::use_awaitable);
+    CHECK(!ea);
+    CHECK(!eb);
+    const bool both = std::memcmp(host.data(), dev.view() + 3, kSize) == 0 && host2 == host;
+    CHECK(both);
+    co_await c.async_close(asio::use_awaitable);
+    done = true;
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  REQUIRE(done);
+  // The chunks, each copied once, in order: out of the GPU for the put,
+  // into it for the get.
+  auto in_order = [&](const std::vector<fake_copier::copy_record>& log, std::size_t base, bool to_host) {
+    std::size_t off = 0;
+    for (const auto& r : log) {
+      if (r.offset != base + off || r.length != std::min(kChunk, kSize - off) || r.to_host != to_host) return false;
+      off += r.length;
+    }
+    return off == kSize;
+  };
+  CHECK(put_log.size() == 26);
+  CHECK(in_order(put_log, 3, true));
+  CHECK(get_log.size() == 26);
+  CHECK(in_order(get_log, kSize + 8192 + 5, false));
+  CHECK(client.stats().cache.registrations == 0);  // the staging buffers are one registration, made once
+}
+
+TEST_CASE("device memory: a staged transfer that fails ends with the error, frees its buffers, and the next one works",
+          "[device_memory]") {
+  if (skipped_off_tcp()) return;
+  constexpr std::size_t kChunk = 4096;
+  constexpr std::size_t kSize = 10 * kChunk;
+  fake_device_memory dev(2 * kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fake_copier& copier = backend.the_copier();
+  std::vector<std::byte> host(kSize);
+
+  asio::io_context io;
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_staging = true;
+  opt.gpu_staging_chunk = kChunk;
+  opt.gpu_staging_buffers = 2;
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, opt);
+  ad::memory_region region = server.register_memory(std::span(host), ad::access::local_write |
+                                                                       ad::access::remote_write |
+                                                                       ad::access::remote_read);
+  const ad::remote_region remote = region.remote();
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  bool done = false;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+    (void)m;
+    CHECK(e == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    // A copy out of the GPU fails at the fourth chunk.
+    copier.fail_after = 3;
+    auto [e1, n1] = co_await c.async_put(asio::const_buffer(dev.dev(), kSize), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(e1 == ad::errc::device_copy_failed);
+    CHECK(n1 == 0);
+    // A copy into the GPU fails at once.
+    copier.fail_after = 0;
+    auto [e2, n2] = co_await c.async_get(asio::mutable_buffer(dev.dev(), kSize), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(e2 == ad::errc::device_copy_failed);
+    (void)n2;
+    copier.fail_after = -1;
+    // Beyond the remote region: refused before anything moves.
+    auto [e3, n3] = co_await c.async_put(asio::const_buffer(dev.dev(), kSize), remote.at(kChunk, kSize - kChunk),
+                                         asio::as_tuple(asio::use_awaitable));
+    CHECK(e3 == ad::errc::out_of_range);
+    (void)n3;
+    // A get into read-only memory: refused.
+    auto [e4, n4] = co_await c.async_get(ad::local_range(asio::const_buffer(dev.dev(), kSize)), remote,
+                                         asio::as_tuple(asio::use_awaitable));
+    CHECK(e4 == ad::errc::invalid_argument);
+    (void)n4;
+    // The buffers came back: a whole transfer goes through.
+    fill(dev.view(), kSize, 12);
+    auto [e5, n5] = co_await c.async_put(asio::const_buffer(dev.dev(), kSize), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e5);
+    CHECK(n5 == kSize);
+    const bool ok = std::memcmp(host.data(), dev.view(), kSize) == 0;
+    CHECK(ok);
+    co_await c.async_close(asio::use_awaitable);
+    done = true;
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  CHECK(done);
 }

@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
+#include <vector>
 #include <cstddef>
 #include <cstring>
 #include <stdexcept>
@@ -65,13 +67,13 @@ class fake_copier final : public anydoor::transport::memory_copier {
  public:
   explicit fake_copier(const fake_device_memory& m) : m_(m) {}
   std::error_code to_host(void* dst, const void* src, std::size_t n) noexcept override {
-    if (std::error_code ec = admit(src, n)) return ec;
+    if (std::error_code ec = admit(src, n, true)) return ec;
     std::memcpy(dst, m_.view_of(src), n);
     to_host_bytes += n;
     return {};
   }
   std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept override {
-    if (std::error_code ec = admit(dst, n)) return ec;
+    if (std::error_code ec = admit(dst, n, false)) return ec;
     std::memcpy(m_.view_of(dst), src, n);
     to_device_bytes += n;
     return {};
@@ -80,14 +82,32 @@ class fake_copier final : public anydoor::transport::memory_copier {
   std::atomic<std::uint64_t> copies{0};
   std::atomic<long> fail_after{-1};
   std::atomic<bool> bad_range{false};
+  // Every copy asked for, in order: its GPU-side offset, length, direction.
+  struct copy_record {
+    std::size_t offset;
+    std::size_t length;
+    bool to_host;
+  };
+  std::vector<copy_record> log() const {
+    std::lock_guard lock(mutex_);
+    return log_;
+  }
+  void clear_log() {
+    std::lock_guard lock(mutex_);
+    log_.clear();
+  }
 
  private:
-  std::error_code admit(const void* p, std::size_t n) noexcept {
+  std::error_code admit(const void* p, std::size_t n, bool to_host) noexcept {
     if (!m_.contains(p, n)) {
       bad_range = true;
       return make_error_code(errc::invalid_argument);
     }
     ++copies;
+    {
+      std::lock_guard lock(mutex_);
+      log_.push_back({static_cast<std::size_t>(static_cast<const std::byte*>(p) - m_.dev()), n, to_host});
+    }
     long left = fail_after.load();
     while (left >= 0) {
       if (left == 0) return make_error_code(errc::device_copy_failed);
@@ -96,6 +116,8 @@ class fake_copier final : public anydoor::transport::memory_copier {
     return {};
   }
   const fake_device_memory& m_;
+  mutable std::mutex mutex_;
+  std::vector<copy_record> log_;
 };
 
 }  // namespace anydoor::test
