@@ -461,15 +461,19 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
   // Off the waiting list before it joins another (the lists share the node's links).
   recv_waiting_.remove(n);
   try {
+    // Into GPU memory where the device does not reach it (or with
+    // gpu_staging): read into host memory, copied in when complete.
+    const bool staged = !allocate && n->device_mask != 0 &&
+                        (fab_->options.gpu_staging || !cuda::detail::reaches_gpu_memory(*fab_->device));
     std::byte* dst;
-    if (!allocate) {
+    if (!allocate && !staged) {
       dst = static_cast<std::byte*>(n->dest.data());
     } else {
       n->large.reset(new std::byte[b.length]);
       dst = n->large.get();
     }
     n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, dst, b.length, transport::access::local_write,
-                                       !allocate && n->device_mask != 0);
+                                       !allocate && !staged && n->device_mask != 0);
   } catch (const std::exception& e2) {
     log().warn("connection: cannot receive a {}-byte message: {}", b.length, e2.what());
     n->large.reset();
@@ -529,7 +533,15 @@ void connection_impl::on_read_done(op_node* n, transport::wc_status status) noex
   stats_.bytes_received += n->length;
   const auto len = static_cast<std::size_t>(n->length);
   if (n->kind == op_kind::receive_buffer) {
-    complete(n, false, {}, len);
+    std::error_code ec;
+    if (n->large != nullptr) {  // staged: the host copy into GPU memory
+      n->mr.reset();
+      std::string why;
+      ec = cuda::detail::copy_to_device(n->dest.data(), n->large.get(), len, why);
+      if (ec) log().warn("connection: copying a {}-byte message into GPU memory failed: {}", len, why);
+      n->large.reset();
+    }
+    complete(n, false, ec, ec ? 0 : len);
     return;
   }
   message m;

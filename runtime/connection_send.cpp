@@ -109,10 +109,35 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
       p += n->bufs[i].size();
     }
   }
+  // A rendezvous message of GPU memory where the device does not reach it
+  // (or with gpu_staging): the peer reads a host copy of it.
+  const bool staged = !eager && from_device &&
+                      (fab_->options.gpu_staging || !cuda::detail::reaches_gpu_memory(*fab_->device));
+  const void* source = n->bufs[0].data();
+  if (staged) {
+    std::string why;
+    std::error_code ec;
+    try {
+      n->large.reset(new std::byte[n->length]);
+      ec = cuda::detail::copy_to_host(n->large.get(), source, n->length, why);
+    } catch (const std::bad_alloc&) {
+      ec = errc::registration_failed;
+      why = "no memory for a host copy";
+    }
+    if (ec) {
+      log().warn("connection: staging a {}-byte message of GPU memory failed: {}", n->length, why);
+      n->large.reset();
+      if (buf != buffer_pool::npos) fab_->put_buffer(buf);
+      send_waiting_.remove(n);
+      complete(n, post, ec);
+      return start_result::started;
+    }
+    source = n->large.get();
+  }
   if (!eager) {
     try {
-      n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, const_cast<void*>(n->bufs[0].data()),
-                                         n->bufs[0].size(), transport::access::remote_read, from_device);
+      n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, const_cast<void*>(source), n->length,
+                                         transport::access::remote_read, from_device && !staged);
     } catch (const std::system_error& e) {
       log().warn("connection: registering a {}-byte rendezvous source failed: {}", n->length, e.what());
       if (buf != buffer_pool::npos) fab_->put_buffer(buf);
@@ -135,7 +160,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   } else {
     n->cookie = next_cookie_++;
     if (next_cookie_ == 0) next_cookie_ = 1;
-    protocol::encode(protocol::rts_body{n->length, reinterpret_cast<std::uint64_t>(n->bufs[0].data()), n->mr->rkey(),
+    protocol::encode(protocol::rts_body{n->length, reinterpret_cast<std::uint64_t>(source), n->mr->rkey(),
                                         n->cookie},
                      out + protocol::kHeaderSize);
   }

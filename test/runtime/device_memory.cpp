@@ -55,7 +55,11 @@ class fake_backend final : public ad::cuda::detail::test_backend {
   std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept override {
     return copier_->to_device(dst, src, n);
   }
-  std::shared_ptr<ad::transport::memory_copier> copier(const void*, std::size_t) override { return copier_; }
+  std::shared_ptr<ad::transport::memory_copier> copier(const void*, std::size_t) override {
+    ++registrations;  // GPU memory registered with the device (its copies reach it directly)
+    return copier_;
+  }
+  int registrations = 0;
   fake_copier& the_copier() noexcept { return *copier_; }
 
  private:
@@ -85,7 +89,10 @@ TEST_CASE("device memory: sends receives puts and gets move GPU bytes in every d
   // through the provider's bounce in many pieces.
   const std::size_t size = GENERATE(std::size_t{1}, std::size_t{4096}, std::size_t{100000}, std::size_t{(1 << 20) + 3},
                                     std::size_t{16 << 20});
-  INFO(size << " bytes");
+  // Direct (the provider's copies), or staging forced: messages through
+  // host copies, plain-buffer puts and gets through the pipeline.
+  const bool staging = GENERATE(false, true);
+  INFO(size << " bytes" << (staging ? ", staging forced" : ""));
   if (skipped_off_tcp()) return;
   // Both sides' GPU memory: the client's first half, the server's second.
   const std::size_t half = 2 * size + 8192;
@@ -97,8 +104,10 @@ TEST_CASE("device memory: sends receives puts and gets move GPU bytes in every d
   std::vector<std::byte> host(2 * size + 64);
 
   asio::io_context io;
-  ad::fabric server(io, anydoor::test::test_options());
-  ad::fabric client(io, anydoor::test::test_options());
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_staging = staging;
+  ad::fabric server(io, opt);
+  ad::fabric client(io, opt);
   ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
   anydoor::test::failure f;
   // The server's GPU memory as a region the client puts to and gets from.
@@ -179,6 +188,10 @@ TEST_CASE("device memory: sends receives puts and gets move GPU bytes in every d
   CHECK(std::memcmp(dev.view() + half + 7, want.data(), size) == 0);  // 2 arrived in server device memory
   CHECK(std::memcmp(host.data() + size, dev.view() + half + size + 4096, size) == 0);  // the last get
   CHECK_FALSE(backend.the_copier().bad_range);
+  // Staging forced: no GPU memory but the server's region was registered
+  // with the device (everything else went through host memory).
+  if (staging) CHECK(backend.registrations == 1);
+  if (!staging && size > 8192) CHECK(backend.registrations > 1);
   CHECK(backend.the_copier().to_host_bytes >= 3 * size);
   CHECK(backend.the_copier().to_device_bytes >= 3 * size);
 }

@@ -512,15 +512,22 @@ class tcp_qp final : public queue_pair {
   std::size_t iov_count_ = 0, iov_pos_ = 0;
   std::size_t iov_end_ = 0;  // the sendmsg in progress sends [iov_pos_, iov_end_) (pin_iov)
   // Copied memory (register_copied) goes out through tx_bounce_, one piece
-  // per sendmsg: the iovec bounced_ then points there, for bounced_len_ of
-  // its bounced_full_ bytes at registered address bounced_addr_, and is
-  // put back after the sendmsg (unbounce) with what it did not send.
+  // per sendmsg: the iovec bounced_ then points at bounced_base_, for
+  // bounced_len_ of its bounced_full_ bytes at registered address
+  // bounced_addr_, and is put back after the sendmsg (unbounce) with what
+  // it did not send. The bounce holds held_len_ bytes of iovec held_iov_
+  // of this batch from registered address held_addr_ until they are sent
+  // (a sendmsg that sends less, or nothing, does not copy them again).
   static constexpr std::size_t kTxBounce = 256 * 1024;
   std::unique_ptr<std::byte[]> tx_bounce_;
   static constexpr std::size_t kNoBounce = ~std::size_t{0};
   std::size_t bounced_ = kNoBounce;
   std::uint64_t bounced_addr_ = 0;
+  std::byte* bounced_base_ = nullptr;
   std::size_t bounced_len_ = 0, bounced_full_ = 0;
+  std::size_t held_iov_ = kNoBounce;
+  std::uint64_t held_addr_ = 0;
+  std::size_t held_len_ = 0;
   bool want_write_ = false;
   bool want_read_ = true;
 

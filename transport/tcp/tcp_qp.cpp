@@ -223,6 +223,7 @@ void tcp_qp::close_socket() noexcept {
 // response ring's positions, the receive staging buffer and frame parser.
 void tcp_qp::reset_stream() noexcept {
   iov_count_ = iov_pos_ = 0;
+  held_iov_ = kNoBounce;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   rx_begin_ = rx_end_ = 0;
   rx_header_only_ = false;

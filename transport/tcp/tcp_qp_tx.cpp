@@ -176,12 +176,7 @@ bool tcp_qp::pin_iov() noexcept {
     if (p != nullptr) {
       // Copied memory: this sendmsg ends with a piece of it, copied out
       // (the next one sends the rest; the bounce holds the bytes, so the
-      // registration need not stay pinned).
-      if (i != iov_pos_ && bounced_ != kNoBounce) {
-        table_.unpin(ref.key);
-        iov_end_ = i;
-        break;
-      }
+      // registration need not stay pinned, only be there now).
       const bool copied = bounce(i, addr, p, *copier);
       table_.unpin(ref.key);
       if (copied) {
@@ -207,17 +202,27 @@ bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memor
     log().warn("qp {}: no memory for the bounce buffer of copied memory", qpn_);
     return false;
   }
-  const std::size_t n = std::min(iov_[i].iov_len, kTxBounce);
-  if (const std::error_code ec = copier.to_host(tx_bounce_.get(), p, n)) {
-    log().warn("qp {}: copying {} bytes out of copied memory failed: {}", qpn_, n, ec.message());
-    return false;
+  std::size_t skip = 0;
+  if (held_iov_ == i && addr >= held_addr_ && addr - held_addr_ < held_len_) {
+    skip = static_cast<std::size_t>(addr - held_addr_);  // still there from the last sendmsg
+  } else {
+    const std::size_t n = std::min(iov_[i].iov_len, kTxBounce);
+    held_iov_ = kNoBounce;
+    if (const std::error_code ec = copier.to_host(tx_bounce_.get(), p, n)) {
+      log().warn("qp {}: copying {} bytes out of copied memory failed: {}", qpn_, n, ec.message());
+      return false;
+    }
+    held_iov_ = i;
+    held_addr_ = addr;
+    held_len_ = n;
   }
   bounced_ = i;
   bounced_addr_ = addr;
   bounced_full_ = iov_[i].iov_len;
-  bounced_len_ = n;
-  iov_[i].iov_base = tx_bounce_.get();
-  iov_[i].iov_len = n;
+  bounced_base_ = tx_bounce_.get() + skip;
+  bounced_len_ = std::min(held_len_ - skip, iov_[i].iov_len);
+  iov_[i].iov_base = bounced_base_;
+  iov_[i].iov_len = bounced_len_;
   return true;
 }
 
@@ -229,7 +234,7 @@ void tcp_qp::unbounce() noexcept {
   // the part before its base while it is the current one, else none.
   std::size_t sent = 0;
   if (iov_pos_ > i) sent = bounced_len_;
-  else if (iov_pos_ == i) sent = static_cast<std::size_t>(static_cast<std::byte*>(iov_[i].iov_base) - tx_bounce_.get());
+  else if (iov_pos_ == i) sent = static_cast<std::size_t>(static_cast<std::byte*>(iov_[i].iov_base) - bounced_base_);
   const std::size_t left = bounced_full_ - sent;
   iov_[i].iov_base = reinterpret_cast<void*>(bounced_addr_ + sent);  // a registered address again
   iov_[i].iov_len = left;
@@ -281,6 +286,7 @@ void tcp_qp::flush() noexcept {
       }
       resp_head_ = resp_queued_;
       iov_count_ = iov_pos_ = 0;
+      held_iov_ = kNoBounce;  // a new batch: its iovecs are other bytes
       if (rewind_pending_) {
         rewind_pending_ = false;
         counters_.retransmits += sq_tx_ - rewind_to_;
