@@ -432,7 +432,9 @@ class doctor {
           std::string(all_dma_buf ? "dma-buf supported" : "dma-buf not supported by every GPU") +
               (peermem ? "; nvidia_peermem loaded" : ""));
     } else {
-      add("gpudirect", verdict::warn, "no dma-buf support and nvidia_peermem is not loaded: the NIC cannot reach GPU memory",
+      add("gpudirect", verdict::warn,
+          "no dma-buf support and nvidia_peermem is not loaded: the NIC cannot reach GPU memory (anydoor stages "
+          "GPU transfers through host memory instead)",
           "modprobe nvidia-peermem, or use the open kernel driver on Linux >= 5.12 (dma-buf)");
     }
     const doc::iommu_info io = doc::read_iommu(o_.roots);

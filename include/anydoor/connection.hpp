@@ -203,6 +203,9 @@ class connection {
 
   // Sends one message made of the buffers of `buffers` (at most 16 buffers;
   // a rendezvous message must be a single buffer). void(error_code, std::size_t).
+  // Buffers may be GPU device memory (README "GPU memory"): a failed copy
+  // out of it ends the send with errc::device_copy_failed, having sent
+  // nothing; CUDA managed memory: errc::not_supported.
   template <class ConstBufferSequence, class Token>
   auto async_send(const ConstBufferSequence& buffers, Token&& token) {
     return asio::async_initiate<Token, void(error_code, std::size_t)>(
@@ -244,6 +247,9 @@ class connection {
   }
 
   // Receives the next message into `buffer`. void(error_code, std::size_t).
+  // `buffer` may be GPU device memory: a failed copy into it ends the
+  // receive with errc::device_copy_failed (the message is consumed); CUDA
+  // managed memory: errc::not_supported.
   template <class Token>
   auto async_receive(asio::mutable_buffer buffer, Token&& token) {
     return asio::async_initiate<Token, void(error_code, std::size_t)>(

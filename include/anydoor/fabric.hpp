@@ -190,9 +190,14 @@ class fabric {
   // Registers [memory.data(), +size) with exactly `acc` (local reads are
   // always allowed), in pieces when it is larger than the device registers
   // at once (max_piece_bytes); the region deregisters when destroyed.
-  // Throws std::system_error: errc::invalid_argument (empty memory; remote
-  // write or atomics without local_write, as verbs requires),
-  // registration_failed.
+  // GPU device memory (cudaMalloc) is registered as the device reaches it
+  // (GPUDirect RDMA; tcp: its CUDA copies), never in pieces (see README
+  // "GPU memory"). Throws std::system_error: errc::invalid_argument (empty
+  // memory; remote write or atomics without local_write, as verbs
+  // requires; GPU memory past its allocation), registration_failed;
+  // not_supported for CUDA managed memory, for GPU memory on a device that
+  // does not reach it, and for GPU memory with remote_atomic where the
+  // device reaches it by copies (tcp).
   memory_region register_memory(std::span<std::byte> memory, access acc);
 
   // The registration cache (one-sided operations on plain buffers):
@@ -201,7 +206,8 @@ class fabric {
   // until it is evicted (cache_max_entries, cache_max_bytes; never while an
   // operation uses it) or forgotten. Lifetime contract: before memory that
   // one-sided operations used is unmapped or freed back to the system
-  // (munmap, a large free()), call forget_memory for it; a registration
+  // (munmap, a large free(), cudaFree of GPU memory), call forget_memory
+  // for it; a registration
   // that outlives its memory keeps the old pages and would move data to
   // memory the program no longer sees. Returns how many registrations it
   // dropped (those in use go when their operations end).

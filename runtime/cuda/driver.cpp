@@ -338,12 +338,20 @@ class cuda_copier final : public transport::memory_copier {
 }  // namespace
 
 std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) return b->to_host(dst, src, n);
+  if (test_backend* b = installed_test_backend()) {
+    const std::error_code ec = b->to_host(dst, src, n);
+    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
+    return ec;
+  }
   return sync_copy(true, dst, src, n, why);
 }
 
 std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) return b->to_device(dst, src, n);
+  if (test_backend* b = installed_test_backend()) {
+    const std::error_code ec = b->to_device(dst, src, n);
+    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
+    return ec;
+  }
   return sync_copy(false, dst, src, n, why);
 }
 
@@ -351,12 +359,25 @@ std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t
   if (test_backend* b = installed_test_backend()) return b->copier(p, n);
   const loaded& d = the_driver();
   if (!d.status.usable) throw std::system_error(errc::not_supported, d.status.why);
+  // The range lies in one allocation (a copy past its end would fail
+  // later, in the provider, as a memory error of the connection).
+  const CUdeviceptr ptr = as_device(p);
+  CUdeviceptr start = 0;
+  std::size_t size = 0;
+  if (d.fn.pointer_attribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr) == CUDA_SUCCESS &&
+      d.fn.pointer_attribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr) == CUDA_SUCCESS &&
+      (ptr < start || n > size || ptr - start > size - n)) {
+    throw std::system_error(errc::invalid_argument, "register_memory: GPU memory: [" + std::to_string(ptr) + ", +" +
+                                                        std::to_string(n) + ") ends past its allocation of " +
+                                                        std::to_string(size) + " bytes");
+  }
   context_scope scope;
   std::string why;
-  if (std::error_code ec = scope.find(d, as_device(p), why)) throw std::system_error(ec, why);
+  if (std::error_code ec = scope.find(d, ptr, why)) throw std::system_error(ec, why);
   CUresult r = scope.enter();
+  if (r != CUDA_SUCCESS) throw std::system_error(errc::registration_failed, "cuCtxPushCurrent: " + result_text(d.fn, r));
   CUstream stream = nullptr;
-  if (r == CUDA_SUCCESS) r = d.fn.stream_create(&stream, CU_STREAM_NON_BLOCKING);
+  r = d.fn.stream_create(&stream, CU_STREAM_NON_BLOCKING);
   if (r != CUDA_SUCCESS) throw std::system_error(errc::registration_failed, "cuStreamCreate: " + result_text(d.fn, r));
   bool primary = false;
   CUdevice dev = 0;

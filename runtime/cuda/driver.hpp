@@ -74,8 +74,10 @@ std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::s
 
 // What a device that reaches GPU memory by copies (caps().copied_memory:
 // the tcp provider) gets for [p, p + n): a copier bound to the memory's
-// context, with its own stream. Throws std::system_error
-// (errc::not_supported, errc::invalid_argument) with the reason.
+// context, with its own stream. Throws std::system_error with the reason:
+// errc::not_supported (no driver), errc::invalid_argument (the range ends
+// past its allocation; no context), errc::registration_failed (the driver
+// refused a stream).
 std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t n);
 
 // A dma-buf of GPU memory (cuMemGetHandleForAddressRange): the fd covers
