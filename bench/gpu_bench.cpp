@@ -6,12 +6,15 @@
 //
 // put bandwidth: one async_put of BYTES (default 64 MiB) from the client's
 // buffer into the server's registered region, host->host and
-// device->device (and host->device, device->host), REPS times each
-// (default 9); the median of each, in GB/s, and device->device over
-// host->host. Message latency: 64-byte ping-pong between host buffers and
+// device->device (and host->device, device->host: the provider's CUDA
+// copies), and device->device through the staging pipeline (a second
+// client fabric with gpu_staging, a plain GPU buffer: d2d_staged), REPS
+// times each (default 9); the median of each, in GB/s, and device->device
+// over host->host, direct and staged. Message latency: 64-byte ping-pong between host buffers and
 // between device buffers (both sides), half the round trip, median of N
 // (default 2000), and the device over host ratio. The output is
-// `key=value` lines: put_gbps_<kind>, put_ratio_d2d_over_h2h, msg64_us_host,
+// `key=value` lines: put_gbps_<kind>, put_ratio_d2d_over_h2h,
+// put_ratio_d2d_staged_over_h2h, msg64_us_host,
 // msg64_us_device, msg64_ratio_device_over_host.
 //
 // Exits 77 (skipped) with the driver's reason where no GPU is usable, 2 on
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
     asio::io_context io;
     anydoor::fabric server(io, {.device = {.provider = "tcp"}});
     anydoor::fabric client(io, {.device = {.provider = "tcp"}});
+    anydoor::fabric staged_client(io, {.device = {.provider = "tcp"}, .gpu_staging = true});
     constexpr auto rights = anydoor::access::local_write | anydoor::access::remote_write;
     anydoor::memory_region hregion = server.register_memory(std::span(hdst), rights);
     anydoor::memory_region dregion = server.register_memory({static_cast<std::byte*>(ddst.p), size}, rights);
@@ -111,14 +115,15 @@ int main(int argc, char** argv) {
 
     struct kind {
       const char* name;
-      const anydoor::memory_region* src;
+      const anydoor::memory_region* src;  // null: the plain GPU buffer, on the staging fabric's connection
       const anydoor::memory_region* dst;
       std::vector<double> gbps;
     };
     std::vector<kind> kinds = {{"h2h", &hsrc_r, &hregion, {}},
                                {"d2d", &dsrc_r, &dregion, {}},
                                {"h2d", &hsrc_r, &dregion, {}},
-                               {"d2h", &dsrc_r, &hregion, {}}};
+                               {"d2h", &dsrc_r, &hregion, {}},
+                               {"d2d_staged", nullptr, &dregion, {}}};
     std::vector<double> lat_host, lat_device;
     std::exception_ptr failed;
     bool done = false;
@@ -126,6 +131,9 @@ int main(int argc, char** argv) {
     std::vector<std::byte> hping(64, std::byte{1}), hpong(64);
 
     asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+      // The staging fabric's connection first (the client connects it
+      // first), then the other.
+      anydoor::connection s2 = co_await acc.async_accept(asio::use_awaitable);
       anydoor::connection s = co_await acc.async_accept(asio::use_awaitable);
       // Echo: host messages into host memory, device ones into device memory.
       for (std::size_t i = 0; i < 2 * lat_iters; ++i) {
@@ -134,18 +142,26 @@ int main(int argc, char** argv) {
         const std::size_t n = co_await s.async_receive(b, asio::use_awaitable);
         co_await s.async_send(asio::const_buffer(b.data(), n), asio::use_awaitable);
       }
-      try {
-        (void)co_await s.async_receive(asio::use_awaitable);  // the client's close
-      } catch (const std::exception&) {
+      for (anydoor::connection* x : {&s, &s2}) {
+        try {
+          (void)co_await x->async_receive(asio::use_awaitable);  // the clients' closes
+        } catch (const std::exception&) {
+        }
       }
     }, [&](std::exception_ptr e) { if (e && !failed) failed = e; });
 
     asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-      anydoor::connection c = co_await client.async_connect("127.0.0.1:" + std::to_string(acc.port()), asio::use_awaitable);
+      const std::string where = "127.0.0.1:" + std::to_string(acc.port());
+      anydoor::connection cs = co_await staged_client.async_connect(where, asio::use_awaitable);
+      anydoor::connection c = co_await client.async_connect(where, asio::use_awaitable);
       for (std::size_t r = 0; r < reps; ++r) {
         for (kind& k : kinds) {
           const auto t0 = clock_type::now();
-          co_await c.async_put(*k.src, k.dst->remote(), asio::use_awaitable);
+          if (k.src != nullptr) {
+            co_await c.async_put(*k.src, k.dst->remote(), asio::use_awaitable);
+          } else {
+            co_await cs.async_put(asio::const_buffer(dsrc.p, size), k.dst->remote(), asio::use_awaitable);
+          }
           const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
           k.gbps.push_back(static_cast<double>(size) / s / 1e9);
         }
@@ -162,6 +178,7 @@ int main(int argc, char** argv) {
         (dev ? lat_device : lat_host).push_back(us);
       }
       co_await c.async_close(asio::use_awaitable);
+      co_await cs.async_close(asio::use_awaitable);
       done = true;
     }, [&](std::exception_ptr e) { if (e && !failed) failed = e; });
     io.run();
@@ -174,6 +191,7 @@ int main(int argc, char** argv) {
 
     for (const kind& k : kinds) std::printf("put_gbps_%s=%.3f\n", k.name, median(k.gbps));
     std::printf("put_ratio_d2d_over_h2h=%.3f\n", median(kinds[1].gbps) / median(kinds[0].gbps));
+    std::printf("put_ratio_d2d_staged_over_h2h=%.3f\n", median(kinds[4].gbps) / median(kinds[0].gbps));
     std::printf("msg64_us_host=%.2f\nmsg64_us_device=%.2f\n", median(lat_host), median(lat_device));
     std::printf("msg64_ratio_device_over_host=%.3f\n", median(lat_device) / median(lat_host));
     std::printf("size=%zu reps=%zu latency_iters=%zu\n", size, reps, lat_iters);

@@ -84,14 +84,19 @@ std::vector<std::byte> read_device(const void* p, std::size_t n) {
 TEST_CASE("gpu: device-to-device host-to-device and device-to-host sends and puts and gets over tcp", "[gpu]") {
   namespace asio = boost::asio;
   const std::size_t size = GENERATE(std::size_t{1}, std::size_t{4096}, std::size_t{1} << 20, std::size_t{64} << 20);
-  INFO(size << " bytes");
+  // The provider's CUDA copies, or staging forced (messages through host
+  // copies, plain-buffer puts and gets through the pipeline).
+  const bool staging = GENERATE(false, true);
+  INFO(size << " bytes" << (staging ? ", staging forced" : ""));
   device_buffer csrc(size), cdst(size), sdst(size), sregion_mem(size);
   const auto p1 = pattern(size, 1), p2 = pattern(size, 2), p3 = pattern(size, 3);
   REQUIRE(cudaMemcpy(csrc.p, p1.data(), size, cudaMemcpyHostToDevice) == cudaSuccess);
   std::vector<std::byte> host(size);
   asio::io_context io;
-  anydoor::fabric server(io, anydoor::test::test_options());
-  anydoor::fabric client(io, anydoor::test::test_options());
+  anydoor::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_staging = staging;
+  anydoor::fabric server(io, opt);
+  anydoor::fabric client(io, opt);
   anydoor::memory_region sregion = server.register_memory(
       {static_cast<std::byte*>(sregion_mem.p), size},
       anydoor::access::local_write | anydoor::access::remote_write | anydoor::access::remote_read);
