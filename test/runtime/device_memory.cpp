@@ -81,6 +81,43 @@ bool skipped_off_tcp() {
   return true;
 }
 
+// A server with a host region (remote) and a client whose fabric stages
+// every GPU transfer in chunks of `chunk` bytes through two buffers; the
+// server accepts one connection and holds it until the client closes.
+struct staged_pair {
+  asio::io_context io;
+  ad::fabric server;
+  ad::fabric client;
+  std::vector<std::byte> host;
+  ad::memory_region region;
+  ad::remote_region remote;
+  ad::acceptor acc;
+  anydoor::test::failure f;
+
+  static ad::fabric_options staging_options(std::size_t chunk) {
+    ad::fabric_options o = anydoor::test::test_options();
+    o.gpu_staging = true;
+    o.gpu_staging_chunk = chunk;
+    o.gpu_staging_buffers = 2;
+    return o;
+  }
+  staged_pair(std::size_t chunk, std::size_t size)
+      : server(io, anydoor::test::test_options()),
+        client(io, staging_options(chunk)),
+        host(size),
+        region(server.register_memory(std::span(host), ad::access::local_write | ad::access::remote_write |
+                                                           ad::access::remote_read)),
+        remote(region.remote()),
+        acc(server.listen(anydoor::test::test_host(), 0)) {
+    asio::co_spawn(io, [this]() -> asio::awaitable<void> {
+      ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+      auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the client's goodbye
+      (void)m;
+      CHECK(e == ad::errc::connection_closed);
+    }, f.handler());
+  }
+};
+
 }  // namespace
 
 TEST_CASE("device memory: sends receives puts and gets move GPU bytes in every direction", "[device_memory]") {
@@ -298,34 +335,18 @@ TEST_CASE("device memory: the staging pipeline moves puts and gets in order in c
   std::byte* src = dev.dev() + 3;  // odd offsets
   std::byte* dst = dev.dev() + kSize + 8192 + 5;
   fill(dev.view() + 3, kSize, 9);
-  std::vector<std::byte> host(kSize);
-
-  asio::io_context io;
   // Staging forced with a small chunk: the device (tcp) could reach the
   // memory itself, so this also shows the option's effect: no copy of the
   // provider's (those are whole-transfer sized or 64 KiB pieces) appears.
-  ad::fabric_options opt = anydoor::test::test_options();
-  opt.gpu_staging = true;
-  opt.gpu_staging_chunk = kChunk;
-  opt.gpu_staging_buffers = 2;
-  ad::fabric server(io, anydoor::test::test_options());
-  ad::fabric client(io, opt);
-  ad::memory_region region = server.register_memory(std::span(host), ad::access::local_write |
-                                                                       ad::access::remote_write |
-                                                                       ad::access::remote_read);
-  const ad::remote_region remote = region.remote();
-  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
-  anydoor::test::failure f;
+  staged_pair sp(kChunk, kSize);
+  std::vector<std::byte>& host = sp.host;
+  ad::fabric& server = sp.server;
+  ad::fabric& client = sp.client;
+  const ad::remote_region remote = sp.remote;
   bool done = false;
   std::vector<fake_copier::copy_record> put_log, get_log;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
-    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the client's goodbye
-    (void)m;
-    CHECK(e == ad::errc::connection_closed);
-  }, f.handler());
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+  asio::co_spawn(sp.io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(sp.acc), asio::use_awaitable);
     copier.clear_log();
     auto [e1, n1] = co_await c.async_put(asio::const_buffer(src, kSize), remote, asio::as_tuple(asio::use_awaitable));
     CHECK(!e1);
@@ -355,16 +376,16 @@ TEST_CASE("device memory: the staging pipeline moves puts and gets in order in c
       eb = ec;
       ++ended;
     });
-    while (ended < 2) co_await asio::post(io, asio::use_awaitable);
+    while (ended < 2) co_await asio::post(sp.io, asio::use_awaitable);
     CHECK(!ea);
     CHECK(!eb);
     const bool both = std::memcmp(host.data(), dev.view() + 3, kSize) == 0 && host2 == host;
     CHECK(both);
     co_await c.async_close(asio::use_awaitable);
     done = true;
-  }, f.handler());
-  anydoor::test::run_to_completion(io);
-  f.check();
+  }, sp.f.handler());
+  anydoor::test::run_to_completion(sp.io);
+  sp.f.check();
   REQUIRE(done);
   // The chunks, each copied once, in order: out of the GPU for the put,
   // into it for the get.
@@ -392,30 +413,13 @@ TEST_CASE("device memory: a staged transfer that fails ends with the error, free
   std::vector<std::byte> managed(4096);
   fake_backend backend(dev, managed);
   fake_copier& copier = backend.the_copier();
-  std::vector<std::byte> host(kSize);
-
-  asio::io_context io;
-  ad::fabric_options opt = anydoor::test::test_options();
-  opt.gpu_staging = true;
-  opt.gpu_staging_chunk = kChunk;
-  opt.gpu_staging_buffers = 2;
-  ad::fabric server(io, anydoor::test::test_options());
-  ad::fabric client(io, opt);
-  ad::memory_region region = server.register_memory(std::span(host), ad::access::local_write |
-                                                                       ad::access::remote_write |
-                                                                       ad::access::remote_read);
-  const ad::remote_region remote = region.remote();
-  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
-  anydoor::test::failure f;
+  staged_pair sp(kChunk, kSize);
+  std::vector<std::byte>& host = sp.host;
+  ad::fabric& client = sp.client;
+  const ad::remote_region remote = sp.remote;
   bool done = false;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
-    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
-    (void)m;
-    CHECK(e == ad::errc::connection_closed);
-  }, f.handler());
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+  asio::co_spawn(sp.io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(sp.acc), asio::use_awaitable);
     // A copy out of the GPU fails at the fourth chunk.
     copier.fail_after = 3;
     auto [e1, n1] = co_await c.async_put(asio::const_buffer(dev.dev(), kSize), remote, asio::as_tuple(asio::use_awaitable));
@@ -446,8 +450,8 @@ TEST_CASE("device memory: a staged transfer that fails ends with the error, free
     CHECK(ok);
     co_await c.async_close(asio::use_awaitable);
     done = true;
-  }, f.handler());
-  anydoor::test::run_to_completion(io);
-  f.check();
+  }, sp.f.handler());
+  anydoor::test::run_to_completion(sp.io);
+  sp.f.check();
   CHECK(done);
 }
