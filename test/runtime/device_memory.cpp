@@ -282,6 +282,8 @@ TEST_CASE("device memory: managed memory and atomics are refused, a failed copy 
     auto [e3, m3] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the third message
     CHECK(!e3);
     CHECK(m3.size() == 300);
+    const bool third = std::all_of(m3.data(), m3.data() + m3.size(), [](std::byte x) { return x == std::byte{0x33}; });
+    CHECK(third);
     auto [e4, m4] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // the client's goodbye
     (void)m4;
     CHECK(e4 == ad::errc::connection_closed);
@@ -453,5 +455,71 @@ TEST_CASE("device memory: a staged transfer that fails ends with the error, free
   }, sp.f.handler());
   anydoor::test::run_to_completion(sp.io);
   sp.f.check();
+  CHECK(done);
+}
+
+TEST_CASE("device memory: a staged rendezvous message whose copy fails ends with device_copy_failed on its side only",
+          "[device_memory]") {
+  if (skipped_off_tcp()) return;
+  constexpr std::size_t kSize = 100000;  // rendezvous (above the eager limit)
+  fake_device_memory dev(4 * kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fake_copier& copier = backend.the_copier();
+  std::byte* cdev = dev.dev();
+  std::byte* sdev = dev.dev() + 2 * kSize;
+  asio::io_context io;
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_staging = true;  // both sides: host copies of the whole message
+  ad::fabric server(io, opt);
+  ad::fabric client(io, opt);
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  bool done = false;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    // B arrives (A never left); its copy into GPU memory fails.
+    auto [e1, n1] = co_await s.async_receive(asio::mutable_buffer(sdev, kSize), asio::as_tuple(asio::use_awaitable));
+    CHECK(e1 == ad::errc::device_copy_failed);
+    CHECK(n1 == 0);
+    // C arrives whole.
+    auto [e2, n2] = co_await s.async_receive(asio::mutable_buffer(sdev, kSize), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e2);
+    CHECK(n2 == kSize);
+    const bool c_ok = std::all_of(dev.view() + 2 * kSize, dev.view() + 3 * kSize,
+                                  [](std::byte b) { return b == std::byte{0x55}; });
+    CHECK(c_ok);
+    auto [e3, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+    (void)m;
+    CHECK(e3 == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    // A: its copy out of GPU memory fails; nothing is sent.
+    std::memset(dev.view(), 0x33, kSize);
+    copier.only_to_host = true;
+    copier.fail_once = true;
+    copier.fail_after = 0;
+    auto [e1, n1] = co_await c.async_send(asio::const_buffer(cdev, kSize), asio::as_tuple(asio::use_awaitable));
+    CHECK(e1 == ad::errc::device_copy_failed);
+    (void)n1;
+    // B: sent whole; the receiver's copy into its GPU memory fails (its
+    // side reports it; the send completes: the bytes were read).
+    copier.only_to_host = false;
+    copier.only_to_device = true;
+    copier.fail_after = 0;
+    std::memset(dev.view(), 0x44, kSize);
+    auto [e2, n2] = co_await c.async_send(asio::const_buffer(cdev, kSize), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e2);
+    (void)n2;
+    std::memset(dev.view(), 0x55, kSize);
+    auto [e3, n3] = co_await c.async_send(asio::const_buffer(cdev, kSize), asio::as_tuple(asio::use_awaitable));
+    CHECK(!e3);
+    (void)n3;
+    co_await c.async_close(asio::use_awaitable);
+    done = true;
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
   CHECK(done);
 }

@@ -61,7 +61,8 @@ class fake_device_memory {
 
 // Copies between a fake_device_memory and host memory, counting bytes,
 // failing every copy after `fail_after` more have succeeded (negative:
-// never), and refusing (with a note in bad_range) ranges outside the
+// never; with fail_once only the first such copy; with only_to_host or
+// only_to_device, copies the other way neither fail nor count), and refusing (with a note in bad_range) ranges outside the
 // memory, which the caller never should pass.
 class fake_copier final : public anydoor::transport::memory_copier {
  public:
@@ -81,6 +82,9 @@ class fake_copier final : public anydoor::transport::memory_copier {
   std::atomic<std::uint64_t> to_host_bytes{0}, to_device_bytes{0};
   std::atomic<std::uint64_t> copies{0};
   std::atomic<long> fail_after{-1};
+  std::atomic<bool> fail_once{false};
+  std::atomic<bool> only_to_host{false};
+  std::atomic<bool> only_to_device{false};
   std::atomic<bool> bad_range{false};
   // Every copy asked for, in order: its GPU-side offset, length, direction.
   struct copy_record {
@@ -108,9 +112,13 @@ class fake_copier final : public anydoor::transport::memory_copier {
       std::lock_guard lock(mutex_);
       log_.push_back({static_cast<std::size_t>(static_cast<const std::byte*>(p) - m_.dev()), n, to_host});
     }
+    if ((only_to_host && !to_host) || (only_to_device && to_host)) return {};
     long left = fail_after.load();
     while (left >= 0) {
-      if (left == 0) return make_error_code(errc::device_copy_failed);
+      if (left == 0) {
+        if (fail_once) fail_after = -1;
+        return make_error_code(errc::device_copy_failed);
+      }
       if (fail_after.compare_exchange_weak(left, left - 1)) break;
     }
     return {};
