@@ -190,7 +190,7 @@ TEST_CASE("copied memory: a copy that fails fails the operation, never sends or 
   CHECK(copier->copies > 0);
 }
 
-TEST_CASE("copied memory: atomics on it are refused, an atomic's result lands in it", "[conformance]") {
+TEST_CASE("copied memory: atomics on it are refused, an atomic's result lands in it, a window on it reads it", "[conformance]") {
   fake_device_memory m(1 << 16);
   auto copier = std::make_shared<fake_copier>(m);
   connected_pair p;
@@ -221,6 +221,16 @@ TEST_CASE("copied memory: atomics on it are refused, an atomic's result lands in
              access::remote_atomic | access::remote_read};
   REQUIRE_FALSE(p.a.qp->post_send({&bw, 1}));
   REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  // A read through the window reaches the copied bytes (through the copier).
+  std::memset(m.view() + 512, 0x6b, 256);
+  std::vector<std::byte> got(256);
+  auto gmr = p.b.pd->register_memory(got.data(), got.size(), access::local_write);
+  tp::sge gsg = gmr->slice(0, 256);
+  tp::work_request rd{.wr_id = 4, .op = tp::opcode::read, .sg_list = {&gsg, 1},
+                      .remote_addr = reinterpret_cast<std::uint64_t>(m.dev()) + 512, .rkey = w->rkey()};
+  REQUIRE_FALSE(p.b.qp->post_send({&rd, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::all_of(got.begin(), got.end(), [](std::byte x) { return x == std::byte{0x6b}; }));
   std::uint64_t res = 0;
   auto rmr = p.b.pd->register_memory(&res, 8, access::local_write);
   sg = rmr->slice(0, 8);
