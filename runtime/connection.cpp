@@ -450,6 +450,16 @@ void connection_impl::start_close(op_node* n) {
     complete(n, true, error_);
     return;
   }
+  if (staged_ != 0) {
+    // Staged transfers started before the close still queue their chunks:
+    // the close goes once they are done (complete_staged).
+    if (close_waiting_ != nullptr) {
+      complete(n, true, errc::invalid_state);
+      return;
+    }
+    close_waiting_ = n;
+    return;
+  }
   close_op_ = n;
   if (state_ == state::open || state_ == state::setup) state_ = state::closing;
   if (peer_closed_) {

@@ -83,8 +83,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_receive(op_node* n);
   void start_close(op_node* n);
   void start_onesided(op_node* n);
-  // A put or get that went through the staging pipeline (staging.hpp) ends.
-  void complete_staged(op_node* n, std::error_code ec, std::size_t size) noexcept { complete(n, true, ec, size); }
+  // A put or get that went through the staging pipeline (staging.hpp) ends;
+  // a close that waited for the staged transfers starts after the last.
+  void complete_staged(op_node* n, std::error_code ec, std::size_t size) noexcept;
   void cancel(op_node* n, asio::cancellation_type type);
   void abort() noexcept;
   void on_handle_released() noexcept;
@@ -289,6 +290,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool peer_closed_ = false;   // the peer's close message arrived
   bool close_sent_ = false;
   op_node* close_op_ = nullptr;
+  std::uint32_t staged_ = 0;           // staged transfers in progress (staging.hpp)
+  op_node* close_waiting_ = nullptr;   // a close issued while staged_ != 0
   peer_parameters peer_;
   std::uint32_t eager_limit_ = 0;
   std::uint64_t fragment_ = 0;  // largest piece of a put, get or rendezvous read per work request

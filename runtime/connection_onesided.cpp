@@ -13,6 +13,7 @@
 #include "staging.hpp"
 
 #include <algorithm>
+#include <utility>
 
 namespace anydoor::detail {
 
@@ -62,10 +63,24 @@ void connection_impl::start_staged(op_node* n) {
   }
   try {
     auto t = std::make_shared<staged_transfer>(shared_from_this(), n, fab_->staging(), fab_->copies());
+    ++staged_;
     t->start();
   } catch (const std::exception& e) {
     log().warn("connection: staging a {}-byte transfer of GPU memory failed: {}", n->length, e.what());
     complete(n, true, errc::registration_failed);
+  }
+}
+
+void connection_impl::complete_staged(op_node* n, std::error_code ec, std::size_t size) noexcept {
+  auto keep = shared_from_this();
+  complete(n, true, ec, size);
+  if (--staged_ == 0 && close_waiting_ != nullptr) {
+    op_node* c = std::exchange(close_waiting_, nullptr);
+    try {
+      start_close(c);
+    } catch (...) {
+      complete(c, true, errc::invalid_state);
+    }
   }
 }
 

@@ -63,6 +63,8 @@ const fabric_options& checked(const fabric_options& o) {
   require(o.gpu_bounce_threshold <= (std::size_t{1} << 30), "fabric: gpu_bounce_threshold must be at most 2^30");
   require(o.gpu_staging_buffers >= 2 && o.gpu_staging_buffers <= 1024,
           "fabric: gpu_staging_buffers must be in 2..1024");
+  require(o.gpu_staging_chunk * o.gpu_staging_buffers <= (std::size_t{1} << 34),
+          "fabric: gpu_staging_chunk x gpu_staging_buffers must be at most 16 GiB");
   require(c.keepalive.count() == 0 || (c.keepalive >= std::chrono::milliseconds(200) && c.keepalive <= std::chrono::hours(1)),
           "fabric: connection.keepalive must be 0 or in 200 ms..1 h");
   return o;
@@ -288,6 +290,10 @@ copy_thread& fabric_state::copies() {
   return *copies_;
 }
 
+void fabric_state::stop_copies() noexcept {
+  if (copies_ != nullptr) copies_->shutdown();
+}
+
 void fabric_state::busy() noexcept {
   if (active_++ == 0) reactor->start();
 }
@@ -443,6 +449,7 @@ fabric::~fabric() {
   // posting to an io_context that may go next.
   state_->stop_liveness();
   state_->helpers.stop_all();
+  state_->stop_copies();
 }
 
 std::string_view fabric::provider() const noexcept { return state_->device->provider(); }

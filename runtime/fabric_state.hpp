@@ -45,6 +45,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // first use.
   staging_area& staging();
   copy_thread& copies();
+  void stop_copies() noexcept;  // ~fabric: no copy completion is posted after it
   unsigned piece_shift = 0;  // registrations above 2^piece_shift bytes are made in pieces
   std::unique_ptr<anydoor::reactor> reactor;
   bool auth = false;                  // options.connection.auth_token is set: peers must prove it

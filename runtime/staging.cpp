@@ -18,20 +18,30 @@ namespace anydoor::detail {
 
 copy_thread::copy_thread(asio::io_context& io) : io_(io), thread_([this] { run(); }) {}
 
-copy_thread::~copy_thread() {
+copy_thread::~copy_thread() { shutdown(); }
+
+void copy_thread::shutdown() noexcept {
+  std::deque<job> dropped;
   {
     std::lock_guard lock(mutex_);
     stop_ = true;
+    dropped.swap(jobs_);
   }
   wake_.notify_one();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
+  parked_.clear();  // (here, not on the copy thread: the last owner of a fabric may be among them)
 }
 
 void copy_thread::start(bool to_host, void* dst, const void* src, std::size_t n,
                         std::shared_ptr<staged_transfer> owner, std::uint32_t slot) {
   {
     std::lock_guard lock(mutex_);
-    jobs_.push_back({to_host, dst, src, n, std::move(owner), slot});
+    if (!stop_) jobs_.push_back({to_host, dst, src, n, std::move(owner), slot});
+  }
+  if (owner != nullptr) {
+    // After shutdown (a connection used past its fabric): the copy fails.
+    asio::post(io_, [owner = std::move(owner), slot] { owner->on_copy_done(slot, errc::connection_closed); });
+    return;
   }
   wake_.notify_one();
 }
@@ -48,8 +58,16 @@ void copy_thread::run() {
     const std::error_code ec = j.to_host ? cuda::detail::copy_to_host(j.dst, j.src, j.n, why)
                                          : cuda::detail::copy_to_device(j.dst, j.src, j.n, why);
     if (ec) log().warn("staging: copying {} bytes {} GPU memory failed: {}", j.n, j.to_host ? "out of" : "into", why);
-    asio::post(io_, [owner = std::move(j.owner), slot = j.slot, ec] { owner->on_copy_done(slot, ec); });
     lock.lock();
+    if (stop_) {
+      parked_.push_back(std::move(j.owner));  // no post into an io_context that may be gone
+      continue;
+    }
+    try {
+      asio::post(io_, [owner = std::move(j.owner), slot = j.slot, ec] { owner->on_copy_done(slot, ec); });
+    } catch (const std::exception&) {
+      parked_.push_back(std::move(j.owner));  // (released by shutdown, never on this thread)
+    }
   }
 }
 
@@ -67,7 +85,7 @@ staging_area::staging_area(transport::protection_domain& pd, unsigned piece_shif
 
 bool staging_area::take(std::uint32_t& i, const std::shared_ptr<staged_transfer>& waiter) {
   if (free_.empty()) {
-    waiting_.push_back(waiter);
+    if (waiter->enlist()) waiting_.push_back(waiter);
     return false;
   }
   i = free_.back();

@@ -3,11 +3,14 @@
 // staging buffers: for a put, chunk k+1 is copied out of the GPU while
 // chunk k is written; for a get, chunk k+1 is read while chunk k is copied
 // into the GPU. A transfer holds at most two buffers (double-buffered);
-// one of at most gpu_bounce_threshold bytes is one chunk (the bounce).
+// one of at most gpu_bounce_threshold bytes goes this way too (the bounce).
 // Copies run on the fabric's copy thread (synchronous driver copies, one
 // at a time, completions posted to the io_context), so that the io thread
 // drives the network meanwhile; the transfers of chunks are ordinary
 // one-sided operations on the connection (flow control, errors and all).
+// A staged transfer is not ordered with the connection's later operations
+// (a send after it may arrive before its data): wait for its completion
+// first. A close waits for the staged transfers started before it.
 #pragma once
 
 #include <anydoor/detail/op_node.hpp>
@@ -37,8 +40,13 @@ class staged_transfer;
 class copy_thread {
  public:
   explicit copy_thread(asio::io_context& io);
-  ~copy_thread();  // finishes the queued copies first (their owners wait for them)
+  ~copy_thread();  // shutdown(), if not yet
   copy_thread(const copy_thread&) = delete;
+  // No completion is posted after this returns (fabric::~fabric: the
+  // io_context may go next): the copy in progress finishes, queued ones
+  // are dropped, and the transfers they held are released on this thread
+  // (their operations never complete: the fabric is going).
+  void shutdown() noexcept;
   copy_thread& operator=(const copy_thread&) = delete;
 
   // dst <- src, n bytes; to_host: src is GPU memory, else dst is. Then
@@ -60,6 +68,7 @@ class copy_thread {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<job> jobs_;
+  std::vector<std::shared_ptr<staged_transfer>> parked_;  // finished after shutdown began
   bool stop_ = false;
   std::thread thread_;
 };
@@ -96,7 +105,12 @@ class staged_transfer : public std::enable_shared_from_this<staged_transfer> {
   void start();  // (the io thread, as everything here but the copies)
   void on_copy_done(std::uint32_t slot, std::error_code ec) noexcept;
   void on_chunk_done(std::uint32_t slot, std::error_code ec) noexcept;
-  void resume() noexcept { pump(); }  // a staging buffer was given back
+  void resume() noexcept {  // a staging buffer was given back
+    enlisted_ = false;
+    pump();
+  }
+  // Whether to join the area's waiters (once until resumed).
+  bool enlist() noexcept { return !std::exchange(enlisted_, true); }
   asio::io_context::executor_type executor() const noexcept;
 
  private:
@@ -124,6 +138,7 @@ class staged_transfer : public std::enable_shared_from_this<staged_transfer> {
   std::uint32_t busy_ = 0;
   std::error_code error_;
   bool completed_ = false;
+  bool enlisted_ = false;  // among the staging area's waiters
   std::array<slot, 2> slots_{};
   asio::executor_work_guard<asio::io_context::executor_type> work_;
 };

@@ -115,17 +115,20 @@ struct fabric_options {
   // GPU device memory given as a plain buffer to a put or get (see README
   // "GPU memory"): where the device reaches GPU memory (GPUDirect RDMA;
   // tcp: its CUDA copies) it is registered and used in place, except that
-  // a transfer of at most gpu_bounce_threshold bytes goes through a pinned
-  // host buffer (one copy costs less than a registration); where it does
-  // not, or with gpu_staging set, every transfer goes through the staging
-  // pipeline: chunks of gpu_staging_chunk bytes through pinned host
-  // buffers (gpu_staging_buffers of them for the fabric, two at most per
-  // transfer), the copy of one chunk overlapping the transfer of the one
-  // before. Messages of GPU memory: eager ones are copied through pool
-  // buffers; rendezvous ones without a direct path (or with gpu_staging)
-  // through a host copy of the whole message.
+  // a transfer of at most gpu_bounce_threshold bytes (0: none) goes
+  // through the staging buffers; where it does not, or with gpu_staging
+  // set, every transfer goes through the staging pipeline: chunks of
+  // gpu_staging_chunk bytes through host buffers (gpu_staging_buffers of
+  // them for the fabric, two at most per transfer), the copy of one chunk
+  // overlapping the transfer of the one before. A staged transfer is not
+  // ordered with the connection's later operations (a message sent after
+  // it may arrive before its data, and async_flush does not cover it):
+  // wait for its completion first; a close waits for it. Messages of GPU
+  // memory: eager ones are copied through pool buffers; rendezvous ones
+  // without a direct path (or with gpu_staging) through a host copy of the
+  // whole message.
   bool gpu_staging = false;
-  std::size_t gpu_bounce_threshold = 8192;            // 0..2^30
+  std::size_t gpu_bounce_threshold = 0;               // 0..2^30
   std::size_t gpu_staging_chunk = std::size_t{1} << 20;  // 4096..2^30
   std::uint32_t gpu_staging_buffers = 4;               // 2..1024
 };

@@ -429,13 +429,21 @@ namespace detail {
 bool process_has_cuda(bool) noexcept { return false; }
 
 std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) return b->to_host(dst, src, n);
+  if (test_backend* b = installed_test_backend()) {
+    const std::error_code ec = b->to_host(dst, src, n);
+    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
+    return ec;
+  }
   why = driver().why;
   return make_error_code(errc::not_supported);
 }
 
 std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) return b->to_device(dst, src, n);
+  if (test_backend* b = installed_test_backend()) {
+    const std::error_code ec = b->to_device(dst, src, n);
+    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
+    return ec;
+  }
   why = driver().why;
   return make_error_code(errc::not_supported);
 }

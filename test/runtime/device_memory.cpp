@@ -523,3 +523,80 @@ TEST_CASE("device memory: a staged rendezvous message whose copy fails ends with
   f.check();
   CHECK(done);
 }
+
+TEST_CASE("device memory: the staging options are checked, the bounce threshold stages small transfers only, and a "
+          "close waits for a staged put",
+          "[device_memory]") {
+  auto refused = [](auto change) {
+    asio::io_context io;
+    ad::fabric_options o = anydoor::test::test_options();
+    change(o);
+    try {
+      ad::fabric f(io, o);
+    } catch (const std::system_error& e) {
+      return e.code() == ad::errc::invalid_argument;
+    }
+    return false;
+  };
+  CHECK(refused([](ad::fabric_options& o) { o.gpu_staging_chunk = 4095; }));
+  CHECK(refused([](ad::fabric_options& o) { o.gpu_staging_chunk = (std::size_t{1} << 30) + 1; }));
+  CHECK(refused([](ad::fabric_options& o) { o.gpu_staging_buffers = 1; }));
+  CHECK(refused([](ad::fabric_options& o) { o.gpu_staging_buffers = 1025; }));
+  CHECK(refused([](ad::fabric_options& o) { o.gpu_bounce_threshold = (std::size_t{1} << 30) + 1; }));
+  CHECK(refused([](ad::fabric_options& o) {
+    o.gpu_staging_chunk = std::size_t{1} << 30;
+    o.gpu_staging_buffers = 17;
+  }));
+  if (skipped_off_tcp()) return;  // (the rest needs GPU memory registered directly: tcp's copies)
+
+  constexpr std::size_t kSize = 1 << 20;
+  fake_device_memory dev(2 * kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  std::vector<std::byte> host(kSize);
+  asio::io_context io;
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_bounce_threshold = 4096;
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, opt);
+  ad::memory_region region = server.register_memory(std::span(host), ad::access::local_write | ad::access::remote_write);
+  const ad::remote_region remote = region.remote();
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  bool done = false;
+  int small_registrations = -1, large_registrations = -1;
+  boost::system::error_code last_put;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+    (void)m;
+    CHECK(e == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    fill(dev.view(), kSize, 21);
+    // 4096 bytes: through the staging buffers (no registration of GPU memory).
+    auto [e1, n1] = co_await c.async_put(asio::const_buffer(dev.dev(), 4096), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e1);
+    (void)n1;
+    small_registrations = backend.registrations;
+    // 4097 bytes: GPU memory registered (the provider's copies).
+    auto [e2, n2] = co_await c.async_put(asio::const_buffer(dev.dev(), 4097), remote, asio::as_tuple(asio::use_awaitable));
+    CHECK(!e2);
+    (void)n2;
+    large_registrations = backend.registrations;
+    // A staged put not waited for, then the close: the close waits for it.
+    fill(dev.view(), kSize, 22);
+    c.async_put(asio::const_buffer(dev.dev(), 4096), remote,
+                [&](boost::system::error_code ec, std::size_t) { last_put = ec; });
+    co_await c.async_close(asio::use_awaitable);
+    done = true;
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  CHECK(done);
+  CHECK(small_registrations == 0);
+  CHECK(large_registrations == 1);
+  CHECK(!last_put);
+  CHECK(std::memcmp(host.data(), dev.view(), 4096) == 0);
+}

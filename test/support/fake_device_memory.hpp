@@ -62,7 +62,7 @@ class fake_device_memory {
 // Copies between a fake_device_memory and host memory, counting bytes,
 // failing every copy after `fail_after` more have succeeded (negative:
 // never; with fail_once only the first such copy; with only_to_host or
-// only_to_device, copies the other way neither fail nor count), and refusing (with a note in bad_range) ranges outside the
+// only_to_device, copies the other way never fail), and refusing (with a note in bad_range) ranges outside the
 // memory, which the caller never should pass.
 class fake_copier final : public anydoor::transport::memory_copier {
  public:
