@@ -337,26 +337,8 @@ class cuda_copier final : public transport::memory_copier {
 
 }  // namespace
 
-std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) {
-    const std::error_code ec = b->to_host(dst, src, n);
-    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
-    return ec;
-  }
-  return sync_copy(true, dst, src, n, why);
-}
-
-std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) {
-    const std::error_code ec = b->to_device(dst, src, n);
-    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
-    return ec;
-  }
-  return sync_copy(false, dst, src, n, why);
-}
-
-std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t n) {
-  if (test_backend* b = installed_test_backend()) return b->copier(p, n);
+namespace {
+std::shared_ptr<transport::memory_copier> driver_copier(const void* p, std::size_t n) {
   const loaded& d = the_driver();
   if (!d.status.usable) throw std::system_error(errc::not_supported, d.status.why);
   // The range lies in one allocation (a copy past its end would fail
@@ -384,6 +366,7 @@ std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t
   CUcontext ctx = scope.take(primary, dev);
   return std::make_shared<cuda_copier>(d, ctx, primary, dev, stream);
 }
+}  // namespace
 
 std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, std::string& why) noexcept {
   const loaded& d = the_driver();
@@ -428,30 +411,16 @@ memory_kind kind_of(const void*) noexcept { return memory_kind::host; }
 namespace detail {
 bool process_has_cuda(bool) noexcept { return false; }
 
-std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) {
-    const std::error_code ec = b->to_host(dst, src, n);
-    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
-    return ec;
-  }
+namespace {
+std::error_code sync_copy(bool, void*, const void*, std::size_t, std::string& why) noexcept {
   why = driver().why;
   return make_error_code(errc::not_supported);
 }
 
-std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
-  if (test_backend* b = installed_test_backend()) {
-    const std::error_code ec = b->to_device(dst, src, n);
-    if (ec) why = "the test's stand-in failed the copy: " + ec.message();
-    return ec;
-  }
-  why = driver().why;
-  return make_error_code(errc::not_supported);
-}
-
-std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t n) {
-  if (test_backend* b = installed_test_backend()) return b->copier(p, n);
+std::shared_ptr<transport::memory_copier> driver_copier(const void*, std::size_t) {
   throw std::system_error(errc::not_supported, driver().why);
 }
+}  // namespace
 
 std::error_code export_dmabuf(const void*, std::size_t, dmabuf_export&, std::string& why) noexcept {
   why = driver().why;
@@ -460,6 +429,32 @@ std::error_code export_dmabuf(const void*, std::size_t, dmabuf_export&, std::str
 }  // namespace detail
 
 #endif
+
+namespace detail {
+
+// The test's stand-in first (both builds), else the driver.
+std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  test_backend* b = installed_test_backend();
+  if (b == nullptr) return sync_copy(true, dst, src, n, why);
+  const std::error_code ec = b->to_host(dst, src, n);
+  if (ec) why = "the test's stand-in failed the copy: " + ec.message();
+  return ec;
+}
+
+std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept {
+  test_backend* b = installed_test_backend();
+  if (b == nullptr) return sync_copy(false, dst, src, n, why);
+  const std::error_code ec = b->to_device(dst, src, n);
+  if (ec) why = "the test's stand-in failed the copy: " + ec.message();
+  return ec;
+}
+
+std::shared_ptr<transport::memory_copier> make_copier(const void* p, std::size_t n) {
+  if (test_backend* b = installed_test_backend()) return b->copier(p, n);
+  return driver_copier(p, n);
+}
+
+}  // namespace detail
 
 }  // namespace cuda
 }  // namespace anydoor
