@@ -84,7 +84,7 @@ connection_impl::~connection_impl() {
   // or the peer tore it down with nothing flushed) return to the pool.
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
   for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) release_received(inbox_[i % inbox_.size()].buffer);
-  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[i % notes_.size()].buffer);
+  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[i % notes_.size()]);
   for (std::uint64_t i = sq_retired_; i < sq_queued_; ++i) {
     const sq_slot& s = sq_[i % sq_.size()];
     if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
@@ -155,7 +155,7 @@ void connection_impl::prepare() {
   stage_sge_.assign(q + sge_per_wr_, transport::sge{});
   atomic_results_.assign(q, 0);
   atomic_mr_ = f.pd->register_memory(atomic_results_.data(), q * sizeof(std::uint64_t), transport::access::local_write);
-  notes_.assign(opt_.credits, note_entry{});
+  notes_.assign(opt_.credits, buffer_pool::npos);
   stage_inline_.assign(std::min<std::size_t>(q * f.inline_cap, kInlineStage), std::byte{0});
   stage_control_.assign(q * protocol::kHeaderSize + protocol::kAuthSize, std::byte{0});
   batch_.reserve(q);
@@ -297,20 +297,7 @@ void connection_impl::on_setup_failed() noexcept {
 // ---------------------------------------------------------------- operations
 
 op_node* connection_impl::acquire(op_kind kind) {
-  op_node* n;
-  if (free_nodes_.empty()) {
-    all_nodes_.push_back(std::make_unique<op_node>());
-    n = all_nodes_.back().get();
-    // Room for every node to come back without allocating (release is
-    // noexcept), grown geometrically: a burst of queued operations costs
-    // O(n), not a reallocation per node.
-    if (free_nodes_.capacity() < all_nodes_.size()) {
-      free_nodes_.reserve(std::max(all_nodes_.size(), 2 * free_nodes_.capacity()));
-    }
-  } else {
-    n = free_nodes_.back();
-    free_nodes_.pop_back();
-  }
+  op_node* n = fab_->take_node();
   n->owner = this;
   n->kind = kind;
   n->phase = op_phase::queued;
@@ -348,7 +335,7 @@ void connection_impl::release(op_node* n) noexcept {
     if ((n->split_mask & 1u) != 0) n->split[i].reset();
   }
   n->phase = op_phase::done;
-  free_nodes_.push_back(n);  // capacity reserved in acquire
+  fab_->give_node(n);
   fab_->idle();
 }
 

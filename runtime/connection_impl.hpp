@@ -143,10 +143,6 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     std::uint32_t length = 0;  // bytes received (header included)
     bool rts = false;
   };
-  struct note_entry {
-    std::uint32_t buffer = 0;  // held until the notification is taken (the peer's credit)
-    notification note;
-  };
   struct fin_entry {
     std::uint32_t cookie = 0;
     protocol::fin_status status = protocol::fin_status::ok;
@@ -368,10 +364,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   op_list flushes_;        // flushes waiting for their target (in order)
   op_list parked_;         // ended early, waiting for their posted parts (target in operand, in order)
   op_list note_waiting_;   // receive_notification without a notification yet
-  std::vector<note_entry> notes_;  // ring, capacity = credits
+  // Notifications not yet taken: the buffers they arrived in, held (the
+  // peer's credits) and decoded again when taken, since a notification's
+  // region (inline keys) is much larger than its wire form.
+  std::vector<std::uint32_t> notes_;  // ring, capacity = credits
   std::uint64_t notes_head_ = 0, notes_tail_ = 0;
-  std::vector<op_node*> free_nodes_;
-  std::vector<std::unique_ptr<op_node>> all_nodes_;
   std::uint32_t next_cookie_ = 1;
 
   // Authentication: set from on_connected until the peer has proven the

@@ -396,11 +396,17 @@ void connection_impl::deliver_notes(bool post) noexcept {
       end_receives(note_waiting_, post);
       return;
     }
-    const note_entry e = notes_[notes_head_++ % notes_.size()];
+    // The buffer is unchanged since handle_message validated it (a held
+    // buffer is not posted again until this repost).
+    const std::uint32_t buffer = notes_[notes_head_++ % notes_.size()];
+    const std::byte* data = fab_->pool->data(buffer);
+    protocol::header h;
+    (void)protocol::decode({data, protocol::kRtsSize}, h);
+    const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
     op_node* n = note_waiting_.pop_front();
-    repost(e.buffer);
+    n->note = notification{h.aux, remote_region{b.addr, b.length, b.rkey}};
+    repost(buffer);
     ++stats_.notifications_received;
-    n->note = e.note;
     complete(n, post, {});
   }
 }

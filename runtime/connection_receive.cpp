@@ -278,13 +278,12 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       return;
     }
     case protocol::msg_type::notify: {
-      const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
       if (notes_tail_ - notes_head_ >= notes_.size()) {  // cannot happen with a conforming peer
         release_received(buffer);
         fail(errc::protocol_error);
         return;
       }
-      notes_[notes_tail_++ % notes_.size()] = {buffer, notification{h.aux, remote_region{b.addr, b.length, b.rkey}}};
+      notes_[notes_tail_++ % notes_.size()] = buffer;  // decoded when taken (deliver_notes)
       return;
     }
     case protocol::msg_type::credit: {

@@ -278,6 +278,29 @@ fabric_state::~fabric_state() {
   pool.reset();
 }
 
+op_node* fabric_state::take_node() {
+  if (!free_nodes_.empty()) {
+    op_node* n = free_nodes_.back();
+    free_nodes_.pop_back();
+    return n;
+  }
+  // Room for every node to come back without allocating (give_node is
+  // noexcept), grown geometrically: a burst of operations costs O(n), not a
+  // reallocation per node.
+  if (free_nodes_.capacity() < all_nodes_.size() + 1) {
+    free_nodes_.reserve(std::max(all_nodes_.size() + 1, 2 * free_nodes_.capacity()));
+  }
+  all_nodes_.reserve(all_nodes_.size() + 1);
+  auto node = std::make_unique<op_node>();
+  op_node* n = node.get();
+  all_nodes_.push_back(std::move(node));
+  return n;
+}
+
+void fabric_state::give_node(op_node* n) noexcept {
+  free_nodes_.push_back(n);  // capacity reserved in take_node
+}
+
 staging_area& fabric_state::staging() {
   if (staging_ == nullptr) {
     staging_ = std::make_unique<staging_area>(*pd, piece_shift, options.gpu_staging_chunk, options.gpu_staging_buffers);

@@ -9,6 +9,8 @@
 #include "protocol.hpp"
 #include "setup_helpers.hpp"
 
+#include <anydoor/detail/op_node.hpp>
+
 #include <boost/asio/io_context.hpp>
 
 #include <array>
@@ -77,6 +79,15 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // coroutine that completes one operation and starts the next keeps it on).
   void busy() noexcept;
   void idle() noexcept;
+
+  // Operation nodes of every connection of the fabric (one thread): a
+  // connection takes one per operation and gives it back when the
+  // operation ends, so an idle connection holds none. Never allocates once
+  // the most in use at once have been made.
+  op_node* take_node();                     // throws std::bad_alloc
+  void give_node(op_node* n) noexcept;      // n from take_node
+  std::size_t nodes_made() const noexcept { return all_nodes_.size(); }
+  std::size_t nodes_free() const noexcept { return free_nodes_.size(); }
   std::size_t active() const noexcept { return active_; }
 
   // Posting: connections queue work requests during a turn and flush them,
@@ -138,6 +149,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
 
  private:
+  std::vector<op_node*> free_nodes_;  // capacity >= all_nodes_.size()
+  std::vector<std::unique_ptr<op_node>> all_nodes_;
   void flush_all(bool defer) noexcept;
   void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;

@@ -84,6 +84,68 @@ TEST_CASE("inline send copies the payload at post time", "[conformance]") {
   }
 }
 
+TEST_CASE("a full send queue of inline sends of max_inline_data bytes, mixed with gather sends, arrives intact",
+          "[conformance]") {
+  // Each send queue slot holds either its gather list or its inline bytes
+  // (a NIC's WQE): neither may spill into the next slot, whichever is larger.
+  const auto caps = open_test_device()->caps();
+  const std::uint32_t max_sge = std::min<std::uint32_t>(caps.max_sge, 4);
+  const std::uint32_t max_inline = std::min<std::uint32_t>(caps.max_inline, 200);
+  REQUIRE(max_inline >= 16);
+  struct shape {
+    std::uint32_t sge, inl;
+  };
+  for (const shape sh : {shape{1, max_inline}, shape{max_sge, 16}, shape{max_sge, max_inline}}) {
+    CAPTURE(sh.sge, sh.inl);
+    constexpr std::uint32_t kWrs = 8;
+    connected_pair p({.max_send_wr = kWrs, .max_recv_wr = kWrs, .max_send_sge = sh.sge, .max_inline_data = sh.inl});
+    const std::uint32_t inl = p.a.qp->attributes().max_inline_data;
+    REQUIRE(inl >= sh.inl);
+    const std::size_t slot = std::max<std::size_t>(inl, 64);
+    std::vector<std::byte> src(kWrs * slot), dst(kWrs * slot);
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>(i * 7 + i / slot);
+    auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+    auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+    std::vector<tp::sge> rsg(kWrs);
+    std::vector<tp::recv_request> rr(kWrs);
+    for (std::uint32_t i = 0; i < kWrs; ++i) {
+      rsg[i] = dmr->slice(i * slot, static_cast<std::uint32_t>(slot));
+      rr[i] = {.wr_id = i, .sg_list = {&rsg[i], 1}};
+    }
+    REQUIRE_FALSE(p.b.qp->post_recv(rr));
+    // Even slots: inline, max_inline_data bytes from a buffer reused
+    // afterwards. Odd slots: a gather list of max_send_sge entries.
+    std::vector<std::byte> staging(src.begin(), src.end());
+    std::vector<tp::sge> ssg(kWrs * sh.sge);
+    std::vector<tp::work_request> wr(kWrs);
+    std::vector<std::size_t> len(kWrs);
+    for (std::uint32_t i = 0; i < kWrs; ++i) {
+      if (i % 2 == 0) {
+        ssg[i * sh.sge] = {reinterpret_cast<std::uint64_t>(staging.data() + i * slot), inl, 0};
+        wr[i] = send_wr(i, {&ssg[i * sh.sge], 1});
+        wr[i].inline_data = true;
+        len[i] = inl;
+      } else {
+        const std::uint32_t piece = 8;
+        for (std::uint32_t k = 0; k < sh.sge; ++k) ssg[i * sh.sge + k] = smr->slice(i * slot + k * piece, piece);
+        wr[i] = send_wr(i, {&ssg[i * sh.sge], sh.sge});
+        len[i] = std::size_t{piece} * sh.sge;
+      }
+    }
+    REQUIRE_FALSE(p.a.qp->post_send(wr));
+    std::fill(staging.begin(), staging.end(), std::byte{0});  // inline bytes were copied at post time
+    auto rc = p.drv.wait(p.b.cq.get(), kWrs);
+    REQUIRE(rc.size() == kWrs);
+    for (const auto& c : rc) {
+      CAPTURE(c.wr_id);
+      REQUIRE(c.status == tp::wc_status::success);
+      CHECK(c.byte_len == len[c.wr_id]);
+      CHECK(std::memcmp(dst.data() + c.wr_id * slot, src.data() + c.wr_id * slot, len[c.wr_id]) == 0);
+    }
+    CHECK(p.drv.wait(p.a.cq.get(), kWrs).size() == kWrs);
+  }
+}
+
 TEST_CASE("send_with_imm delivers the immediate", "[conformance]") {
   connected_pair p;
   std::uint64_t src = 42, dst = 0;

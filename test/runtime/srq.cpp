@@ -109,7 +109,17 @@ TEST_CASE("shared receive queue: a busy connection's window grows while the queu
   std::uint64_t spare_while_open = 0;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
-    CHECK(server.stats().srq_spare == 64 - 4);  // the new connection's floor
+    // The new connection's floor. The client's sends stay held in its inbox
+    // until taken below (no credit comes back for them), but on a device
+    // where the connecting side speaks first (verbs) its greeting, a control
+    // message released at once, may have been taken already: its buffer
+    // brought its credit back and one more. Exactly that, nothing else.
+    const std::uint64_t spare = server.stats().srq_spare;
+    if (server.device().caps().established_by_message) {
+      CHECK((spare == 64 - 4 || spare == 64 - 4 - 1));
+    } else {
+      CHECK(spare == 64 - 4);
+    }
     for (int k = 0; k < kMessages; ++k) (void)co_await c.async_receive(use_awaitable);  // released at once
     spare_while_open = server.stats().srq_spare;
     const char done = 'd';

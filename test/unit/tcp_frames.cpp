@@ -758,3 +758,94 @@ TEST_CASE("tcp provider: arming with input read but not processed wakes the cons
   // the last write landed: frame 599 wrote its index at slot 599 % 64
   CHECK(static_cast<std::uint8_t>(p.mem[64 + (599 % 64) * 8]) == static_cast<std::uint8_t>(599));
 }
+
+TEST_CASE("tcp provider: a queue pair holds a receive staging buffer only while a frame waits in it", "[unit][tcp]") {
+  // The staging buffers are the completion queue's: an idle connection
+  // holds none (memory per idle connection), one whose frame arrived in
+  // parts keeps its bytes until the rest comes, and buffers are reused.
+  raw_peer p;
+  const auto& pool = static_cast<tcp_cq*>(p.ep.cq.get())->staging_pool();
+  driver d{p.ep.cq.get()};
+  d.settle(p.ep.cq.get(), 20ms);
+  CHECK(pool->free_count() == pool->created());  // none held
+  std::array<std::byte, kHeaderSize + 5> frame{};
+  encode(frame_header{.type = frame_type::write, .psn = 1, .length = 5, .remote_addr = p.base() + 10,
+                      .rkey = p.mr->rkey()},
+         std::span<std::byte, kHeaderSize>(frame.data(), kHeaderSize));
+  std::memcpy(frame.data() + kHeaderSize, "parts", 5);
+  // Half a header: read into the staging buffer, which stays with the
+  // queue pair.
+  raw_send(p.fd, frame.data(), 20);
+  d.settle(p.ep.cq.get(), 30ms);
+  REQUIRE(pool->created() == 1);
+  CHECK(pool->free_count() == 0);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+  // The rest: the frame executes and the buffer goes back.
+  raw_send(p.fd, frame.data() + 20, frame.size() - 20);
+  d.settle(p.ep.cq.get(), 30ms);
+  CHECK(std::memcmp(p.mem.data() + 64 + 10, "parts", 5) == 0);
+  CHECK(pool->free_count() == 1);
+  // Many more frames, whole and split: the same buffer serves them all.
+  for (std::uint32_t psn = 2; psn < 40; ++psn) {
+    encode(frame_header{.type = frame_type::write, .psn = psn, .length = 5, .remote_addr = p.base() + 10 + psn,
+                        .rkey = p.mr->rkey()},
+           std::span<std::byte, kHeaderSize>(frame.data(), kHeaderSize));
+    const std::size_t cut = psn % 3 == 0 ? kHeaderSize + 2 : frame.size();
+    raw_send(p.fd, frame.data(), cut);
+    d.settle(p.ep.cq.get(), 1ms);
+    if (cut < frame.size()) raw_send(p.fd, frame.data() + cut, frame.size() - cut);
+  }
+  d.settle(p.ep.cq.get(), 30ms);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+  CHECK(std::memcmp(p.mem.data() + 64 + 10 + 39, "parts", 5) == 0);
+  CHECK(pool->created() == 1);
+  CHECK(pool->free_count() == 1);
+  // Acknowledged up to the last (acknowledgements may cover several).
+  auto acks = raw_read(p.fd, 39 * kHeaderSize, 200);
+  REQUIRE(acks.size() >= kHeaderSize);
+  REQUIRE(acks.size() % kHeaderSize == 0);
+  frame_header last;
+  REQUIRE(decode(std::span<const std::byte, kHeaderSize>(acks.data() + acks.size() - kHeaderSize, kHeaderSize),
+                 last) == decode_error::none);
+  CHECK(last.type == frame_type::ack);
+  CHECK(last.psn == 39);
+  // The acknowledgements went out in transmit batches, all given back.
+  const auto& batches = static_cast<tcp_cq*>(p.ep.cq.get())->batch_pool();
+  CHECK(batches->created() >= 1);
+  CHECK(batches->free_count() == batches->created());
+}
+
+TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its frames are not all sent", "[unit][tcp]") {
+  // A peer that does not read: the batch stays with the queue pair while
+  // the socket is full, and goes back once the peer has read everything.
+  raw_peer p(4096);
+  const auto& batches = static_cast<tcp_cq*>(p.ep.cq.get())->batch_pool();
+  std::vector<std::byte> src(1 << 20, std::byte{0x5a});
+  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
+  std::vector<tp::sge> sg(8);
+  std::vector<tp::work_request> wr(8);
+  for (std::size_t i = 0; i < wr.size(); ++i) {
+    sg[i] = smr->slice(0, static_cast<std::uint32_t>(src.size()));
+    wr[i] = {.wr_id = i, .op = tp::opcode::write, .sg_list = {&sg[i], 1}, .remote_addr = 0x1000, .rkey = 1};
+  }
+  REQUIRE_FALSE(p.ep.qp->post_send(wr));
+  driver d{p.ep.cq.get()};
+  d.settle(p.ep.cq.get(), 30ms);
+  REQUIRE(batches->created() == 1);
+  CHECK(batches->free_count() == 0);  // 8 MiB cannot fit the socket: the batch waits with the queue pair
+  // The peer reads it all (and answers nothing): the batch comes back.
+  std::size_t got = 0;
+  const std::size_t want = wr.size() * (kHeaderSize + src.size());
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (got < want && std::chrono::steady_clock::now() < deadline) {
+    d.step();
+    std::byte buf[65536];
+    const ssize_t r = ::recv(p.fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (r > 0) got += static_cast<std::size_t>(r);
+  }
+  CHECK(got == want);
+  d.settle(p.ep.cq.get(), 10ms);
+  CHECK(batches->created() == 1);
+  CHECK(batches->free_count() == 1);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <vector>
 
 namespace anydoor::transport::tcp {
@@ -244,6 +245,76 @@ class tcp_pd final : public protection_domain {
   std::shared_ptr<device_state> shared_;
 };
 
+// What a completion queue's queue pairs need only while they move bytes: a
+// receive staging buffer while bytes they read wait in it (a frame split
+// across reads), a transmit batch while its frames are not all sent. A
+// queue pair borrows one for a pass and gives it back at the end unless it
+// still holds something, so an idle connection holds neither. The free
+// list grows to the most borrowed at once and is reused: no allocation per
+// pass once it has. Used only on the thread that drives the completion
+// queue and its queue pairs (provider.hpp); shared with the queue pairs, so
+// that one outliving its completion queue still gives back what it holds.
+template <class T>
+class free_stash {
+ public:
+  free_stash() = default;
+  free_stash(const free_stash&) = delete;
+  free_stash& operator=(const free_stash&) = delete;
+  ~free_stash() {
+    for (T* p : free_) delete p;
+  }
+  // nullptr when memory runs out. A new T is default-initialized: a byte
+  // array stays untouched, so only the pages traffic reaches are resident.
+  T* take() noexcept {
+    if (!free_.empty()) {
+      T* p = free_.back();
+      free_.pop_back();
+      return p;
+    }
+    try {
+      free_.reserve(created_ + 1);  // room for every one to come back (give is noexcept)
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
+    T* p = new (std::nothrow) T;
+    if (p != nullptr) ++created_;
+    return p;
+  }
+  void give(T* p) noexcept { free_.push_back(p); }  // p from take(): within the capacity
+  std::size_t free_count() const noexcept { return free_.size(); }
+  std::size_t created() const noexcept { return created_; }
+
+ private:
+  std::vector<T*> free_;  // capacity >= created_
+  std::size_t created_ = 0;
+};
+
+inline constexpr std::size_t kRxStagingBytes = 64 * 1024;
+using rx_staging = std::array<std::byte, kRxStagingBytes>;
+
+// A transmit batch (tcp_qp_tx.cpp): iovecs of whole frames, what each
+// points into, the headers of read-response fragments, and the keys a
+// sendmsg pinned.
+struct tx_batch {
+  static constexpr std::size_t kMaxIov = 64;
+  // What an iovec points into.
+  enum class iov_kind : std::uint8_t { plain, request_payload, read_payload, read_end };
+  struct iov_ref {
+    iov_kind kind = iov_kind::plain;
+    bool header = false;         // the first iovec of a frame
+    std::uint32_t key = 0;       // request_payload (lkey), read_payload (rkey)
+    std::uint64_t resp = 0;      // read_payload, read_end: the response's ring position
+    // request_payload, read_payload: the iovec's base less the registered
+    // address it stands for, once pin_iov translated it (a dma-buf's
+    // mapping; 0 for ordinary memory)
+    std::uint64_t delta = 0;
+  };
+  std::array<iovec, kMaxIov> iov;
+  std::array<iov_ref, kMaxIov> ref;
+  std::array<std::array<std::byte, kHeaderSize>, kMaxIov> frag_hdr;  // read fragment headers
+  std::array<std::uint32_t, kMaxIov> pinned;  // keys pinned for the sendmsg in progress
+};
+
 class tcp_cq final : public completion_queue {
  public:
   explicit tcp_cq(std::uint32_t depth);
@@ -277,8 +348,12 @@ class tcp_cq final : public completion_queue {
   // Makes the notify fd readable (any thread): a queue pair that went live
   // after the reactor's last poll must not wait for data that already came.
   void signal() noexcept;
+  const std::shared_ptr<free_stash<rx_staging>>& staging_pool() const noexcept { return staging_; }
+  const std::shared_ptr<free_stash<tx_batch>>& batch_pool() const noexcept { return batches_; }
 
  private:
+  std::shared_ptr<free_stash<rx_staging>> staging_ = std::make_shared<free_stash<rx_staging>>();
+  std::shared_ptr<free_stash<tx_batch>> batches_ = std::make_shared<free_stash<tx_batch>>();
 
   std::uint32_t depth_;
   std::vector<completion> ring_;
@@ -380,18 +455,9 @@ class tcp_qp final : public queue_pair {
     std::uint64_t addr = 0;
     std::uint64_t len = 0;
   };
-  // What an iovec of the transmit batch points into.
-  enum class iov_kind : std::uint8_t { plain, request_payload, read_payload, read_end };
-  struct iov_ref {
-    iov_kind kind = iov_kind::plain;
-    bool header = false;         // the first iovec of a frame
-    std::uint32_t key = 0;       // request_payload (lkey), read_payload (rkey)
-    std::uint64_t resp = 0;      // read_payload, read_end: the response's ring position
-    // request_payload, read_payload: the iovec's base less the registered
-    // address it stands for, once pin_iov translated it (a dma-buf's
-    // mapping; 0 for ordinary memory)
-    std::uint64_t delta = 0;
-  };
+  using iov_kind = tx_batch::iov_kind;
+  using iov_ref = tx_batch::iov_ref;
+  static constexpr std::size_t kMaxIov = tx_batch::kMaxIov;
   enum class rx_phase : std::uint8_t { header, payload };
   enum class after_payload : std::uint8_t {
     none, ack_only, recv_done, write_imm_done, read_fragment, read_done
@@ -450,7 +516,7 @@ class tcp_qp final : public queue_pair {
   std::uint64_t via(access need) const noexcept {
     return (need & remote_access_bits) != access::none ? serial_ : 0;
   }
-  sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[(idx % attr_.max_send_wr) * attr_.max_send_sge]; }
+  sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[(idx % attr_.max_send_wr) * sq_stride_]; }
   sge* rq_sges_of(std::uint64_t idx) noexcept { return &rq_sges_[(idx % attr_.max_recv_wr) * attr_.max_recv_sge]; }
 
   const registration_table& table_;
@@ -474,8 +540,11 @@ class tcp_qp final : public queue_pair {
   // send queue: [head_, ack_) acknowledged but not yet retired (unsignaled),
   // [ack_, tx_) sent, [tx_, tail_) posted; indices grow without wrapping.
   std::vector<sq_entry> sq_;
+  // A send queue slot's gather list, or (like a NIC's WQE) its inline
+  // bytes: one sge pointing at the bytes that follow it. sq_stride_ sges
+  // per slot hold either.
   std::vector<sge> sq_sges_;
-  std::vector<std::byte> inline_;
+  std::size_t sq_stride_ = 0;
   std::uint64_t sq_head_ = 0, sq_ack_ = 0, sq_tx_ = 0, sq_tail_ = 0;
   std::uint32_t next_psn_ = 1;
   std::uint8_t rnr_left_ = 7;
@@ -501,13 +570,13 @@ class tcp_qp final : public queue_pair {
   bool rx_paused_ = false;      // the response ring is full: the socket is not read until it drains
   std::uint32_t rd_atomic_out_ = 0;  // reads and atomics sent and not yet answered
 
-  // transmit: iovecs of whole frames; [iov_pos_, iov_count_) still to send
-  static constexpr std::size_t kMaxIov = 64;
-  std::array<iovec, kMaxIov> iov_{};
-  std::array<iov_ref, kMaxIov> iov_ref_{};
-  std::array<std::array<std::byte, kHeaderSize>, kMaxIov> frag_hdr_{};  // read fragment headers
+  // transmit: the batch (borrowed from the send completion queue's pool by
+  // flush, and kept only while [iov_pos_, iov_count_) is not empty), its
+  // iovecs of whole frames; [iov_pos_, iov_count_) still to send
+  std::shared_ptr<free_stash<tx_batch>> batches_;
+  tx_batch* tx_ = nullptr;
+  void flush_batch() noexcept;
   std::size_t frag_used_ = 0;
-  std::array<std::uint32_t, kMaxIov> pinned_{};  // keys pinned for the sendmsg in progress
   std::size_t npinned_ = 0;
   std::size_t iov_count_ = 0, iov_pos_ = 0;
   std::size_t iov_end_ = 0;  // the sendmsg in progress sends [iov_pos_, iov_end_) (pin_iov)
@@ -531,19 +600,18 @@ class tcp_qp final : public queue_pair {
   bool want_write_ = false;
   bool want_read_ = true;
 
-  // receive: staging buffer and the current frame
-  // Left uninitialized: an idle connection touches (makes resident) only
-  // the pages its traffic reaches, not the whole 64 KiB.
+  // receive: staging buffer (kRxStagingBytes, borrowed from the send
+  // completion queue's pool for a receive pass and kept only while
+  // [rx_begin_, rx_end_) holds bytes) and the current frame
   struct staging {
-    std::unique_ptr<std::byte[]> bytes;
-    std::size_t n = 0;
-    void allocate(std::size_t size) {
-      bytes.reset(new std::byte[size]);
-      n = size;
-    }
-    std::byte* data() const noexcept { return bytes.get(); }
-    std::size_t size() const noexcept { return n; }
+    std::shared_ptr<free_stash<rx_staging>> pool;
+    rx_staging* bytes = nullptr;
+    std::byte* data() const noexcept { return bytes->data(); }
+    static constexpr std::size_t size() noexcept { return kRxStagingBytes; }
   };
+  bool borrow_staging() noexcept;   // false: out of memory (the queue pair fails)
+  void return_staging() noexcept;   // when it holds no bytes
+  void receive_frames() noexcept;
   staging rx_buf_;
   std::size_t rx_begin_ = 0, rx_end_ = 0;
   // The last frame's payload was large: the next header is read alone, so

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstring>
 #include <system_error>
+#include <utility>
 
 namespace anydoor::transport::tcp {
 using namespace detail;
@@ -95,13 +96,14 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
   }
   attr_.remote_access = attr_.remote_access & (access::remote_write | access::remote_read | access::remote_atomic);
   sq_.resize(attr_.max_send_wr);
-  sq_sges_.resize(std::size_t{attr_.max_send_wr} * attr_.max_send_sge);
-  inline_.resize(std::size_t{attr_.max_send_wr} * attr_.max_inline_data);
+  sq_stride_ = std::max<std::size_t>(attr_.max_send_sge, 1 + (attr_.max_inline_data + sizeof(sge) - 1) / sizeof(sge));
+  sq_sges_.resize(std::size_t{attr_.max_send_wr} * sq_stride_);
   if (srq_ == nullptr) {
     rq_.resize(attr_.max_recv_wr);
     rq_sges_.resize(std::size_t{attr_.max_recv_wr} * attr_.max_recv_sge);
   }
-  rx_buf_.allocate(kRxBufferSize);
+  rx_buf_.pool = static_cast<tcp_cq*>(attr_.send_cq)->staging_pool();
+  batches_ = static_cast<tcp_cq*>(attr_.send_cq)->batch_pool();
   rnr_left_ = attr_.rnr_retry;
   auto* scq = static_cast<tcp_cq*>(attr_.send_cq);
   auto* rcq = static_cast<tcp_cq*>(attr_.recv_cq);
@@ -116,6 +118,9 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
 
 tcp_qp::~tcp_qp() {
   close_socket();
+  rx_begin_ = rx_end_ = 0;
+  return_staging();
+  if (tx_ != nullptr) batches_->give(std::exchange(tx_, nullptr));
   if (srq_ != nullptr) srq_->users.fetch_sub(1, std::memory_order_relaxed);
   if (attr_.send_cq != nullptr && attr_.send_cq == attr_.recv_cq) {
     static_cast<tcp_cq*>(attr_.send_cq)->detach(this, attr_.max_send_wr + recv_wrs(attr_));
@@ -384,7 +389,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
       continue;
     }
     if (wr.inline_data) {
-      std::byte* buf = &inline_[(idx % attr_.max_send_wr) * attr_.max_inline_data];
+      auto* buf = reinterpret_cast<std::byte*>(sges + 1);  // room for max_inline_data (sq_stride_)
       std::size_t off = 0;
       for (const sge& s : wr.sg_list) {
         std::memcpy(buf + off, reinterpret_cast<const void*>(s.addr), s.length);

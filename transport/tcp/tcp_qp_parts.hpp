@@ -9,7 +9,7 @@
 
 namespace anydoor::transport::tcp::detail {
 
-constexpr std::size_t kRxBufferSize = 64 * 1024;
+constexpr std::size_t kRxBufferSize = kRxStagingBytes;
 // Responses queued per connection: enough to keep the link busy; a peer
 // with more requests outstanding waits (its frames stay in the socket).
 constexpr std::size_t kMaxResponseSlots = 1024;

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace anydoor::transport::tcp {
 using namespace detail;
@@ -114,7 +115,32 @@ void tcp_qp::discard_input() noexcept {
   }
 }
 
+// A pass borrows the staging buffer and returns it unless bytes wait in it.
 void tcp_qp::receive() noexcept {
+  if (fd_ < 0 || !borrow_staging()) return;
+  receive_frames();
+  return_staging();
+}
+
+bool tcp_qp::borrow_staging() noexcept {
+  if (rx_buf_.bytes != nullptr) return true;
+  rx_buf_.bytes = rx_buf_.pool->take();
+  if (rx_buf_.bytes != nullptr) return true;
+  if (state_ == qp_state::error) {
+    close_socket();
+  } else {
+    peer_gone("no memory for a receive staging buffer");
+  }
+  return false;
+}
+
+void tcp_qp::return_staging() noexcept {
+  if (rx_buf_.bytes == nullptr || rx_begin_ != rx_end_) return;
+  rx_buf_.pool->give(std::exchange(rx_buf_.bytes, nullptr));
+  rx_begin_ = rx_end_ = 0;
+}
+
+void tcp_qp::receive_frames() noexcept {
   if (state_ == qp_state::error) {
     if (fd_ >= 0) discard_input();
     return;

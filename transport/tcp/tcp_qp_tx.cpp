@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace anydoor::transport::tcp {
 using namespace detail;
@@ -37,8 +38,8 @@ std::byte g_zeros[kReadFragment];
 // ---------------------------------------------------------------- transmit
 
 void tcp_qp::add_iov(const void* p, std::size_t n, iov_ref ref) noexcept {
-  iov_ref_[iov_count_] = ref;
-  iov_[iov_count_++] = {const_cast<void*>(p), n};
+  tx_->ref[iov_count_] = ref;
+  tx_->iov[iov_count_++] = {const_cast<void*>(p), n};
 }
 
 void tcp_qp::add_header(const void* p, iov_ref ref) noexcept {
@@ -117,14 +118,14 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
     return true;
   }
   while (r.left > 0) {
-    if (iov_count_ + 2 > kMaxIov || frag_used_ == frag_hdr_.size()) return false;
+    if (iov_count_ + 2 > kMaxIov || frag_used_ == tx_->frag_hdr.size()) return false;
     const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(r.left, kReadFragment));
     frame_header f;
     f.type = frame_type::read_response;
     f.psn = r.h.psn;
     f.length = n;
     f.remote_addr = r.offset;
-    auto& hdr = frag_hdr_[frag_used_++];
+    auto& hdr = tx_->frag_hdr[frag_used_++];
     encode(f, hdr);
     add_header(hdr.data());
     add_iov(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, false, r.key, pos});
@@ -132,13 +133,13 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
     r.offset += n;
     r.left -= n;
   }
-  if (iov_count_ + 1 > kMaxIov || frag_used_ == frag_hdr_.size()) return false;
+  if (iov_count_ + 1 > kMaxIov || frag_used_ == tx_->frag_hdr.size()) return false;
   frame_header last;
   last.type = frame_type::read_response;
   last.flags = kFlagLast;
   last.psn = r.h.psn;
   last.remote_addr = r.offset;
-  auto& hdr = frag_hdr_[frag_used_++];
+  auto& hdr = tx_->frag_hdr[frag_used_++];
   encode(last, hdr);
   add_header(hdr.data(), {iov_kind::read_end, false, 0, pos});
   return true;
@@ -146,7 +147,7 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
 
 bool tcp_qp::iov_holds_requests() const noexcept {
   for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
-    if (iov_ref_[i].kind == iov_kind::request_payload) return true;
+    if (tx_->ref[i].kind == iov_kind::request_payload) return true;
   }
   return false;
 }
@@ -159,17 +160,17 @@ bool tcp_qp::pin_iov() noexcept {
   npinned_ = 0;
   iov_end_ = iov_count_;
   for (std::size_t i = iov_pos_; i < iov_end_; ++i) {
-    iov_ref& ref = iov_ref_[i];
+    iov_ref& ref = tx_->ref[i];
     if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
     const access need = ref.kind == iov_kind::read_payload ? access::remote_read : access::none;
     // iov_base holds the registered address until it is first pinned, then
     // where the bytes are (a dma-buf registration's mapping): delta undoes it.
-    const auto addr = reinterpret_cast<std::uint64_t>(iov_[i].iov_base) - ref.delta;
+    const auto addr = reinterpret_cast<std::uint64_t>(tx_->iov[i].iov_base) - ref.delta;
     memory_copier* copier = nullptr;
-    std::byte* p = table_.pin(ref.key, addr, iov_[i].iov_len, need, via(need), copier);
+    std::byte* p = table_.pin(ref.key, addr, tx_->iov[i].iov_len, need, via(need), copier);
     if (p != nullptr && copier == nullptr) {
-      pinned_[npinned_++] = ref.key;
-      iov_[i].iov_base = p;
+      tx_->pinned[npinned_++] = ref.key;
+      tx_->iov[i].iov_base = p;
       ref.delta = reinterpret_cast<std::uint64_t>(p) - addr;
       continue;
     }
@@ -189,7 +190,7 @@ bool tcp_qp::pin_iov() noexcept {
       unpin_iov();
       return false;
     }
-    iov_[i].iov_base = g_zeros;  // the rest of this fragment (at most kReadFragment bytes)
+    tx_->iov[i].iov_base = g_zeros;  // the rest of this fragment (at most kReadFragment bytes)
     ref.kind = iov_kind::plain;
     poison_read(ref.resp);
   }
@@ -206,7 +207,7 @@ bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memor
   if (held_iov_ == i && addr >= held_addr_ && addr - held_addr_ < held_len_) {
     skip = static_cast<std::size_t>(addr - held_addr_);  // still there from the last sendmsg
   } else {
-    const std::size_t n = std::min(iov_[i].iov_len, kTxBounce);
+    const std::size_t n = std::min(tx_->iov[i].iov_len, kTxBounce);
     held_iov_ = kNoBounce;
     if (const std::error_code ec = copier.to_host(tx_bounce_.get(), p, n)) {
       log().warn("qp {}: copying {} bytes out of copied memory failed: {}", qpn_, n, ec.message());
@@ -218,11 +219,11 @@ bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memor
   }
   bounced_ = i;
   bounced_addr_ = addr;
-  bounced_full_ = iov_[i].iov_len;
+  bounced_full_ = tx_->iov[i].iov_len;
   bounced_base_ = tx_bounce_.get() + skip;
-  bounced_len_ = std::min(held_len_ - skip, iov_[i].iov_len);
-  iov_[i].iov_base = bounced_base_;
-  iov_[i].iov_len = bounced_len_;
+  bounced_len_ = std::min(held_len_ - skip, tx_->iov[i].iov_len);
+  tx_->iov[i].iov_base = bounced_base_;
+  tx_->iov[i].iov_len = bounced_len_;
   return true;
 }
 
@@ -234,16 +235,16 @@ void tcp_qp::unbounce() noexcept {
   // the part before its base while it is the current one, else none.
   std::size_t sent = 0;
   if (iov_pos_ > i) sent = bounced_len_;
-  else if (iov_pos_ == i) sent = static_cast<std::size_t>(static_cast<std::byte*>(iov_[i].iov_base) - bounced_base_);
+  else if (iov_pos_ == i) sent = static_cast<std::size_t>(static_cast<std::byte*>(tx_->iov[i].iov_base) - bounced_base_);
   const std::size_t left = bounced_full_ - sent;
-  iov_[i].iov_base = reinterpret_cast<void*>(bounced_addr_ + sent);  // a registered address again
-  iov_[i].iov_len = left;
-  iov_ref_[i].delta = 0;
+  tx_->iov[i].iov_base = reinterpret_cast<void*>(bounced_addr_ + sent);  // a registered address again
+  tx_->iov[i].iov_len = left;
+  tx_->ref[i].delta = 0;
   if (left != 0 && iov_pos_ > i) iov_pos_ = i;
 }
 
 void tcp_qp::unpin_iov() noexcept {
-  for (std::size_t i = 0; i < npinned_; ++i) table_.unpin(pinned_[i]);
+  for (std::size_t i = 0; i < npinned_; ++i) table_.unpin(tx_->pinned[i]);
   npinned_ = 0;
 }
 
@@ -258,10 +259,10 @@ void tcp_qp::poison_read(std::uint64_t pos) noexcept {
   fatal_pending_ = true;
   log().warn("qp {}: the source of read {} was deregistered while its data was being sent", qpn_, r.h.psn);
   for (std::size_t i = iov_pos_; i < iov_count_; ++i) {
-    if (iov_ref_[i].kind != iov_kind::read_end || iov_ref_[i].resp != pos) continue;
+    if (tx_->ref[i].kind != iov_kind::read_end || tx_->ref[i].resp != pos) continue;
     encode(nak_header(r.h.psn, nak_code::remote_access),
-           std::span<std::byte, kHeaderSize>(static_cast<std::byte*>(iov_[i].iov_base), kHeaderSize));
-    iov_ref_[i].kind = iov_kind::plain;
+           std::span<std::byte, kHeaderSize>(static_cast<std::byte*>(tx_->iov[i].iov_base), kHeaderSize));
+    tx_->ref[i].kind = iov_kind::plain;
     return;
   }
   // Its last frame is not in the batch yet: fill_read sends the NAK.
@@ -276,7 +277,14 @@ void tcp_qp::check_fatal() noexcept {
   enter_error(wc_status::work_request_flushed);
 }
 
+// The batch is borrowed when there are frames to send and given back once
+// they are all out.
 void tcp_qp::flush() noexcept {
+  flush_batch();
+  if (tx_ != nullptr && iov_pos_ == iov_count_) batches_->give(std::exchange(tx_, nullptr));
+}
+
+void tcp_qp::flush_batch() noexcept {
   while (fd_ >= 0) {
     if (iov_pos_ == iov_count_) {
       if (cut_pending_) {
@@ -304,6 +312,11 @@ void tcp_qp::flush() noexcept {
         close_socket();
         return;
       }
+      if (resp_queued_ == resp_tail_ && sq_tx_ == sq_tail_) break;  // nothing to frame
+      if (tx_ == nullptr && (tx_ = batches_->take()) == nullptr) {
+        peer_gone("no memory for a transmit batch");
+        return;
+      }
       if (!fill_iov()) break;
       if (faults_ != nullptr) inject_tx_faults();
     }
@@ -316,7 +329,7 @@ void tcp_qp::flush() noexcept {
       return;
     }
     msghdr msg{};
-    msg.msg_iov = &iov_[iov_pos_];
+    msg.msg_iov = &tx_->iov[iov_pos_];
     msg.msg_iovlen = iov_end_ - iov_pos_;
     const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     unpin_iov();
@@ -331,7 +344,7 @@ void tcp_qp::flush() noexcept {
     counters_.bytes_sent += static_cast<std::uint64_t>(n);
     auto left = static_cast<std::size_t>(n);
     while (left > 0 && iov_pos_ < iov_count_) {
-      iovec& v = iov_[iov_pos_];
+      iovec& v = tx_->iov[iov_pos_];
       const std::size_t take = std::min(left, v.iov_len);
       v.iov_base = static_cast<std::byte*>(v.iov_base) + take;
       v.iov_len -= take;
@@ -365,18 +378,18 @@ void tcp_qp::update_interest() noexcept {
 void tcp_qp::inject_tx_faults() noexcept {
   const fault_plan& f = *faults_;
   for (std::size_t i = 0; i < iov_count_; ++i) {
-    if (!iov_ref_[i].header) continue;
+    if (!tx_->ref[i].header) continue;
     ++frames_sent_;
     if (f.corrupt && frames_sent_ == *f.corrupt) {
       // A header the peer's checks refuse (its version byte inverted).
-      std::memcpy(corrupt_hdr_.data(), iov_[i].iov_base, kHeaderSize);
+      std::memcpy(corrupt_hdr_.data(), tx_->iov[i].iov_base, kHeaderSize);
       corrupt_hdr_[0] = ~corrupt_hdr_[0];
-      iov_[i].iov_base = corrupt_hdr_.data();
+      tx_->iov[i].iov_base = corrupt_hdr_.data();
       log().warn("qp {}: fault injection: frame {} goes out corrupt", qpn_, frames_sent_);
     }
     if (f.cut_after && frames_sent_ == *f.cut_after) {
       std::size_t end = i + 1;  // this frame's payload still goes
-      while (end < iov_count_ && !iov_ref_[end].header) ++end;
+      while (end < iov_count_ && !tx_->ref[end].header) ++end;
       iov_count_ = end;
       cut_pending_ = true;
       break;
