@@ -89,6 +89,10 @@ connection_impl::~connection_impl() {
     const sq_slot& s = sq_[i % sq_.size()];
     if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
   }
+  if (batch_ != nullptr) {
+    batch_->wrs.clear();
+    return_batch();
+  }
   qp_.reset();
   srq_release();
   if (counted_) --fab_->open_connections;
@@ -152,13 +156,10 @@ void connection_impl::prepare() {
   registered_ = true;
   const std::size_t q = opt_.send_queue;
   sq_.assign(q, sq_slot{});
-  stage_sge_.assign(q + sge_per_wr_, transport::sge{});
   atomic_results_.assign(q, 0);
   atomic_mr_ = f.pd->register_memory(atomic_results_.data(), q * sizeof(std::uint64_t), transport::access::local_write);
   notes_.assign(opt_.credits, buffer_pool::npos);
-  stage_inline_.assign(std::min<std::size_t>(q * f.inline_cap, kInlineStage), std::byte{0});
   stage_control_.assign(q * protocol::kHeaderSize + protocol::kAuthSize, std::byte{0});
-  batch_.reserve(q);
   // (A shared receive queue's connection posts no receives of its own.)
   const std::size_t own_receives = srq_ ? 0 : opt_.credits;
   rq_.assign(own_receives, buffer_pool::npos);
@@ -224,7 +225,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   if (state_ == state::setup) state_ = state::open;
   // What early messages queued (re-posted receives, credits) waited for the
   // setup thread to let go of the queue pair.
-  if (!recv_batch_.empty() || !batch_.empty()) schedule();
+  if (!recv_batch_.empty() || queued_sends() != 0) schedule();
   if (credits_ > static_cast<std::int64_t>(peer.max_credits)) {  // returned before the handshake completed here
     log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_->qp_num(),
                credits_, peer.max_credits);

@@ -101,7 +101,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Flushing (fabric_state).
   void flush() noexcept;
   void flush_now() noexcept;
-  std::size_t queued_sends() const noexcept { return batch_.size(); }
+  std::size_t queued_sends() const noexcept { return batch_ == nullptr ? 0 : batch_->wrs.size(); }
   bool dirty = false;
   bool urgent = false;  // queued from a completion handler: flushed after the reactor's pass
   bool waiting_buffer = false;
@@ -196,24 +196,27 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
   // Work requests that can be queued now: free send queue slots, and room
   // for one gather entry each (see stage_sge_).
-  std::uint32_t sq_free() const noexcept;
+  // (Borrows the doorbell batch: hold_batch.)
+  std::uint32_t sq_free() noexcept;
   // Queues a work request (its slot records kind, buffer and op) whose
   // gather list is `sges`: staged entries (take_sges), or none.
   transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op,
                                    std::span<const transport::sge> sges) noexcept;
   // The next n entries of the gather-list staging; n <= sge_room().
   transport::sge* take_sges(std::uint32_t n) noexcept {
-    transport::sge* p = stage_sge_.data() + stage_sge_used_;
+    transport::sge* p = batch_->sges.data() + stage_sge_used_;
     stage_sge_used_ += n;
     return p;
   }
-  std::uint32_t sge_room() const noexcept { return static_cast<std::uint32_t>(stage_sge_.size() - stage_sge_used_); }
+  std::uint32_t sge_room() const noexcept {
+    return batch_ == nullptr ? 0 : static_cast<std::uint32_t>(batch_->sges.size() - stage_sge_used_);
+  }
   // A SEND of `wire` bytes can go inline: within max_inline_data, and the
   // inline staging of this batch has room (control messages have their
   // own, which always has room for one per free send queue slot: they
   // never need a pool buffer when the inline limit takes a header).
   bool can_inline(std::size_t wire) const noexcept {
-    return wire <= fab_->inline_cap && stage_inline_used_ + wire <= stage_inline_.size();
+    return batch_ != nullptr && wire <= fab_->inline_cap && stage_inline_used_ + wire <= batch_->inline_bytes.size();
   }
   bool can_inline_control(std::size_t wire) const noexcept {
     return wire <= fab_->inline_cap && stage_control_used_ + wire <= stage_control_.size();
@@ -305,21 +308,25 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::uint32_t sge_per_wr_ = 1;
   std::vector<std::uint64_t> atomic_results_;  // one per slot, registered
   std::unique_ptr<transport::memory_region> atomic_mr_;
-  std::vector<transport::work_request> batch_;
-  // What the work requests in batch_ point to until they are posted: their
-  // gather lists and the bytes of inline sends. post_send copies both (the
-  // provider contract), so both stagings are empty again after every post:
-  // bump allocators, reset by flush_now and drop_unposted (reset_staging).
-  // Sized for a batch rather than per send queue slot: send_queue +
-  // sge_per_wr_ gather entries (each work request takes one; a put or get
-  // takes fewer pieces per request when they run short) and at most
-  // kInlineStage inline bytes (a send that does not fit goes in a pool
-  // buffer instead, as a large one does), and control messages (credits,
-  // FIN, close, auth) send_queue headers and one auth message.
+  // The work requests of the next doorbell and what they point to until
+  // they are posted: their gather lists and the bytes of inline sends.
+  // post_send copies both (the provider contract), so the batch is empty
+  // again after every post: bump allocators, reset by flush_now and
+  // drop_unposted (reset_staging). The batch is the fabric's
+  // (fabric_state::take_batch), held from the first work request queued
+  // (sq_free) until the post, so an idle connection holds none. Sized for a
+  // batch rather than per send queue slot: send_queue + sge_per_wr_ gather
+  // entries (each work request takes one; a put or get takes fewer pieces
+  // per request when they run short) and at most kInlineStage inline bytes
+  // (a send that does not fit goes in a pool buffer instead, as a large one
+  // does). Control messages (credits, FIN, close, auth) have their own
+  // staging, for send_queue headers and one auth message, so that they
+  // never need a pool buffer when the inline limit takes a header.
   static constexpr std::size_t kInlineStage = 4096;
-  std::vector<transport::sge> stage_sge_;
+  doorbell_batch* batch_ = nullptr;
+  bool hold_batch() noexcept;    // false: no memory for one (then nothing can be queued)
+  void return_batch() noexcept;  // when nothing is queued in it
   std::size_t stage_sge_used_ = 0;
-  std::vector<std::byte> stage_inline_;
   std::size_t stage_inline_used_ = 0;
   std::vector<std::byte> stage_control_;
   std::size_t stage_control_used_ = 0;

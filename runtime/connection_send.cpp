@@ -17,8 +17,23 @@ namespace anydoor::detail {
 
 // ---------------------------------------------------------------- sending
 
-std::uint32_t connection_impl::sq_free() const noexcept {
-  return std::min(static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_)), sge_room());
+std::uint32_t connection_impl::sq_free() noexcept {
+  const auto slots = static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_));
+  if (slots == 0 || !hold_batch()) return 0;
+  return std::min(slots, sge_room());
+}
+
+bool connection_impl::hold_batch() noexcept {
+  if (batch_ != nullptr) return true;
+  const std::size_t q = opt_.send_queue;
+  batch_ = fab_->take_batch(q, q + sge_per_wr_, std::min<std::size_t>(q * fab_->inline_cap, kInlineStage));
+  return batch_ != nullptr;
+}
+
+void connection_impl::return_batch() noexcept {
+  if (batch_ == nullptr || !batch_->wrs.empty()) return;
+  reset_staging();
+  fab_->give_batch(std::exchange(batch_, nullptr));
 }
 
 std::uint16_t connection_impl::take_owed() noexcept {
@@ -33,7 +48,7 @@ transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t 
                                                   std::span<const transport::sge> sges) noexcept {
   const std::size_t slot = sq_queued_ % sq_.size();
   sq_[slot] = {buffer, kind, op, false};
-  transport::work_request& wr = batch_.emplace_back();  // capacity = send_queue >= queued
+  transport::work_request& wr = batch_->wrs.emplace_back();  // capacity = send_queue >= queued (sq_free held it)
   wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_queued_ & kTagMask));
   wr.sg_list = sges;
   ++sq_queued_;
@@ -50,7 +65,7 @@ std::byte* connection_impl::stage_send(slot_kind kind, std::uint32_t buf, op_nod
     out = stage_control_.data() + stage_control_used_;
     stage_control_used_ += wire;
   } else {
-    out = stage_inline_.data() + stage_inline_used_;
+    out = batch_->inline_bytes.data() + stage_inline_used_;
     stage_inline_used_ += wire;
   }
   transport::sge* sg = take_sges(1);
@@ -355,33 +370,37 @@ void connection_impl::flush_now() noexcept {
     recv_batch_.clear();
   }
   maybe_send_credits();
-  if (batch_.empty()) return;
+  if (batch_ == nullptr || batch_->wrs.empty()) {
+    return_batch();
+    return;
+  }
+  std::vector<transport::work_request>& batch = batch_->wrs;
   const std::uint32_t k = opt_.signal_interval;
-  for (std::size_t i = 0; i < batch_.size(); ++i) {
+  for (std::size_t i = 0; i < batch.size(); ++i) {
     sq_slot& s = sq_[(sq_posted_ + i) % sq_.size()];
-    const bool must = s.kind == slot_kind::read_last || s.op != nullptr || i + 1 == batch_.size();
+    const bool must = s.kind == slot_kind::read_last || s.op != nullptr || i + 1 == batch.size();
     if (must || ++since_signal_ >= k) {
       since_signal_ = 0;
       s.signaled = true;
-      batch_[i].signaled = true;
+      batch[i].signaled = true;
       ++stats_.signaled;
       fab_->busy();
     } else {
-      batch_[i].signaled = false;
+      batch[i].signaled = false;
     }
   }
   std::size_t bad = 0;
-  if (auto ec = qp_->post_send(batch_, &bad)) {
-    log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_->qp_num(), batch_.size(), bad,
+  if (auto ec = qp_->post_send(batch, &bad)) {
+    log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_->qp_num(), batch.size(), bad,
                 ec.message());
     fail(ec);
     return;
   }
-  stats_.posts += batch_.size();
+  stats_.posts += batch.size();
   ++stats_.doorbells;
   sq_posted_ = sq_queued_;
-  batch_.clear();
-  reset_staging();
+  batch.clear();
+  return_batch();
 }
 
 // Work requests queued but never posted (the connection failed first).
@@ -400,8 +419,9 @@ void connection_impl::drop_unposted() noexcept {
     if (s.kind == slot_kind::onesided_last && s.op != nullptr) park(s.op);
   }
   sq_queued_ = sq_posted_;
-  batch_.clear();
+  if (batch_ != nullptr) batch_->wrs.clear();
   reset_staging();
+  return_batch();
   for (op_node* p = parked_.head; p != nullptr; p = p->next) p->operand = std::min(p->operand, sq_posted_);
   drop_unposted_receives();
 }

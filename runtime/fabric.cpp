@@ -288,13 +288,45 @@ op_node* fabric_state::take_node() {
   // noexcept), grown geometrically: a burst of operations costs O(n), not a
   // reallocation per node.
   if (free_nodes_.capacity() < all_nodes_.size() + 1) {
-    free_nodes_.reserve(std::max(all_nodes_.size() + 1, 2 * free_nodes_.capacity()));
+    free_nodes_.reserve(std::max<std::size_t>(8, 2 * free_nodes_.capacity()));
   }
-  all_nodes_.reserve(all_nodes_.size() + 1);
+  if (all_nodes_.capacity() < all_nodes_.size() + 1) {
+    all_nodes_.reserve(std::max<std::size_t>(8, 2 * all_nodes_.capacity()));
+  }
   auto node = std::make_unique<op_node>();
   op_node* n = node.get();
   all_nodes_.push_back(std::move(node));
   return n;
+}
+
+doorbell_batch* fabric_state::take_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
+  if (!free_batches_.empty()) {
+    doorbell_batch* b = free_batches_.back();
+    free_batches_.pop_back();
+    return b;
+  }
+  try {
+    // give_batch is noexcept: room for every one to come back, grown geometrically
+    if (free_batches_.capacity() < all_batches_.size() + 1) {
+      free_batches_.reserve(std::max<std::size_t>(8, 2 * free_batches_.capacity()));
+    }
+    if (all_batches_.capacity() < all_batches_.size() + 1) {
+      all_batches_.reserve(std::max<std::size_t>(8, 2 * all_batches_.capacity()));
+    }
+    auto b = std::make_unique<doorbell_batch>();
+    b->wrs.reserve(wrs);
+    b->sges.resize(sges);
+    b->inline_bytes.resize(inline_bytes);
+    all_batches_.push_back(std::move(b));
+  } catch (const std::bad_alloc&) {
+    log().error("fabric: no memory for a doorbell batch");
+    return nullptr;
+  }
+  return all_batches_.back().get();
+}
+
+void fabric_state::give_batch(doorbell_batch* b) noexcept {
+  free_batches_.push_back(b);  // capacity reserved in take_batch
 }
 
 void fabric_state::give_node(op_node* n) noexcept {

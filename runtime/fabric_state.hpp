@@ -31,6 +31,14 @@ class copy_thread;
 class registration_cache;
 class staging_area;
 
+// The work requests of one doorbell, with the gather entries and inline
+// bytes they point to until posted (connection_impl::batch_).
+struct doorbell_batch {
+  std::vector<transport::work_request> wrs;  // capacity reserved: never grows
+  std::vector<transport::sge> sges;
+  std::vector<std::byte> inline_bytes;
+};
+
 class fabric_state : public std::enable_shared_from_this<fabric_state> {
  public:
   fabric_state(asio::io_context& io, const fabric_options& options);
@@ -85,6 +93,13 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // operation ends, so an idle connection holds none. Never allocates once
   // the most in use at once have been made.
   op_node* take_node();                     // throws std::bad_alloc
+  // Doorbell batches of the fabric's connections (connection_impl::batch_),
+  // the same way: a connection holds one from its first work request queued
+  // until they are posted. nullptr when memory runs out.
+  doorbell_batch* take_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
+  void give_batch(doorbell_batch* b) noexcept;  // b from take_batch, empty
+  std::size_t batches_made() const noexcept { return all_batches_.size(); }
+  std::size_t batches_free() const noexcept { return free_batches_.size(); }
   void give_node(op_node* n) noexcept;      // n from take_node
   std::size_t nodes_made() const noexcept { return all_nodes_.size(); }
   std::size_t nodes_free() const noexcept { return free_nodes_.size(); }
@@ -149,6 +164,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
 
  private:
+  std::vector<doorbell_batch*> free_batches_;  // capacity >= all_batches_.size()
+  std::vector<std::unique_ptr<doorbell_batch>> all_batches_;
   std::vector<op_node*> free_nodes_;  // capacity >= all_nodes_.size()
   std::vector<std::unique_ptr<op_node>> all_nodes_;
   void flush_all(bool defer) noexcept;

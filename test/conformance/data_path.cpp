@@ -91,7 +91,10 @@ TEST_CASE("a full send queue of inline sends of max_inline_data bytes, mixed wit
   const auto caps = open_test_device()->caps();
   const std::uint32_t max_sge = std::min<std::uint32_t>(caps.max_sge, 4);
   const std::uint32_t max_inline = std::min<std::uint32_t>(caps.max_inline, 200);
-  REQUIRE(max_inline >= 16);
+  if (max_inline < 16) {
+    WARN("skipped: the device's max_inline (" << max_inline << ") is below 16 bytes");
+    return;
+  }
   struct shape {
     std::uint32_t sge, inl;
   };

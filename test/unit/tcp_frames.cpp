@@ -820,7 +820,8 @@ TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its fram
   // the socket is full, and goes back once the peer has read everything.
   raw_peer p(4096);
   const auto& batches = static_cast<tcp_cq*>(p.ep.cq.get())->batch_pool();
-  std::vector<std::byte> src(1 << 20, std::byte{0x5a});
+  // 32 MiB: more than the sender's socket buffer can grow to (tcp_wmem).
+  std::vector<std::byte> src(4 << 20, std::byte{0x5a});
   auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
   std::vector<tp::sge> sg(8);
   std::vector<tp::work_request> wr(8);
@@ -832,7 +833,7 @@ TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its fram
   driver d{p.ep.cq.get()};
   d.settle(p.ep.cq.get(), 30ms);
   REQUIRE(batches->created() == 1);
-  CHECK(batches->free_count() == 0);  // 8 MiB cannot fit the socket: the batch waits with the queue pair
+  CHECK(batches->free_count() == 0);  // 32 MiB cannot fit the socket: the batch waits with the queue pair
   // The peer reads it all (and answers nothing): the batch comes back.
   std::size_t got = 0;
   const std::size_t want = wr.size() * (kHeaderSize + src.size());
@@ -848,4 +849,101 @@ TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its fram
   CHECK(batches->created() == 1);
   CHECK(batches->free_count() == 1);
   CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}
+
+TEST_CASE("tcp provider: a queue pair that fails gives back at once what it borrowed", "[unit][tcp]") {
+  // Not at its destruction: a failed connection the application keeps
+  // holds no staging buffer and no transmit batch.
+  raw_peer p(4096);
+  const auto& staging = static_cast<tcp_cq*>(p.ep.cq.get())->staging_pool();
+  const auto& batches = static_cast<tcp_cq*>(p.ep.cq.get())->batch_pool();
+  // Half a header waits in the staging buffer, and a batch too large for
+  // the socket waits to be sent.
+  std::array<std::byte, kHeaderSize> h{};
+  encode(frame_header{.type = frame_type::write, .psn = 1, .length = 5, .remote_addr = p.base(), .rkey = p.mr->rkey()},
+         std::span<std::byte, kHeaderSize>(h.data(), kHeaderSize));
+  raw_send(p.fd, h.data(), 20);
+  std::vector<std::byte> src(32 << 20, std::byte{0x11});
+  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
+  tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(src.size()));
+  tp::work_request wr{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = 0x1000, .rkey = 1};
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  driver d{p.ep.cq.get()};
+  d.settle(p.ep.cq.get(), 30ms);
+  REQUIRE(staging->created() == 1);
+  REQUIRE(batches->created() == 1);
+  CHECK(staging->free_count() == 0);
+  CHECK(batches->free_count() == 0);
+  REQUIRE_FALSE(p.ep.qp->modify(tp::qp_state::error));
+  CHECK(staging->free_count() == 1);
+  CHECK(batches->free_count() == 1);
+  const auto flushed = d.wait(p.ep.cq.get(), 1);
+  REQUIRE(flushed.size() == 1);
+  CHECK(flushed[0].status == tp::wc_status::work_request_flushed);
+}
+
+TEST_CASE("tcp provider: queue pairs on one completion queue share its staging buffers and batches", "[unit][tcp]") {
+  // Two queue pairs on one queue, frames arriving split and batches held
+  // by a peer that does not read, in turns: each keeps its own bytes while
+  // it holds a buffer, and the buffers serve both.
+  endpoint shared;
+  auto lis = shared.dev->listen("127.0.0.1", 0);
+  struct side {
+    std::unique_ptr<tp::queue_pair> qp;
+    std::vector<std::uint8_t> mem = std::vector<std::uint8_t>(4096, 0);
+    std::unique_ptr<tp::memory_region> mr;
+    int fd = -1;
+  };
+  std::array<side, 2> s;
+  for (side& x : s) {
+    x.qp = shared.pd->create_qp(shared.attrs());
+    x.mr = shared.pd->register_memory(x.mem.data(), x.mem.size(), access::local_write | access::remote_write);
+    x.fd = raw_connect(lis->port(), 4096);
+    send_hello(x.fd);
+    std::error_code ec;
+    auto req = lis->get_request(5s, ec);
+    REQUIRE(req);
+    REQUIRE_FALSE(req->accept(*x.qp, {}));
+    REQUIRE(raw_read(x.fd, kHandshakeSize).size() == kHandshakeSize);
+  }
+  const auto& staging = static_cast<tcp_cq*>(shared.cq.get())->staging_pool();
+  driver d{shared.cq.get()};
+  auto frame = [&](side& x, std::uint32_t psn, std::uint8_t fill) {
+    std::array<std::byte, kHeaderSize + 64> f{};
+    encode(frame_header{.type = frame_type::write, .psn = psn, .length = 64,
+                        .remote_addr = reinterpret_cast<std::uint64_t>(x.mem.data()) + 64 * (psn % 32),
+                        .rkey = x.mr->rkey()},
+           std::span<std::byte, kHeaderSize>(f.data(), kHeaderSize));
+    std::memset(f.data() + kHeaderSize, fill, 64);
+    return f;
+  };
+  for (std::uint32_t psn = 1; psn <= 30; ++psn) {
+    auto a = frame(s[0], psn, static_cast<std::uint8_t>(psn));
+    auto b = frame(s[1], psn, static_cast<std::uint8_t>(0x80 + psn));
+    // Both cut within the header: the bytes wait in a staging buffer. (Cut
+    // within the payload, what came is placed and nothing waits.)
+    const std::size_t cut_a = 1 + psn, cut_b = 17 + psn;
+    raw_send(s[0].fd, a.data(), cut_a);
+    raw_send(s[1].fd, b.data(), cut_b);
+    d.settle(shared.cq.get(), 2ms);
+    CHECK(staging->free_count() + 2 == staging->created());  // both hold one
+    raw_send(s[0].fd, a.data() + cut_a, a.size() - cut_a);
+    d.settle(shared.cq.get(), 2ms);
+    CHECK(staging->free_count() + 1 == staging->created());  // the first gave its back
+    raw_send(s[1].fd, b.data() + cut_b, b.size() - cut_b);
+    d.settle(shared.cq.get(), 2ms);
+    CHECK(staging->free_count() == staging->created());
+  }
+  CHECK(staging->created() == 2);
+  for (std::uint32_t psn = 1; psn <= 30; ++psn) {
+    CHECK(s[0].mem[64 * (psn % 32)] == psn);
+    CHECK(s[0].mem[64 * (psn % 32) + 63] == psn);
+    CHECK(s[1].mem[64 * (psn % 32)] == 0x80 + psn);
+    CHECK(s[1].mem[64 * (psn % 32) + 63] == 0x80 + psn);
+  }
+  for (side& x : s) {
+    CHECK(x.qp->state() == tp::qp_state::rts);
+    ::close(x.fd);
+  }
+  d.settle(shared.cq.get(), 20ms);
 }

@@ -12,6 +12,7 @@
 
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -271,16 +272,32 @@ class free_stash {
       free_.pop_back();
       return p;
     }
-    try {
-      free_.reserve(created_ + 1);  // room for every one to come back (give is noexcept)
-    } catch (const std::bad_alloc&) {
-      return nullptr;
+    // Room for every one to come back (give is noexcept), grown
+    // geometrically.
+    if (free_.capacity() < created_ + 1) {
+      try {
+        free_.reserve(std::max<std::size_t>(2 * free_.capacity(), 8));
+      } catch (const std::bad_alloc&) {
+        return nullptr;
+      }
     }
     T* p = new (std::nothrow) T;
     if (p != nullptr) ++created_;
     return p;
   }
-  void give(T* p) noexcept { free_.push_back(p); }  // p from take(): within the capacity
+  // p from take(). After a burst the list shrinks again: a buffer comes
+  // back to be freed while more than kKeep and more than twice those in
+  // use wait in it (hysteresis: a steady load frees nothing).
+  void give(T* p) noexcept {
+    const std::size_t in_use = created_ - free_.size();  // p included
+    if (free_.size() >= kKeep && free_.size() > 2 * in_use) {
+      delete p;
+      --created_;
+      return;
+    }
+    free_.push_back(p);  // within the capacity take() reserved
+  }
+  static constexpr std::size_t kKeep = 16;
   std::size_t free_count() const noexcept { return free_.size(); }
   std::size_t created() const noexcept { return created_; }
 
@@ -311,7 +328,9 @@ struct tx_batch {
   };
   std::array<iovec, kMaxIov> iov;
   std::array<iov_ref, kMaxIov> ref;
-  std::array<std::array<std::byte, kHeaderSize>, kMaxIov> frag_hdr;  // read fragment headers
+  // Every frame's header, encoded when the frame joins the batch (one per
+  // header iovec, so never more than kMaxIov).
+  std::array<std::array<std::byte, kHeaderSize>, kMaxIov> hdr;
   std::array<std::uint32_t, kMaxIov> pinned;  // keys pinned for the sendmsg in progress
 };
 
@@ -422,12 +441,38 @@ class tcp_qp final : public queue_pair {
  private:
   using clock = std::chrono::steady_clock;
   using clock_point = clock::time_point;
+  // What a send queue slot keeps of its work request (a bind takes effect
+  // at post: its window_binding is not kept).
+  struct posted_request {
+    std::uint64_t wr_id = 0;
+    std::span<const sge> sg_list{};  // points into the slot's sq_sges_ (its inline bytes too)
+    std::uint64_t remote_addr = 0;
+    std::uint64_t compare_add = 0;
+    std::uint64_t swap = 0;
+    std::uint32_t imm = 0;
+    std::uint32_t rkey = 0;
+    opcode op = opcode::send;
+    bool signaled = true;
+    bool inline_data = false;
+    posted_request& operator=(const work_request& w) noexcept {
+      wr_id = w.wr_id;
+      sg_list = w.sg_list;
+      remote_addr = w.remote_addr;
+      compare_add = w.compare_add;
+      swap = w.swap;
+      imm = w.imm;
+      rkey = w.rkey;
+      op = w.op;
+      signaled = w.signaled;
+      inline_data = w.inline_data;
+      return *this;
+    }
+  };
   struct sq_entry {
-    work_request wr;               // sg_list points into sges_ (or inline_)
+    posted_request wr;
     std::uint32_t psn = 0;
     std::uint32_t length = 0;      // total payload / read length
     wc_status local_error = wc_status::success;
-    std::array<std::byte, kHeaderSize> header{};
   };
   struct rq_entry {
     std::uint64_t wr_id = 0;
@@ -437,14 +482,35 @@ class tcp_qp final : public queue_pair {
   // at most kReadFragment bytes, then a zero-length frame flagged last: the
   // source is looked up (pinned) again for every sendmsg, and a source
   // deregistered meanwhile ends the response with a NAK instead.
+  // What a response's header needs (encoded when it joins a batch).
+  struct response_header {
+    frame_type type{};
+    std::uint32_t psn = 0;
+    std::uint32_t imm = 0;           // nak: the code
+    std::uint64_t compare_add = 0;   // atomic response: the value before
+    response_header& operator=(const frame_header& f) noexcept {
+      type = f.type;
+      psn = f.psn;
+      imm = f.imm;
+      compare_add = f.compare_add;
+      return *this;
+    }
+    frame_header frame() const noexcept {
+      frame_header f;
+      f.type = type;
+      f.psn = psn;
+      f.imm = imm;
+      f.compare_add = compare_add;
+      return f;
+    }
+  };
   struct response {
-    frame_header h;              // ack, nak, atomic response; reads: type and psn
+    response_header h;           // ack, nak, atomic response; reads: type and psn
     std::uint32_t key = 0;       // read: the source's rkey
     std::uint64_t addr = 0;      // read: next byte to frame
     std::uint64_t left = 0;      // read: bytes not framed yet
     std::uint64_t offset = 0;    // read: offset of the next fragment
     bool poisoned = false;       // read: the source went away
-    std::array<std::byte, kHeaderSize> header{};
   };
   // Where an inbound payload goes: registered memory, looked up (pinned)
   // again for every piece that moves, so that a region deregistered while
@@ -466,7 +532,8 @@ class tcp_qp final : public queue_pair {
   // sending
   void flush() noexcept;
   bool fill_iov() noexcept;
-  void build_request_header(sq_entry& e) noexcept;
+  void encode_request_header(const sq_entry& e, std::span<std::byte, kHeaderSize> out) const noexcept;
+  std::span<std::byte, kHeaderSize> batch_header() noexcept { return tx_->hdr[hdr_used_++]; }
   void queue_response(const frame_header& h) noexcept;
   void queue_read_response(const frame_header& request) noexcept;
   void add_iov(const void* p, std::size_t n, iov_ref ref) noexcept;
@@ -576,7 +643,7 @@ class tcp_qp final : public queue_pair {
   std::shared_ptr<free_stash<tx_batch>> batches_;
   tx_batch* tx_ = nullptr;
   void flush_batch() noexcept;
-  std::size_t frag_used_ = 0;
+  std::size_t hdr_used_ = 0;  // of tx_->hdr
   std::size_t npinned_ = 0;
   std::size_t iov_count_ = 0, iov_pos_ = 0;
   std::size_t iov_end_ = 0;  // the sendmsg in progress sends [iov_pos_, iov_end_) (pin_iov)

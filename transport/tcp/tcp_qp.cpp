@@ -117,7 +117,7 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
 }
 
 tcp_qp::~tcp_qp() {
-  close_socket();
+  close_socket();  // gives back what it borrowed (close_socket)
   rx_begin_ = rx_end_ = 0;
   return_staging();
   if (tx_ != nullptr) batches_->give(std::exchange(tx_, nullptr));
@@ -222,6 +222,13 @@ void tcp_qp::close_socket() noexcept {
   ::close(fd_);
   fd_ = -1;
   reset_stream();
+  // Nothing more moves on this socket: what the queue pair borrowed goes
+  // back now, not at its destruction (a failed connection the application
+  // keeps holds neither). Only the driving thread gets here with something
+  // borrowed: a queue pair borrows only once live. Every caller inside a
+  // pass stops using them once fd_ is closed.
+  return_staging();
+  if (tx_ != nullptr) batches_->give(std::exchange(tx_, nullptr));
 }
 
 // What belongs to one socket's byte stream: the transmit batch, the
@@ -410,7 +417,6 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
       }
     }
     e.psn = next_psn_++;
-    build_request_header(e);
   }
   flush();
   check_fatal();
@@ -418,7 +424,9 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
   return {};
 }
 
-void tcp_qp::build_request_header(sq_entry& e) noexcept {
+// At the frame's turn in a batch (fill_iov): again for a request sent
+// again after an RNR NAK, with the same bytes.
+void tcp_qp::encode_request_header(const sq_entry& e, std::span<std::byte, kHeaderSize> out) const noexcept {
   frame_header h;
   h.psn = e.psn;
   h.remote_addr = e.wr.remote_addr;
@@ -453,7 +461,7 @@ void tcp_qp::build_request_header(sq_entry& e) noexcept {
     h.flags = kFlagImm;
     h.imm = e.wr.imm;
   }
-  encode(h, e.header);
+  encode(h, out);
 }
 
 }  // namespace anydoor::transport::tcp

@@ -50,7 +50,7 @@ void tcp_qp::add_header(const void* p, iov_ref ref) noexcept {
 void tcp_qp::add_header(const void* p) noexcept { add_header(p, iov_ref{}); }
 
 bool tcp_qp::fill_iov() noexcept {
-  frag_used_ = 0;
+  hdr_used_ = 0;
   const std::size_t cap = resp_.size();
   while (resp_queued_ < resp_tail_) {
     response& r = resp_[resp_queued_ % cap];
@@ -58,7 +58,9 @@ bool tcp_qp::fill_iov() noexcept {
       if (!fill_read(r, resp_queued_)) return true;
     } else {
       if (iov_count_ + 1 > kMaxIov) return iov_count_ > 0;
-      add_header(r.header.data());
+      const auto hdr = batch_header();
+      encode(r.h.frame(), hdr);
+      add_header(hdr.data());
     }
     ++resp_queued_;
   }
@@ -71,6 +73,9 @@ bool tcp_qp::fill_iov() noexcept {
       if (e.local_error == wc_status::success && sq_ack_ == sq_tx_) {
         ++sq_tx_;  // a bind with nothing before it outstanding: complete now
         complete_head(wc_status::success, 0);
+        // A completion queue that overflowed moved the queue pair to error,
+        // which may have closed the socket and given the batch back.
+        if (tx_ == nullptr || fd_ < 0) return false;
         continue;
       }
       // Completes (with its error, or a bind with success) once everything
@@ -87,7 +92,9 @@ bool tcp_qp::fill_iov() noexcept {
       if (rd_atomic_out_ >= kMaxReadAtomic) break;  // sent when earlier ones are answered
       ++rd_atomic_out_;
     }
-    add_header(e.header.data());
+    const auto hdr = batch_header();
+    encode_request_header(e, hdr);
+    add_header(hdr.data());
     if (carries_data(e.wr.op)) {
       for (const sge& s : e.wr.sg_list) {
         if (s.length == 0) continue;
@@ -112,20 +119,21 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
   }
   if (r.poisoned) {
     if (iov_count_ + 1 > kMaxIov) return false;
-    encode(nak_header(r.h.psn, nak_code::remote_access), r.header);
-    add_header(r.header.data());
+    const auto hdr = batch_header();
+    encode(nak_header(r.h.psn, nak_code::remote_access), hdr);
+    add_header(hdr.data());
     fatal_pending_ = true;
     return true;
   }
   while (r.left > 0) {
-    if (iov_count_ + 2 > kMaxIov || frag_used_ == tx_->frag_hdr.size()) return false;
+    if (iov_count_ + 2 > kMaxIov) return false;  // (a header per header iovec: hdr has room)
     const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>(r.left, kReadFragment));
     frame_header f;
     f.type = frame_type::read_response;
     f.psn = r.h.psn;
     f.length = n;
     f.remote_addr = r.offset;
-    auto& hdr = tx_->frag_hdr[frag_used_++];
+    const auto hdr = batch_header();
     encode(f, hdr);
     add_header(hdr.data());
     add_iov(reinterpret_cast<const void*>(r.addr), n, {iov_kind::read_payload, false, r.key, pos});
@@ -133,13 +141,13 @@ bool tcp_qp::fill_read(response& r, std::uint64_t pos) noexcept {
     r.offset += n;
     r.left -= n;
   }
-  if (iov_count_ + 1 > kMaxIov || frag_used_ == tx_->frag_hdr.size()) return false;
+  if (iov_count_ + 1 > kMaxIov) return false;
   frame_header last;
   last.type = frame_type::read_response;
   last.flags = kFlagLast;
   last.psn = r.h.psn;
   last.remote_addr = r.offset;
-  auto& hdr = tx_->frag_hdr[frag_used_++];
+  const auto hdr = batch_header();
   encode(last, hdr);
   add_header(hdr.data(), {iov_kind::read_end, false, 0, pos});
   return true;
@@ -428,14 +436,12 @@ void tcp_qp::queue_response(const frame_header& h) noexcept {
     response& last = resp_[(resp_tail_ - 1) % cap];
     if (last.h.type == frame_type::ack) {  // cumulative: one ACK covers both
       last.h.psn = h.psn;
-      encode(last.h, last.header);
       return;
     }
   }
   response& r = resp_[resp_tail_++ % cap];
   r = response{};
   r.h = h;
-  encode(r.h, r.header);
 }
 
 // The data of a checked read request: framed by fill_read as the

@@ -1,5 +1,5 @@
-// An operation waiting inside a connection: pooled per connection (a free
-// list that grows to the high-water mark and is then reused), so waiting
+// An operation waiting inside a connection: pooled per fabric (a free list
+// that grows to the high-water mark and is then reused), so waiting
 // allocates nothing in steady state.
 #pragma once
 
