@@ -252,8 +252,32 @@ void fabric_state::count_failure(std::error_code ec) noexcept {
 
 void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); }
 
+namespace {
+
+// After a burst: frees what waits in a free list beyond max(kKeep, twice
+// those in use) (hysteresis: a steady load frees nothing). `all` owns
+// every one, `free` lists those not in use.
+template <class T>
+void trim_free_list(std::vector<T*>& free, std::vector<std::unique_ptr<T>>& all) noexcept {
+  constexpr std::size_t kKeep = 16;
+  const std::size_t in_use = all.size() - free.size();
+  const std::size_t keep = std::max(kKeep, 2 * in_use);
+  if (free.size() <= keep) return;
+  const auto gone = free.begin() + static_cast<std::ptrdiff_t>(keep);
+  std::sort(gone, free.end());
+  // (Moving a kept one over a freed one's owner deletes the freed one.)
+  all.erase(std::remove_if(all.begin(), all.end(),
+                           [&](const std::unique_ptr<T>& p) { return std::binary_search(gone, free.end(), p.get()); }),
+            all.end());
+  free.erase(gone, free.end());
+}
+
+}  // namespace
+
 void fabric_state::liveness_tick() noexcept {
   tick_posted_ = false;
+  trim_free_list(free_nodes_, all_nodes_);
+  trim_free_list(free_batches_, all_batches_);
   // Completions that came while nothing was pending here (a peer's
   // heartbeat to an idle fabric) are taken now, so that they count.
   reactor->poll_now();

@@ -445,7 +445,7 @@ class tcp_qp final : public queue_pair {
   // at post: its window_binding is not kept).
   struct posted_request {
     std::uint64_t wr_id = 0;
-    std::span<const sge> sg_list{};  // points into the slot's sq_sges_ (its inline bytes too)
+    std::span<const sge> sg_list{};  // points into the slot's sq_sges_ (empty with inline_data)
     std::uint64_t remote_addr = 0;
     std::uint64_t compare_add = 0;
     std::uint64_t swap = 0;
@@ -608,8 +608,8 @@ class tcp_qp final : public queue_pair {
   // [ack_, tx_) sent, [tx_, tail_) posted; indices grow without wrapping.
   std::vector<sq_entry> sq_;
   // A send queue slot's gather list, or (like a NIC's WQE) its inline
-  // bytes: one sge pointing at the bytes that follow it. sq_stride_ sges
-  // per slot hold either.
+  // bytes (then its posted_request has no gather list): sq_stride_ sges per
+  // slot hold either.
   std::vector<sge> sq_sges_;
   std::size_t sq_stride_ = 0;
   std::uint64_t sq_head_ = 0, sq_ack_ = 0, sq_tx_ = 0, sq_tail_ = 0;

@@ -96,7 +96,7 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
   }
   attr_.remote_access = attr_.remote_access & (access::remote_write | access::remote_read | access::remote_atomic);
   sq_.resize(attr_.max_send_wr);
-  sq_stride_ = std::max<std::size_t>(attr_.max_send_sge, 1 + (attr_.max_inline_data + sizeof(sge) - 1) / sizeof(sge));
+  sq_stride_ = std::max<std::size_t>(attr_.max_send_sge, (attr_.max_inline_data + sizeof(sge) - 1) / sizeof(sge));
   sq_sges_.resize(std::size_t{attr_.max_send_wr} * sq_stride_);
   if (srq_ == nullptr) {
     rq_.resize(attr_.max_recv_wr);
@@ -396,14 +396,13 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
       continue;
     }
     if (wr.inline_data) {
-      auto* buf = reinterpret_cast<std::byte*>(sges + 1);  // room for max_inline_data (sq_stride_)
+      auto* buf = reinterpret_cast<std::byte*>(sges);  // room for max_inline_data (sq_stride_)
       std::size_t off = 0;
       for (const sge& s : wr.sg_list) {
         std::memcpy(buf + off, reinterpret_cast<const void*>(s.addr), s.length);
         off += s.length;
       }
-      sges[0] = {reinterpret_cast<std::uint64_t>(buf), static_cast<std::uint32_t>(off), 0};
-      e.wr.sg_list = {sges, 1};
+      e.wr.sg_list = {};  // the bytes are the slot's (fill_iov)
       e.length = static_cast<std::uint32_t>(off);
     } else {
       const access need = carries_data(wr.op) ? access::none : access::local_write;

@@ -84,7 +84,9 @@ bool tcp_qp::fill_iov() noexcept {
       break;
     }
     std::size_t need = 1;
-    if (carries_data(e.wr.op)) {
+    if (e.wr.inline_data) {
+      need += e.length > 0 ? 1 : 0;
+    } else if (carries_data(e.wr.op)) {
       for (const sge& s : e.wr.sg_list) need += s.length > 0 ? 1 : 0;
     }
     if (iov_count_ + need > kMaxIov) break;
@@ -95,12 +97,13 @@ bool tcp_qp::fill_iov() noexcept {
     const auto hdr = batch_header();
     encode_request_header(e, hdr);
     add_header(hdr.data());
-    if (carries_data(e.wr.op)) {
+    if (e.wr.inline_data) {
+      // Inline data lives in the provider: in the slot, in place of its gather list.
+      if (e.length > 0) add_iov(sges_of(sq_tx_), e.length, {});
+    } else if (carries_data(e.wr.op)) {
+      // Pinned per sendmsg.
       for (const sge& s : e.wr.sg_list) {
-        if (s.length == 0) continue;
-        // Inline data lives in the provider (lkey 0); the rest is pinned per sendmsg.
-        add_iov(reinterpret_cast<const void*>(s.addr), s.length,
-            {e.wr.inline_data ? iov_kind::plain : iov_kind::request_payload, false, s.lkey, 0});
+        if (s.length != 0) add_iov(reinterpret_cast<const void*>(s.addr), s.length, {iov_kind::request_payload, false, s.lkey, 0});
       }
     }
     ++sq_tx_;
