@@ -274,10 +274,14 @@ void trim_free_list(std::vector<T*>& free, std::vector<std::unique_ptr<T>>& all)
 
 }  // namespace
 
-void fabric_state::liveness_tick() noexcept {
-  tick_posted_ = false;
+void fabric_state::trim_free_lists() noexcept {
   trim_free_list(free_nodes_, all_nodes_);
   trim_free_list(free_batches_, all_batches_);
+}
+
+void fabric_state::liveness_tick() noexcept {
+  tick_posted_ = false;
+  trim_free_lists();
   // Completions that came while nothing was pending here (a peer's
   // heartbeat to an idle fabric) are taken now, so that they count.
   reactor->poll_now();

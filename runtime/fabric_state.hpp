@@ -100,6 +100,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   void give_batch(doorbell_batch* b) noexcept;  // b from take_batch, empty
   std::size_t batches_made() const noexcept { return all_batches_.size(); }
   std::size_t batches_free() const noexcept { return free_batches_.size(); }
+  // After a burst (each liveness tick): frees the nodes and batches waiting
+  // beyond max(16, twice those in use). A steady load frees nothing.
+  void trim_free_lists() noexcept;
   void give_node(op_node* n) noexcept;      // n from take_node
   std::size_t nodes_made() const noexcept { return all_nodes_.size(); }
   std::size_t nodes_free() const noexcept { return free_nodes_.size(); }

@@ -285,17 +285,20 @@ class free_stash {
     if (p != nullptr) ++created_;
     return p;
   }
-  // p from take(). After a burst the list shrinks again: a buffer comes
-  // back to be freed while more than kKeep and more than twice those in
-  // use wait in it (hysteresis: a steady load frees nothing).
+  // p from take(). After a burst the list shrinks again: once more than
+  // twice keep = max(kKeep, 2 x those in use) wait in it, those beyond keep
+  // are freed (hysteresis: a steady load frees nothing, and an oscillating
+  // one frees only what it left twice over).
   void give(T* p) noexcept {
-    const std::size_t in_use = created_ - free_.size();  // p included
-    if (free_.size() >= kKeep && free_.size() > 2 * in_use) {
-      delete p;
-      --created_;
-      return;
-    }
     free_.push_back(p);  // within the capacity take() reserved
+    const std::size_t in_use = created_ - free_.size();
+    const std::size_t keep = std::max(kKeep, 2 * in_use);
+    if (free_.size() <= 2 * keep) return;
+    while (free_.size() > keep) {
+      delete free_.back();
+      free_.pop_back();
+      --created_;
+    }
   }
   static constexpr std::size_t kKeep = 16;
   std::size_t free_count() const noexcept { return free_.size(); }
