@@ -197,7 +197,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Work requests that can be queued now: free send queue slots, and room
   // for one gather entry each (see stage_sge_).
   // (Borrows the doorbell batch: hold_batch.)
-  std::uint32_t sq_free() noexcept;
+  std::uint32_t sq_free() noexcept {
+    const auto slots = static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_));
+    if (slots == 0 || !hold_batch()) return 0;
+    return std::min(slots, sge_room());
+  }
   // Queues a work request (its slot records kind, buffer and op) whose
   // gather list is `sges`: staged entries (take_sges), or none.
   transport::work_request& next_wr(slot_kind kind, std::uint32_t buffer, op_node* op,
@@ -324,7 +328,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // never need a pool buffer when the inline limit takes a header.
   static constexpr std::size_t kInlineStage = 4096;
   doorbell_batch* batch_ = nullptr;
-  bool hold_batch() noexcept;    // false: no memory for one (then nothing can be queued)
+  bool hold_batch() noexcept {   // false: no memory for one (then nothing can be queued)
+    return batch_ != nullptr || borrow_batch();
+  }
+  bool borrow_batch() noexcept;
   void return_batch() noexcept;  // when nothing is queued in it
   std::size_t stage_sge_used_ = 0;
   std::size_t stage_inline_used_ = 0;

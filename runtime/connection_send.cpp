@@ -17,14 +17,7 @@ namespace anydoor::detail {
 
 // ---------------------------------------------------------------- sending
 
-std::uint32_t connection_impl::sq_free() noexcept {
-  const auto slots = static_cast<std::uint32_t>(sq_.size() - (sq_queued_ - sq_retired_));
-  if (slots == 0 || !hold_batch()) return 0;
-  return std::min(slots, sge_room());
-}
-
-bool connection_impl::hold_batch() noexcept {
-  if (batch_ != nullptr) return true;
+bool connection_impl::borrow_batch() noexcept {
   const std::size_t q = opt_.send_queue;
   batch_ = fab_->take_batch(q, q + sge_per_wr_, std::min<std::size_t>(q * fab_->inline_cap, kInlineStage));
   return batch_ != nullptr;

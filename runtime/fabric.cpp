@@ -306,12 +306,7 @@ fabric_state::~fabric_state() {
   pool.reset();
 }
 
-op_node* fabric_state::take_node() {
-  if (!free_nodes_.empty()) {
-    op_node* n = free_nodes_.back();
-    free_nodes_.pop_back();
-    return n;
-  }
+op_node* fabric_state::make_node() {
   // Room for every node to come back without allocating (give_node is
   // noexcept), grown geometrically: a burst of operations costs O(n), not a
   // reallocation per node.
@@ -327,12 +322,7 @@ op_node* fabric_state::take_node() {
   return n;
 }
 
-doorbell_batch* fabric_state::take_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
-  if (!free_batches_.empty()) {
-    doorbell_batch* b = free_batches_.back();
-    free_batches_.pop_back();
-    return b;
-  }
+doorbell_batch* fabric_state::make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
   try {
     // give_batch is noexcept: room for every one to come back, grown geometrically
     if (free_batches_.capacity() < all_batches_.size() + 1) {
@@ -353,13 +343,6 @@ doorbell_batch* fabric_state::take_batch(std::size_t wrs, std::size_t sges, std:
   return all_batches_.back().get();
 }
 
-void fabric_state::give_batch(doorbell_batch* b) noexcept {
-  free_batches_.push_back(b);  // capacity reserved in take_batch
-}
-
-void fabric_state::give_node(op_node* n) noexcept {
-  free_nodes_.push_back(n);  // capacity reserved in take_node
-}
 
 staging_area& fabric_state::staging() {
   if (staging_ == nullptr) {

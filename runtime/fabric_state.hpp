@@ -92,18 +92,28 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // connection takes one per operation and gives it back when the
   // operation ends, so an idle connection holds none. Never allocates once
   // the most in use at once have been made.
-  op_node* take_node();                     // throws std::bad_alloc
+  op_node* take_node() {                    // throws std::bad_alloc
+    if (free_nodes_.empty()) return make_node();
+    op_node* n = free_nodes_.back();
+    free_nodes_.pop_back();
+    return n;
+  }
   // Doorbell batches of the fabric's connections (connection_impl::batch_),
   // the same way: a connection holds one from its first work request queued
   // until they are posted. nullptr when memory runs out.
-  doorbell_batch* take_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
-  void give_batch(doorbell_batch* b) noexcept;  // b from take_batch, empty
+  doorbell_batch* take_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
+    if (free_batches_.empty()) return make_batch(wrs, sges, inline_bytes);
+    doorbell_batch* b = free_batches_.back();
+    free_batches_.pop_back();
+    return b;
+  }
+  void give_batch(doorbell_batch* b) noexcept { free_batches_.push_back(b); }  // b from take_batch, empty
   std::size_t batches_made() const noexcept { return all_batches_.size(); }
   std::size_t batches_free() const noexcept { return free_batches_.size(); }
   // After a burst (each liveness tick): frees the nodes and batches waiting
   // beyond max(16, twice those in use). A steady load frees nothing.
   void trim_free_lists() noexcept;
-  void give_node(op_node* n) noexcept;      // n from take_node
+  void give_node(op_node* n) noexcept { free_nodes_.push_back(n); }  // n from take_node: within the capacity
   std::size_t nodes_made() const noexcept { return all_nodes_.size(); }
   std::size_t nodes_free() const noexcept { return free_nodes_.size(); }
   std::size_t active() const noexcept { return active_; }
@@ -167,6 +177,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
 
  private:
+  op_node* make_node();
+  doorbell_batch* make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
   std::vector<doorbell_batch*> free_batches_;  // capacity >= all_batches_.size()
   std::vector<std::unique_ptr<doorbell_batch>> all_batches_;
   std::vector<op_node*> free_nodes_;  // capacity >= all_nodes_.size()

@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <utility>
 #include <vector>
 
 namespace anydoor::transport::tcp {
@@ -679,8 +680,15 @@ class tcp_qp final : public queue_pair {
     std::byte* data() const noexcept { return bytes->data(); }
     static constexpr std::size_t size() noexcept { return kRxStagingBytes; }
   };
-  bool borrow_staging() noexcept;   // false: out of memory (the queue pair fails)
-  void return_staging() noexcept;   // when it holds no bytes
+  bool borrow_staging() noexcept {  // false: out of memory (the queue pair fails)
+    return rx_buf_.bytes != nullptr || borrow_staging_slow();
+  }
+  bool borrow_staging_slow() noexcept;
+  void return_staging() noexcept {  // when it holds no bytes
+    if (rx_buf_.bytes == nullptr || rx_begin_ != rx_end_) return;
+    rx_buf_.pool->give(std::exchange(rx_buf_.bytes, nullptr));
+    rx_begin_ = rx_end_ = 0;
+  }
   void receive_frames() noexcept;
   staging rx_buf_;
   std::size_t rx_begin_ = 0, rx_end_ = 0;

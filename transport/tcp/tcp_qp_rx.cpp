@@ -122,8 +122,7 @@ void tcp_qp::receive() noexcept {
   return_staging();
 }
 
-bool tcp_qp::borrow_staging() noexcept {
-  if (rx_buf_.bytes != nullptr) return true;
+bool tcp_qp::borrow_staging_slow() noexcept {
   rx_buf_.bytes = rx_buf_.pool->take();
   if (rx_buf_.bytes != nullptr) return true;
   if (state_ == qp_state::error) {
@@ -132,12 +131,6 @@ bool tcp_qp::borrow_staging() noexcept {
     peer_gone("no memory for a receive staging buffer");
   }
   return false;
-}
-
-void tcp_qp::return_staging() noexcept {
-  if (rx_buf_.bytes == nullptr || rx_begin_ != rx_end_) return;
-  rx_buf_.pool->give(std::exchange(rx_buf_.bytes, nullptr));
-  rx_begin_ = rx_end_ = 0;
 }
 
 void tcp_qp::receive_frames() noexcept {
