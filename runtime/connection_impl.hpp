@@ -173,7 +173,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // failed); empty while it can.
   std::error_code send_refusal() const noexcept;
   void queue_send(op_node* n);  // after the operations already waiting
-  bool progress_sends(bool post) noexcept;  // false once nothing more can start now
+  bool progress_sends(bool post) noexcept;
+  bool progress_sends_body(bool post) noexcept;  // false once nothing more can start now
   enum class start_result : std::uint8_t { started, blocked_credit, blocked_buffer, blocked_queue };
   start_result try_start(op_node* n, bool post) noexcept;
   start_result try_start_onesided(op_node* n, bool post) noexcept;

@@ -513,8 +513,10 @@ void connection_impl::issue_reads(op_node* n) noexcept {
 }
 
 void connection_impl::continue_reads() noexcept {
-  for (op_node* p = active_.head; p != nullptr && sq_free() > 0; p = p->next) {
-    if (p->kind != op_kind::send && p->issued < p->length) issue_reads(p);
+  for (op_node* p = active_.head; p != nullptr; p = p->next) {
+    if (p->kind == op_kind::send || p->issued >= p->length) continue;  // (before sq_free: it borrows the batch)
+    if (sq_free() == 0) return;
+    issue_reads(p);
   }
 }
 
@@ -620,7 +622,10 @@ void connection_impl::deliver(bool post) noexcept {
       complete(n, post, errc::message_size);
       continue;
     }
-    if (!start_read(n, b)) return;  // no room now: retried after completions (start_read took n off the list)
+    if (!start_read(n, b)) {  // no room now: retried after completions (start_read took n off the list)
+      return_batch();         // (when it queued nothing)
+      return;
+    }
     ++inbox_head_;
     repost(e.buffer);
     if (n->mr == nullptr) {

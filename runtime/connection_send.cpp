@@ -260,7 +260,17 @@ void connection_impl::post_fins() noexcept {
   fins_.erase(fins_.begin(), fins_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
+// sq_free() borrows the doorbell batch to see the room there is; a pass
+// that queued nothing in the end (an operation blocked for credits, a
+// buffer or memory, or one that failed) gives it back at once, so that no
+// idle connection holds one.
 bool connection_impl::progress_sends(bool post) noexcept {
+  const bool all = progress_sends_body(post);
+  return_batch();  // (only when nothing is queued in it)
+  return all;
+}
+
+bool connection_impl::progress_sends_body(bool post) noexcept {
   if (state_ != state::open && state_ != state::closing) return false;
   if (!fins_.empty()) post_fins();
   continue_reads();

@@ -13,6 +13,7 @@
 #include <boost/asio/post.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <charconv>
 #include <condition_variable>
@@ -255,28 +256,34 @@ void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); 
 namespace {
 
 // After a burst: frees what waits in a free list beyond max(kKeep, twice
-// those in use) (hysteresis: a steady load frees nothing). `all` owns
-// every one, `free` lists those not in use.
+// the most in use at once since the last trim, hwm), then starts hwm
+// again from those in use now (hysteresis: a load that comes back each
+// second keeps what it needs). `all` owns every one, `free` lists those
+// not in use.
 template <class T>
-void trim_free_list(std::vector<T*>& free, std::vector<std::unique_ptr<T>>& all) noexcept {
+void trim_free_list(std::vector<T*>& free, std::vector<std::unique_ptr<T>>& all, std::size_t& hwm) noexcept {
   constexpr std::size_t kKeep = 16;
   const std::size_t in_use = all.size() - free.size();
-  const std::size_t keep = std::max(kKeep, 2 * in_use);
+  const std::size_t keep = std::max({kKeep, 2 * hwm, 2 * in_use});
+  hwm = in_use;
   if (free.size() <= keep) return;
-  const auto gone = free.begin() + static_cast<std::ptrdiff_t>(keep);
-  std::sort(gone, free.end());
+  // The longest waiting go (the front: the list is taken from the back).
+  const auto first = free.begin();
+  const auto last = first + static_cast<std::ptrdiff_t>(free.size() - keep);
+  const std::less<T*> before;
+  std::sort(first, last, before);
   // (Moving a kept one over a freed one's owner deletes the freed one.)
   all.erase(std::remove_if(all.begin(), all.end(),
-                           [&](const std::unique_ptr<T>& p) { return std::binary_search(gone, free.end(), p.get()); }),
+                           [&](const std::unique_ptr<T>& p) { return std::binary_search(first, last, p.get(), before); }),
             all.end());
-  free.erase(gone, free.end());
+  free.erase(first, last);
 }
 
 }  // namespace
 
 void fabric_state::trim_free_lists() noexcept {
-  trim_free_list(free_nodes_, all_nodes_);
-  trim_free_list(free_batches_, all_batches_);
+  trim_free_list(free_nodes_, all_nodes_, nodes_hwm_);
+  trim_free_list(free_batches_, all_batches_, batches_hwm_);
 }
 
 void fabric_state::liveness_tick() noexcept {
@@ -319,6 +326,7 @@ op_node* fabric_state::make_node() {
   auto node = std::make_unique<op_node>();
   op_node* n = node.get();
   all_nodes_.push_back(std::move(node));
+  nodes_hwm_ = std::max(nodes_hwm_, all_nodes_.size() - free_nodes_.size());
   return n;
 }
 
@@ -336,6 +344,7 @@ doorbell_batch* fabric_state::make_batch(std::size_t wrs, std::size_t sges, std:
     b->sges.resize(sges);
     b->inline_bytes.resize(inline_bytes);
     all_batches_.push_back(std::move(b));
+    batches_hwm_ = std::max(batches_hwm_, all_batches_.size() - free_batches_.size());
   } catch (const std::bad_alloc&) {
     log().error("fabric: no memory for a doorbell batch");
     return nullptr;

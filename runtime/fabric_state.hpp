@@ -13,6 +13,7 @@
 
 #include <boost/asio/io_context.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -96,6 +97,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
     if (free_nodes_.empty()) return make_node();
     op_node* n = free_nodes_.back();
     free_nodes_.pop_back();
+    nodes_hwm_ = std::max(nodes_hwm_, all_nodes_.size() - free_nodes_.size());
     return n;
   }
   // Doorbell batches of the fabric's connections (connection_impl::batch_),
@@ -105,13 +107,15 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
     if (free_batches_.empty()) return make_batch(wrs, sges, inline_bytes);
     doorbell_batch* b = free_batches_.back();
     free_batches_.pop_back();
+    batches_hwm_ = std::max(batches_hwm_, all_batches_.size() - free_batches_.size());
     return b;
   }
   void give_batch(doorbell_batch* b) noexcept { free_batches_.push_back(b); }  // b from take_batch, empty
   std::size_t batches_made() const noexcept { return all_batches_.size(); }
   std::size_t batches_free() const noexcept { return free_batches_.size(); }
-  // After a burst (each liveness tick): frees the nodes and batches waiting
-  // beyond max(16, twice those in use). A steady load frees nothing.
+  // After a burst (each liveness tick, at least once a second): frees the
+  // nodes and batches waiting beyond max(16, twice the most in use at once
+  // since the last trim). A steady load frees nothing.
   void trim_free_lists() noexcept;
   void give_node(op_node* n) noexcept { free_nodes_.push_back(n); }  // n from take_node: within the capacity
   std::size_t nodes_made() const noexcept { return all_nodes_.size(); }
@@ -180,6 +184,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   op_node* make_node();
   doorbell_batch* make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
   std::vector<doorbell_batch*> free_batches_;  // capacity >= all_batches_.size()
+  std::size_t nodes_hwm_ = 0, batches_hwm_ = 0;  // most in use at once since the last trim
   std::vector<std::unique_ptr<doorbell_batch>> all_batches_;
   std::vector<op_node*> free_nodes_;  // capacity >= all_nodes_.size()
   std::vector<std::unique_ptr<op_node>> all_nodes_;

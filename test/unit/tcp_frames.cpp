@@ -882,7 +882,7 @@ TEST_CASE("tcp provider: a queue pair that fails gives back at once what it borr
   CHECK(flushed[0].status == tp::wc_status::work_request_flushed);
 }
 
-TEST_CASE("tcp provider: queue pairs on one completion queue share its staging buffers and batches", "[unit][tcp]") {
+TEST_CASE("tcp provider: queue pairs on one completion queue share its staging buffers", "[unit][tcp]") {
   // Two queue pairs on one queue, frames arriving split and batches held
   // by a peer that does not read, in turns: each keeps its own bytes while
   // it holds a buffer, and the buffers serve both.
