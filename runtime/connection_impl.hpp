@@ -333,7 +333,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     return batch_ != nullptr || borrow_batch();
   }
   bool borrow_batch() noexcept;
-  void return_batch() noexcept;  // when nothing is queued in it
+  void return_batch() noexcept {  // when nothing is queued in it
+    if (batch_ != nullptr && batch_->wrs.empty()) give_back_batch();
+  }
+  void give_back_batch() noexcept;
   std::size_t stage_sge_used_ = 0;
   std::size_t stage_inline_used_ = 0;
   std::vector<std::byte> stage_control_;

@@ -23,8 +23,7 @@ bool connection_impl::borrow_batch() noexcept {
   return batch_ != nullptr;
 }
 
-void connection_impl::return_batch() noexcept {
-  if (batch_ == nullptr || !batch_->wrs.empty()) return;
+void connection_impl::give_back_batch() noexcept {
   reset_staging();
   fab_->give_batch(std::exchange(batch_, nullptr));
 }

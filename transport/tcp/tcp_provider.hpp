@@ -291,7 +291,8 @@ class free_stash {
   // are freed (hysteresis: a steady load frees nothing, and an oscillating
   // one frees only what it left twice over).
   void give(T* p) noexcept {
-    free_.push_back(p);  // within the capacity take() reserved
+    free_.push_back(p);                        // within the capacity take() reserved
+    if (free_.size() <= 2 * kKeep) return;     // (keep >= kKeep: nothing to free)
     const std::size_t in_use = created_ - free_.size();
     const std::size_t keep = std::max(kKeep, 2 * in_use);
     if (free_.size() <= 2 * keep) return;
