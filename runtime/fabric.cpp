@@ -13,7 +13,6 @@
 #include <boost/asio/post.hpp>
 
 #include <algorithm>
-#include <functional>
 #include <atomic>
 #include <charconv>
 #include <condition_variable>
@@ -253,37 +252,9 @@ void fabric_state::count_failure(std::error_code ec) noexcept {
 
 void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); }
 
-namespace {
-
-// After a burst: frees what waits in a free list beyond max(kKeep, twice
-// the most in use at once since the last trim, hwm), then starts hwm
-// again from those in use now (hysteresis: a load that comes back each
-// second keeps what it needs). `all` owns every one, `free` lists those
-// not in use.
-template <class T>
-void trim_free_list(std::vector<T*>& free, std::vector<std::unique_ptr<T>>& all, std::size_t& hwm) noexcept {
-  constexpr std::size_t kKeep = 16;
-  const std::size_t in_use = all.size() - free.size();
-  const std::size_t keep = std::max({kKeep, 2 * hwm, 2 * in_use});
-  hwm = in_use;
-  if (free.size() <= keep) return;
-  // The longest waiting go (the front: the list is taken from the back).
-  const auto first = free.begin();
-  const auto last = first + static_cast<std::ptrdiff_t>(free.size() - keep);
-  const std::less<T*> before;
-  std::sort(first, last, before);
-  // (Moving a kept one over a freed one's owner deletes the freed one.)
-  all.erase(std::remove_if(all.begin(), all.end(),
-                           [&](const std::unique_ptr<T>& p) { return std::binary_search(first, last, p.get(), before); }),
-            all.end());
-  free.erase(first, last);
-}
-
-}  // namespace
-
 void fabric_state::trim_free_lists() noexcept {
-  trim_free_list(free_nodes_, all_nodes_, nodes_hwm_);
-  trim_free_list(free_batches_, all_batches_, batches_hwm_);
+  nodes_.trim();
+  batches_.trim();
 }
 
 void fabric_state::liveness_tick() noexcept {
@@ -313,45 +284,18 @@ fabric_state::~fabric_state() {
   pool.reset();
 }
 
-op_node* fabric_state::make_node() {
-  // Room for every node to come back without allocating (give_node is
-  // noexcept), grown geometrically: a burst of operations costs O(n), not a
-  // reallocation per node.
-  if (free_nodes_.capacity() < all_nodes_.size() + 1) {
-    free_nodes_.reserve(std::max<std::size_t>(8, 2 * free_nodes_.capacity()));
-  }
-  if (all_nodes_.capacity() < all_nodes_.size() + 1) {
-    all_nodes_.reserve(std::max<std::size_t>(8, 2 * all_nodes_.capacity()));
-  }
-  auto node = std::make_unique<op_node>();
-  op_node* n = node.get();
-  all_nodes_.push_back(std::move(node));
-  nodes_hwm_ = std::max(nodes_hwm_, all_nodes_.size() - free_nodes_.size());
-  return n;
-}
-
 doorbell_batch* fabric_state::make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
   try {
-    // give_batch is noexcept: room for every one to come back, grown geometrically
-    if (free_batches_.capacity() < all_batches_.size() + 1) {
-      free_batches_.reserve(std::max<std::size_t>(8, 2 * free_batches_.capacity()));
-    }
-    if (all_batches_.capacity() < all_batches_.size() + 1) {
-      all_batches_.reserve(std::max<std::size_t>(8, 2 * all_batches_.capacity()));
-    }
     auto b = std::make_unique<doorbell_batch>();
     b->wrs.reserve(wrs);
     b->sges.resize(sges);
     b->inline_bytes.resize(inline_bytes);
-    all_batches_.push_back(std::move(b));
-    batches_hwm_ = std::max(batches_hwm_, all_batches_.size() - free_batches_.size());
+    return batches_.add(std::move(b));
   } catch (const std::bad_alloc&) {
     log().error("fabric: no memory for a doorbell batch");
     return nullptr;
   }
-  return all_batches_.back().get();
 }
-
 
 staging_area& fabric_state::staging() {
   if (staging_ == nullptr) {

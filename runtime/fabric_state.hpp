@@ -7,6 +7,7 @@
 
 #include "auth.hpp"
 #include "protocol.hpp"
+#include "free_list.hpp"
 #include "setup_helpers.hpp"
 
 #include <anydoor/detail/op_node.hpp>
@@ -94,32 +95,26 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // operation ends, so an idle connection holds none. Never allocates once
   // the most in use at once have been made.
   op_node* take_node() {                    // throws std::bad_alloc
-    if (free_nodes_.empty()) return make_node();
-    op_node* n = free_nodes_.back();
-    free_nodes_.pop_back();
-    nodes_hwm_ = std::max(nodes_hwm_, all_nodes_.size() - free_nodes_.size());
-    return n;
+    if (op_node* n = nodes_.take()) return n;
+    return nodes_.add(std::make_unique<op_node>());
   }
   // Doorbell batches of the fabric's connections (connection_impl::batch_),
   // the same way: a connection holds one from its first work request queued
   // until they are posted. nullptr when memory runs out.
   doorbell_batch* take_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
-    if (free_batches_.empty()) return make_batch(wrs, sges, inline_bytes);
-    doorbell_batch* b = free_batches_.back();
-    free_batches_.pop_back();
-    batches_hwm_ = std::max(batches_hwm_, all_batches_.size() - free_batches_.size());
-    return b;
+    if (doorbell_batch* b = batches_.take()) return b;
+    return make_batch(wrs, sges, inline_bytes);
   }
-  void give_batch(doorbell_batch* b) noexcept { free_batches_.push_back(b); }  // b from take_batch, empty
-  std::size_t batches_made() const noexcept { return all_batches_.size(); }
-  std::size_t batches_free() const noexcept { return free_batches_.size(); }
+  void give_batch(doorbell_batch* b) noexcept { batches_.give(b); }  // b from take_batch, empty
+  std::size_t batches_made() const noexcept { return batches_.made(); }
+  std::size_t batches_free() const noexcept { return batches_.free_count(); }
   // After a burst (each liveness tick, at least once a second): frees the
   // nodes and batches waiting beyond max(16, twice the most in use at once
   // since the last trim). A steady load frees nothing.
   void trim_free_lists() noexcept;
-  void give_node(op_node* n) noexcept { free_nodes_.push_back(n); }  // n from take_node: within the capacity
-  std::size_t nodes_made() const noexcept { return all_nodes_.size(); }
-  std::size_t nodes_free() const noexcept { return free_nodes_.size(); }
+  void give_node(op_node* n) noexcept { nodes_.give(n); }  // n from take_node
+  std::size_t nodes_made() const noexcept { return nodes_.made(); }
+  std::size_t nodes_free() const noexcept { return nodes_.free_count(); }
   std::size_t active() const noexcept { return active_; }
 
   // Posting: connections queue work requests during a turn and flush them,
@@ -181,13 +176,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
 
  private:
-  op_node* make_node();
   doorbell_batch* make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
-  std::vector<doorbell_batch*> free_batches_;  // capacity >= all_batches_.size()
-  std::size_t nodes_hwm_ = 0, batches_hwm_ = 0;  // most in use at once since the last trim
-  std::vector<std::unique_ptr<doorbell_batch>> all_batches_;
-  std::vector<op_node*> free_nodes_;  // capacity >= all_nodes_.size()
-  std::vector<std::unique_ptr<op_node>> all_nodes_;
+  free_list<doorbell_batch> batches_;
+  free_list<op_node> nodes_;
   void flush_all(bool defer) noexcept;
   void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;
