@@ -82,11 +82,11 @@ connection_impl::~connection_impl() {
   if (registered_) fab_->remove(this);
   // Buffers still posted when the queue pair goes away (it never connected,
   // or the peer tore it down with nothing flushed) return to the pool.
-  for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
-  for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) release_received(inbox_[i % inbox_.size()].buffer);
-  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[i % notes_.size()]);
+  for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
+  for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) release_received(inbox_[ring_slot(i, inbox_.size())].buffer);
+  for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[ring_slot(i, notes_.size())]);
   for (std::uint64_t i = sq_retired_; i < sq_queued_; ++i) {
-    const sq_slot& s = sq_[i % sq_.size()];
+    const sq_slot& s = sq_[ring_slot(i, sq_.size())];
     if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
   }
   if (batch_ != nullptr) {
@@ -284,7 +284,7 @@ void connection_impl::on_setup_failed() noexcept {
   revoke_windows();
   // The queue pair never carried anything: no completion will come for its
   // receives. Destroying it returns them (see the destructor).
-  for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[i % rq_.size()]);
+  for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
   rq_done_ = rq_posted_ = rq_queued_;
   recv_batch_.clear();
   qp_.reset();

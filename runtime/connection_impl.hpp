@@ -9,6 +9,7 @@
 #include "auth.hpp"
 #include "fabric_state.hpp"
 #include "protocol.hpp"
+#include "ring_slot.hpp"
 
 #include <boost/asio/steady_timer.hpp>
 

@@ -277,7 +277,7 @@ connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bo
     case op_kind::fetch_add:
     case op_kind::compare_swap: {
       if (sq_free() == 0) return start_result::blocked_queue;
-      const std::size_t slot = sq_queued_ % sq_.size();
+      const std::size_t slot = ring_slot(sq_queued_, sq_.size());
       transport::sge* sg = take_sges(1);
       *sg = atomic_mr_->slice(slot * sizeof(std::uint64_t), sizeof(std::uint64_t));
       transport::work_request& wr = next_wr(slot_kind::onesided_last, buffer_pool::npos, n, {sg, 1});
@@ -398,7 +398,7 @@ void connection_impl::deliver_notes(bool post) noexcept {
     }
     // The buffer is unchanged since handle_message validated it (a held
     // buffer is not posted again until this repost).
-    const std::uint32_t buffer = notes_[notes_head_++ % notes_.size()];
+    const std::uint32_t buffer = notes_[ring_slot(notes_head_++, notes_.size())];
     const std::byte* data = fab_->pool->data(buffer);
     protocol::header h;
     (void)protocol::decode({data, protocol::kRtsSize}, h);

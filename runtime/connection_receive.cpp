@@ -20,7 +20,7 @@ namespace anydoor::detail {
 // ---------------------------------------------------------------- receiving
 
 void connection_impl::queue_recv(std::uint32_t buffer) noexcept {
-  const std::size_t slot = rq_queued_ % rq_.size();
+  const std::size_t slot = ring_slot(rq_queued_, rq_.size());
   rq_[slot] = buffer;
   rq_sge_[slot] = fab_->pool->slice(buffer, 0, fab_->recv_buffer);
   recv_batch_.push_back({reactor::persistent_id(recv_base_, static_cast<std::uint32_t>(rq_queued_ & kTagMask)),
@@ -150,7 +150,7 @@ void connection_impl::on_recv_completion(const transport::completion& wc) noexce
 void connection_impl::on_recv_completion_body(const transport::completion& wc) noexcept {
   if (reactor_gave_up(wc)) {
     fail(make_error_code(wc.status));
-    for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
+    for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->put_buffer(rq_[ring_slot(i, rq_.size())]);
     rq_done_ = rq_posted_;
     maybe_release_self();
     return;
@@ -160,7 +160,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
     log().error("connection: receive completion out of order (#{} expected #{}); dropped", seq, rq_done_);
     return;
   }
-  const std::uint32_t buffer = rq_[seq % rq_.size()];
+  const std::uint32_t buffer = rq_[ring_slot(seq, rq_.size())];
   ++rq_done_;
   ++rx_count_;
   if (wc.status != transport::wc_status::success) {
@@ -243,7 +243,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         fail(errc::protocol_error);
         return;
       }
-      inbox_[inbox_tail_++ % inbox_.size()] = {buffer, length, h.type == protocol::msg_type::rts};
+      inbox_[ring_slot(inbox_tail_++, inbox_.size())] = {buffer, length, h.type == protocol::msg_type::rts};
       return;
     }
     case protocol::msg_type::fin: {
@@ -283,7 +283,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         fail(errc::protocol_error);
         return;
       }
-      notes_[notes_tail_++ % notes_.size()] = buffer;  // decoded when taken (deliver_notes)
+      notes_[ring_slot(notes_tail_++, notes_.size())] = buffer;  // decoded when taken (deliver_notes)
       return;
     }
     case protocol::msg_type::credit: {
@@ -562,7 +562,7 @@ void connection_impl::deliver(bool post) noexcept {
       end_receives(recv_waiting_, post);
       return;
     }
-    const inbox_entry e = inbox_[inbox_head_ % inbox_.size()];
+    const inbox_entry e = inbox_[ring_slot(inbox_head_, inbox_.size())];
     op_node* n = recv_waiting_.head;
     const std::byte* data = fab_->pool->data(e.buffer);
     if (!e.rts) {

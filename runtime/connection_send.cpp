@@ -38,7 +38,7 @@ std::uint16_t connection_impl::take_owed() noexcept {
 
 transport::work_request& connection_impl::next_wr(slot_kind kind, std::uint32_t buffer, op_node* op,
                                                   std::span<const transport::sge> sges) noexcept {
-  const std::size_t slot = sq_queued_ % sq_.size();
+  const std::size_t slot = ring_slot(sq_queued_, sq_.size());
   sq_[slot] = {buffer, kind, op, false};
   transport::work_request& wr = batch_->wrs.emplace_back();  // capacity = send_queue >= queued (sq_free held it)
   wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_queued_ & kTagMask));
@@ -379,7 +379,7 @@ void connection_impl::flush_now() noexcept {
   std::vector<transport::work_request>& batch = batch_->wrs;
   const std::uint32_t k = opt_.signal_interval;
   for (std::size_t i = 0; i < batch.size(); ++i) {
-    sq_slot& s = sq_[(sq_posted_ + i) % sq_.size()];
+    sq_slot& s = sq_[ring_slot(sq_posted_ + i, sq_.size())];
     const bool must = s.kind == slot_kind::read_last || s.op != nullptr || i + 1 == batch.size();
     if (must || ++since_signal_ >= k) {
       since_signal_ = 0;
@@ -408,8 +408,8 @@ void connection_impl::flush_now() noexcept {
 // Work requests queued but never posted (the connection failed first).
 void connection_impl::drop_unposted() noexcept {
   for (std::uint64_t i = sq_posted_; i < sq_queued_; ++i) {
-    sq_slot s = sq_[i % sq_.size()];
-    sq_[i % sq_.size()] = {};
+    sq_slot s = sq_[ring_slot(i, sq_.size())];
+    sq_[ring_slot(i, sq_.size())] = {};
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
     // Its last part never goes out; earlier parts may be posted and use its
@@ -434,7 +434,7 @@ void connection_impl::drop_unposted() noexcept {
 // rxe (Linux 6.1) flushes what the queue held when it failed but leaves a
 // later one, and the connection would wait for it forever before releasing.
 void connection_impl::drop_unposted_receives() noexcept {
-  for (std::uint64_t i = rq_posted_; i < rq_queued_; ++i) fab_->put_buffer(rq_[i % rq_.size()]);
+  for (std::uint64_t i = rq_posted_; i < rq_queued_; ++i) fab_->put_buffer(rq_[ring_slot(i, rq_.size())]);
   rq_queued_ = rq_posted_;
   recv_batch_.clear();
 }
@@ -448,14 +448,14 @@ std::uint64_t connection_impl::full_seq(std::uint32_t tag, std::uint64_t base) c
 void connection_impl::retire_through(std::uint64_t seq, transport::wc_status status) noexcept {
   while (sq_retired_ <= seq && sq_retired_ < sq_posted_) {
     const std::uint64_t i = sq_retired_;
-    sq_slot s = sq_[i % sq_.size()];
-    sq_[i % sq_.size()] = {};
+    sq_slot s = sq_[ring_slot(i, sq_.size())];
+    sq_[ring_slot(i, sq_.size())] = {};
     ++sq_retired_;
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
     const transport::wc_status st = i == seq ? status : transport::wc_status::success;
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
-    if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, i % sq_.size(), false);
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, ring_slot(i, sq_.size()), false);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
       // Acknowledged; or flushed because both sides closed at once and the
       // peer, its own close acknowledged, tore the queue pair down first:

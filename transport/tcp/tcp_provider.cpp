@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -312,7 +313,7 @@ int check_fd(int fd, const char* what) {
 }
 }  // namespace
 
-tcp_cq::tcp_cq(std::uint32_t depth) : depth_(depth), ring_(depth) {
+tcp_cq::tcp_cq(std::uint32_t depth) : depth_(depth), ring_(std::bit_ceil(depth)) {
   epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
   evfd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
   timerfd_ = check_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC), "timerfd_create");
@@ -384,7 +385,7 @@ void tcp_cq::push(const completion& c) noexcept {
     signal();
     return;
   }
-  ring_[ring_tail_++ % depth_] = c;
+  ring_[ring_slot(ring_tail_++, ring_.size())] = c;
   if (armed_) {
     armed_ = false;
     signal();
@@ -445,7 +446,7 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
     return 0;
   }
   std::size_t n = 0;
-  while (n < out.size() && ring_head_ != ring_tail_) out[n++] = ring_[ring_head_++ % depth_];
+  while (n < out.size() && ring_head_ != ring_tail_) out[n++] = ring_[ring_slot(ring_head_++, ring_.size())];
   if (n == 0) ++counters_.empty_polls;
   counters_.completions += n;
   ec.clear();

@@ -8,6 +8,7 @@
 #include <anydoor/transport/provider.hpp>
 
 #include "tcp/faults.hpp"
+#include "ring_slot.hpp"
 #include "tcp/wire.hpp"
 
 #include <sys/uio.h>
@@ -588,8 +589,8 @@ class tcp_qp final : public queue_pair {
   std::uint64_t via(access need) const noexcept {
     return (need & remote_access_bits) != access::none ? serial_ : 0;
   }
-  sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[(idx % attr_.max_send_wr) * sq_stride_]; }
-  sge* rq_sges_of(std::uint64_t idx) noexcept { return &rq_sges_[(idx % attr_.max_recv_wr) * attr_.max_recv_sge]; }
+  sge* sges_of(std::uint64_t idx) noexcept { return &sq_sges_[ring_slot(idx, attr_.max_send_wr) * sq_stride_]; }
+  sge* rq_sges_of(std::uint64_t idx) noexcept { return &rq_sges_[ring_slot(idx, attr_.max_recv_wr) * attr_.max_recv_sge]; }
 
   const registration_table& table_;
   qp_attributes attr_;

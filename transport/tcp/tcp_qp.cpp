@@ -258,7 +258,7 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
   state_ = qp_state::error;
   // Every outstanding request completes exactly once, signaled or not.
   for (std::uint64_t i = sq_ack_; i < sq_tail_; ++i) {
-    const sq_entry& e = sq_[i % attr_.max_send_wr];
+    const sq_entry& e = sq_[ring_slot(i, attr_.max_send_wr)];
     const wc_status s = i == sq_ack_ ? head_status : wc_status::work_request_flushed;
     push_send({.wr_id = e.wr.wr_id, .status = s, .opcode = completion_opcode(e.wr.op), .qp_num = qpn_});
   }
@@ -272,7 +272,7 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
     after_ = after_payload::none;
   }
   for (std::uint64_t i = rq_head_; i < rq_tail_; ++i) {
-    push_recv({.wr_id = rq_[i % attr_.max_recv_wr].wr_id, .status = wc_status::work_request_flushed,
+    push_recv({.wr_id = rq_[ring_slot(i, attr_.max_recv_wr)].wr_id, .status = wc_status::work_request_flushed,
                .opcode = wc_opcode::recv, .qp_num = qpn_});
   }
   rq_head_ = rq_tail_;
@@ -343,7 +343,7 @@ std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t
       continue;
     }
     const std::uint64_t idx = rq_tail_++;
-    rq_[idx % attr_.max_recv_wr] = {wr.wr_id, static_cast<std::uint32_t>(wr.sg_list.size())};
+    rq_[ring_slot(idx, attr_.max_recv_wr)] = {wr.wr_id, static_cast<std::uint32_t>(wr.sg_list.size())};
     std::copy(wr.sg_list.begin(), wr.sg_list.end(), rq_sges_of(idx));
   }
   return {};
@@ -378,7 +378,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
   ++counters_.doorbells;
   for (const work_request& wr : wrs) {
     const std::uint64_t idx = sq_tail_++;
-    sq_entry& e = sq_[idx % attr_.max_send_wr];
+    sq_entry& e = sq_[ring_slot(idx, attr_.max_send_wr)];
     sge* sges = sges_of(idx);
     e.wr = wr;
     e.local_error = wc_status::success;

@@ -51,7 +51,7 @@ void tcp_qp::progress() noexcept {
 
 bool tcp_qp::only_ack_pending() const noexcept {
   return iov_pos_ == iov_count_ && sq_tx_ == sq_tail_ && resp_tail_ - resp_queued_ == 1 &&
-         resp_[(resp_tail_ - 1) % resp_.size()].h.type == frame_type::ack;
+         resp_[ring_slot(resp_tail_ - 1, resp_.size())].h.type == frame_type::ack;
 }
 
 void tcp_qp::flush_acks() noexcept {
@@ -172,7 +172,9 @@ void tcp_qp::receive_frames() noexcept {
     }
     if (phase_ == rx_phase::header) {
       if (rx_end_ - rx_begin_ < kHeaderSize) {
-        if (rx_begin_ > 0) {
+        if (rx_begin_ == rx_end_) {
+          rx_begin_ = rx_end_ = 0;  // the usual case: every byte read was used
+        } else if (rx_begin_ > 0) {
           std::memmove(rx_buf_.data(), rx_buf_.data() + rx_begin_, rx_end_ - rx_begin_);
           rx_end_ -= rx_begin_;
           rx_begin_ = 0;
@@ -290,10 +292,13 @@ void tcp_qp::receive_frames() noexcept {
   }
 }
 
-// A destination was deregistered while its payload arrived: the rest of
-// the payload is read and dropped, and finish_payload fails the frame.
+// A destination failed its pin: deregistered while its payload arrived, or
+// (a receive's single buffer) never registered for local writes. The rest
+// of the payload is read and dropped, and finish_payload fails the frame.
 void tcp_qp::lose_payload() noexcept {
-  if (!payload_lost_) log().warn("qp {}: the destination of an arriving payload was deregistered", qpn_);
+  if (!payload_lost_) {
+    log().warn("qp {}: the destination of an arriving payload is not (or no longer) registered for it", qpn_);
+  }
   payload_lost_ = true;
   for (std::size_t i = seg_index_; i < seg_count_; ++i) seg_[i].key = 0;
 }
@@ -315,7 +320,7 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
       return false;
     }
     const std::uint64_t idx = rq_head_++;
-    r = rq_[idx % attr_.max_recv_wr];
+    r = rq_[ring_slot(idx, attr_.max_recv_wr)];
     sges = rq_sges_of(idx);
   }
   std::uint64_t room = 0;
@@ -327,10 +332,15 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
     nak(cur_.psn, nak_code::invalid_request, true);
     return false;
   }
+  // A scatter list is checked whole before a byte lands. A single buffer
+  // is checked by the pin that writes it (the same key, range and right;
+  // failing there ends the receive the same way, see lose_payload), which
+  // saves a second look-up per message.
+  const bool check_first = r.num_sge > 1;
   std::uint64_t left = length;
   for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
     const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
-    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
+    if (check_first && table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
       push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
                  .qp_num = qpn_});
       nak(cur_.psn, nak_code::remote_operation, true);
@@ -454,7 +464,7 @@ bool tcp_qp::rnr_nak(std::uint32_t psn) noexcept {
 void tcp_qp::finish_payload() noexcept {
   const after_payload after = std::exchange(after_, after_payload::none);
   if (payload_lost_) {
-    // A destination was deregistered while the payload arrived.
+    // A destination failed its pin (lose_payload).
     payload_lost_ = false;
     switch (after) {
       case after_payload::none: return;
@@ -512,7 +522,7 @@ void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
     return;
   }
   const std::uint64_t idx = sq_ack_++;
-  const sq_entry& e = sq_[idx % attr_.max_send_wr];
+  const sq_entry& e = sq_[ring_slot(idx, attr_.max_send_wr)];
   rd_done_ = rd_off_ = 0;
   rd_sge_ = 0;
   if (needs_response(e.wr.op)) --rd_atomic_out_;
@@ -526,7 +536,7 @@ void tcp_qp::complete_head(wc_status status, std::uint32_t byte_len) noexcept {
 
 void tcp_qp::check_local_error() noexcept {
   if (tx_blocked_ && sq_ack_ == sq_tx_ && sq_tx_ < sq_tail_ && state_ == qp_state::rts) {
-    const wc_status s = sq_[sq_ack_ % attr_.max_send_wr].local_error;
+    const wc_status s = sq_[ring_slot(sq_ack_, attr_.max_send_wr)].local_error;
     if (s == wc_status::success) {
       // A bind waited for the requests before it: now nothing is
       // outstanding, fill_iov completes it and sends what follows.
@@ -534,7 +544,7 @@ void tcp_qp::check_local_error() noexcept {
       flush();
       return;
     }
-    log().warn("qp {}: work request {} failed locally: {}", qpn_, sq_[sq_ack_ % attr_.max_send_wr].wr.wr_id,
+    log().warn("qp {}: work request {} failed locally: {}", qpn_, sq_[ring_slot(sq_ack_, attr_.max_send_wr)].wr.wr_id,
                to_string(s));
     close_when_flushed_ = false;
     enter_error(s);
@@ -566,7 +576,7 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
     protocol_error("response with no request outstanding");
     return false;
   }
-  sq_entry& head = sq_[sq_ack_ % attr_.max_send_wr];
+  sq_entry& head = sq_[ring_slot(sq_ack_, attr_.max_send_wr)];
   switch (h.type) {
     case frame_type::ack: {
       const std::uint64_t count = std::uint64_t{h.psn - head.psn} + 1;
@@ -575,7 +585,7 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         return false;
       }
       for (std::uint64_t k = 0; k < count; ++k) {
-        const sq_entry& e = sq_[sq_ack_ % attr_.max_send_wr];
+        const sq_entry& e = sq_[ring_slot(sq_ack_, attr_.max_send_wr)];
         if (e.wr.op == opcode::read || is_atomic(e.wr.op)) {
           protocol_error("ACK in place of a read or atomic response");
           return false;

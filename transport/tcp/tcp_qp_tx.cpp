@@ -53,7 +53,7 @@ bool tcp_qp::fill_iov() noexcept {
   hdr_used_ = 0;
   const std::size_t cap = resp_.size();
   while (resp_queued_ < resp_tail_) {
-    response& r = resp_[resp_queued_ % cap];
+    response& r = resp_[ring_slot(resp_queued_, cap)];
     if (r.h.type == frame_type::read_response) {
       if (!fill_read(r, resp_queued_)) return true;
     } else {
@@ -68,7 +68,7 @@ bool tcp_qp::fill_iov() noexcept {
     return iov_count_ > 0;
   }
   while (sq_tx_ < sq_tail_) {
-    sq_entry& e = sq_[sq_tx_ % attr_.max_send_wr];
+    sq_entry& e = sq_[ring_slot(sq_tx_, attr_.max_send_wr)];
     if (e.local_error != wc_status::success || e.wr.op == opcode::bind_window) {
       if (e.local_error == wc_status::success && sq_ack_ == sq_tx_) {
         ++sq_tx_;  // a bind with nothing before it outstanding: complete now
@@ -263,7 +263,7 @@ void tcp_qp::unpin_iov() noexcept {
 // last frame becomes a NAK (remote access error), so the requester fails
 // the read instead of completing it with zeros.
 void tcp_qp::poison_read(std::uint64_t pos) noexcept {
-  response& r = resp_[pos % resp_.size()];
+  response& r = resp_[ring_slot(pos, resp_.size())];
   if (r.poisoned) return;
   r.poisoned = true;
   r.left = 0;
@@ -310,7 +310,7 @@ void tcp_qp::flush_batch() noexcept {
         rewind_pending_ = false;
         counters_.retransmits += sq_tx_ - rewind_to_;
         for (std::uint64_t i = rewind_to_; i < sq_tx_; ++i) {
-          if (needs_response(sq_[i % attr_.max_send_wr].wr.op)) --rd_atomic_out_;
+          if (needs_response(sq_[ring_slot(i, attr_.max_send_wr)].wr.op)) --rd_atomic_out_;
         }
         sq_tx_ = rewind_to_;
         rd_done_ = rd_off_ = 0;
@@ -436,13 +436,13 @@ void tcp_qp::begin_rx_stall() noexcept {
 void tcp_qp::queue_response(const frame_header& h) noexcept {
   const std::size_t cap = resp_.size();
   if (h.type == frame_type::ack && resp_tail_ > resp_queued_) {
-    response& last = resp_[(resp_tail_ - 1) % cap];
+    response& last = resp_[ring_slot(resp_tail_ - 1, cap)];
     if (last.h.type == frame_type::ack) {  // cumulative: one ACK covers both
       last.h.psn = h.psn;
       return;
     }
   }
-  response& r = resp_[resp_tail_++ % cap];
+  response& r = resp_[ring_slot(resp_tail_++, cap)];
   r = response{};
   r.h = h;
 }
@@ -450,7 +450,7 @@ void tcp_qp::queue_response(const frame_header& h) noexcept {
 // The data of a checked read request: framed by fill_read as the
 // transmitter gets to it, the source looked up again each time.
 void tcp_qp::queue_read_response(const frame_header& request) noexcept {
-  response& r = resp_[resp_tail_++ % resp_.size()];
+  response& r = resp_[ring_slot(resp_tail_++, resp_.size())];
   r = response{};
   r.h.type = frame_type::read_response;
   r.h.psn = request.psn;

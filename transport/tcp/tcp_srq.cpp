@@ -31,7 +31,7 @@ std::error_code tcp_srq::post_recv(std::span<const recv_request> wrs, std::size_
   std::lock_guard lock(s.mutex);
   if (auto ec = check_recv(wrs, s.attr.max_sge, s.attr.max_wr, s.tail - s.head, bad)) return ec;
   for (const recv_request& wr : wrs) {
-    const std::size_t slot = s.tail++ % s.attr.max_wr;
+    const std::size_t slot = ring_slot(s.tail++, s.attr.max_wr);
     s.wr_ids[slot] = wr.wr_id;
     s.nsges[slot] = static_cast<std::uint32_t>(wr.sg_list.size());
     std::copy(wr.sg_list.begin(), wr.sg_list.end(), s.sges.begin() + static_cast<std::ptrdiff_t>(slot * s.attr.max_sge));
@@ -52,7 +52,7 @@ bool tcp_srq::limit_reached() noexcept { return state_->limit_hit.exchange(false
 bool tcp_srq::state::take(taken& out) noexcept {
   std::lock_guard lock(mutex);
   if (head == tail) return false;
-  const std::size_t slot = head++ % attr.max_wr;
+  const std::size_t slot = ring_slot(head++, attr.max_wr);
   out.wr_id = wr_ids[slot];
   out.num_sge = nsges[slot];
   std::copy_n(sges.begin() + static_cast<std::ptrdiff_t>(slot * attr.max_sge), out.num_sge, out.sges.begin());

@@ -1,0 +1,112 @@
+// Ring indexing without a division (ring_slot) and the rings that use it:
+// queues of any size wrap in order, and a completion queue whose ring is
+// rounded up to a power of two still overflows at the depth it was given.
+#include "../support/harness.hpp"
+#include "ring_slot.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+using namespace anydoor::test;
+
+TEST_CASE("ring_slot is i % n for every ring size, powers of two or not", "[unit]") {
+  constexpr std::uint64_t kTop = std::numeric_limits<std::uint64_t>::max();
+  for (std::uint64_t n = 1; n <= 300; ++n) {
+    for (std::uint64_t i = 0; i < 3 * n + 5; ++i) REQUIRE(anydoor::ring_slot(i, n) == i % n);
+    for (std::uint64_t i = kTop - 2 * n; i != 0; ++i) REQUIRE(anydoor::ring_slot(i, n) == i % n);  // up to the top
+  }
+  for (const std::uint64_t n : {std::uint64_t{1} << 15, (std::uint64_t{1} << 15) - 1, std::uint64_t{1} << 20,
+                                (std::uint64_t{1} << 20) + 1}) {
+    for (std::uint64_t i = 0; i < 4 * n; i += 7) REQUIRE(anydoor::ring_slot(i, n) == i % n);
+  }
+}
+
+TEST_CASE("queues of sizes that are not powers of two wrap in order", "[unit][tcp]") {
+  // 5 sends and 3 receives outstanding, completion queues of 7: every ring
+  // wraps many times over 300 messages, through the division path.
+  connected_pair p({.max_send_wr = 5, .max_recv_wr = 3}, 7, 7);
+  constexpr std::uint32_t kCount = 300;
+  std::vector<std::uint32_t> src(kCount), dst(3);
+  for (std::uint32_t i = 0; i < kCount; ++i) src[i] = i * 2654435761u;
+  auto smr = p.a.pd->register_memory(src.data(), src.size() * 4, tp::access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size() * 4, tp::access::local_write);
+  auto post_recv = [&](std::uint64_t id) {
+    const tp::sge sg = dmr->slice((id % 3) * 4, 4);
+    const tp::recv_request rr{.wr_id = id, .sg_list = {&sg, 1}};
+    REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  };
+  for (std::uint64_t id = 0; id < 3; ++id) post_recv(id);
+  std::uint32_t sent = 0, acked = 0, received = 0;
+  while (received < kCount) {
+    // At most three in flight: one per receive posted, never an RNR.
+    while (sent < kCount && sent - received < 3 && sent - acked < 5) {
+      const tp::sge sg = smr->slice(sent * 4, 4);
+      const tp::work_request wr = send_wr(sent, {&sg, 1});
+      REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+      ++sent;
+    }
+    const tp::completion c = p.drv.wait_one(p.b.cq.get());
+    REQUIRE(c.status == tp::wc_status::success);
+    REQUIRE(c.wr_id == received);
+    REQUIRE(c.byte_len == 4);
+    std::uint32_t v = 0;
+    std::memcpy(&v, reinterpret_cast<const std::byte*>(dst.data()) + (received % 3) * 4, 4);
+    REQUIRE(v == src[received]);
+    ++received;
+    if (received + 2 < kCount) post_recv(received + 2);
+    while (acked < received) {
+      const tp::completion s = p.drv.wait_one(p.a.cq.get());
+      REQUIRE(s.status == tp::wc_status::success);
+      REQUIRE(s.wr_id == acked);
+      ++acked;
+    }
+  }
+  CHECK(p.a.qp->state() == tp::qp_state::rts);
+  CHECK(p.b.qp->state() == tp::qp_state::rts);
+}
+
+namespace {
+
+// b's completion queue holds `depth`; 8 messages arrive before b polls.
+std::error_code eight_into(std::uint32_t depth, std::size_t& taken) {
+  connected_pair p({}, 4096, depth);
+  std::vector<char> src(8, 'r'), dst(64);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), tp::access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), tp::access::local_write);
+  std::vector<tp::sge> rsg;
+  for (std::size_t i = 0; i < 8; ++i) rsg.push_back(dmr->slice(i * 8, 8));
+  std::vector<tp::recv_request> rr;
+  for (std::size_t i = 0; i < 8; ++i) rr.push_back({.wr_id = i, .sg_list = {&rsg[i], 1}});
+  REQUIRE_FALSE(p.b.qp->post_recv(rr));
+  const tp::sge ssg = smr->slice(0, 8);
+  std::vector<tp::work_request> wrs;
+  for (std::uint64_t i = 0; i < 8; ++i) wrs.push_back(send_wr(i, {&ssg, 1}));
+  REQUIRE_FALSE(p.a.qp->post_send(wrs));
+  std::this_thread::sleep_for(100ms);  // all eight reach b's socket before it polls
+  std::error_code ec;
+  tp::completion c[8];
+  taken = p.b.cq->poll(c, ec);
+  return ec;
+}
+
+}  // namespace
+
+TEST_CASE("tcp provider: a completion queue overflows at its depth, not at its ring's rounded-up size",
+          "[unit][tcp]") {
+  if (!testing_tcp()) {
+    // A verbs device may round a completion queue's depth up (ibv_create_cq).
+    WARN("not run on " << provider_under_test() << ": checks the tcp provider's completion ring");
+    return;
+  }
+  std::size_t taken = 0;
+  // A depth of 5 has a ring of 8 slots: the eighth completion must still overflow it.
+  CHECK(eight_into(5, taken) == anydoor::errc::cq_overflow);
+  CHECK(taken == 0);
+  // The control: a depth of 8 takes all eight.
+  CHECK_FALSE(eight_into(8, taken));
+  CHECK(taken == 8);
+}
