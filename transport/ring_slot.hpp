@@ -4,12 +4,14 @@
 // message touches several rings on each side.
 #pragma once
 
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 
 namespace anydoor {
 
 inline std::size_t ring_slot(std::uint64_t i, std::uint64_t n) noexcept {
+  assert(n != 0);
   return static_cast<std::size_t>((n & (n - 1)) == 0 ? i & (n - 1) : i % n);
 }
 

@@ -947,3 +947,31 @@ TEST_CASE("tcp provider: queue pairs on one completion queue share its staging b
   }
   d.settle(shared.cq.get(), 20ms);
 }
+
+TEST_CASE("tcp provider: a receive whose one buffer runs past its registration fails with no byte landed, "
+          "however the payload is split",
+          "[unit][tcp]") {
+  // The pins that copy a payload cover only the bytes that have arrived: a
+  // buffer whose first bytes lie inside the registration must be refused
+  // whole before the first piece lands, or the peer's split decides how
+  // much of it is written.
+  raw_peer p;
+  // The last 16 bytes of the registration and 48 beyond it (the guard).
+  const tp::sge sg{.addr = p.base() + 4096 - 16, .length = 64, .lkey = p.mr->lkey()};
+  const tp::recv_request rr{.wr_id = 7, .sg_list = {&sg, 1}};
+  REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));
+  const std::vector<std::uint8_t> payload(64, 0x5e);
+  p.send_frame({.type = frame_type::send, .psn = 1, .length = 64}, payload.data(), 8);  // 8 of 64 bytes
+  driver d{p.ep.cq.get()};
+  for (int i = 0; i < 20; ++i) {
+    d.step();
+    std::this_thread::sleep_for(5ms);
+  }
+  raw_send(p.fd, payload.data() + 8, 56);
+  const tp::completion c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 7);
+  CHECK(c.status == tp::wc_status::local_protection_error);
+  CHECK(std::all_of(p.mem.begin() + 64 + 4096 - 16, p.mem.end(), [](auto b) { return b == 0xa5; }));
+  CHECK(p.guards_intact());
+  p.expect_nak(nak_code::remote_operation);
+}

@@ -313,6 +313,8 @@ int check_fd(int fd, const char* what) {
 }
 }  // namespace
 
+// The ring has a power of two of slots (indices without a division);
+// depth_, which create_cq caps at max_cqe (2^20), is where it overflows.
 tcp_cq::tcp_cq(std::uint32_t depth) : depth_(depth), ring_(std::bit_ceil(depth)) {
   epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
   evfd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");

@@ -292,13 +292,10 @@ void tcp_qp::receive_frames() noexcept {
   }
 }
 
-// A destination failed its pin: deregistered while its payload arrived, or
-// (a receive's single buffer) never registered for local writes. The rest
-// of the payload is read and dropped, and finish_payload fails the frame.
+// A destination was deregistered while its payload arrived: the rest of
+// the payload is read and dropped, and finish_payload fails the frame.
 void tcp_qp::lose_payload() noexcept {
-  if (!payload_lost_) {
-    log().warn("qp {}: the destination of an arriving payload is not (or no longer) registered for it", qpn_);
-  }
+  if (!payload_lost_) log().warn("qp {}: the destination of an arriving payload was deregistered", qpn_);
   payload_lost_ = true;
   for (std::size_t i = seg_index_; i < seg_count_; ++i) seg_[i].key = 0;
 }
@@ -332,15 +329,12 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
     nak(cur_.psn, nak_code::invalid_request, true);
     return false;
   }
-  // A scatter list is checked whole before a byte lands. A single buffer
-  // is checked by the pin that writes it (the same key, range and right;
-  // failing there ends the receive the same way, see lose_payload), which
-  // saves a second look-up per message.
-  const bool check_first = r.num_sge > 1;
+  // The whole destination is checked before a byte lands: the pins that
+  // follow cover only the bytes that have arrived.
   std::uint64_t left = length;
   for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
     const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
-    if (check_first && table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
+    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
       push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
                  .qp_num = qpn_});
       nak(cur_.psn, nak_code::remote_operation, true);
@@ -464,7 +458,7 @@ bool tcp_qp::rnr_nak(std::uint32_t psn) noexcept {
 void tcp_qp::finish_payload() noexcept {
   const after_payload after = std::exchange(after_, after_payload::none);
   if (payload_lost_) {
-    // A destination failed its pin (lose_payload).
+    // A destination was deregistered while the payload arrived.
     payload_lost_ = false;
     switch (after) {
       case after_payload::none: return;
