@@ -408,8 +408,7 @@ void connection_impl::flush_now() noexcept {
 // Work requests queued but never posted (the connection failed first).
 void connection_impl::drop_unposted() noexcept {
   for (std::uint64_t i = sq_posted_; i < sq_queued_; ++i) {
-    sq_slot s = sq_[ring_slot(i, sq_.size())];
-    sq_[ring_slot(i, sq_.size())] = {};
+    sq_slot s = std::exchange(sq_[ring_slot(i, sq_.size())], {});
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
     // Its last part never goes out; earlier parts may be posted and use its
@@ -448,14 +447,14 @@ std::uint64_t connection_impl::full_seq(std::uint32_t tag, std::uint64_t base) c
 void connection_impl::retire_through(std::uint64_t seq, transport::wc_status status) noexcept {
   while (sq_retired_ <= seq && sq_retired_ < sq_posted_) {
     const std::uint64_t i = sq_retired_;
-    sq_slot s = sq_[ring_slot(i, sq_.size())];
-    sq_[ring_slot(i, sq_.size())] = {};
+    const std::size_t slot = ring_slot(i, sq_.size());
+    sq_slot s = std::exchange(sq_[slot], {});
     ++sq_retired_;
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
     const transport::wc_status st = i == seq ? status : transport::wc_status::success;
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
-    if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, ring_slot(i, sq_.size()), false);
+    if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, slot, false);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
       // Acknowledged; or flushed because both sides closed at once and the
       // peer, its own close acknowledged, tore the queue pair down first:
