@@ -334,6 +334,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     return batch_ != nullptr || borrow_batch();
   }
   bool borrow_batch() noexcept;
+  bool batch_failed_ = false;  // no memory for a batch: the next flush fails the connection
   void return_batch() noexcept {  // when nothing is queued in it
     if (batch_ != nullptr && batch_->wrs.empty()) give_back_batch();
   }

@@ -18,9 +18,17 @@ namespace anydoor::detail {
 // ---------------------------------------------------------------- sending
 
 bool connection_impl::borrow_batch() noexcept {
+  if (batch_failed_) return false;
   const std::size_t q = opt_.send_queue;
   batch_ = fab_->take_batch(q, q + sge_per_wr_, std::min<std::size_t>(q * fab_->inline_cap, kInlineStage));
-  return batch_ != nullptr;
+  if (batch_ != nullptr) return true;
+  // Nothing can be queued without one, and nothing already posted would
+  // bring the connection back here: waiting would stall every operation
+  // (and the credits the peer waits for) for good. The next flush fails
+  // the connection with not_enough_memory.
+  batch_failed_ = true;
+  schedule();
+  return false;
 }
 
 void connection_impl::give_back_batch() noexcept {
@@ -372,6 +380,10 @@ void connection_impl::flush_now() noexcept {
     recv_batch_.clear();
   }
   maybe_send_credits();
+  if (batch_failed_) {
+    fail(std::make_error_code(std::errc::not_enough_memory));
+    return;
+  }
   if (batch_ == nullptr || batch_->wrs.empty()) {
     return_batch();
     return;
