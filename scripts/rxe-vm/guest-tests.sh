@@ -89,6 +89,7 @@ if [ -z "$filter" ] && modprobe siw 2>/dev/null; then
       "shared receive queue: creation and posting are checked and its queue pairs refuse their own receives" \
       "shared receive queue: the limit reports once when fewer than the limit remain posted" \
       "shared receive queue: a queue pair that fails takes no posted receive with it" \
+      "shared receive queue: a queue pair destroyed while filling a shared receive gives it back flushed" \
       "a receive being filled when the sender goes away completes flushed (own or shared queue)" \
       | sed 's/,$//')"
     if [ "$(cat siw-record 2>/dev/null)" = 1 ]; then

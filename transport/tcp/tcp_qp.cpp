@@ -117,6 +117,16 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
 }
 
 tcp_qp::~tcp_qp() {
+  // A shared receive this queue pair was filling goes back flushed, as a
+  // NIC returns it when a queue pair is destroyed (verbs: retired_qp);
+  // the queue would lose it otherwise. (Its own receives end with it.)
+  if (srq_ != nullptr && state_ != qp_state::error &&
+      (after_ == after_payload::recv_done || after_ == after_payload::write_imm_done)) {
+    push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
+               .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
+               .qp_num = qpn_});
+    after_ = after_payload::none;
+  }
   close_socket();  // gives back what it borrowed (close_socket)
   rx_begin_ = rx_end_ = 0;
   return_staging();

@@ -9,6 +9,7 @@
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,13 +54,31 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     ibv_destroy_comp_channel(channel_);
     throw sys_error(err, "eventfd");
   }
+  retire_fd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+  if (retire_fd_ < 0) {
+    const int err = errno;
+    ::close(flush_fd_);
+    ::close(epfd_);
+    ibv_destroy_cq(cq_);
+    ibv_destroy_comp_channel(channel_);
+    throw sys_error(err, "timerfd_create");
+  }
   watch(channel_->fd);
   watch(dev_->ctx->async_fd);
   watch(flush_fd_);
+  watch(retire_fd_);
 }
 
 verbs_cq::~verbs_cq() {
+  {
+    // Retired queue pairs on it go now (their receives with them): the CQ
+    // cannot be destroyed under them.
+    std::lock_guard lock(dev_->async_mutex);
+    dev_->destroy_retired_locked(
+        [&](const retired_qp& r) { return r.cq == this || r.qp->send_cq == cq_ || r.qp->recv_cq == cq_; });
+  }
   ack_events();
+  ::close(retire_fd_);
   ::close(flush_fd_);
   ::close(epfd_);
   if (ibv_destroy_cq(cq_) != 0) log().error("ibv_destroy_cq: {} (queue pairs still on it?)", std::strerror(errno));
@@ -123,6 +142,62 @@ void verbs_cq::flush_later(verbs_qp* qp) noexcept {
   [[maybe_unused]] const auto w = ::write(flush_fd_, &one, sizeof one);  // wakes a reactor asleep on notify_fd
 }
 
+void verbs_cq::set_retire_timer(std::chrono::steady_clock::time_point at) noexcept {
+  timer_at_ = at;
+  itimerspec t{};
+  if (at != std::chrono::steady_clock::time_point{}) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(at.time_since_epoch()).count();
+    t.it_value.tv_sec = static_cast<time_t>(ns / 1000000000);
+    t.it_value.tv_nsec = static_cast<long>(ns % 1000000000);
+    if (t.it_value.tv_sec == 0 && t.it_value.tv_nsec == 0) t.it_value.tv_nsec = 1;  // (0 would disarm)
+  }
+  // steady_clock is CLOCK_MONOTONIC (libstdc++), the timer's clock.
+  if (::timerfd_settime(retire_fd_, TFD_TIMER_ABSTIME, &t, nullptr) != 0) {
+    log().warn("verbs: timerfd_settime: {}", std::strerror(errno));
+  }
+}
+
+void verbs_cq::retired_added(std::chrono::steady_clock::time_point deadline) noexcept {
+  retiring_.fetch_add(1, std::memory_order_relaxed);
+  if (timer_at_ == std::chrono::steady_clock::time_point{} || deadline < timer_at_) set_retire_timer(deadline);
+}
+
+bool verbs_cq::arm_retired() noexcept {
+  const auto now = clock::now();
+  if (now < retire_check_) return retire_armed_;
+  retire_check_ = now + std::chrono::milliseconds(1);
+  dev_->drain_async_events();  // IBV_EVENT_QP_LAST_WQE_REACHED
+  std::uint64_t expirations = 0;
+  [[maybe_unused]] const auto r = ::read(retire_fd_, &expirations, sizeof expirations);
+  std::lock_guard lock(dev_->async_mutex);
+  retire_armed_ = false;
+  auto next = std::chrono::steady_clock::time_point::max();
+  for (const auto& q : dev_->retired) {
+    if (q->cq != this) continue;
+    if (!q->armed && (q->last_wqe || now >= q->deadline)) {
+      q->armed = true;
+      if (!q->last_wqe) {
+        log().debug("verbs: qp {}: no IBV_EVENT_QP_LAST_WQE_REACHED within {} ms; destroyed once the CQ is empty",
+                    q->qp->qp_num, device_state::kLastWqeWait.count());
+      }
+    }
+    if (q->armed) {
+      retire_armed_ = true;
+    } else {
+      next = std::min(next, q->deadline);
+    }
+  }
+  set_retire_timer(next == std::chrono::steady_clock::time_point::max() ? std::chrono::steady_clock::time_point{}
+                                                                         : next);
+  return retire_armed_;
+}
+
+void verbs_cq::destroy_armed() noexcept {
+  std::lock_guard lock(dev_->async_mutex);
+  dev_->destroy_retired_locked([&](const retired_qp& r) { return r.cq == this && r.armed; });
+  retire_armed_ = false;
+}
+
 void verbs_cq::on_overflow() noexcept {
   if (overflow_) return;
   overflow_ = true;
@@ -136,6 +211,10 @@ void verbs_cq::on_overflow() noexcept {
 std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {
   ++counters_.polls;
   std::size_t n = 0;
+  // Retired queue pairs whose last receive is back (or due) go once this
+  // poll, which began after that, has emptied the queue.
+  const bool retired_due = retiring_.load(std::memory_order_relaxed) != 0 && arm_retired();
+  bool emptied = false;
   while (!overflow_ && n < out.size()) {
     ibv_wc wcs[kMaxPollBatch];
     const int want = static_cast<int>(std::min<std::size_t>(kMaxPollBatch, out.size() - n));
@@ -165,8 +244,12 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
       }
       qps_[index].qp->complete(wc, slot, recv, out[n++]);
     }
-    if (got < want) break;
+    if (got < want) {
+      emptied = true;
+      break;
+    }
   }
+  if (retired_due && emptied) destroy_armed();
   if (!flushing_.empty() && n < out.size()) {
     for (verbs_qp* qp : flushing_) n += qp->complete_flushed(out.subspan(n));
     std::erase_if(flushing_, [](verbs_qp* qp) { return !qp->flush_pending(); });

@@ -66,6 +66,19 @@ void device_state::drain_async_events() noexcept {
         log().info("verbs {}: asynchronous event: {}", name, ibv_event_type_str(ev.event_type));
         break;
     }
+    // A retired queue pair's (see retire): its context is not a verbs_qp.
+    retired_qp* gone = nullptr;
+    if (ev.event_type == IBV_EVENT_QP_FATAL || ev.event_type == IBV_EVENT_QP_REQ_ERR ||
+        ev.event_type == IBV_EVENT_QP_ACCESS_ERR || ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED) {
+      for (const auto& r : retired) {
+        if (r->qp == ev.element.qp) gone = r.get();
+      }
+    }
+    if (gone != nullptr) {
+      if (ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED) gone->last_wqe = true;
+      ibv_ack_async_event(&ev);
+      continue;
+    }
     switch (ev.event_type) {
       case IBV_EVENT_CQ_ERR:
         if (ev.element.cq != nullptr && ev.element.cq->cq_context != nullptr) {
@@ -89,6 +102,33 @@ void device_state::drain_async_events() noexcept {
     }
     ibv_ack_async_event(&ev);
   }
+}
+
+void device_state::log_destroy_failed(std::uint32_t qpn, int err) noexcept {
+  log().error("ibv_destroy_qp (qp {}, retired): {}", qpn, std::strerror(err));
+}
+
+void device_state::retire(ibv_qp* qp, verbs_cq* cq) noexcept {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_ERR;
+  const auto deadline = std::chrono::steady_clock::now() + kLastWqeWait;
+  std::unique_ptr<retired_qp> r;
+  std::lock_guard lock(async_mutex);
+  try {
+    if (ibv_modify_qp(qp, &a, IBV_QP_STATE) != 0) throw std::system_error(errno, std::system_category());
+    r = std::make_unique<retired_qp>();
+    r->qp = qp;
+    r->cq = cq;
+    r->deadline = deadline;
+    retired.push_back(std::move(r));
+  } catch (const std::exception& e) {
+    log().warn("verbs: qp {} destroyed at once ({}): a shared receive it was filling is lost", qp->qp_num, e.what());
+    if (ibv_destroy_qp(qp) != 0) log_destroy_failed(qp->qp_num, errno);
+    return;
+  }
+  qp->qp_context = retired.back().get();
+  cq->retired_added(deadline);
+  log().debug("verbs: qp {} retired: destroyed once its last shared receive is back", qp->qp_num);
 }
 
 verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<device_state>()) {
@@ -295,7 +335,13 @@ verbs_pd::verbs_pd(std::shared_ptr<device_state> dev) : dev_(std::move(dev)), pd
   if (pd_ == nullptr) throw sys_error(errno, "ibv_alloc_pd");
 }
 
-verbs_pd::~verbs_pd() { ibv_dealloc_pd(pd_); }
+verbs_pd::~verbs_pd() {
+  {
+    std::lock_guard lock(dev_->async_mutex);
+    dev_->destroy_retired_locked([&](const retired_qp& r) { return r.qp->pd == pd_; });
+  }
+  ibv_dealloc_pd(pd_);
+}
 
 std::unique_ptr<memory_region> verbs_pd::register_memory(void* addr, std::size_t length, access acc) {
   check_registration(addr, length, acc);

@@ -19,6 +19,8 @@
 #include <rdma/rdma_cma.h>
 
 #include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,6 +31,23 @@ namespace anydoor::transport::verbs {
 class verbs_cq;
 class verbs_qp;
 class verbs_srq;
+
+// A queue pair of a shared receive queue that its owner destroyed. It may
+// hold a shared receive it was filling: moved to error, the device flushes
+// that receive to the completion queue, and then reports
+// IBV_EVENT_QP_LAST_WQE_REACHED; destroying it before would lose the
+// receive (mlx5 also removes a destroyed queue pair's completions from the
+// CQ), and the queue would shrink by one with every connection cut in the
+// middle of a message. So the device keeps it until that event (or, for
+// devices that never send it, such as rxe, until a deadline) and until a
+// poll that began after it has emptied the completion queue.
+struct retired_qp {
+  ibv_qp* qp = nullptr;
+  verbs_cq* cq = nullptr;  // its receive completion queue, whose poll destroys it
+  std::chrono::steady_clock::time_point deadline;
+  bool last_wqe = false;   // the event came
+  bool armed = false;      // the event (or the deadline) was seen when a poll began
+};
 
 struct device_state {
   ibv_context* ctx = nullptr;  // owned by rdma_cm (rdma_get_devices)
@@ -43,6 +62,8 @@ struct device_state {
   std::string name;
   capabilities caps;
   std::mutex async_mutex;
+  // Under async_mutex (so that no event handler holds one while it goes).
+  std::vector<std::unique_ptr<retired_qp>> retired;
   std::atomic<std::uint64_t> async_events{0};  // every asynchronous event taken
   std::atomic<std::uint64_t> async_errors{0};  // of them, the errors
   // Shared receive queues, found by their wr_ids' index (see verbs_srq):
@@ -59,6 +80,16 @@ struct device_state {
   // Reads pending asynchronous events (non-blocking), logs them, and turns
   // CQ errors into overflow and QP errors into queue-pair error state.
   void drain_async_events() noexcept;
+  static void log_destroy_failed(std::uint32_t qpn, int err) noexcept;
+  // Keeps a queue pair of a shared receive queue, moved to error, until its
+  // last receive is back (retired_qp); destroys it now when it cannot be
+  // kept (no memory).
+  void retire(ibv_qp* qp, verbs_cq* cq) noexcept;
+  // With async_mutex held: destroys the retired queue pairs `pred` selects.
+  template <class Pred>
+  void destroy_retired_locked(Pred pred) noexcept;
+  // How long a retired queue pair waits for IBV_EVENT_QP_LAST_WQE_REACHED.
+  static constexpr std::chrono::milliseconds kLastWqeWait{200};
 };
 
 class verbs_device final : public device {
@@ -184,6 +215,11 @@ class verbs_cq final : public completion_queue {
   // error): poll() returns them, and the notify fd wakes a reactor for them.
   void flush_later(verbs_qp* qp) noexcept;
   void drain_flush_fd() noexcept;
+  // Retired queue pairs (device_state::retire) that this queue's poll
+  // destroys; the timer wakes a reactor asleep on notify_fd at the earliest
+  // deadline.
+  void retired_added(std::chrono::steady_clock::time_point deadline) noexcept;
+  void retired_gone() noexcept { retiring_.fetch_sub(1, std::memory_order_relaxed); }
 
  private:
   struct qp_entry {
@@ -197,6 +233,16 @@ class verbs_cq final : public completion_queue {
   std::vector<qp_entry> qps_;
   std::vector<verbs_qp*> flushing_;  // see flush_later
   int flush_fd_ = -1;                // an eventfd in the epoll set, readable while flushing_ is not empty
+  std::atomic<std::uint32_t> retiring_{0};  // retired queue pairs whose receive queue this is
+  int retire_fd_ = -1;                      // a timerfd in the epoll set (retired_added)
+  // poll()'s halves: marks those whose event or deadline came (true: some
+  // are), and destroys the marked once a poll has emptied the queue.
+  bool arm_retired() noexcept;
+  void destroy_armed() noexcept;
+  std::chrono::steady_clock::time_point retire_check_{};  // poll's thread: the next look (at most one a ms)
+  bool retire_armed_ = false;                             // poll's thread: some of ours are marked
+  std::chrono::steady_clock::time_point timer_at_{};      // under async_mutex: the timer's expiry (none: {})
+  void set_retire_timer(std::chrono::steady_clock::time_point at) noexcept;  // {}: disarms
   std::uint64_t wrs_ = 0;
   bool overflow_ = false;
   std::uint32_t empty_streak_ = 0;
@@ -287,6 +333,22 @@ class verbs_qp final : public queue_pair {
   std::vector<ibv_recv_wr> rwr_;
   std::vector<ibv_sge> rsge_;
 };
+
+template <class Pred>
+void device_state::destroy_retired_locked(Pred pred) noexcept {
+  std::erase_if(retired, [&](const std::unique_ptr<retired_qp>& r) {
+    if (!pred(*r)) return false;
+    const std::uint32_t qpn = r->qp->qp_num;
+    if (ibv_destroy_qp(r->qp) != 0) {
+      // (Left to the kernel, which frees it with the context; no event
+      // may find this record then.)
+      log_destroy_failed(qpn, errno);
+      r->qp->qp_context = nullptr;
+    }
+    r->cq->retired_gone();
+    return true;
+  });
+}
 
 // For open_device: the first device with an active port, or the named one.
 std::unique_ptr<device> open(const std::string& name);

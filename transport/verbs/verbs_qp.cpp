@@ -127,7 +127,15 @@ verbs_qp::verbs_qp(std::shared_ptr<device_state> dev, ibv_pd* pd, const qp_attri
 
 verbs_qp::~verbs_qp() {
   disconnect();
-  if (ibv_destroy_qp(qp_) != 0) log().error("ibv_destroy_qp: {}", std::strerror(errno));
+  // A queue pair of a shared receive queue that reached RTR may be filling
+  // one of its receives: the device keeps it (moved to error) until that
+  // receive has come back flushed (device_state::retire).
+  const qp_state now = srq_ != nullptr ? state() : qp_state::reset;
+  if (now != qp_state::reset && now != qp_state::init) {
+    dev_->retire(qp_, rcq_);
+  } else if (ibv_destroy_qp(qp_) != 0) {
+    log().error("ibv_destroy_qp: {}", std::strerror(errno));
+  }
   scq_->detach(sindex_, attr_.max_send_wr);
   rcq_->detach(rindex_, srq_ != nullptr ? 0 : attr_.max_recv_wr);
 }

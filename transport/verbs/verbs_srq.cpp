@@ -65,6 +65,9 @@ verbs_srq::~verbs_srq() {
   }
   // Holds async_mutex: a limit event for it is never handled mid-destroy.
   std::lock_guard lock(dev_->async_mutex);
+  // Retired queue pairs still on it go first (what they flush now finds no
+  // queue and is dropped).
+  dev_->destroy_retired_locked([&](const retired_qp& r) { return r.qp->srq == srq_; });
   if (ibv_destroy_srq(srq_) != 0) {
     log().error("ibv_destroy_srq: {} (queue pairs still on it?)", std::strerror(errno));
   }

@@ -137,16 +137,16 @@ class completion_queue {
   virtual cq_counters counters() const noexcept = 0;
 };
 
-// A shared receive queue (ibv_srq): receives that every queue pair created
-// with it (qp_attributes::srq) takes from, oldest first, so that receive
-// memory does not grow with the number of queue pairs. A receive taken by a
-// queue pair completes on that queue pair's receive completion queue, with
-// its qp_num. A queue pair that goes to error flushes only the receive it
-// was filling; the others stay posted for the rest. Size completion queues
-// for the shared queue's receives too: the providers' "can overflow"
-// warning counts queue pairs' own work requests only. An empty queue turns a
-// send back with an RNR NAK, as an empty receive queue does. Destroy its
-// queue pairs before it (verbs refuses otherwise; tcp logs an error).
+// A shared receive queue (ibv_srq): receives that every queue pair created with it (qp_attributes::srq)
+// takes from, oldest first, so that receive memory does not grow with the number of queue pairs. A receive
+// taken by a queue pair completes on that queue pair's receive completion queue, with its qp_num. A queue
+// pair that goes to error flushes only the receive it was filling; the others stay posted for the rest.
+// Destroyed, it flushes that receive too (the completion may come after the destroy: verbs keeps the QP,
+// in error, until its last receive is back). Size completion queues for the shared queue's receives too:
+// the providers' "can overflow" warning counts queue pairs' own work requests only. An empty queue turns
+// a send back with an RNR NAK, as an empty receive queue does. Destroy its queue pairs before it (verbs
+// refuses otherwise; tcp logs an error); a queue pair still kept as above goes with it, its receive with it.
+// (Conformance: srq.cpp.)
 class shared_receive_queue {
  public:
   virtual ~shared_receive_queue() = default;
