@@ -76,6 +76,7 @@ connection_impl::~connection_impl() {
   // Normally empty: flush() or fail() completes them within the pass.
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, errc::connection_closed);
   while (op_node* n = parked_.pop_front()) complete(n, true, errc::connection_closed);
+  while (op_node* n = behind_staged_.pop_front()) complete(n, true, errc::connection_closed);
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   fab_->forget(this);
@@ -393,11 +394,16 @@ void connection_impl::start_send(op_node* n) {
       if (k == memory_kind::cuda_device) n->device_mask = static_cast<std::uint16_t>(n->device_mask | (1u << i));
     }
   }
+  if (staged_ != 0) {
+    behind_staged_.push_back(n);  // after the staged transfers (release_held)
+    return;
+  }
   queue_send(n);
 }
 
 std::error_code connection_impl::send_refusal() const noexcept {
-  if (state_ == state::failed || state_ == state::closed || peer_closed_ || close_op_ != nullptr) {
+  if (state_ == state::failed || state_ == state::closed || peer_closed_ || close_op_ != nullptr ||
+      close_waiting_ != nullptr) {
     return state_ == state::failed && error_ != errc::connection_closed ? error_ : errc::connection_closed;
   }
   return {};
@@ -467,6 +473,12 @@ void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
   // wire (or done) and runs to completion.
   if (n->phase != op_phase::queued) return;
   if (n->kind == op_kind::send || is_onesided(n->kind)) {
+    for (op_node* h = behind_staged_.head; h != nullptr; h = h->next) {
+      if (h != n) continue;
+      behind_staged_.remove(n);  // behind a staged transfer: never started
+      complete(n, true, kCancelled);
+      return;
+    }
     const bool was_head = send_waiting_.head == n;
     send_waiting_.remove(n);
     complete(n, true, kCancelled);
@@ -593,6 +605,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   drop_unposted();
   begin_drain();
   fins_.clear();
+  while (op_node* n = behind_staged_.pop_front()) complete(n, true, error_);  // never started
   end_waiting_sends(error_);
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, error_);  // dropped unposted
   end_rendezvous_sends(error_);

@@ -84,8 +84,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_receive(op_node* n);
   void start_close(op_node* n);
   void start_onesided(op_node* n);
+  // A chunk of a staged transfer: queued at once (never held, see behind_staged_).
+  void start_chunk(op_node* n);
   // A put or get that went through the staging pipeline (staging.hpp) ends;
-  // a close that waited for the staged transfers starts after the last.
+  // after the last, the operations issued meanwhile start, then a close that
+  // waited.
   void complete_staged(op_node* n, std::error_code ec, std::size_t size) noexcept;
   void cancel(op_node* n, asio::cancellation_type type);
   void abort() noexcept;
@@ -182,6 +185,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::error_code prepare_onesided(op_node* n) noexcept;  // checks and keys the local memory
   bool stages(const op_node* n) const noexcept;           // GPU memory through the staging pipeline
   void start_staged(op_node* n);
+  void dispatch_onesided(op_node* n);  // start_onesided past the hold
+  void release_held() noexcept;        // staged_ is 0: behind_staged_ starts, in order, until one stages
   std::error_code prepare_window(op_node* n) noexcept;    // register_memory: the region and its window
   void revoke_windows() noexcept;                         // the connection ends: every window it bound
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool
@@ -297,6 +302,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   op_node* close_op_ = nullptr;
   std::uint32_t staged_ = 0;           // staged transfers in progress (staging.hpp)
   op_node* close_waiting_ = nullptr;   // a close issued while staged_ != 0
+  // Sends and one-sided operations issued while staged_ != 0 wait here, in
+  // order (cancellable), so that nothing overtakes a staged transfer: its
+  // chunks reach the send queue only as their copies finish, and what is
+  // queued after them is ordered after them (RC), a flush included.
+  op_list behind_staged_;
   peer_parameters peer_;
   std::uint32_t eager_limit_ = 0;
   std::uint64_t fragment_ = 0;  // largest piece of a put, get or rendezvous read per work request

@@ -29,6 +29,26 @@ void connection_impl::start_onesided(op_node* n) {
     complete(n, true, ec);
     return;
   }
+  if (staged_ != 0) {
+    behind_staged_.push_back(n);  // after the staged transfers (release_held)
+    return;
+  }
+  dispatch_onesided(n);
+}
+
+void connection_impl::start_chunk(op_node* n) {
+  if (const std::error_code ec = send_refusal(); ec && state_ == state::failed) {
+    complete(n, true, ec);
+    return;
+  }
+  if (const std::error_code ec = prepare_onesided(n)) {
+    complete(n, true, ec);
+    return;
+  }
+  queue_send(n);
+}
+
+void connection_impl::dispatch_onesided(op_node* n) {
   if (stages(n)) {
     start_staged(n);
     return;
@@ -38,6 +58,26 @@ void connection_impl::start_onesided(op_node* n) {
     return;
   }
   queue_send(n);
+}
+
+void connection_impl::release_held() noexcept {
+  while (staged_ == 0 && !behind_staged_.empty()) {
+    op_node* n = behind_staged_.pop_front();
+    if (const std::error_code ec = send_refusal(); ec && close_waiting_ == nullptr) {
+      complete(n, true, ec);
+      continue;
+    }
+    try {
+      if (n->kind == op_kind::send) {
+        queue_send(n);
+      } else {
+        dispatch_onesided(n);
+      }
+    } catch (const std::exception& e) {
+      log().warn("connection: starting an operation held behind a staged transfer failed: {}", e.what());
+      complete(n, true, errc::invalid_state);
+    }
+  }
 }
 
 // Whether a put or get goes through the staging pipeline: its local side
@@ -73,8 +113,18 @@ void connection_impl::start_staged(op_node* n) {
 
 void connection_impl::complete_staged(op_node* n, std::error_code ec, std::size_t size) noexcept {
   auto keep = shared_from_this();
+  if (!ec) {  // (its chunks are not counted: stats count operations)
+    if (n->kind == op_kind::put) {
+      ++stats_.puts;
+      stats_.bytes_put += size;
+    } else {
+      ++stats_.gets;
+      stats_.bytes_got += size;
+    }
+  }
   complete(n, true, ec, size);
-  if (--staged_ == 0 && close_waiting_ != nullptr) {
+  if (--staged_ == 0) release_held();
+  if (staged_ == 0 && close_waiting_ != nullptr) {
     op_node* c = std::exchange(close_waiting_, nullptr);
     try {
       start_close(c);
@@ -344,14 +394,22 @@ void connection_impl::on_onesided_done(op_node* n, transport::wc_status status, 
     complete(n, post, error_ ? error_ : make_error_code(status));
     return;
   }
+  // A staged transfer's chunk is not counted: its transfer is, whole
+  // (complete_staged).
+  auto chunk = [&] {
+    const staging_area* area = fab_->staging_if_made();
+    return area != nullptr && n->nbufs == 1 && n->regions[0] == &area->region();
+  };
   switch (n->kind) {
     case op_kind::put:
     case op_kind::put_notify:
+      if (n->kind == op_kind::put && chunk()) break;
       ++stats_.puts;
       stats_.bytes_put += n->length;
       if (n->kind == op_kind::put_notify) ++stats_.notifications_sent;
       break;
     case op_kind::get:
+      if (chunk()) break;
       ++stats_.gets;
       stats_.bytes_got += n->length;
       break;

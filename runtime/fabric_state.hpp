@@ -56,6 +56,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // GPU memory's staging buffers and copy thread (staging.hpp), made on
   // first use.
   staging_area& staging();
+  const staging_area* staging_if_made() const noexcept { return staging_.get(); }
   copy_thread& copies();
   void stop_copies() noexcept;  // ~fabric: no copy completion is posted after it
   unsigned piece_shift = 0;  // registrations above 2^piece_shift bytes are made in pieces

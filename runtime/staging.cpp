@@ -173,7 +173,7 @@ void staged_transfer::start_chunk_transfer(std::uint32_t s) noexcept {
   c->handler.template store<std::size_t>(
       [self = shared_from_this(), s](boost::system::error_code ec, std::size_t) { self->on_chunk_done(s, ec); },
       executor(), nullptr, nullptr);
-  conn_->start_onesided(c);
+  conn_->start_chunk(c);
 }
 
 void staged_transfer::on_copy_done(std::uint32_t s, std::error_code ec) noexcept {

@@ -8,9 +8,9 @@
 // at a time, completions posted to the io_context), so that the io thread
 // drives the network meanwhile; the transfers of chunks are ordinary
 // one-sided operations on the connection (flow control, errors and all).
-// A staged transfer is not ordered with the connection's later operations
-// (a send after it may arrive before its data): wait for its completion
-// first. A close waits for the staged transfers started before it.
+// The connection holds its later operations until a staged transfer is
+// done (connection_impl::behind_staged_), chunks excepted (start_chunk):
+// nothing overtakes the data. A close waits for it too.
 #pragma once
 
 #include <anydoor/detail/op_node.hpp>

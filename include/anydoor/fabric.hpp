@@ -120,10 +120,10 @@ struct fabric_options {
   // set, every transfer goes through the staging pipeline: chunks of
   // gpu_staging_chunk bytes through host buffers (gpu_staging_buffers of
   // them for the fabric, two at most per transfer), the copy of one chunk
-  // overlapping the transfer of the one before. A staged transfer is not
-  // ordered with the connection's later operations (a message sent after
-  // it may arrive before its data, and async_flush does not cover it):
-  // wait for its completion first; a close waits for it. Messages of GPU
+  // overlapping the transfer of the one before. The connection's later
+  // operations wait for a staged transfer (they start, in order, once it
+  // is done; a held one can be cancelled): nothing overtakes its data,
+  // and async_flush and a close after it cover it. Messages of GPU
   // memory: eager ones are copied through pool buffers; rendezvous ones
   // without a direct path (or with gpu_staging) through a host copy of the
   // whole message.
