@@ -8,6 +8,7 @@
 #include "cuda/driver.hpp"
 #include "scoped_region.hpp"
 #include "registration_cache.hpp"
+#include "staging.hpp"
 
 #include <algorithm>
 #include <string_view>
@@ -472,6 +473,12 @@ void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
   // A queued operation is in its kind's waiting list; any other is on the
   // wire (or done) and runs to completion.
   if (n->phase != op_phase::queued) return;
+  for (const auto& w : staging_now_) {
+    const auto t = w.lock();
+    if (t == nullptr || t->parent() != n) continue;
+    (void)t->cancel();  // (false: its first chunk started meanwhile; it runs to completion)
+    return;
+  }
   if (n->kind == op_kind::send || is_onesided(n->kind)) {
     for (op_node* h = behind_staged_.head; h != nullptr; h = h->next) {
       if (h != n) continue;

@@ -20,6 +20,7 @@
 namespace anydoor::detail {
 
 class window_slot;
+class staged_transfer;
 
 // An intrusive FIFO of op nodes.
 struct op_list {
@@ -307,6 +308,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // chunks reach the send queue only as their copies finish, and what is
   // queued after them is ordered after them (RC), a flush included.
   op_list behind_staged_;
+  std::vector<std::weak_ptr<staged_transfer>> staging_now_;  // staged_ of them, for cancel()
   peer_parameters peer_;
   std::uint32_t eager_limit_ = 0;
   std::uint64_t fragment_ = 0;  // largest piece of a put, get or rendezvous read per work request

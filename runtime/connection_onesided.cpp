@@ -103,6 +103,7 @@ void connection_impl::start_staged(op_node* n) {
   }
   try {
     auto t = std::make_shared<staged_transfer>(shared_from_this(), n, fab_->staging(), fab_->copies());
+    staging_now_.push_back(t);  // (for cancel: it waits for a buffer until its first chunk)
     ++staged_;
     t->start();
   } catch (const std::exception& e) {
@@ -122,6 +123,10 @@ void connection_impl::complete_staged(op_node* n, std::error_code ec, std::size_
       stats_.bytes_got += size;
     }
   }
+  std::erase_if(staging_now_, [n](const std::weak_ptr<staged_transfer>& w) {
+    const auto t = w.lock();
+    return t == nullptr || t->parent() == n;
+  });
   complete(n, true, ec, size);
   if (--staged_ == 0) release_held();
   if (staged_ == 0 && close_waiting_ != nullptr) {

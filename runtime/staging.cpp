@@ -121,8 +121,14 @@ staged_transfer::staged_transfer(std::shared_ptr<connection_impl> c, op_node* n,
 asio::io_context::executor_type staged_transfer::executor() const noexcept { return conn_->fabric().io.get_executor(); }
 
 void staged_transfer::start() {
-  parent_->phase = op_phase::posted;  // runs to completion (not cancellable)
-  pump();
+  pump();  // (cancellable until its first chunk starts: cancel)
+}
+
+bool staged_transfer::cancel() noexcept {
+  if (completed_ || next_ != 0 || busy_ != 0) return false;
+  error_ = std::make_error_code(std::errc::operation_canceled);
+  maybe_complete();
+  return true;
 }
 
 // Starts what can start: with a buffer free (held, or taken from the
@@ -135,6 +141,7 @@ void staged_transfer::pump() noexcept {
     slot& sl = slots_[s];
     if (sl.busy) continue;
     if (sl.buffer == ~0u && !area_.take(sl.buffer, self)) break;  // resumed when one is back
+    parent_->phase = op_phase::posted;  // under way: runs to completion (not cancellable)
     sl.off = next_;
     sl.len = static_cast<std::size_t>(std::min<std::uint64_t>(area_.chunk(), length_ - next_));
     sl.busy = true;

@@ -104,6 +104,10 @@ class staged_transfer : public std::enable_shared_from_this<staged_transfer> {
   staged_transfer(std::shared_ptr<connection_impl> c, op_node* n, staging_area& area, copy_thread& copies);
   void start();  // (the io thread, as everything here but the copies)
   void on_copy_done(std::uint32_t slot, std::error_code ec) noexcept;
+  // Cancels it if no chunk has started (it waits for a staging buffer):
+  // it completes with operation_canceled; false when it is under way.
+  bool cancel() noexcept;
+  const op_node* parent() const noexcept { return parent_; }
   void on_chunk_done(std::uint32_t slot, std::error_code ec) noexcept;
   void resume() noexcept {  // a staging buffer was given back
     enlisted_ = false;

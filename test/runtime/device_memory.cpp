@@ -719,3 +719,78 @@ TEST_CASE("device memory: operations held behind a staged put end with the conne
   CHECK(e_after == ad::errc::connection_closed);
   CHECK(e_staged);  // its chunks could not all go
 }
+
+TEST_CASE("device memory: a staged put waiting for a staging buffer can be cancelled, and one under way cannot",
+          "[device_memory]") {
+  constexpr std::size_t kChunk = 4096;
+  constexpr std::size_t kSize = 64 * kChunk;
+  fake_device_memory dev(kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fill(dev.view(), kSize, 5);
+  asio::io_context io;
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, staged_pair::staging_options(kChunk));  // two staging buffers: one transfer holds both
+  std::vector<std::byte> first(kSize), second(kSize);
+  ad::memory_region r1 = server.register_memory(std::span(first), ad::access::local_write | ad::access::remote_write);
+  ad::memory_region r2 = server.register_memory(std::span(second), ad::access::local_write | ad::access::remote_write);
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    std::vector<ad::connection> held;
+    for (int i = 0; i < 2; ++i) held.push_back(co_await acc.async_accept(asio::use_awaitable));
+    for (auto& s : held) {
+      for (;;) {  // (b's message, then each one's goodbye)
+        auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+        (void)m;
+        if (!e) continue;
+        CHECK(e == ad::errc::connection_closed);
+        break;
+      }
+    }
+  }, f.handler());
+  boost::system::error_code e1, e2, e3, e4;
+  bool second_ended_first = false;
+  int ended = 0;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection a = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    ad::connection b = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    asio::cancellation_signal sig1, sig2;
+    // a's transfer takes both buffers; b's waits for one.
+    a.async_put(asio::const_buffer(dev.dev(), kSize), r1.remote(),
+                asio::bind_cancellation_slot(sig1.slot(), [&](boost::system::error_code ec, std::size_t) {
+                  e1 = ec;
+                  ++ended;
+                }));
+    b.async_put(asio::const_buffer(dev.dev(), kSize), r2.remote(),
+                asio::bind_cancellation_slot(sig2.slot(), [&](boost::system::error_code ec, std::size_t) {
+                  e2 = ec;
+                  second_ended_first = ended == 0;
+                  ++ended;
+                }));
+    sig1.emit(asio::cancellation_type::terminal);  // under way: no effect
+    sig2.emit(asio::cancellation_type::terminal);
+    while (ended < 2) co_await asio::post(io, asio::use_awaitable);
+    // b works on: a staged put after the cancelled one, and a message.
+    auto [ec3, n3] = co_await b.async_put(asio::const_buffer(dev.dev(), kChunk), r2.remote(),
+                                          asio::as_tuple(asio::use_awaitable));
+    e3 = ec3;
+    CHECK(n3 == kChunk);
+    auto [ec4, n4] = co_await b.async_send(asio::buffer("ok", 2), asio::as_tuple(asio::use_awaitable));
+    e4 = ec4;
+    (void)n4;
+    co_await a.async_close(asio::use_awaitable);
+    co_await b.async_close(asio::use_awaitable);
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  CHECK(!e1);
+  CHECK(e2 == std::errc::operation_canceled);
+  CHECK(second_ended_first);  // at once, not after the first transfer gave its buffers back
+  CHECK(!e3);
+  CHECK(!e4);
+  CHECK(std::memcmp(first.data(), dev.view(), kSize) == 0);
+  // Only the later put's chunk landed in the second region.
+  CHECK(std::memcmp(second.data(), dev.view(), kChunk) == 0);
+  CHECK(std::all_of(second.begin() + kChunk, second.end(), [](std::byte x) { return x == std::byte{0}; }));
+}
