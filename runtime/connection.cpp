@@ -227,7 +227,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   if (state_ == state::setup) state_ = state::open;
   // What early messages queued (re-posted receives, credits) waited for the
   // setup thread to let go of the queue pair.
-  if (!recv_batch_.empty() || queued_sends() != 0) schedule();
+  if (!recv_batch_.empty() || queued_sends() != 0 || batch_failed_) schedule();  // (batch_failed_: flush_now fails it)
   if (credits_ > static_cast<std::int64_t>(peer.max_credits)) {  // returned before the handshake completed here
     log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_->qp_num(),
                credits_, peer.max_credits);
@@ -259,7 +259,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
       self->fail(errc::timed_out);
     });
     if (auth_->exchange.local == auth::role::client && !send_auth(protocol::auth_status::proof)) {
-      fail(errc::no_buffer_space);
+      fail(auth_send_error());
       return;
     }
     if (early_auth_ != buffer_pool::npos) {

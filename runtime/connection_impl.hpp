@@ -347,6 +347,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   }
   bool borrow_batch() noexcept;
   bool batch_failed_ = false;  // no memory for a batch: the next flush fails the connection
+  std::error_code auth_send_error() const noexcept {  // why send_auth could not queue its message
+    return batch_failed_ ? std::make_error_code(std::errc::not_enough_memory) : make_error_code(errc::no_buffer_space);
+  }
   void return_batch() noexcept {  // when nothing is queued in it
     if (batch_ != nullptr && batch_->wrs.empty()) give_back_batch();
   }

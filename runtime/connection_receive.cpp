@@ -365,7 +365,7 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
   }
   owed_ += std::exchange(withheld_, 0u);
   if (!send_auth(client ? protocol::auth_status::confirmed : protocol::auth_status::proof)) {
-    fail(errc::no_buffer_space);
+    fail(auth_send_error());
     return;
   }
   schedule();

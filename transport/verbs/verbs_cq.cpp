@@ -73,7 +73,7 @@ verbs_cq::~verbs_cq() {
   {
     // Retired queue pairs on it go now (their receives with them): the CQ
     // cannot be destroyed under them.
-    std::lock_guard lock(dev_->async_mutex);
+    std::lock_guard lock(dev_->async_mutex());
     dev_->destroy_retired_locked(
         [&](const retired_qp& r) { return r.cq == this || r.qp->send_cq == cq_ || r.qp->recv_cq == cq_; });
   }
@@ -159,20 +159,27 @@ void verbs_cq::set_retire_timer(std::chrono::steady_clock::time_point at) noexce
 
 void verbs_cq::retired_added(std::chrono::steady_clock::time_point deadline) noexcept {
   retiring_.fetch_add(1, std::memory_order_relaxed);
+  retire_wake_.store(true, std::memory_order_relaxed);  // the next poll learns its deadline (next_due_)
   if (timer_at_ == std::chrono::steady_clock::time_point{} || deadline < timer_at_) set_retire_timer(deadline);
+}
+
+void verbs_cq::wake_retired() noexcept {
+  retire_wake_.store(true, std::memory_order_relaxed);
+  set_retire_timer(std::chrono::steady_clock::now());  // wakes a reactor asleep on notify_fd
 }
 
 bool verbs_cq::arm_retired() noexcept {
   const auto now = clock::now();
-  if (now < retire_check_) return retire_armed_;
+  if (now < retire_check_ && now < next_due_ && !retire_wake_.load(std::memory_order_relaxed)) return retire_armed_;
+  retire_wake_.store(false, std::memory_order_relaxed);
   retire_check_ = now + std::chrono::milliseconds(1);
   dev_->drain_async_events();  // IBV_EVENT_QP_LAST_WQE_REACHED
   std::uint64_t expirations = 0;
   [[maybe_unused]] const auto r = ::read(retire_fd_, &expirations, sizeof expirations);
-  std::lock_guard lock(dev_->async_mutex);
+  std::lock_guard lock(dev_->async_mutex());
   retire_armed_ = false;
   auto next = std::chrono::steady_clock::time_point::max();
-  for (const auto& q : dev_->retired) {
+  for (const auto& q : dev_->shared->retired) {
     if (q->cq != this) continue;
     if (!q->armed && (q->last_wqe || now >= q->deadline)) {
       q->armed = true;
@@ -187,13 +194,14 @@ bool verbs_cq::arm_retired() noexcept {
       next = std::min(next, q->deadline);
     }
   }
+  next_due_ = next;
   set_retire_timer(next == std::chrono::steady_clock::time_point::max() ? std::chrono::steady_clock::time_point{}
                                                                          : next);
   return retire_armed_;
 }
 
 void verbs_cq::destroy_armed() noexcept {
-  std::lock_guard lock(dev_->async_mutex);
+  std::lock_guard lock(dev_->async_mutex());
   dev_->destroy_retired_locked([&](const retired_qp& r) { return r.cq == this && r.armed; });
   retire_armed_ = false;
 }

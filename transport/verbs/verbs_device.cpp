@@ -42,7 +42,7 @@ device_state::~device_state() {
 }
 
 void device_state::drain_async_events() noexcept {
-  std::unique_lock lock(async_mutex, std::try_to_lock);
+  std::unique_lock lock(async_mutex(), std::try_to_lock);
   if (!lock.owns_lock()) return;
   ibv_async_event ev;
   while (ibv_get_async_event(ctx, &ev) == 0) {
@@ -70,12 +70,15 @@ void device_state::drain_async_events() noexcept {
     retired_qp* gone = nullptr;
     if (ev.event_type == IBV_EVENT_QP_FATAL || ev.event_type == IBV_EVENT_QP_REQ_ERR ||
         ev.event_type == IBV_EVENT_QP_ACCESS_ERR || ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED) {
-      for (const auto& r : retired) {
+      for (const auto& r : shared->retired) {
         if (r->qp == ev.element.qp) gone = r.get();
       }
     }
     if (gone != nullptr) {
-      if (ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED) gone->last_wqe = true;
+      if (ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED && !gone->last_wqe) {
+        gone->last_wqe = true;
+        gone->cq->wake_retired();
+      }
       ibv_ack_async_event(&ev);
       continue;
     }
@@ -90,6 +93,11 @@ void device_state::drain_async_events() noexcept {
       case IBV_EVENT_QP_ACCESS_ERR:
         if (ev.element.qp != nullptr && ev.element.qp->qp_context != nullptr) {
           static_cast<verbs_qp*>(ev.element.qp->qp_context)->on_async_error();
+        }
+        break;
+      case IBV_EVENT_QP_LAST_WQE_REACHED:
+        if (ev.element.qp != nullptr && ev.element.qp->qp_context != nullptr) {
+          static_cast<verbs_qp*>(ev.element.qp->qp_context)->on_last_wqe();
         }
         break;
       case IBV_EVENT_SRQ_LIMIT_REACHED:
@@ -108,26 +116,40 @@ void device_state::log_destroy_failed(std::uint32_t qpn, int err) noexcept {
   log().error("ibv_destroy_qp (qp {}, retired): {}", qpn, std::strerror(err));
 }
 
-void device_state::retire(ibv_qp* qp, verbs_cq* cq) noexcept {
+std::shared_ptr<context_shared> shared_for(ibv_context* ctx) {
+  static std::mutex m;
+  static std::vector<std::pair<ibv_context*, std::shared_ptr<context_shared>>> all;
+  std::lock_guard lock(m);
+  for (const auto& [c, s] : all) {
+    if (c == ctx) return s;
+  }
+  all.emplace_back(ctx, std::make_shared<context_shared>());
+  return all.back().second;
+}
+
+void device_state::retire(ibv_qp* qp, verbs_cq* cq, const std::atomic<bool>& last_wqe_flag) noexcept {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_ERR;
   const auto deadline = std::chrono::steady_clock::now() + kLastWqeWait;
   std::unique_ptr<retired_qp> r;
-  std::lock_guard lock(async_mutex);
+  std::lock_guard lock(async_mutex());
+  const bool last_wqe = last_wqe_flag.load(std::memory_order_relaxed);  // (set under this lock)
   try {
     if (ibv_modify_qp(qp, &a, IBV_QP_STATE) != 0) throw std::system_error(errno, std::system_category());
     r = std::make_unique<retired_qp>();
     r->qp = qp;
     r->cq = cq;
     r->deadline = deadline;
-    retired.push_back(std::move(r));
+    r->last_wqe = last_wqe;
+    shared->retired.push_back(std::move(r));
   } catch (const std::exception& e) {
     log().warn("verbs: qp {} destroyed at once ({}): a shared receive it was filling is lost", qp->qp_num, e.what());
     if (ibv_destroy_qp(qp) != 0) log_destroy_failed(qp->qp_num, errno);
     return;
   }
-  qp->qp_context = retired.back().get();
+  qp->qp_context = shared->retired.back().get();
   cq->retired_added(deadline);
+  if (last_wqe) cq->wake_retired();
   log().debug("verbs: qp {} retired: destroyed once its last shared receive is back", qp->qp_num);
 }
 
@@ -149,6 +171,7 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
       ibv_port_attr pattr{};
       if (ibv_query_port(ctx, port, &pattr) == 0 && pattr.state == IBV_PORT_ACTIVE) {
         state_->ctx = ctx;
+        state_->shared = shared_for(ctx);
         state_->port = port;
         state_->iwarp = ctx->device->transport_type == IBV_TRANSPORT_IWARP;
         state_->name = name;
@@ -337,7 +360,7 @@ verbs_pd::verbs_pd(std::shared_ptr<device_state> dev) : dev_(std::move(dev)), pd
 
 verbs_pd::~verbs_pd() {
   {
-    std::lock_guard lock(dev_->async_mutex);
+    std::lock_guard lock(dev_->async_mutex());
     dev_->destroy_retired_locked([&](const retired_qp& r) { return r.qp->pd == pd_; });
   }
   ibv_dealloc_pd(pd_);

@@ -49,6 +49,21 @@ struct retired_qp {
   bool armed = false;      // the event (or the deadline) was seen when a poll began
 };
 
+// What every device_state on one ibv_context shares: librdmacm hands the
+// same contexts to every fabric of the process (rdma_get_devices), so
+// their asynchronous events come from one queue that any of them may
+// read. One lock covers reading, handling and acknowledging an event, and
+// every change of a queue pair's qp_context; and one list holds the
+// retired queue pairs, so that an event for one is recognized whoever
+// reads it. (Holding the lock, nobody holds an unacknowledged event, so
+// ibv_destroy_qp/cq/srq do not wait under it.)
+struct context_shared {
+  std::mutex async_mutex;
+  std::vector<std::unique_ptr<retired_qp>> retired;
+};
+// The one for ctx (made on first use, kept for the process).
+std::shared_ptr<context_shared> shared_for(ibv_context* ctx);
+
 struct device_state {
   ibv_context* ctx = nullptr;  // owned by rdma_cm (rdma_get_devices)
   ibv_context** cm_list = nullptr;
@@ -61,9 +76,8 @@ struct device_state {
   bool iwarp = false;  // iWARP (siw, ...): the CM itself moves QPs to RTR/RTS
   std::string name;
   capabilities caps;
-  std::mutex async_mutex;
-  // Under async_mutex (so that no event handler holds one while it goes).
-  std::vector<std::unique_ptr<retired_qp>> retired;
+  std::shared_ptr<context_shared> shared;  // with ctx
+  std::mutex& async_mutex() noexcept { return shared->async_mutex; }
   std::atomic<std::uint64_t> async_events{0};  // every asynchronous event taken
   std::atomic<std::uint64_t> async_errors{0};  // of them, the errors
   // Shared receive queues, found by their wr_ids' index (see verbs_srq):
@@ -84,8 +98,10 @@ struct device_state {
   // Keeps a queue pair of a shared receive queue, moved to error, until its
   // last receive is back (retired_qp); destroys it now when it cannot be
   // kept (no memory).
-  void retire(ibv_qp* qp, verbs_cq* cq) noexcept;
-  // With async_mutex held: destroys the retired queue pairs `pred` selects.
+  // last_wqe: IBV_EVENT_QP_LAST_WQE_REACHED came while it was alive.
+  void retire(ibv_qp* qp, verbs_cq* cq, const std::atomic<bool>& last_wqe) noexcept;
+  // With async_mutex() held: destroys the retired queue pairs (of the
+  // whole context) `pred` selects.
   template <class Pred>
   void destroy_retired_locked(Pred pred) noexcept;
   // How long a retired queue pair waits for IBV_EVENT_QP_LAST_WQE_REACHED.
@@ -219,7 +235,12 @@ class verbs_cq final : public completion_queue {
   // destroys; the timer wakes a reactor asleep on notify_fd at the earliest
   // deadline.
   void retired_added(std::chrono::steady_clock::time_point deadline) noexcept;
-  void retired_gone() noexcept { retiring_.fetch_sub(1, std::memory_order_relaxed); }
+  // (These two and wake_retired with async_mutex() held.)
+  void retired_gone() noexcept {
+    if (retiring_.fetch_sub(1, std::memory_order_relaxed) == 1) set_retire_timer({});  // (else it would fire for good)
+  }
+  // Its IBV_EVENT_QP_LAST_WQE_REACHED came: the next poll looks at once.
+  void wake_retired() noexcept;
 
  private:
   struct qp_entry {
@@ -239,9 +260,13 @@ class verbs_cq final : public completion_queue {
   // are), and destroys the marked once a poll has emptied the queue.
   bool arm_retired() noexcept;
   void destroy_armed() noexcept;
-  std::chrono::steady_clock::time_point retire_check_{};  // poll's thread: the next look (at most one a ms)
-  bool retire_armed_ = false;                             // poll's thread: some of ours are marked
-  std::chrono::steady_clock::time_point timer_at_{};      // under async_mutex: the timer's expiry (none: {})
+  // Poll's thread: the next look (at most one a ms, unless a deadline is
+  // due or wake_retired asked), whether some of ours are marked.
+  std::chrono::steady_clock::time_point retire_check_{};
+  std::chrono::steady_clock::time_point next_due_ = std::chrono::steady_clock::time_point::max();
+  bool retire_armed_ = false;
+  std::atomic<bool> retire_wake_{false};
+  std::chrono::steady_clock::time_point timer_at_{};  // under async_mutex(): the timer's expiry (none: {})
   void set_retire_timer(std::chrono::steady_clock::time_point at) noexcept;  // {}: disarms
   std::uint64_t wrs_ = 0;
   bool overflow_ = false;
@@ -284,6 +309,7 @@ class verbs_qp final : public queue_pair {
   std::size_t complete_flushed(std::span<completion> out) noexcept;
   bool flush_pending() const noexcept { return rq_done_ < rq_posted_ && rq_posted_ > rq_device_; }
   void on_async_error() noexcept;
+  void on_last_wqe() noexcept { last_wqe_.store(true, std::memory_order_relaxed); }  // (under async_mutex())
   // Reads this connection's rdma_cm events (non-blocking): DISCONNECTED
   // (the peer destroyed its connection or died) moves the QP to error.
   void poll_cm_events() noexcept;
@@ -319,6 +345,7 @@ class verbs_qp final : public queue_pair {
   std::atomic<rdma_event_channel*> cm_channel_{nullptr};
   // Set by the runtime's thread (note_peer_message), read by an accepting one.
   std::atomic<bool> peer_message_{false};
+  std::atomic<bool> last_wqe_{false};  // IBV_EVENT_QP_LAST_WQE_REACHED came (shared receive queue)
   qp_counters counters_;
   // send queue accounting: [sq_retired_, sq_posted_) occupy slots
   std::vector<send_slot> sq_;
@@ -336,7 +363,7 @@ class verbs_qp final : public queue_pair {
 
 template <class Pred>
 void device_state::destroy_retired_locked(Pred pred) noexcept {
-  std::erase_if(retired, [&](const std::unique_ptr<retired_qp>& r) {
+  std::erase_if(shared->retired, [&](const std::unique_ptr<retired_qp>& r) {
     if (!pred(*r)) return false;
     const std::uint32_t qpn = r->qp->qp_num;
     if (ibv_destroy_qp(r->qp) != 0) {

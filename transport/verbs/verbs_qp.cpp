@@ -132,7 +132,7 @@ verbs_qp::~verbs_qp() {
   // receive has come back flushed (device_state::retire).
   const qp_state now = srq_ != nullptr ? state() : qp_state::reset;
   if (now != qp_state::reset && now != qp_state::init) {
-    dev_->retire(qp_, rcq_);
+    dev_->retire(qp_, rcq_, last_wqe_);
   } else if (ibv_destroy_qp(qp_) != 0) {
     log().error("ibv_destroy_qp: {}", std::strerror(errno));
   }

@@ -64,7 +64,7 @@ verbs_srq::~verbs_srq() {
     dev_->srqs[tag_ & 0xffff].store(nullptr, std::memory_order_release);
   }
   // Holds async_mutex: a limit event for it is never handled mid-destroy.
-  std::lock_guard lock(dev_->async_mutex);
+  std::lock_guard lock(dev_->async_mutex());
   // Retired queue pairs still on it go first (what they flush now finds no
   // queue and is dropped).
   dev_->destroy_retired_locked([&](const retired_qp& r) { return r.qp->srq == srq_; });
