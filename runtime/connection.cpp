@@ -403,8 +403,13 @@ void connection_impl::start_send(op_node* n) {
 }
 
 std::error_code connection_impl::send_refusal() const noexcept {
-  if (state_ == state::failed || state_ == state::closed || peer_closed_ || close_op_ != nullptr ||
-      close_waiting_ != nullptr) {
+  if (const std::error_code ec = ended_refusal()) return ec;
+  if (close_op_ != nullptr || close_waiting_ != nullptr) return errc::connection_closed;
+  return {};
+}
+
+std::error_code connection_impl::ended_refusal() const noexcept {
+  if (state_ == state::failed || state_ == state::closed || peer_closed_) {
     return state_ == state::failed && error_ != errc::connection_closed ? error_ : errc::connection_closed;
   }
   return {};
@@ -474,9 +479,9 @@ void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
   // wire (or done) and runs to completion.
   if (n->phase != op_phase::queued) return;
   for (const auto& w : staging_now_) {
-    const auto t = w.lock();
+    const auto t = w.lock();  // (held: cancel() changes staging_now_; the loop ends with it)
     if (t == nullptr || t->parent() != n) continue;
-    (void)t->cancel();  // (false: its first chunk started meanwhile; it runs to completion)
+    (void)t->cancel(kCancelled);  // (false: its first chunk started meanwhile; it runs to completion)
     return;
   }
   if (n->kind == op_kind::send || is_onesided(n->kind)) {
@@ -486,6 +491,7 @@ void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
       complete(n, true, kCancelled);
       return;
     }
+    if (stages(n)) return;  // a staged transfer that ended meanwhile: in no list
     const bool was_head = send_waiting_.head == n;
     send_waiting_.remove(n);
     complete(n, true, kCancelled);
@@ -612,8 +618,14 @@ void connection_impl::fail(std::error_code ec) noexcept {
   drop_unposted();
   begin_drain();
   fins_.clear();
-  while (op_node* n = behind_staged_.pop_front()) complete(n, true, error_);  // never started
   end_waiting_sends(error_);
+  while (op_node* n = behind_staged_.pop_front()) complete(n, true, error_);  // never started (issued after those)
+  // Staged transfers that wait for a first staging buffer end now (one
+  // under way ends as its chunks are refused).
+  for (std::size_t i = staging_now_.size(); i-- > 0;) {
+    if (i >= staging_now_.size()) continue;  // (cancel() erases from it)
+    if (const auto t = staging_now_[i].lock()) (void)t->cancel(error_);
+  }
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, error_);  // dropped unposted
   end_rendezvous_sends(error_);
   park_partial_reads();  // their last fragment will never be posted

@@ -177,6 +177,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Why a send or one-sided operation cannot start (closing, closed,
   // failed); empty while it can.
   std::error_code send_refusal() const noexcept;
+  // The connection has ended (failed, closed, or the peer closed): what
+  // send_refusal says but for a close of ours that waits (close_waiting_).
+  // Chunks of staged transfers and the operations held behind them, all
+  // issued before that close, go on unless this says no.
+  std::error_code ended_refusal() const noexcept;
   void queue_send(op_node* n);  // after the operations already waiting
   bool progress_sends(bool post) noexcept;
   bool progress_sends_body(bool post) noexcept;  // false once nothing more can start now

@@ -37,7 +37,7 @@ void connection_impl::start_onesided(op_node* n) {
 }
 
 void connection_impl::start_chunk(op_node* n) {
-  if (const std::error_code ec = send_refusal(); ec && state_ == state::failed) {
+  if (const std::error_code ec = ended_refusal()) {
     complete(n, true, ec);
     return;
   }
@@ -63,19 +63,14 @@ void connection_impl::dispatch_onesided(op_node* n) {
 void connection_impl::release_held() noexcept {
   while (staged_ == 0 && !behind_staged_.empty()) {
     op_node* n = behind_staged_.pop_front();
-    if (const std::error_code ec = send_refusal(); ec && close_waiting_ == nullptr) {
+    if (const std::error_code ec = ended_refusal()) {  // (issued before a close that waits: they go)
       complete(n, true, ec);
       continue;
     }
-    try {
-      if (n->kind == op_kind::send) {
-        queue_send(n);
-      } else {
-        dispatch_onesided(n);
-      }
-    } catch (const std::exception& e) {
-      log().warn("connection: starting an operation held behind a staged transfer failed: {}", e.what());
-      complete(n, true, errc::invalid_state);
+    if (n->kind == op_kind::send) {
+      queue_send(n);
+    } else {
+      dispatch_onesided(n);
     }
   }
 }

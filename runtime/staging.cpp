@@ -93,6 +93,10 @@ bool staging_area::take(std::uint32_t& i, const std::shared_ptr<staged_transfer>
   return true;
 }
 
+void staging_area::forget(const staged_transfer* waiter) noexcept {
+  std::erase_if(waiting_, [waiter](const std::shared_ptr<staged_transfer>& w) { return w.get() == waiter; });
+}
+
 void staging_area::give(std::uint32_t i) noexcept {
   free_.push_back(i);
   // Every waiter looks again (one that finds none waits again): a waiter
@@ -124,9 +128,9 @@ void staged_transfer::start() {
   pump();  // (cancellable until its first chunk starts: cancel)
 }
 
-bool staged_transfer::cancel() noexcept {
+bool staged_transfer::cancel(std::error_code why) noexcept {
   if (completed_ || next_ != 0 || busy_ != 0) return false;
-  error_ = std::make_error_code(std::errc::operation_canceled);
+  error_ = why;
   maybe_complete();
   return true;
 }
@@ -222,6 +226,9 @@ void staged_transfer::fail(std::error_code ec) noexcept {
 void staged_transfer::maybe_complete() noexcept {
   if (completed_ || busy_ != 0 || (!error_ && done_ < length_)) return;
   completed_ = true;
+  // No longer among the area's waiters: they hold it (and through it its
+  // connection) until a buffer comes back, which may be never.
+  if (std::exchange(enlisted_, false)) area_.forget(this);
   for (slot& sl : slots_) {
     if (sl.buffer != ~0u) {
       area_.give(sl.buffer);

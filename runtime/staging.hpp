@@ -86,6 +86,7 @@ class staging_area {
   // again).
   bool take(std::uint32_t& i, const std::shared_ptr<staged_transfer>& waiter);
   void give(std::uint32_t i) noexcept;
+  void forget(const staged_transfer* waiter) noexcept;  // it ended while waiting
 
  private:
   std::size_t chunk_;
@@ -104,9 +105,10 @@ class staged_transfer : public std::enable_shared_from_this<staged_transfer> {
   staged_transfer(std::shared_ptr<connection_impl> c, op_node* n, staging_area& area, copy_thread& copies);
   void start();  // (the io thread, as everything here but the copies)
   void on_copy_done(std::uint32_t slot, std::error_code ec) noexcept;
-  // Cancels it if no chunk has started (it waits for a staging buffer):
-  // it completes with operation_canceled; false when it is under way.
-  bool cancel() noexcept;
+  // Ends it if no chunk has started (it waits for a staging buffer): it
+  // completes with `why` (operation_canceled, or the connection's error);
+  // false when it is under way.
+  bool cancel(std::error_code why) noexcept;
   const op_node* parent() const noexcept { return parent_; }
   void on_chunk_done(std::uint32_t slot, std::error_code ec) noexcept;
   void resume() noexcept {  // a staging buffer was given back

@@ -19,6 +19,7 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
@@ -368,7 +369,7 @@ TEST_CASE("device memory: the staging pipeline moves puts and gets in order in c
     get_log = copier.log();
     const bool get_ok = std::memcmp(dev.view() + kSize + 8192 + 5, dev.view() + 3, kSize) == 0;
     CHECK(get_ok);
-    // Two at once on two buffers: one waits for the other's buffers.
+    // Two at once: the second waits behind the first (held; see below), then runs.
     fill(dev.view() + 3, kSize, 10);
     std::vector<std::byte> host2(kSize);
     ad::memory_region r2 = server.register_memory(std::span(host2), ad::access::local_write | ad::access::remote_write);
@@ -793,4 +794,118 @@ TEST_CASE("device memory: a staged put waiting for a staging buffer can be cance
   // Only the later put's chunk landed in the second region.
   CHECK(std::memcmp(second.data(), dev.view(), kChunk) == 0);
   CHECK(std::all_of(second.begin() + kChunk, second.end(), [](std::byte x) { return x == std::byte{0}; }));
+}
+
+TEST_CASE("device memory: a staged put whose peer closes while a copy runs ends, and so does what is held behind it",
+          "[device_memory]") {
+  constexpr std::size_t kChunk = 4096;
+  constexpr std::size_t kSize = 8 * kChunk;
+  fake_device_memory dev(kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fake_copier& copier = backend.the_copier();
+  asio::io_context io;
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, staged_pair::staging_options(kChunk));
+  std::vector<std::byte> host(kSize);
+  ad::memory_region region = server.register_memory(std::span(host), ad::access::local_write | ad::access::remote_write);
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  bool server_gone = false;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    const bool copying = co_await anydoor::test::until([&] { return copier.holding.load() > 0; });
+    CHECK(copying);
+    // The peer closes while the first chunk's copy runs, then goes.
+    s.async_close([](boost::system::error_code) {});
+    asio::steady_timer t(io, std::chrono::milliseconds(300));
+    co_await t.async_wait(asio::use_awaitable);
+    s = ad::connection{};
+    t.expires_after(std::chrono::milliseconds(300));
+    co_await t.async_wait(asio::use_awaitable);
+    server_gone = true;
+  }, f.handler());
+  boost::system::error_code e_put, e_held;
+  int ended = 0;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    copier.hold = true;
+    c.async_put(asio::const_buffer(dev.dev(), kSize), region.remote(), [&](boost::system::error_code ec, std::size_t) {
+      e_put = ec;
+      ++ended;
+    });
+    c.async_send(asio::buffer("held", 4), [&](boost::system::error_code ec, std::size_t) {
+      e_held = ec;
+      ++ended;
+    });
+    const bool gone = co_await anydoor::test::until([&] { return server_gone; });
+    CHECK(gone);
+    copier.hold = false;  // the copy finishes after the connection ended: its chunk must not wait for good
+    const bool both = co_await anydoor::test::until([&] { return ended == 2; });
+    CHECK(both);
+  }, f.handler());
+  anydoor::test::run_to_completion(io, std::chrono::seconds(30));
+  copier.hold = false;
+  f.check();
+  CHECK(ended == 2);
+  CHECK(e_put);
+  CHECK(e_held);
+}
+
+TEST_CASE("device memory: a staged put waiting for a staging buffer ends at once when its connection fails",
+          "[device_memory]") {
+  constexpr std::size_t kChunk = 4096;
+  constexpr std::size_t kSize = 8 * kChunk;
+  fake_device_memory dev(kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fake_copier& copier = backend.the_copier();
+  fill(dev.view(), kSize, 3);
+  asio::io_context io;
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, staged_pair::staging_options(kChunk));  // two buffers: a's transfer holds both
+  std::vector<std::byte> first(kSize), second(kSize);
+  ad::memory_region r1 = server.register_memory(std::span(first), ad::access::local_write | ad::access::remote_write);
+  ad::memory_region r2 = server.register_memory(std::span(second), ad::access::local_write | ad::access::remote_write);
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    std::vector<ad::connection> held;
+    for (int i = 0; i < 2; ++i) held.push_back(co_await acc.async_accept(asio::use_awaitable));
+    for (auto& s : held) (void)co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // each one's end
+  }, f.handler());
+  boost::system::error_code e1, e2;
+  bool second_while_first_held = false;
+  int ended = 0;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection a = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    ad::connection b = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    copier.hold = true;  // a's copies wait: it keeps both buffers
+    a.async_put(asio::const_buffer(dev.dev(), kSize), r1.remote(), [&](boost::system::error_code ec, std::size_t) {
+      e1 = ec;
+      ++ended;
+    });
+    b.async_put(asio::const_buffer(dev.dev(), kSize), r2.remote(), [&](boost::system::error_code ec, std::size_t) {
+      e2 = ec;
+      second_while_first_held = copier.hold.load();
+      ++ended;
+    });
+    const bool copying = co_await anydoor::test::until([&] { return copier.holding.load() > 0; });
+    CHECK(copying);
+    b.abort();
+    const bool b_ended = co_await anydoor::test::until([&] { return ended == 1; }, std::chrono::seconds(2));
+    CHECK(b_ended);
+    copier.hold = false;
+    const bool both = co_await anydoor::test::until([&] { return ended == 2; });
+    CHECK(both);
+    co_await a.async_close(asio::use_awaitable);
+  }, f.handler());
+  anydoor::test::run_to_completion(io, std::chrono::seconds(30));
+  copier.hold = false;
+  f.check();
+  CHECK(!e1);
+  CHECK(e2 == ad::errc::connection_closed);
+  CHECK(second_while_first_held);  // not only once a's transfer let its buffers go
+  CHECK(std::memcmp(first.data(), dev.view(), kSize) == 0);
+  CHECK(std::all_of(second.begin(), second.end(), [](std::byte x) { return x == std::byte{0}; }));
 }

@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <mutex>
 #include <vector>
 #include <cstddef>
@@ -60,6 +62,8 @@ class fake_device_memory {
 };
 
 // Copies between a fake_device_memory and host memory, counting bytes,
+// held while `hold` is set (holding: how many wait so; they run on the
+// caller's thread, the runtime's copy thread),
 // failing every copy after `fail_after` more have succeeded (negative:
 // never; with fail_once only the first such copy; with only_to_host or
 // only_to_device, copies the other way never fail), and refusing (with a note in bad_range) ranges outside the
@@ -86,6 +90,8 @@ class fake_copier final : public anydoor::transport::memory_copier {
   std::atomic<bool> only_to_host{false};
   std::atomic<bool> only_to_device{false};
   std::atomic<bool> bad_range{false};
+  std::atomic<bool> hold{false};
+  std::atomic<int> holding{0};
   // Every copy asked for, in order: its GPU-side offset, length, direction.
   struct copy_record {
     std::size_t offset;
@@ -106,6 +112,11 @@ class fake_copier final : public anydoor::transport::memory_copier {
     if (!m_.contains(p, n)) {
       bad_range = true;
       return make_error_code(errc::invalid_argument);
+    }
+    if (hold) {
+      ++holding;
+      while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      --holding;
     }
     ++copies;
     {
