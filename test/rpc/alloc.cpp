@@ -2,37 +2,12 @@
 // this thread while a measured batch of calls runs (client and server in
 // one process, one io_context), after a warm-up that grows every pool.
 #include "support.hpp"
+#include "../support/replaced_new.hpp"
 
 #include <boost/asio/this_coro.hpp>
 
-#include <cstdlib>
-#include <new>
-
-namespace {
-thread_local bool counting = false;
-thread_local std::uint64_t allocations = 0;
-
-void* counted(std::size_t n, std::size_t align) {
-  if (counting) ++allocations;
-  void* p = align <= alignof(std::max_align_t) ? std::malloc(n == 0 ? 1 : n)
-                                               : std::aligned_alloc(align, (n + align - 1) / align * align);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-
-void* operator new(std::size_t n) { return counted(n, alignof(std::max_align_t)); }
-void* operator new[](std::size_t n) { return counted(n, alignof(std::max_align_t)); }
-void* operator new(std::size_t n, std::align_val_t a) { return counted(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return counted(n, static_cast<std::size_t>(a)); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+using anydoor::test::alloc::allocations;
+using anydoor::test::alloc::counting;
 
 using namespace anydoor::test;
 namespace m = anydoor::test::rpc_methods;

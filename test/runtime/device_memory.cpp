@@ -123,6 +123,43 @@ struct staged_pair {
   }
 };
 
+// Two connections of one client fabric (two staging buffers, chunks of
+// `chunk` bytes: one transfer holds both) to a server with two host
+// regions of `size` bytes; the server reads each connection to its end.
+struct two_staged_connections {
+  asio::io_context io;
+  ad::fabric server;
+  ad::fabric client;
+  std::vector<std::byte> first, second;
+  ad::memory_region r1, r2;
+  ad::acceptor acc;
+  anydoor::test::failure f;
+  bool clean_end = true;  // the server's reads end with connection_closed
+
+  two_staged_connections(std::size_t chunk, std::size_t size)
+      : server(io, anydoor::test::test_options()),
+        client(io, staged_pair::staging_options(chunk)),
+        first(size),
+        second(size),
+        r1(server.register_memory(std::span(first), ad::access::local_write | ad::access::remote_write)),
+        r2(server.register_memory(std::span(second), ad::access::local_write | ad::access::remote_write)),
+        acc(server.listen(anydoor::test::test_host(), 0)) {
+    asio::co_spawn(io, [this]() -> asio::awaitable<void> {
+      std::vector<ad::connection> held;
+      for (int i = 0; i < 2; ++i) held.push_back(co_await acc.async_accept(asio::use_awaitable));
+      for (auto& s : held) {
+        for (;;) {  // (messages, then the end)
+          auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+          (void)m;
+          if (!e) continue;
+          if (clean_end) CHECK(e == ad::errc::connection_closed);
+          break;
+        }
+      }
+    }, f.handler());
+  }
+};
+
 }  // namespace
 
 TEST_CASE("device memory: sends receives puts and gets move GPU bytes in every direction", "[device_memory]") {
@@ -729,27 +766,14 @@ TEST_CASE("device memory: a staged put waiting for a staging buffer can be cance
   std::vector<std::byte> managed(4096);
   fake_backend backend(dev, managed);
   fill(dev.view(), kSize, 5);
-  asio::io_context io;
-  ad::fabric server(io, anydoor::test::test_options());
-  ad::fabric client(io, staged_pair::staging_options(kChunk));  // two staging buffers: one transfer holds both
-  std::vector<std::byte> first(kSize), second(kSize);
-  ad::memory_region r1 = server.register_memory(std::span(first), ad::access::local_write | ad::access::remote_write);
-  ad::memory_region r2 = server.register_memory(std::span(second), ad::access::local_write | ad::access::remote_write);
-  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
-  anydoor::test::failure f;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    std::vector<ad::connection> held;
-    for (int i = 0; i < 2; ++i) held.push_back(co_await acc.async_accept(asio::use_awaitable));
-    for (auto& s : held) {
-      for (;;) {  // (b's message, then each one's goodbye)
-        auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
-        (void)m;
-        if (!e) continue;
-        CHECK(e == ad::errc::connection_closed);
-        break;
-      }
-    }
-  }, f.handler());
+  two_staged_connections t(kChunk, kSize);  // one transfer holds both staging buffers
+  asio::io_context& io = t.io;
+  ad::fabric& client = t.client;
+  std::vector<std::byte>& first = t.first;
+  std::vector<std::byte>& second = t.second;
+  const ad::remote_region r1 = t.r1.remote(), r2 = t.r2.remote();
+  ad::acceptor& acc = t.acc;
+  anydoor::test::failure& f = t.f;
   boost::system::error_code e1, e2, e3, e4;
   bool second_ended_first = false;
   int ended = 0;
@@ -758,12 +782,12 @@ TEST_CASE("device memory: a staged put waiting for a staging buffer can be cance
     ad::connection b = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
     asio::cancellation_signal sig1, sig2;
     // a's transfer takes both buffers; b's waits for one.
-    a.async_put(asio::const_buffer(dev.dev(), kSize), r1.remote(),
+    a.async_put(asio::const_buffer(dev.dev(), kSize), r1,
                 asio::bind_cancellation_slot(sig1.slot(), [&](boost::system::error_code ec, std::size_t) {
                   e1 = ec;
                   ++ended;
                 }));
-    b.async_put(asio::const_buffer(dev.dev(), kSize), r2.remote(),
+    b.async_put(asio::const_buffer(dev.dev(), kSize), r2,
                 asio::bind_cancellation_slot(sig2.slot(), [&](boost::system::error_code ec, std::size_t) {
                   e2 = ec;
                   second_ended_first = ended == 0;
@@ -773,7 +797,7 @@ TEST_CASE("device memory: a staged put waiting for a staging buffer can be cance
     sig2.emit(asio::cancellation_type::terminal);
     while (ended < 2) co_await asio::post(io, asio::use_awaitable);
     // b works on: a staged put after the cancelled one, and a message.
-    auto [ec3, n3] = co_await b.async_put(asio::const_buffer(dev.dev(), kChunk), r2.remote(),
+    auto [ec3, n3] = co_await b.async_put(asio::const_buffer(dev.dev(), kChunk), r2,
                                           asio::as_tuple(asio::use_awaitable));
     e3 = ec3;
     CHECK(n3 == kChunk);
@@ -861,19 +885,15 @@ TEST_CASE("device memory: a staged put waiting for a staging buffer ends at once
   fake_backend backend(dev, managed);
   fake_copier& copier = backend.the_copier();
   fill(dev.view(), kSize, 3);
-  asio::io_context io;
-  ad::fabric server(io, anydoor::test::test_options());
-  ad::fabric client(io, staged_pair::staging_options(kChunk));  // two buffers: a's transfer holds both
-  std::vector<std::byte> first(kSize), second(kSize);
-  ad::memory_region r1 = server.register_memory(std::span(first), ad::access::local_write | ad::access::remote_write);
-  ad::memory_region r2 = server.register_memory(std::span(second), ad::access::local_write | ad::access::remote_write);
-  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
-  anydoor::test::failure f;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    std::vector<ad::connection> held;
-    for (int i = 0; i < 2; ++i) held.push_back(co_await acc.async_accept(asio::use_awaitable));
-    for (auto& s : held) (void)co_await s.async_receive(asio::as_tuple(asio::use_awaitable));  // each one's end
-  }, f.handler());
+  two_staged_connections t(kChunk, kSize);  // a's transfer holds both staging buffers
+  t.clean_end = false;                      // (b is aborted)
+  asio::io_context& io = t.io;
+  ad::fabric& client = t.client;
+  std::vector<std::byte>& first = t.first;
+  std::vector<std::byte>& second = t.second;
+  const ad::remote_region r1 = t.r1.remote(), r2 = t.r2.remote();
+  ad::acceptor& acc = t.acc;
+  anydoor::test::failure& f = t.f;
   boost::system::error_code e1, e2;
   bool second_while_first_held = false;
   int ended = 0;
@@ -881,11 +901,11 @@ TEST_CASE("device memory: a staged put waiting for a staging buffer ends at once
     ad::connection a = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
     ad::connection b = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
     copier.hold = true;  // a's copies wait: it keeps both buffers
-    a.async_put(asio::const_buffer(dev.dev(), kSize), r1.remote(), [&](boost::system::error_code ec, std::size_t) {
+    a.async_put(asio::const_buffer(dev.dev(), kSize), r1, [&](boost::system::error_code ec, std::size_t) {
       e1 = ec;
       ++ended;
     });
-    b.async_put(asio::const_buffer(dev.dev(), kSize), r2.remote(), [&](boost::system::error_code ec, std::size_t) {
+    b.async_put(asio::const_buffer(dev.dev(), kSize), r2, [&](boost::system::error_code ec, std::size_t) {
       e2 = ec;
       second_while_first_held = copier.hold.load();
       ++ended;

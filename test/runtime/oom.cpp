@@ -4,12 +4,13 @@
 // (nothing posted would ever bring it back to try again). The fabric
 // carries on: a new connection works once memory is back.
 //
-// operator new is replaced in this binary: while `fail_size` is set on
-// this thread, an allocation of exactly that many bytes throws
-// std::bad_alloc. The size is that of a batch's work-request array for a
+// operator new is replaced in this binary (support/replaced_new.hpp):
+// while `fail_size` is set on this thread, an allocation of exactly that
+// many bytes throws std::bad_alloc. The size is that of a batch's work-request array for a
 // send queue of an unusual length (kQueue), so nothing else in these tests
 // asks for it. (Not under sanitizers: they replace operator new.)
 #include "../support/onesided.hpp"
+#include "../support/replaced_new.hpp"
 #include "../support/runtime.hpp"
 
 #include <anydoor/transport/types.hpp>
@@ -19,38 +20,8 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
-#include <cstdlib>
-#include <new>
 #include <system_error>
 
-namespace {
-thread_local std::size_t fail_size = 0;  // 0: none fails
-thread_local std::uint64_t failed = 0;   // allocations refused
-
-void* allocate(std::size_t n, std::size_t align) {
-  if (fail_size != 0 && n == fail_size) {
-    ++failed;
-    throw std::bad_alloc();
-  }
-  void* p = align <= alignof(std::max_align_t) ? std::malloc(n == 0 ? 1 : n)
-                                               : std::aligned_alloc(align, (n + align - 1) / align * align);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-
-void* operator new(std::size_t n) { return allocate(n, alignof(std::max_align_t)); }
-void* operator new[](std::size_t n) { return allocate(n, alignof(std::max_align_t)); }
-void* operator new(std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 using namespace anydoor::test;
 using boost::asio::awaitable;
@@ -71,10 +42,10 @@ ad::fabric_options oom_options() {
 // Allocations of a batch's size fail while one lives on this thread.
 struct no_batches {
   no_batches() {
-    fail_size = kBatchSize;
-    failed = 0;
+    anydoor::test::alloc::fail_size = kBatchSize;
+    anydoor::test::alloc::refused = 0;
   }
-  ~no_batches() { fail_size = 0; }
+  ~no_batches() { anydoor::test::alloc::fail_size = 0; }
   no_batches(const no_batches&) = delete;
   no_batches& operator=(const no_batches&) = delete;
 };
@@ -128,7 +99,7 @@ TEST_CASE("no memory for a doorbell batch: sends fail with not_enough_memory at 
       const bool ended = co_await until([&] { return done == 2; }, std::chrono::seconds(5), std::chrono::milliseconds(1));
       CHECK(ended);
       CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));  // at once, not after a timeout
-      refused = failed;
+      refused = anydoor::test::alloc::refused;
     }
     // The connection is failed: a later send gets the same error.
     auto [ec3, n3] = co_await c.async_send(asio::buffer(small), asio::as_tuple(use_awaitable));
@@ -173,7 +144,7 @@ TEST_CASE("no memory for a doorbell batch: a put fails with not_enough_memory an
     auto [ec, n] = co_await c.async_put(asio::buffer(data), tr.remote(), asio::as_tuple(use_awaitable));
     put_ec = ec;
     CHECK(n == 0);
-    refused = failed;
+    refused = anydoor::test::alloc::refused;
   });
   CHECK(refused >= 1);
   CHECK(put_ec == kNoMemory);
