@@ -78,6 +78,7 @@ connection_impl::~connection_impl() {
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, errc::connection_closed);
   while (op_node* n = parked_.pop_front()) complete(n, true, errc::connection_closed);
   while (op_node* n = behind_staged_.pop_front()) complete(n, true, errc::connection_closed);
+  if (op_node* n = std::exchange(close_waiting_, nullptr)) complete(n, true, errc::connection_closed);  // (transfers dropped)
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   fab_->forget(this);
@@ -620,12 +621,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   fins_.clear();
   end_waiting_sends(error_);
   while (op_node* n = behind_staged_.pop_front()) complete(n, true, error_);  // never started (issued after those)
-  // Staged transfers that wait for a first staging buffer end now (one
-  // under way ends as its chunks are refused).
-  for (std::size_t i = staging_now_.size(); i-- > 0;) {
-    if (i >= staging_now_.size()) continue;  // (cancel() erases from it)
-    if (const auto t = staging_now_[i].lock()) (void)t->cancel(error_);
-  }
+  end_waiting_staged(error_);
   while (op_node* n = at_doorbell_.pop_front()) complete(n, true, error_);  // dropped unposted
   end_rendezvous_sends(error_);
   park_partial_reads();  // their last fragment will never be posted
@@ -647,6 +643,15 @@ bool connection_impl::fail_unless_ending(const transport::completion& wc, std::s
     fail(make_error_code(wc.status));
   }
   return expected;
+}
+
+// Staged transfers that wait for a first staging buffer end now (one under
+// way ends as its next chunk is refused).
+void connection_impl::end_waiting_staged(std::error_code ec) noexcept {
+  for (std::size_t i = staging_now_.size(); i-- > 0;) {
+    if (i >= staging_now_.size()) continue;  // (cancel() erases from it)
+    if (const auto t = staging_now_[i].lock()) (void)t->cancel(ec);
+  }
 }
 
 void connection_impl::end_waiting_sends(std::error_code ec) noexcept {

@@ -193,6 +193,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_staged(op_node* n);
   void dispatch_onesided(op_node* n);  // start_onesided past the hold
   void release_held() noexcept;        // staged_ is 0: behind_staged_ starts, in order, until one stages
+  void end_waiting_staged(std::error_code ec) noexcept;  // those still waiting for a first buffer
   std::error_code prepare_window(op_node* n) noexcept;    // register_memory: the region and its window
   void revoke_windows() noexcept;                         // the connection ends: every window it bound
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool

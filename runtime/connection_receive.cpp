@@ -412,6 +412,7 @@ void connection_impl::on_peer_close() noexcept {
   peer_closed_ = true;
   log().debug("connection qp {}: the peer closed", qp_->qp_num());
   end_waiting_sends(errc::connection_closed);
+  end_waiting_staged(errc::connection_closed);  // (those under way end as their chunks are refused)
   complete_parked(true);
   end_rendezvous_sends(errc::connection_closed);
   if (close_op_ != nullptr && !close_sent_) {

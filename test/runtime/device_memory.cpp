@@ -677,6 +677,7 @@ TEST_CASE("device memory: what follows a staged put waits for it: a later put, a
   }, f.handler());
   std::vector<int> order;  // handlers run: 1 staged put, 2 later put, 3 cancelled put, 4 flush, 5 message
   boost::system::error_code e1, e2, e3, e4, e5;
+  bool flush_saw_all = false;
   ad::connection_stats stats{};
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
     ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
@@ -692,6 +693,9 @@ TEST_CASE("device memory: what follows a staged put waits for it: a later put, a
     c.async_put(asio::buffer(later), spare_region.remote(), asio::bind_cancellation_slot(sig.slot(), note(3, e3)));
     c.async_flush([&](boost::system::error_code ec) {
       e4 = ec;
+      // Everything issued before the flush is in place when it completes.
+      flush_saw_all = std::memcmp(host.data(), later.data(), kChunk) == 0 &&
+                      std::memcmp(host.data() + kChunk, dev.view() + kChunk, kSize - kChunk) == 0;
       order.push_back(4);
     });
     c.async_send(asio::buffer("done", 4), note(5, e5));
@@ -710,6 +714,7 @@ TEST_CASE("device memory: what follows a staged put waits for it: a later put, a
   REQUIRE(order.size() == 5);
   CHECK(order[0] == 3);  // cancelled at once (the others' order on the wire is checked below, by the bytes)
   CHECK(message_came);
+  CHECK(flush_saw_all);
   CHECK(staged_in_place);
   CHECK(later_in_place);
   // In the end too: the later put's bytes over the first chunk, the staged
@@ -729,30 +734,41 @@ TEST_CASE("device memory: operations held behind a staged put end with the conne
   fake_device_memory dev(kSize);
   std::vector<std::byte> managed(4096);
   fake_backend backend(dev, managed);
+  fake_copier& copier = backend.the_copier();
   staged_pair sp(kChunk, kSize);
   sp.clean_end = false;
   int ended = 0;
+  bool held_ended_first = false;  // the held send ended while the staged put's copy was still held
   boost::system::error_code e_staged, e_held, e_after;
   asio::co_spawn(sp.io, [&]() -> asio::awaitable<void> {
     ad::connection c = co_await sp.client.async_connect(anydoor::test::addr(sp.acc), asio::use_awaitable);
+    copier.hold = true;  // the staged put stays under way (its first copy waits)
     c.async_put(asio::const_buffer(dev.dev(), kSize), sp.remote, [&](boost::system::error_code ec, std::size_t) {
       e_staged = ec;
       ++ended;
     });
     c.async_send(asio::buffer("held", 4), [&](boost::system::error_code ec, std::size_t) {
       e_held = ec;
+      held_ended_first = copier.hold.load();
       ++ended;
     });
+    const bool copying = co_await anydoor::test::until([&] { return copier.holding.load() > 0; });
+    CHECK(copying);
     c.abort();
     c.async_send(asio::buffer("late", 4), [&](boost::system::error_code ec, std::size_t) {
       e_after = ec;
       ++ended;
     });
+    const bool two = co_await anydoor::test::until([&] { return ended == 2; }, std::chrono::seconds(2));
+    CHECK(two);  // the held and the late send, at once
+    copier.hold = false;
     while (ended < 3) co_await asio::post(sp.io, asio::use_awaitable);
   }, sp.f.handler());
   anydoor::test::run_to_completion(sp.io);
+  copier.hold = false;
   sp.f.check();
   CHECK(ended == 3);
+  CHECK(held_ended_first);  // by the failure itself, not after the staged put ended
   CHECK(e_held == ad::errc::connection_closed);
   CHECK(e_after == ad::errc::connection_closed);
   CHECK(e_staged);  // its chunks could not all go

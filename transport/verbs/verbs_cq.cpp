@@ -183,6 +183,7 @@ bool verbs_cq::arm_retired() noexcept {
     if (q->cq != this) continue;
     if (!q->armed && (q->last_wqe || now >= q->deadline)) {
       q->armed = true;
+      q->armed_at = taken_;
       if (!q->last_wqe) {
         log().debug("verbs: qp {}: no IBV_EVENT_QP_LAST_WQE_REACHED within {} ms; destroyed once the CQ is empty",
                     q->qp->qp_num, device_state::kLastWqeWait.count());
@@ -200,10 +201,16 @@ bool verbs_cq::arm_retired() noexcept {
   return retire_armed_;
 }
 
-void verbs_cq::destroy_armed() noexcept {
+// Once the queue ran empty, or gave as many completions as it can hold
+// since the mark (FIFO: what it held at the mark is gone even under a load
+// that never lets it run empty).
+void verbs_cq::destroy_armed(bool emptied) noexcept {
   std::lock_guard lock(dev_->async_mutex());
-  dev_->destroy_retired_locked([&](const retired_qp& r) { return r.cq == this && r.armed; });
+  const auto depth = static_cast<std::uint64_t>(cq_->cqe);
+  dev_->destroy_retired_locked(
+      [&](const retired_qp& r) { return r.cq == this && r.armed && (emptied || taken_ - r.armed_at >= depth); });
   retire_armed_ = false;
+  for (const auto& q : dev_->shared->retired) retire_armed_ = retire_armed_ || (q->cq == this && q->armed);
 }
 
 void verbs_cq::on_overflow() noexcept {
@@ -231,6 +238,7 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
       ec = {-got, std::system_category()};
       return n;
     }
+    taken_ += static_cast<std::uint64_t>(got);
     for (int i = 0; i < got; ++i) {
       const ibv_wc& wc = wcs[i];
       const auto gen = static_cast<std::uint8_t>(wc.wr_id >> 56);
@@ -257,7 +265,7 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
       break;
     }
   }
-  if (retired_due && emptied) destroy_armed();
+  if (retired_due) destroy_armed(emptied);
   if (!flushing_.empty() && n < out.size()) {
     for (verbs_qp* qp : flushing_) n += qp->complete_flushed(out.subspan(n));
     std::erase_if(flushing_, [](verbs_qp* qp) { return !qp->flush_pending(); });

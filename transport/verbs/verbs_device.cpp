@@ -144,7 +144,10 @@ void device_state::retire(ibv_qp* qp, verbs_cq* cq, const std::atomic<bool>& las
     shared->retired.push_back(std::move(r));
   } catch (const std::exception& e) {
     log().warn("verbs: qp {} destroyed at once ({}): a shared receive it was filling is lost", qp->qp_num, e.what());
-    if (ibv_destroy_qp(qp) != 0) log_destroy_failed(qp->qp_num, errno);
+    if (ibv_destroy_qp(qp) != 0) {
+      log_destroy_failed(qp->qp_num, errno);
+      qp->qp_context = nullptr;  // it lives on: no event may find the verbs_qp about to go
+    }
     return;
   }
   qp->qp_context = shared->retired.back().get();

@@ -40,13 +40,16 @@ class verbs_srq;
 // CQ), and the queue would shrink by one with every connection cut in the
 // middle of a message. So the device keeps it until that event (or, for
 // devices that never send it, such as rxe, until a deadline) and until a
-// poll that began after it has emptied the completion queue.
+// poll that began after it has emptied the completion queue (or after as
+// many completions as the queue holds were taken since: it is FIFO, so what
+// it held then is gone even if it never runs empty).
 struct retired_qp {
   ibv_qp* qp = nullptr;
   verbs_cq* cq = nullptr;  // its receive completion queue, whose poll destroys it
   std::chrono::steady_clock::time_point deadline;
   bool last_wqe = false;   // the event came
   bool armed = false;      // the event (or the deadline) was seen when a poll began
+  std::uint64_t armed_at = 0;  // the CQ's completions taken until then (verbs_cq::taken_)
 };
 
 // What every device_state on one ibv_context shares: librdmacm hands the
@@ -97,7 +100,7 @@ struct device_state {
   static void log_destroy_failed(std::uint32_t qpn, int err) noexcept;
   // Keeps a queue pair of a shared receive queue, moved to error, until its
   // last receive is back (retired_qp); destroys it now when it cannot be
-  // kept (no memory).
+  // kept (no memory, or the move to error failed).
   // last_wqe: IBV_EVENT_QP_LAST_WQE_REACHED came while it was alive.
   void retire(ibv_qp* qp, verbs_cq* cq, const std::atomic<bool>& last_wqe) noexcept;
   // With async_mutex() held: destroys the retired queue pairs (of the
@@ -259,7 +262,8 @@ class verbs_cq final : public completion_queue {
   // poll()'s halves: marks those whose event or deadline came (true: some
   // are), and destroys the marked once a poll has emptied the queue.
   bool arm_retired() noexcept;
-  void destroy_armed() noexcept;
+  void destroy_armed(bool emptied) noexcept;
+  std::uint64_t taken_ = 0;  // poll's thread: every completion taken off the CQ (ours or dropped)
   // Poll's thread: the next look (at most one a ms, unless a deadline is
   // due or wake_retired asked), whether some of ours are marked.
   std::chrono::steady_clock::time_point retire_check_{};

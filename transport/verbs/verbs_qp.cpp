@@ -135,6 +135,8 @@ verbs_qp::~verbs_qp() {
     dev_->retire(qp_, rcq_, last_wqe_);
   } else if (ibv_destroy_qp(qp_) != 0) {
     log().error("ibv_destroy_qp: {}", std::strerror(errno));
+    std::lock_guard lock(dev_->async_mutex());
+    qp_->qp_context = nullptr;  // it lives on: no event may find this verbs_qp once it is gone
   }
   scq_->detach(sindex_, attr_.max_send_wr);
   rcq_->detach(rindex_, srq_ != nullptr ? 0 : attr_.max_recv_wr);

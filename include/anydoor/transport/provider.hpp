@@ -145,7 +145,7 @@ class completion_queue {
 // in error, until its last receive is back). Size completion queues for the shared queue's receives too:
 // the providers' "can overflow" warning counts queue pairs' own work requests only. An empty queue turns
 // a send back with an RNR NAK, as an empty receive queue does. Destroy its queue pairs before it (verbs
-// refuses otherwise; tcp logs an error); a queue pair still kept as above goes with it, its receive with it.
+// refuses otherwise; tcp logs an error); one still kept as above goes with it (or with its CQ or domain).
 // (Conformance: srq.cpp.)
 class shared_receive_queue {
  public:
