@@ -584,6 +584,7 @@ class tcp_qp final : public queue_pair {
   void reset_stream() noexcept;
   void push_send(const completion& c) noexcept;
   void push_recv(const completion& c) noexcept;
+  void flush_filling_receive() noexcept;  // the receive a message was filling (after_): flushed
   // Who a registration lookup is for: a peer's request (remote rights
   // needed) through this queue pair, else local use.
   std::uint64_t via(access need) const noexcept {

@@ -120,13 +120,7 @@ tcp_qp::~tcp_qp() {
   // A shared receive this queue pair was filling goes back flushed, as a
   // NIC returns it when a queue pair is destroyed (verbs: retired_qp);
   // the queue would lose it otherwise. (Its own receives end with it.)
-  if (srq_ != nullptr && state_ != qp_state::error &&
-      (after_ == after_payload::recv_done || after_ == after_payload::write_imm_done)) {
-    push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
-               .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
-               .qp_num = qpn_});
-    after_ = after_payload::none;
-  }
+  if (srq_ != nullptr && state_ != qp_state::error) flush_filling_receive();
   close_socket();  // gives back what it borrowed (close_socket)
   rx_begin_ = rx_end_ = 0;
   return_staging();
@@ -262,6 +256,14 @@ void tcp_qp::push_recv(const completion& c) noexcept {
   if (attr_.recv_cq != nullptr) static_cast<tcp_cq*>(attr_.recv_cq)->push(c);
 }
 
+void tcp_qp::flush_filling_receive() noexcept {
+  if (after_ != after_payload::recv_done && after_ != after_payload::write_imm_done) return;
+  push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
+             .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
+             .qp_num = qpn_});
+  after_ = after_payload::none;
+}
+
 void tcp_qp::enter_error(wc_status head_status) noexcept {
   if (state_ == qp_state::error) return;
   log().debug("qp {}: {} -> error ({})", qpn_, to_string(state_), to_string(head_status));
@@ -275,12 +277,7 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
   sq_head_ = sq_ack_ = sq_tx_ = sq_tail_;
   // The receive a message was filling when the connection failed: taken
   // from the queue (its own or the shared one), so it flushes first.
-  if (after_ == after_payload::recv_done || after_ == after_payload::write_imm_done) {
-    push_recv({.wr_id = recv_wr_id_, .status = wc_status::work_request_flushed,
-               .opcode = after_ == after_payload::recv_done ? wc_opcode::recv : wc_opcode::recv_rdma_with_imm,
-               .qp_num = qpn_});
-    after_ = after_payload::none;
-  }
+  flush_filling_receive();
   for (std::uint64_t i = rq_head_; i < rq_tail_; ++i) {
     push_recv({.wr_id = rq_[ring_slot(i, attr_.max_recv_wr)].wr_id, .status = wc_status::work_request_flushed,
                .opcode = wc_opcode::recv, .qp_num = qpn_});
