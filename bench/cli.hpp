@@ -1,6 +1,6 @@
 // The command line both benchmark programs share:
 //   (--server | --connect HOST) [--port P] [--test T] [-s SIZE] [-n ITERS]
-//   [--window W] [--provider auto|tcp|verbs]
+//   [--window W] [--slots N] [--provider auto|tcp|verbs]
 // A bad command line prints `usage` with the reason and exits with 2.
 #pragma once
 
@@ -21,6 +21,7 @@ struct cli_options {
   std::uint32_t size = 0;   // 0: the program's default for the test
   std::uint32_t iters = 0;  // likewise
   std::uint32_t window = 0;
+  std::uint32_t slots = 0;  // 0: the program's default
   std::string provider = "auto";
 };
 
@@ -51,6 +52,7 @@ inline cli_options parse_cli(int argc, char** argv, const char* usage, cli_optio
     else if (a == "-s") o.size = number(next());
     else if (a == "-n") o.iters = number(next());
     else if (a == "--window") o.window = number(next());
+    else if (a == "--slots") o.slots = number(next());
     else if (a == "--provider") o.provider = next();
     else fail("unknown option " + a);
   }

@@ -6,6 +6,9 @@
 # busy-polled, no framing: bench/tcp_floor.cpp).
 #   64 B send/recv one-way latency: anydoor lat, fi_pingpong -S 64, ucx tag_lat -s 64, floor lat
 #   64 KiB bandwidth:               anydoor write_bw, ucx ucp_put_bw -s 65536, floor stream
+#   4 MiB bandwidth:                anydoor write_bw, floor stream (BW_ITERS / 64 of them, at least 100)
+# Every bandwidth test reuses one buffer of the size on each side (anydoor-perf
+# and the floor: --slots 1; ucx_perftest always does), so all move the same memory.
 # Every tool runs REPS times (default 5), interleaved, server on CPU 0 and
 # client on CPU 1; the medians of the runs and the ratios are printed.
 # fi_pingpong reports only a mean per run; UCX and anydoor report a median
@@ -22,6 +25,7 @@ floor=$build/bin/anydoor-tcp-floor
 REPS=${REPS:-5}
 ITERS=${ITERS:-20000}
 BW_ITERS=${BW_ITERS:-20000}
+BIG_ITERS=$((BW_ITERS / 64 > 100 ? BW_ITERS / 64 : 100))
 port=$((20000 + RANDOM % 20000))
 
 # shellcheck source=lib.sh
@@ -44,11 +48,17 @@ for ((r = 1; r <= REPS; r++)); do
              "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t tag_lat -s 64 -n $ITERS")
   results[ucx_lat]+="$(awk '$1 == "Final:" {print $3}' <<<"$out") "
   out=$(pair "$perf --server --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS" \
-             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS")
+             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS --slots 1")
   results[ours_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
   out=$(pair "$floor --server --port PORT --test stream -s 65536 -n $BW_ITERS" \
              "$floor --connect 127.0.0.1 --port PORT --test stream -s 65536 -n $BW_ITERS")
   results[floor_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "$perf --server --port PORT --provider tcp --test write_bw -s 4194304 -n $BIG_ITERS" \
+             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 4194304 -n $BIG_ITERS --slots 1")
+  results[ours_big]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
+  out=$(pair "$floor --server --port PORT --test stream -s 4194304 -n $BIG_ITERS" \
+             "$floor --connect 127.0.0.1 --port PORT --test stream -s 4194304 -n $BIG_ITERS")
+  results[floor_big]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
   out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
              "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s 65536 -n $BW_ITERS")
   # ucx_perftest's MB is 2^20 bytes; converted to 10^6 like anydoor-perf's
@@ -57,10 +67,10 @@ done
 
 m() { tr ' ' '\n' <<<"${results[$1]}" | grep -v '^$' | median; }
 ours_lat=$(m ours_lat); fi_lat=$(m fi_lat); ucx_lat=$(m ucx_lat); floor_lat=$(m floor_lat)
-ours_bw=$(m ours_bw); ucx_bw=$(m ucx_bw); floor_bw=$(m floor_bw)
+ours_bw=$(m ours_bw); ucx_bw=$(m ucx_bw); floor_bw=$(m floor_bw); ours_big=$(m ours_big); floor_big=$(m floor_big)
 echo
-echo "runs per tool: $REPS (latency $ITERS round trips, bandwidth $BW_ITERS x 64 KiB)"
-for k in ours_lat fi_lat ucx_lat floor_lat ours_bw ucx_bw floor_bw; do printf '  %-9s %s\n' "$k" "${results[$k]}"; done
+echo "runs per tool: $REPS (latency $ITERS round trips, bandwidth $BW_ITERS x 64 KiB and $BIG_ITERS x 4 MiB)"
+for k in ours_lat fi_lat ucx_lat floor_lat ours_bw ucx_bw floor_bw ours_big floor_big; do printf '  %-9s %s\n' "$k" "${results[$k]}"; done
 echo
 printf '64 B one-way latency (us, median of runs): anydoor %s | fi_pingpong tcp %s | UCX tcp %s | TCP floor %s\n' \
   "$ours_lat" "$fi_lat" "$ucx_lat" "$floor_lat"
@@ -70,6 +80,8 @@ printf '64 KiB write bandwidth (MB/s, median of runs): anydoor %s | UCX tcp put_
   "$ours_bw" "$ucx_bw" "$floor_bw"
 awk -v o="$ours_bw" -v u="$ucx_bw" -v t="$floor_bw" \
   'BEGIN {printf "  ratio anydoor/UCX = %.2f, anydoor/floor = %.2f (above 1: anydoor faster)\n", o/u, o/t}'
+printf '4 MiB write bandwidth (MB/s, median of runs): anydoor %s | TCP floor stream %s\n' "$ours_big" "$floor_big"
+awk -v o="$ours_big" -v t="$floor_big" 'BEGIN {printf "  ratio anydoor/floor = %.2f (above 1: anydoor faster)\n", o/t}'
 if [[ -n "${JSON:-}" ]]; then
   json_line "$JSON" anydoor lat 64 "t_typical_us=$ours_lat" "runs=$REPS"
   json_line "$JSON" libfabric lat 64 "t_avg_us=$fi_lat" "runs=$REPS"
@@ -78,5 +90,7 @@ if [[ -n "${JSON:-}" ]]; then
   json_line "$JSON" anydoor write_bw 65536 "bw_avg_MBps=$ours_bw" "runs=$REPS"
   json_line "$JSON" ucx write_bw 65536 "bw_avg_MBps=$ucx_bw" "runs=$REPS"
   json_line "$JSON" tcp-floor send_bw 65536 "bw_avg_MBps=$floor_bw" "runs=$REPS"
+  json_line "$JSON" anydoor write_bw 4194304 "bw_avg_MBps=$ours_big" "runs=$REPS"
+  json_line "$JSON" tcp-floor send_bw 4194304 "bw_avg_MBps=$floor_big" "runs=$REPS"
   echo "compare-peers: medians appended to $JSON"
 fi

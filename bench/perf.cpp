@@ -26,6 +26,11 @@
 //                  after a warm-up of ITERS/10 (10..1000)
 //   --window W     operations in flight for the streamed tests, 1..4096
 //                  (default 32; msg_rate 128)
+//   --slots N      write_bw and read_bw: cycle through N places of SIZE bytes
+//                  in each side's buffer (default: all that half of it holds;
+//                  the buffer is 4 x SIZE x W bytes within 1 MiB..64 MiB, and
+//                  at least 4 x SIZE). N = 1 reuses one place, as perftest and
+//                  ucx_perftest do; more than fit is a usage error (exit 2)
 //   --provider P   auto | tcp | verbs (default auto; both sides must agree)
 //   --json         one JSON object per line and size instead of RESULT lines
 //
@@ -87,7 +92,8 @@ options parse(int argc, char** argv) {
   static const char* usage =
       "anydoor-perf --server [--port P] [--provider auto|tcp|verbs]\n"
       "       anydoor-perf --connect HOST [--port P] [--test lat|send_bw|msg_rate|write_bw|read_bw|atomic_lat]\n"
-      "                    [-s SIZE | --all-sizes] [-n ITERS] [--window W] [--provider auto|tcp|verbs] [--json]";
+      "                    [-s SIZE | --all-sizes] [-n ITERS] [--window W] [--slots N] [--provider auto|tcp|verbs]\n"
+      "                    [--json]";
   options o;
   bool any_port = false;  // --port 0 (cli.hpp takes positive numbers only)
   std::vector<char*> rest{argv[0]};
@@ -115,6 +121,9 @@ options parse(int argc, char** argv) {
   if (c.test == "atomic_lat" && c.size != 0 && c.size != 8) fail("atomic_lat operates on 8 bytes: -s 8 or none");
   if (c.size > kMaxSize) fail("-s must be at most " + std::to_string(kMaxSize));
   if (c.window > kMaxWindow) fail("--window must be at most " + std::to_string(kMaxWindow));
+  if (c.slots != 0 && !c.server && c.test != "write_bw" && c.test != "read_bw") {
+    fail("--slots applies to write_bw and read_bw");
+  }
   if (c.iters > kMaxIters) fail("-n must be at most " + std::to_string(kMaxIters));
   if (c.size == 0) c.size = c.test == "lat" ? 64 : c.test == "msg_rate" || c.test == "atomic_lat" ? 8 : 65536;
   if (c.iters == 0) c.iters = c.test == "msg_rate" ? 200000 : 10000;
@@ -190,7 +199,18 @@ void print(const options& o, const plan& p, const result& r, std::string_view pr
   std::fflush(stdout);
 }
 
-result run_client_size(session& s, const plan& p, std::uint32_t size) {
+// --slots beyond what half the buffer holds at the largest size: why.
+std::string slots_problem(const options& o, const plan& p) {
+  if (o.cli.slots == 0) return {};
+  const auto sizes = sizes_of(p);
+  const std::size_t largest = *std::max_element(sizes.begin(), sizes.end());
+  const std::size_t fit = options_for(p, o.cli.provider).buffer_size / 2 / largest;
+  if (o.cli.slots <= fit) return {};
+  return "--slots " + std::to_string(o.cli.slots) + ": " + std::to_string(fit) + " places of " +
+         std::to_string(largest) + " bytes fit half the buffer";
+}
+
+result run_client_size(session& s, const plan& p, std::uint32_t size, std::uint32_t slots) {
   const std::uint32_t iters = iters_at(p, size);
   const std::uint32_t warm = warmup_for(iters);
   switch (p.test) {
@@ -203,8 +223,8 @@ result run_client_size(session& s, const plan& p, std::uint32_t size) {
     case test_kind::write_bw:
     case test_kind::read_bw: {
       const auto op = p.test == test_kind::write_bw ? anydoor::transport::opcode::write : anydoor::transport::opcode::read;
-      stream(s, op, size, warm, p.window);
-      return from_elapsed(stream(s, op, size, iters, p.window), size, iters);
+      stream(s, op, size, warm, p.window, slots);
+      return from_elapsed(stream(s, op, size, iters, p.window, slots), size, iters);
     }
   }
   throw std::logic_error("unknown test");
@@ -266,12 +286,16 @@ int main(int argc, char** argv) {
       return 0;
     }
     const plan p = plan_of(o);
+    if (const std::string why = slots_problem(o, p); !why.empty()) {
+      std::fprintf(stderr, "anydoor-perf: %s\n", why.c_str());
+      return 2;
+    }
     const auto wire = encode(p);
     session s = connect_to(o.cli.host, o.cli.port, options_for(p, o.cli.provider), wire);
     const std::string provider(s.dev->provider());
     const auto sizes = sizes_of(p);
     for (std::size_t i = 0; i < sizes.size(); ++i) {
-      const result r = run_client_size(s, p, sizes[i]);
+      const result r = run_client_size(s, p, sizes[i], o.cli.slots);
       print(o, p, r, provider);
       if (i + 1 == sizes.size()) say_bye(s);
       if (sizes.size() > 1) {

@@ -3,8 +3,8 @@
 // queue, nothing but recv/send. bench/compare-peers.sh runs it beside
 // anydoor-perf, fi_pingpong and UCX.
 //
-//   anydoor-tcp-floor --server [--port P] [--test lat|stream] [-s SIZE] [-n ITERS]
-//   anydoor-tcp-floor --connect HOST [--port P] [--test lat|stream] [-s SIZE] [-n ITERS]
+//   anydoor-tcp-floor --server [--port P] [--test lat|stream] [-s SIZE] [-n ITERS] [--slots N]
+//   anydoor-tcp-floor --connect HOST [--port P] [--test lat|stream] [-s SIZE] [-n ITERS] [--slots N]
 //
 //   lat     ping-pong of SIZE-byte messages (default 64); the client prints
 //           RESULT test=lat size=.. iters=.. median_us=.. p99_us=.. mean_us=..
@@ -12,6 +12,10 @@
 //   stream  the client streams ITERS messages of SIZE bytes (default 65536)
 //           and the server answers one byte when all have arrived; the client prints
 //           RESULT test=stream size=.. iters=.. MBps=..
+//           --slots N: each side cycles through N consecutive places of SIZE
+//           bytes (default 1: one buffer, reused); anydoor-perf's write_bw
+//           and read_bw take the same option, so the two can stream
+//           through the same memory (at most 1 GiB in all, else exit 2)
 // Both sides use TCP_NODELAY and 4 MiB socket buffers, like the tcp provider.
 // The server serves one client and exits; the same --test, -s and -n must be
 // given to both.
@@ -28,6 +32,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -126,7 +131,8 @@ double percentile(std::vector<double>& v, double q) {
 
 int run(const anydoor::bench::cli_options& o) {
   const int fd = o.server ? accept_one(o.port) : connect_to(o.host, o.port);
-  std::vector<std::byte> buf(o.size);
+  const std::uint32_t slots = o.test == "stream" ? std::max<std::uint32_t>(o.slots, 1) : 1;
+  std::vector<std::byte> buf(std::size_t{o.size} * slots);
   if (o.test == "lat") {
     constexpr std::uint32_t kWarmup = 1000;
     std::vector<double> rtt;
@@ -153,11 +159,11 @@ int run(const anydoor::bench::cli_options& o) {
   } else {
     std::byte done{1};
     if (o.server) {
-      for (std::uint32_t i = 0; i < o.iters; ++i) recv_all(fd, buf.data(), buf.size());
+      for (std::uint32_t i = 0; i < o.iters; ++i) recv_all(fd, buf.data() + std::size_t{i % slots} * o.size, o.size);
       send_all(fd, &done, 1);
     } else {
       const auto t0 = clock_type::now();
-      for (std::uint32_t i = 0; i < o.iters; ++i) send_all(fd, buf.data(), buf.size());
+      for (std::uint32_t i = 0; i < o.iters; ++i) send_all(fd, buf.data() + std::size_t{i % slots} * o.size, o.size);
       recv_all(fd, &done, 1);
       const double secs = std::chrono::duration<double>(clock_type::now() - t0).count();
       std::printf("RESULT test=stream size=%u iters=%u MBps=%.1f\n", o.size, o.iters,
@@ -173,10 +179,18 @@ int run(const anydoor::bench::cli_options& o) {
 int main(int argc, char** argv) {
   anydoor::bench::cli_options o = anydoor::bench::parse_cli(
       argc, argv,
-      "anydoor-tcp-floor (--server | --connect HOST) [--port P] [--test lat|stream] [-s SIZE] [-n ITERS]",
+      "anydoor-tcp-floor (--server | --connect HOST) [--port P] [--test lat|stream] [-s SIZE] [-n ITERS] [--slots N]",
       {.port = 18516, .test = "lat"}, {"lat", "stream"});
+  auto usage_error = [&](const char* why) {
+    std::fprintf(stderr, "anydoor-tcp-floor: %s\n", why);
+    return 2;
+  };
+  if (o.slots != 0 && o.test != "stream") return usage_error("--slots applies to --test stream");
   if (o.size == 0) o.size = o.test == "lat" ? 64 : 65536;
   if (o.iters == 0) o.iters = 10000;
+  if (std::uint64_t{o.size} * std::max<std::uint32_t>(o.slots, 1) > (std::uint64_t{1} << 30)) {
+    return usage_error("-s times --slots must be at most 1 GiB");
+  }
   try {
     return run(o);
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 
 namespace anydoor::examples {
@@ -185,9 +186,15 @@ double pump(session& s, std::uint64_t count, std::uint32_t window, Fill fill) {
 
 }  // namespace
 
-double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window) {
-  const std::uint64_t span = std::min<std::uint64_t>(s.buf.size() / 2, s.peer.length / 2) / size;
-  if (span == 0) throw std::invalid_argument("stream: transfer size larger than half the buffers");
+double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window,
+              std::uint64_t slots) {
+  const std::uint64_t fit = std::min<std::uint64_t>(s.buf.size() / 2, s.peer.length / 2) / size;
+  if (fit == 0) throw std::invalid_argument("stream: transfer size larger than half the buffers");
+  if (slots > fit) {
+    throw std::invalid_argument("stream: " + std::to_string(slots) + " slots of " + std::to_string(size) +
+                                " bytes do not fit half the buffers (" + std::to_string(fit) + " do)");
+  }
+  const std::uint64_t span = slots != 0 ? slots : fit;
   std::array<tp::sge, kBatch> sg;
   return pump(s, count, window, [&](std::uint32_t i, std::uint64_t seq, bool last) {
     const std::uint64_t off = (seq % span) * size;

@@ -76,7 +76,11 @@ std::vector<double> atomic_roundtrips(session& s, std::uint32_t iters, std::uint
 
 // Streams `count` one-sided operations (write or read) of `size` bytes with
 // `window` in flight between the two buffers; returns the elapsed seconds.
-double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window);
+// The operations cycle through `slots` consecutive places of `size` bytes
+// in each buffer (0: as many as half of the smaller buffer holds); more
+// than that throws std::invalid_argument.
+double stream(session& s, tp::opcode op, std::uint32_t size, std::uint64_t count, std::uint32_t window,
+              std::uint64_t slots = 0);
 
 // Drives the passive side (the tcp provider executes one-sided operations in
 // poll) until the peer disconnects.

@@ -81,6 +81,23 @@ client --test write_bw -n 300
 expect_in "$tmp/last.out" '^RESULT test=write_bw size=65536 iters=300 MBps=[0-9.]+ Mpps=[0-9.]+ avg_us=[0-9.]+$'
 pass "RESULT lines"
 
+# --slots: write_bw and read_bw through N places of SIZE (1: one, reused); more than half the buffer holds is refused.
+for t in write_bw read_bw; do
+  for n in 1 3; do
+    client --test "$t" -s 4096 -n 300 --slots "$n"
+    expect_in "$tmp/last.out" "^RESULT test=$t size=4096 iters=300 MBps=[0-9.]+ "
+  done
+done
+client --test write_bw --all-sizes -n 20 --slots 1 --json
+[ "$(wc -l <"$tmp/last.out")" = 23 ] || fail "write_bw --all-sizes --slots 1: 23 sizes expected"
+run_cmd 2 "$perf" --connect 127.0.0.1 --test write_bw -s 4194304 --slots 9
+expect_in "$tmp/last.err" '^anydoor-perf: --slots 9: 8 places of 4194304 bytes fit half the buffer$'
+run_cmd 2 "$perf" --connect 127.0.0.1 --test write_bw --all-sizes --slots 5
+expect_in "$tmp/last.err" '4 places of 8388608 bytes'
+run_cmd 2 "$perf" --connect 127.0.0.1 --test lat --slots 1;      expect_in "$tmp/last.err" '--slots applies to write_bw and read_bw'
+run_cmd 2 "$perf" --connect 127.0.0.1 --test write_bw --slots 0; expect_in "$tmp/last.err" 'positive number'
+pass "--slots"
+
 # --all-sizes: 23 sizes, 2 B to 8 MiB, in order; the server follows without being told.
 for t in lat send_bw read_bw; do
   client --test "$t" --all-sizes -n 20 --json

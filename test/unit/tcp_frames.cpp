@@ -851,6 +851,134 @@ TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its fram
   CHECK(p.ep.qp->state() == tp::qp_state::rts);
 }
 
+namespace {
+
+// `count` 64 KiB writes to consecutive places from `base`, numbered from
+// `psn`; payload byte k of write i is pattern(i, k).
+std::byte pattern(std::size_t i, std::size_t k) { return static_cast<std::byte>(i * 37 + k * 7); }
+std::vector<std::byte> large_writes(std::uint32_t psn, std::size_t first, std::size_t count, std::uint64_t base,
+                                    std::uint32_t rkey) {
+  constexpr std::size_t kWrite = 64 * 1024;
+  std::vector<std::byte> wire;
+  for (std::size_t i = first; i < first + count; ++i) {
+    std::array<std::byte, kHeaderSize> h;
+    encode(frame_header{.type = frame_type::write, .psn = psn++, .length = static_cast<std::uint32_t>(kWrite),
+                        .remote_addr = base + i * kWrite, .rkey = rkey},
+           h);
+    wire.insert(wire.end(), h.begin(), h.end());
+    for (std::size_t k = 0; k < kWrite; ++k) wire.push_back(pattern(i, k));
+  }
+  return wire;
+}
+
+}  // namespace
+
+TEST_CASE("tcp provider: large writes go straight to their destination, each read bringing the next header",
+          "[unit][tcp]") {
+  raw_peer p;
+  constexpr std::size_t kWrite = 64 * 1024, kWrites = 16;
+  std::vector<std::byte> dst(kWrites * kWrite + 128, std::byte{0x11});
+  auto dmr = p.ep.pd->register_memory(dst.data() + 64, kWrites * kWrite, access::local_write | access::remote_write);
+  const auto base = reinterpret_cast<std::uint64_t>(dst.data() + 64);
+  auto* qp = static_cast<tcp_qp*>(p.ep.qp.get());
+  driver d{p.ep.cq.get()};
+  // Eight writes already waiting in the socket: the first read (into the
+  // staging buffer) ends inside the first payload; its tail is read
+  // straight into place with the next header, and from then on each
+  // payload with the header after it. Before, every later read went
+  // through the staging buffer too (each byte copied twice).
+  auto wire = large_writes(1, 0, 8, base, dmr->rkey());
+  raw_send(p.fd, wire.data(), wire.size());
+  std::this_thread::sleep_for(100ms);
+  d.settle(p.ep.cq.get(), 30ms);
+  INFO("payload through the staging buffer: " << qp->payload_via_staging());
+  CHECK(qp->payload_via_staging() < kWrite);
+  // Eight more, sent once the queue pair reads large frames: a read per
+  // write (payload and the next header), plus the first header's and the
+  // one that finds the socket empty. Before: header and payload apart.
+  wire = large_writes(9, 8, 8, base, dmr->rkey());
+  raw_send(p.fd, wire.data(), wire.size());
+  std::this_thread::sleep_for(100ms);
+  // (Counted until the last byte is in: polls after that find the socket
+  // empty, one call each.)
+  const auto before = p.ep.qp->counters();
+  const std::uint64_t staged = qp->payload_via_staging();
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (p.ep.qp->counters().bytes_received - before.bytes_received < wire.size() &&
+         std::chrono::steady_clock::now() < deadline) {
+    d.step();
+  }
+  REQUIRE(p.ep.qp->counters().bytes_received - before.bytes_received == wire.size());
+  const std::uint64_t calls = p.ep.qp->counters().rx_syscalls - before.rx_syscalls;
+  INFO("recv calls for the second eight: " << calls);
+  CHECK(calls <= 8 + 1);
+  CHECK(qp->payload_via_staging() == staged);
+  d.settle(p.ep.cq.get(), 30ms);
+  for (std::size_t i = 0; i < kWrites; ++i) {
+    std::size_t bad = 0;
+    for (std::size_t k = 0; k < kWrite; ++k) bad += dst[64 + i * kWrite + k] != pattern(i, k) ? 1u : 0u;
+    CHECK(bad == 0);
+  }
+  CHECK(std::all_of(dst.begin(), dst.begin() + 64, [](std::byte b) { return b == std::byte{0x11}; }));
+  CHECK(std::all_of(dst.end() - 64, dst.end(), [](std::byte b) { return b == std::byte{0x11}; }));
+  // Acknowledged (cumulatively) up to the last write.
+  std::uint32_t last = 0;
+  for (int k = 0; k < 16 && last != 16; ++k) {
+    auto ack = raw_read(p.fd, kHeaderSize, 500);
+    if (ack.size() != kHeaderSize) break;
+    frame_header h;
+    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(ack.data(), kHeaderSize), h) == decode_error::none);
+    REQUIRE(h.type == frame_type::ack);
+    last = h.psn;
+  }
+  CHECK(last == 16);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}
+
+TEST_CASE("tcp provider: a large write leaves in sendmsg calls of at most kMaxSendBytes and arrives intact",
+          "[unit][tcp]") {
+  // One 24 MiB write to a peer that reads nothing yet: post_send sends what
+  // the socket takes (its buffers: several MiB) and stops at EAGAIN. Every
+  // call that sent was given at most kMaxSendBytes, the iovec cut short
+  // for it whole again after (the rest then goes, in order).
+  raw_peer p;
+  constexpr std::size_t kSize = 24 << 20;
+  std::vector<std::byte> src(kSize);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 131) >> 5);
+  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
+  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const tp::work_request wr{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = 0x1000,
+                            .rkey = 1};
+  const auto before = p.ep.qp->counters();
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  const auto after = p.ep.qp->counters();
+  const std::uint64_t calls = after.tx_syscalls - before.tx_syscalls;
+  const std::uint64_t bytes = after.bytes_sent - before.bytes_sent;
+  INFO("post_send made " << calls << " sendmsg calls for " << bytes << " bytes");
+  REQUIRE(bytes > 2 * tx_batch::kMaxSendBytes);  // the socket took more than two calls' worth at once
+  REQUIRE(bytes < kHeaderSize + kSize);          // and then filled: the last call sent nothing
+  CHECK(bytes <= (calls - 1) * tx_batch::kMaxSendBytes);
+  // The peer reads it all: the header, then the payload, byte for byte.
+  std::vector<std::byte> got(kHeaderSize + kSize);
+  std::size_t n = 0;
+  driver d{p.ep.cq.get()};
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (n < got.size() && std::chrono::steady_clock::now() < deadline) {
+    d.step();
+    const ssize_t r = ::recv(p.fd, got.data() + n, got.size() - n, MSG_DONTWAIT);
+    if (r > 0) n += static_cast<std::size_t>(r);
+  }
+  REQUIRE(n == got.size());
+  frame_header h;
+  REQUIRE(decode(std::span<const std::byte, kHeaderSize>(got.data(), kHeaderSize), h) == decode_error::none);
+  CHECK(h.type == frame_type::write);
+  CHECK(h.length == kSize);
+  CHECK(std::memcmp(got.data() + kHeaderSize, src.data(), kSize) == 0);
+  const auto end = p.ep.qp->counters();
+  CHECK(end.bytes_sent - before.bytes_sent == got.size());
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}
+
 TEST_CASE("tcp provider: a queue pair that fails gives back at once what it borrowed", "[unit][tcp]") {
   // Not at its destruction: a failed connection the application keeps
   // holds no staging buffer and no transmit batch.

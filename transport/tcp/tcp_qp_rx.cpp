@@ -239,6 +239,7 @@ void tcp_qp::receive_frames() noexcept {
             std::error_code ec;
             if (copier == nullptr) std::memcpy(p, rx_buf_.data() + rx_begin_, got);
             else ec = copier->to_device(p, rx_buf_.data() + rx_begin_, got);
+            payload_via_staging_ += got;
             table_.unpin(s->key);
             if (ec) {
               log().warn("qp {}: copying {} arriving bytes into copied memory failed: {}", qpn_, got, ec.message());
@@ -253,7 +254,12 @@ void tcp_qp::receive_frames() noexcept {
         if (drained) return;
         rx_begin_ = rx_end_ = 0;
         std::byte* direct = nullptr;
-        if (s != nullptr && s->key != 0 && want >= kDirectReadMin) {
+        // Straight into the destination when the piece is large, or when it
+        // ends a large frame (a tail the staging read left: reading it with
+        // the next header puts a stream of large frames back in step, where
+        // staging reads would copy every byte of it twice).
+        if (s != nullptr && s->key != 0 &&
+            (want >= kDirectReadMin || (want == payload_left_ && cur_.length >= kDirectReadMin))) {
           memory_copier* copier = nullptr;
           direct = table_.pin(s->key, s->addr, want, s->need, via(s->need), copier);
           if (direct == nullptr) {
@@ -263,9 +269,22 @@ void tcp_qp::receive_frames() noexcept {
             direct = nullptr;
           }
         }
-        const ssize_t n = direct != nullptr ? ::recv(fd_, direct, static_cast<std::size_t>(want), MSG_DONTWAIT)
-                                            : ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
-        if (direct != nullptr) table_.unpin(s->key);
+        ssize_t n = 0;
+        std::size_t asked = rx_buf_.size();
+        if (direct != nullptr) {
+          // The read that ends the payload also asks for the next frame's
+          // header, into the staging buffer (empty here): a stream of large
+          // frames then takes one call per frame, not two.
+          iovec v[2] = {{direct, static_cast<std::size_t>(want)}, {rx_buf_.data(), kHeaderSize}};
+          msghdr m{};
+          m.msg_iov = v;
+          m.msg_iovlen = want == payload_left_ ? 2 : 1;
+          asked = static_cast<std::size_t>(want) + (m.msg_iovlen == 2 ? kHeaderSize : 0);
+          n = ::recvmsg(fd_, &m, MSG_DONTWAIT);
+          table_.unpin(s->key);
+        } else {
+          n = ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
+        }
         ++counters_.rx_syscalls;
         if (n <= 0) {
           if (n == 0) peer_gone("peer closed the connection");
@@ -273,12 +292,13 @@ void tcp_qp::receive_frames() noexcept {
           return;
         }
         counters_.bytes_received += static_cast<std::uint64_t>(n);
-        drained = static_cast<std::size_t>(n) < (direct != nullptr ? want : rx_buf_.size());
+        drained = static_cast<std::size_t>(n) < asked;
         if (direct == nullptr) {
           rx_end_ = static_cast<std::size_t>(n);
           continue;
         }
-        got = static_cast<std::size_t>(n);
+        got = std::min(static_cast<std::size_t>(n), static_cast<std::size_t>(want));
+        rx_end_ = static_cast<std::size_t>(n) - got;  // what came of the next header
       }
       payload_left_ -= got;
       if (s != nullptr) {

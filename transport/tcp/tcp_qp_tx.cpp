@@ -339,10 +339,18 @@ void tcp_qp::flush_batch() noexcept {
       enter_error(wc_status::local_protection_error);
       return;
     }
+    // At most kMaxSendBytes per call: the iovec that crosses the limit is
+    // cut short for this call and whole again after it.
+    std::size_t end = iov_pos_, bytes = 0;
+    while (end < iov_end_ && bytes < tx_batch::kMaxSendBytes) bytes += tx_->iov[end++].iov_len;
+    iovec* const cut = bytes > tx_batch::kMaxSendBytes ? &tx_->iov[end - 1] : nullptr;
+    const std::size_t cut_len = cut != nullptr ? cut->iov_len : 0;
+    if (cut != nullptr) cut->iov_len -= bytes - tx_batch::kMaxSendBytes;
     msghdr msg{};
     msg.msg_iov = &tx_->iov[iov_pos_];
-    msg.msg_iovlen = iov_end_ - iov_pos_;
+    msg.msg_iovlen = end - iov_pos_;
     const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (cut != nullptr) cut->iov_len = cut_len;
     unpin_iov();
     if (n < 0) unbounce();  // (nothing went)
     ++counters_.tx_syscalls;
