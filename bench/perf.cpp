@@ -4,11 +4,11 @@
 //   anydoor-perf --server [--port P] [--provider P]     (P 0: any free port; it prints
 //                                                        "anydoor-perf: listening on 0.0.0.0:PORT")
 // --port defaults to 18515. The server serves one client and exits: it
-// takes --test, -s, -n and --window but follows the client's plan (so a
+// takes --test, -s, -n, --window and --slots but follows the client's plan (so a
 // script may give both sides the same arguments); --json and --all-sizes
 // are the client's only (exit 2 on the server).
 //   anydoor-perf --connect HOST [--port P] [--test T] [-s SIZE | --all-sizes] [-n ITERS]
-//                [--window W] [--provider P] [--json]
+//                [--window W] [--slots N] [--provider P] [--json]
 //
 //   --test T       lat         send/recv ping-pong; one-way latency (half the round trip)
 //                  send_bw     streamed sends (the server receives): bandwidth

@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   if (o.size == 0) o.size = o.test == "lat" ? 64 : 65536;
   if (o.iters == 0) o.iters = 10000;
   if (std::uint64_t{o.size} * std::max<std::uint32_t>(o.slots, 1) > (std::uint64_t{1} << 30)) {
-    return usage_error("-s times --slots must be at most 1 GiB");
+    return usage_error("-s (times --slots) must be at most 1 GiB");
   }
   try {
     return run(o);

@@ -40,7 +40,8 @@ pass "stream, with and without --slots"
 run_cmd 2 "$floor" --server --port 1 --test lat --slots 2
 expect_in "$tmp/last.err" '--slots applies to --test stream'
 run_cmd 2 "$floor" --server --port 1 --test stream -s 1073741824 --slots 2
-expect_in "$tmp/last.err" '-s times --slots must be at most 1 GiB'
+expect_in "$tmp/last.err" '-s \(times --slots\) must be at most 1 GiB'
+run_cmd 2 "$floor" --server --port 1 --test stream -s 2147483648; expect_in "$tmp/last.err" 'at most 1 GiB'
 run_cmd 2 "$floor" --connect 127.0.0.1 --test nope;  expect_in "$tmp/last.err" 'unknown --test nope'
 run_cmd 2 "$floor" --connect 127.0.0.1 --slots 0;    expect_in "$tmp/last.err" 'positive number'
 run_cmd 2 "$floor";                                  expect_in "$tmp/last.err" 'exactly one of --server and --connect'

@@ -1,10 +1,19 @@
 // anydoor-perf's plan (bench/perf_plan.hpp): the client's request as the
-// server decodes it, and the schedule both sides derive from it.
+// server decodes it, and the schedule both sides derive from it; and the
+// stream its write_bw and read_bw run (apps/common/session.cpp).
+#include "common/session.hpp"
 #include "perf_plan.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
 
 using namespace anydoor::bench;
 
@@ -92,4 +101,55 @@ TEST_CASE("perf plan: --all-sizes runs every power of two from 2 B to 8 MiB, few
   CHECK(warmup_for(5) == 10u);
   CHECK(warmup_for(2000) == 200u);
   CHECK(warmup_for(1'000'000) == 1000u);
+}
+
+// The stream behind write_bw and read_bw (apps/common/session.cpp): with
+// `slots`, the writes land in that many places of the peer's buffer and
+// nowhere else; by default they spread over as many as half of it holds.
+TEST_CASE("perf stream: writes cycle through the places --slots gives, and by default through half the buffer",
+          "[perf]") {
+  using namespace anydoor::examples;
+  constexpr std::uint32_t kSize = 4096;
+  for (const std::uint64_t slots : {std::uint64_t{2}, std::uint64_t{0}}) {
+    const session_options opt{.provider = "tcp", .buffer_size = 1 << 20, .queue_depth = 64};
+    std::atomic<std::uint16_t> port{0};
+    std::atomic<bool> stop{false};
+    std::vector<std::byte> served;
+    std::string server_error;
+    std::thread server([&] {
+      try {
+        session s = accept_one("127.0.0.1", 0, opt,
+                               [](std::uint16_t p, void* ctx) { static_cast<std::atomic<std::uint16_t>*>(ctx)->store(p); },
+                               &port);
+        // The tcp provider executes the peer's writes while this side polls.
+        tp::completion c[16];
+        std::error_code ec;
+        while (!stop.load() && !ec) (void)s.cq->poll(c, ec);
+        served = s.buf;
+      } catch (const std::exception& e) {
+        server_error = e.what();
+      }
+    });
+    while (port.load() == 0 && server_error.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    REQUIRE(server_error.empty());
+    {
+      session s = connect_to("127.0.0.1", port.load(), opt);
+      std::fill(s.buf.begin(), s.buf.end(), std::byte{0x7e});
+      (void)stream(s, tp::opcode::write, kSize, 100, 8, slots);
+      CHECK_THROWS_AS(stream(s, tp::opcode::write, kSize, 1, 8, (opt.buffer_size / 2) / kSize + 1),
+                      std::invalid_argument);
+    }
+    stop = true;
+    server.join();
+    REQUIRE(server_error.empty());
+    REQUIRE(served.size() == opt.buffer_size);
+    // written: [0, places * kSize); untouched after it
+    const std::size_t places = slots != 0 ? slots : 100;
+    const auto first_zero = static_cast<std::size_t>(
+        std::find(served.begin(), served.end(), std::byte{0}) - served.begin());
+    INFO("slots " << slots);
+    CHECK(first_zero == places * kSize);
+    CHECK(std::all_of(served.begin() + static_cast<std::ptrdiff_t>(first_zero), served.end(),
+                      [](std::byte b) { return b == std::byte{0}; }));
+  }
 }

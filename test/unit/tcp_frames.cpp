@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 
@@ -820,7 +821,7 @@ TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its fram
   // the socket is full, and goes back once the peer has read everything.
   raw_peer p(4096);
   const auto& batches = static_cast<tcp_cq*>(p.ep.cq.get())->batch_pool();
-  // 32 MiB: more than the sender's socket buffer can grow to (tcp_wmem).
+  // 32 MiB: more than the sender's socket buffer holds (asked 4 MiB: at most 8 MiB).
   std::vector<std::byte> src(4 << 20, std::byte{0x5a});
   auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
   std::vector<tp::sge> sg(8);
@@ -852,6 +853,16 @@ TEST_CASE("tcp provider: a queue pair holds a transmit batch only while its fram
 }
 
 namespace {
+
+// A number from /proc/sys (0 when unreadable).
+std::uint64_t read_sysctl(const char* name) {
+  std::FILE* f = std::fopen((std::string("/proc/sys/") + name).c_str(), "r");
+  if (f == nullptr) return 0;
+  unsigned long long v = 0;
+  if (std::fscanf(f, "%llu", &v) != 1) v = 0;
+  std::fclose(f);
+  return v;
+}
 
 // `count` 64 KiB writes to consecutive places from `base`, numbered from
 // `psn`; payload byte k of write i is pattern(i, k).
@@ -893,9 +904,12 @@ TEST_CASE("tcp provider: large writes go straight to their destination, each rea
   d.settle(p.ep.cq.get(), 30ms);
   INFO("payload through the staging buffer: " << qp->payload_via_staging());
   CHECK(qp->payload_via_staging() < kWrite);
-  // Eight more, sent once the queue pair reads large frames: a read per
-  // write (payload and the next header), plus the first header's and the
-  // one that finds the socket empty. Before: header and payload apart.
+  // Eight more, sent once the queue pair reads large frames: the first
+  // header's read, then a read per write (its payload and the next header;
+  // the last one comes back short). Before: header and payload apart.
+  // Counted only where the provider's socket holds all eight at once
+  // (SO_RCVBUF is capped by net.core.rmem_max): else reads come back short
+  // as the window opens, a call each.
   wire = large_writes(9, 8, 8, base, dmr->rkey());
   raw_send(p.fd, wire.data(), wire.size());
   std::this_thread::sleep_for(100ms);
@@ -911,7 +925,12 @@ TEST_CASE("tcp provider: large writes go straight to their destination, each rea
   REQUIRE(p.ep.qp->counters().bytes_received - before.bytes_received == wire.size());
   const std::uint64_t calls = p.ep.qp->counters().rx_syscalls - before.rx_syscalls;
   INFO("recv calls for the second eight: " << calls);
-  CHECK(calls <= 8 + 1);
+  if (read_sysctl("net/core/rmem_max") >= (1 << 20)) {
+    CHECK(calls <= 8 + 1);
+  } else {
+    WARN("net.core.rmem_max is " << read_sysctl("net/core/rmem_max")
+                                 << ": the socket cannot hold 512 KiB at once, recv calls not counted");
+  }
   CHECK(qp->payload_via_staging() == staged);
   d.settle(p.ep.cq.get(), 30ms);
   for (std::size_t i = 0; i < kWrites; ++i) {
@@ -935,6 +954,45 @@ TEST_CASE("tcp provider: large writes go straight to their destination, each rea
   CHECK(p.ep.qp->state() == tp::qp_state::rts);
 }
 
+TEST_CASE("tcp provider: a queue pair in error whose NAK cannot leave yet keeps no read input as pending work",
+          "[unit][tcp]") {
+  // A refused write (a bad rkey: a fatal NAK) and a second frame's header
+  // arrive in one read; the NAK waits (a 2 s transmit delay, as a peer
+  // that does not read would make it wait). The queue pair is in error:
+  // the header left in the staging buffer is not work, so a consumer that
+  // arms sleeps instead of being woken at once, over and over.
+  ::setenv(kFaultsVariable, "delay=2000", 1);
+  raw_peer p;
+  ::unsetenv(kFaultsVariable);
+  std::vector<std::byte> wire(3 * kHeaderSize + 8);
+  encode(frame_header{.type = frame_type::write, .psn = 1, .length = 8, .remote_addr = p.base(),
+                      .rkey = p.mr->rkey() ^ 0x40u},
+         std::span<std::byte, kHeaderSize>(wire.data(), kHeaderSize));
+  encode(frame_header{.type = frame_type::write, .psn = 2, .length = 8, .remote_addr = p.base(), .rkey = p.mr->rkey()},
+         std::span<std::byte, kHeaderSize>(wire.data() + kHeaderSize + 8, kHeaderSize));
+  encode(frame_header{.type = frame_type::write, .psn = 3, .length = 0, .remote_addr = p.base(), .rkey = p.mr->rkey()},
+         std::span<std::byte, kHeaderSize>(wire.data() + 2 * kHeaderSize + 8, kHeaderSize));
+  raw_send(p.fd, wire.data(), wire.size());
+  std::this_thread::sleep_for(50ms);
+  std::array<tp::completion, 8> c{};
+  std::error_code ec;
+  for (int i = 0; i < 3; ++i) (void)p.ep.cq->poll(c, ec);
+  REQUIRE(p.ep.qp->state() == tp::qp_state::error);
+  // A consumer's sleep: drain, arm, wait on the notify fd (300 ms).
+  int wakeups = 0;
+  const auto until = std::chrono::steady_clock::now() + 300ms;
+  while (std::chrono::steady_clock::now() < until) {
+    p.ep.cq->ack_events();
+    while (p.ep.cq->poll(c, ec) > 0) {
+    }
+    REQUIRE_FALSE(p.ep.cq->arm());
+    pollfd pf{p.ep.cq->notify_fd(), POLLIN, 0};
+    if (::poll(&pf, 1, 50) == 1) ++wakeups;
+  }
+  CHECK(wakeups <= 2);
+  CHECK(std::all_of(p.mem.begin() + 64, p.mem.begin() + 72, [](std::uint8_t b) { return b == 0xa5; }));  // nothing landed
+}
+
 TEST_CASE("tcp provider: a large write leaves in sendmsg calls of at most kMaxSendBytes and arrives intact",
           "[unit][tcp]") {
   // One 24 MiB write to a peer that reads nothing yet: post_send sends what
@@ -955,9 +1013,16 @@ TEST_CASE("tcp provider: a large write leaves in sendmsg calls of at most kMaxSe
   const std::uint64_t calls = after.tx_syscalls - before.tx_syscalls;
   const std::uint64_t bytes = after.bytes_sent - before.bytes_sent;
   INFO("post_send made " << calls << " sendmsg calls for " << bytes << " bytes");
-  REQUIRE(bytes > 2 * tx_batch::kMaxSendBytes);  // the socket took more than two calls' worth at once
-  REQUIRE(bytes < kHeaderSize + kSize);          // and then filled: the last call sent nothing
-  CHECK(bytes <= (calls - 1) * tx_batch::kMaxSendBytes);
+  REQUIRE(bytes < kHeaderSize + kSize);  // the socket filled: the last call sent nothing
+  if (bytes > 2 * tx_batch::kMaxSendBytes) {
+    CHECK(bytes <= (calls - 1) * tx_batch::kMaxSendBytes);
+  } else {
+    // SO_SNDBUF is capped by net.core.wmem_max (the kernel's default gives
+    // 416 KiB): a socket that takes no more than 2 MiB at once never sees
+    // the limit. The bytes must still all arrive, in order.
+    WARN("the socket took only " << bytes << " bytes at once (net.core.wmem_max " << read_sysctl("net/core/wmem_max")
+                                 << "): the per-call limit is not observable here");
+  }
   // The peer reads it all: the header, then the payload, byte for byte.
   std::vector<std::byte> got(kHeaderSize + kSize);
   std::size_t n = 0;

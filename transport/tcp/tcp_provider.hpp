@@ -662,7 +662,9 @@ class tcp_qp final : public queue_pair {
   std::size_t hdr_used_ = 0;  // of tx_->hdr
   std::size_t npinned_ = 0;
   std::size_t iov_count_ = 0, iov_pos_ = 0;
-  std::size_t iov_end_ = 0;  // the sendmsg in progress sends [iov_pos_, iov_end_) (pin_iov)
+  // pin_iov pinned [iov_pos_, iov_end_) for the sendmsg in progress, which
+  // sends what of it fits tx_batch::kMaxSendBytes (the last iovec cut short)
+  std::size_t iov_end_ = 0;
   // Copied memory (register_copied) goes out through tx_bounce_, one piece
   // per sendmsg: the iovec bounced_ then points at bounced_base_, for
   // bounced_len_ of its bounced_full_ bytes at registered address
@@ -704,9 +706,11 @@ class tcp_qp final : public queue_pair {
   void receive_frames() noexcept;
   staging rx_buf_;
   std::size_t rx_begin_ = 0, rx_end_ = 0;
-  // The last frame's payload was large: the next header is read alone, so
-  // that the large payload likely to follow goes straight to its
-  // destination instead of through the staging buffer (one copy, not two).
+  // The last frame's payload was large: a header read (when the read that
+  // ended the payload did not bring all of the next header) asks for the
+  // header alone, so that the large payload likely to follow goes straight
+  // to its destination instead of through the staging buffer (one copy,
+  // not two).
   bool rx_header_only_ = false;
   std::uint64_t payload_via_staging_ = 0;
   rx_phase phase_ = rx_phase::header;

@@ -3,11 +3,13 @@
 //
 // Requester: post_send encodes each work request's header into its send
 // queue slot; flush() gathers whole frames (header + payload straight from
-// registered memory) into one sendmsg. A request completes when the peer's
+// registered memory) into sendmsg calls of at most 2 MiB each (one call for
+// all but large batches). A request completes when the peer's
 // response arrives (ACK, NAK, read or atomic response), in order.
 // Responder: receive() parses frames, checks every remote access against the
 // protection domain's registrations, places payloads (straight from the socket
-// into the destination when large), executes atomics, and queues responses.
+// into the destination when large, with the next frame's header in the same
+// read), executes atomics, and queues responses.
 // RNR: a send (or write with immediate) that finds no receive is NAKed; the
 // responder drops later requests until the NAKed one comes again; the
 // requester waits min_rnr_timer_us, then sends again from the NAKed request

@@ -135,6 +135,10 @@ bool tcp_qp::borrow_staging_slow() noexcept {
 
 void tcp_qp::receive_frames() noexcept {
   if (state_ == qp_state::error) {
+    // What was read but not processed goes too: left in the staging
+    // buffer it would count as pending work, and a consumer that arms
+    // would be woken again at once for as long as a NAK waits to leave.
+    rx_begin_ = rx_end_ = 0;
     if (fd_ >= 0) discard_input();
     return;
   }
@@ -226,7 +230,8 @@ void tcp_qp::receive_frames() noexcept {
       phase_ = rx_phase::payload;
     }
     // payload: staging buffer first, then straight from the socket when
-    // large; each piece pins its destination while it moves
+    // large or the end of a large frame; each piece pins its destination
+    // while it moves
     while (payload_left_ > 0) {
       segment* s = seg_index_ < seg_count_ ? &seg_[seg_index_] : nullptr;
       const std::uint64_t want = s != nullptr ? std::min(s->len, payload_left_) : payload_left_;

@@ -1,5 +1,6 @@
 // The tcp queue pair's transmitter: request and response frames gathered
-// into one sendmsg, with the registered memory they point into pinned.
+// into a batch and sent with sendmsg (at most 2 MiB a call), with the
+// registered memory they point into pinned.
 #include "tcp/tcp_provider.hpp"
 #include "tcp/tcp_qp_parts.hpp"
 
@@ -186,7 +187,8 @@ bool tcp_qp::pin_iov() noexcept {
       continue;
     }
     if (p != nullptr) {
-      // Copied memory: this sendmsg ends with a piece of it, copied out
+      // Copied memory: this sendmsg ends with a piece of it (or before it,
+      // at the per-call limit), copied out
       // (the next one sends the rest; the bounce holds the bytes, so the
       // registration need not stay pinned, only be there now).
       const bool copied = bounce(i, addr, p, *copier);
