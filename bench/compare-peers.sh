@@ -33,32 +33,31 @@ source "$root/bench/lib.sh"
 require_tools compare-peers "$perf" "$floor" fi_pingpong ucx_perftest taskset
 
 declare -A results
+# tool KEY FIELD BIN ARGS...: BIN's server and client (BIN anydoor-perf or
+# the floor, ARGS on both sides), the client's FIELD= figure added to results[KEY]
+tool() {
+  local key=$1 field=$2 bin=$3 out
+  shift 3
+  local extra=""
+  [[ $bin == "$perf" ]] && extra="--provider tcp"
+  out=$(pair "$bin --server --port PORT $extra $*" "$bin --connect 127.0.0.1 --port PORT $extra $*")
+  results[$key]+="$(sed -n "s/.*$field=\([0-9.]*\).*/\1/p" <<<"$out") "
+}
 for ((r = 1; r <= REPS; r++)); do
   echo "round $r/$REPS" >&2
-  out=$(pair "$perf --server --port PORT --provider tcp --test lat -n $ITERS" \
-             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test lat -n $ITERS")
-  results[ours_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
-  out=$(pair "$floor --server --port PORT --test lat -n $ITERS" \
-             "$floor --connect 127.0.0.1 --port PORT --test lat -n $ITERS")
-  results[floor_lat]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+  tool ours_lat median_us "$perf" --test lat -n "$ITERS"
+  tool floor_lat median_us "$floor" --test lat -n "$ITERS"
   out=$(pair "fi_pingpong -p tcp -e msg -S 64 -I $ITERS -B PORT" \
              "fi_pingpong -p tcp -e msg -S 64 -I $ITERS -P PORT 127.0.0.1")
   results[fi_lat]+="$(awk '$1 == "64" {print $7}' <<<"$out") "
   out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
              "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t tag_lat -s 64 -n $ITERS")
   results[ucx_lat]+="$(awk '$1 == "Final:" {print $3}' <<<"$out") "
-  out=$(pair "$perf --server --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS" \
-             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 65536 -n $BW_ITERS --slots 1")
-  results[ours_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
-  out=$(pair "$floor --server --port PORT --test stream -s 65536 -n $BW_ITERS" \
-             "$floor --connect 127.0.0.1 --port PORT --test stream -s 65536 -n $BW_ITERS")
-  results[floor_bw]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
-  out=$(pair "$perf --server --port PORT --provider tcp --test write_bw -s 4194304 -n $BIG_ITERS" \
-             "$perf --connect 127.0.0.1 --port PORT --provider tcp --test write_bw -s 4194304 -n $BIG_ITERS --slots 1")
-  results[ours_big]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
-  out=$(pair "$floor --server --port PORT --test stream -s 4194304 -n $BIG_ITERS" \
-             "$floor --connect 127.0.0.1 --port PORT --test stream -s 4194304 -n $BIG_ITERS")
-  results[floor_big]+="$(sed -n 's/.*MBps=\([0-9.]*\).*/\1/p' <<<"$out") "
+  # (the server of anydoor-perf takes --slots and follows its client)
+  tool ours_bw MBps "$perf" --test write_bw -s 65536 -n "$BW_ITERS" --slots 1
+  tool floor_bw MBps "$floor" --test stream -s 65536 -n "$BW_ITERS"
+  tool ours_big MBps "$perf" --test write_bw -s 4194304 -n "$BIG_ITERS" --slots 1
+  tool floor_big MBps "$floor" --test stream -s 4194304 -n "$BIG_ITERS"
   out=$(pair "env UCX_TLS=tcp ucx_perftest -p PORT" \
              "env UCX_TLS=tcp ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s 65536 -n $BW_ITERS")
   # ucx_perftest's MB is 2^20 bytes; converted to 10^6 like anydoor-perf's
