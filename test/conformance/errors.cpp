@@ -24,6 +24,7 @@
 #include <csignal>
 #include <cstring>
 #include <set>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -372,6 +373,48 @@ TEST_CASE("completion queue overflow is reported, never silent", "[conformance]"
   CHECK(p.b.cq->poll(more, ec) == 0);
   CHECK(ec == anydoor::errc::cq_overflow);
   CHECK(p.b.qp->state() == tp::qp_state::error);
+}
+
+TEST_CASE("a queue's overflow read by another device's thread wakes the queue's own consumer", "[conformance]") {
+  // verbs: every device of the process on one RDMA device shares its
+  // asynchronous events; whichever reads IBV_EVENT_CQ_ERR, the overflowed
+  // queue's notify fd must wake its consumer, whose own poll then reports
+  // the overflow (the queue's state is touched by its own thread only).
+  overflow_pair p;  // the receiver's CQ holds 4
+  if (testing_tcp()) {
+    WARN("tcp: a completion queue's overflow is its own; no events are shared between devices");
+    return;
+  }
+  // b is quiet first: nothing read and not processed, nothing to wake it.
+  std::error_code ec;
+  tp::completion none[4];
+  for (int i = 0; i < 50; ++i) (void)p.b.cq->poll(none, ec);
+  REQUIRE_FALSE(ec);
+  p.b.cq->ack_events();
+  pollfd pf{p.b.cq->notify_fd(), POLLIN, 0};
+  REQUIRE(::poll(&pf, 1, 0) == 0);
+  const std::uint64_t before = p.a.dev->counters().async_events.value_or(0);
+  tp::sge ssg = p.smr->slice(0, 8);
+  std::vector<tp::work_request> wrs;
+  for (std::uint64_t i = 0; i < 8; ++i) wrs.push_back(send_wr(i, {&ssg, 1}));
+  REQUIRE_FALSE(p.a.qp->post_send(wrs));
+  // a's device reads the events (its counters drain them), b's poll is not called.
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (p.a.dev->counters().async_events.value_or(0) == before && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  REQUIRE(p.a.dev->counters().async_events.value_or(0) > before);
+  // (and whatever follows it: the queue pair's own error event)
+  for (int i = 0; i < 20; ++i) {
+    (void)p.a.dev->counters();
+    std::this_thread::sleep_for(5ms);
+  }
+  pf.revents = 0;
+  CHECK(::poll(&pf, 1, 1000) == 1);  // b's consumer is woken
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (!ec && std::chrono::steady_clock::now() < until) (void)p.b.cq->poll(none, ec);
+  CHECK(ec == anydoor::errc::cq_overflow);
+  CHECK(p.b.cq->arm() == anydoor::errc::cq_overflow);
 }
 
 TEST_CASE("peer death completes outstanding requests with an error", "[conformance]") {

@@ -63,21 +63,36 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     ibv_destroy_comp_channel(channel_);
     throw sys_error(err, "timerfd_create");
   }
+  overflow_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (overflow_fd_ < 0) {
+    const int err = errno;
+    ::close(retire_fd_);
+    ::close(flush_fd_);
+    ::close(epfd_);
+    ibv_destroy_cq(cq_);
+    ibv_destroy_comp_channel(channel_);
+    throw sys_error(err, "eventfd");
+  }
   watch(channel_->fd);
   watch(dev_->ctx->async_fd);
   watch(flush_fd_);
   watch(retire_fd_);
+  watch(overflow_fd_);
 }
 
 verbs_cq::~verbs_cq() {
   {
+    // No asynchronous event, read by any thread, finds this verbs_cq from
+    // now on (an event read before waits for the lock).
+    std::lock_guard lock(dev_->async_mutex());
+    cq_->cq_context = nullptr;
     // Retired queue pairs on it go now (their receives with them): the CQ
     // cannot be destroyed under them.
-    std::lock_guard lock(dev_->async_mutex());
     dev_->destroy_retired_locked(
         [&](const retired_qp& r) { return r.cq == this || r.qp->send_cq == cq_ || r.qp->recv_cq == cq_; });
   }
   ack_events();
+  ::close(overflow_fd_);
   ::close(retire_fd_);
   ::close(flush_fd_);
   ::close(epfd_);
@@ -213,6 +228,19 @@ void verbs_cq::destroy_armed(bool emptied) noexcept {
   for (const auto& q : dev_->shared->retired) retire_armed_ = retire_armed_ || (q->cq == this && q->armed);
 }
 
+void verbs_cq::note_overflow() noexcept {
+  overflow_noted_.store(true, std::memory_order_release);
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const auto w = ::write(overflow_fd_, &one, sizeof one);  // wakes a reactor asleep on notify_fd
+}
+
+void verbs_cq::take_overflow() noexcept {
+  if (!overflow_noted_.exchange(false, std::memory_order_acquire)) return;
+  std::uint64_t count = 0;
+  [[maybe_unused]] const auto r = ::read(overflow_fd_, &count, sizeof count);
+  on_overflow();
+}
+
 void verbs_cq::on_overflow() noexcept {
   if (overflow_) return;
   overflow_ = true;
@@ -225,6 +253,7 @@ void verbs_cq::on_overflow() noexcept {
 
 std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {
   ++counters_.polls;
+  if (overflow_noted_.load(std::memory_order_relaxed)) take_overflow();
   std::size_t n = 0;
   // Retired queue pairs whose last receive is back (or due) go once this
   // poll, which began after that, has emptied the queue.
@@ -297,6 +326,7 @@ std::size_t verbs_cq::poll(std::span<completion> out, std::error_code& ec) noexc
 
 void verbs_cq::check_events() noexcept {
   dev_->drain_async_events();
+  take_overflow();  // (noted by this drain, or by another device's on the same context)
   for (std::size_t i = 0; i < qps_.size(); ++i) {
     if (qps_[i].qp != nullptr) qps_[i].qp->poll_cm_events();
   }

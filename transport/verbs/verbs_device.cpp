@@ -82,10 +82,15 @@ void device_state::drain_async_events() noexcept {
       ibv_ack_async_event(&ev);
       continue;
     }
+    // Every device of the process on this context reads its events (they
+    // share the async fd): the handlers below may run on another device's
+    // thread. A queue's overflow is only noted for its own thread; a queue
+    // pair's move to error (ibv_modify_qp, an atomic state) and the flags
+    // are safe from any thread.
     switch (ev.event_type) {
       case IBV_EVENT_CQ_ERR:
         if (ev.element.cq != nullptr && ev.element.cq->cq_context != nullptr) {
-          static_cast<verbs_cq*>(ev.element.cq->cq_context)->on_overflow();
+          static_cast<verbs_cq*>(ev.element.cq->cq_context)->note_overflow();
         }
         break;
       case IBV_EVENT_QP_FATAL:

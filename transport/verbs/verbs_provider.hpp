@@ -228,7 +228,10 @@ class verbs_cq final : public completion_queue {
   // can have outstanding here.
   std::uint32_t attach(verbs_qp* qp, std::uint32_t wrs);
   void detach(std::uint32_t index, std::uint32_t wrs) noexcept;
-  void on_overflow() noexcept;
+  // IBV_EVENT_CQ_ERR, read by any device's thread on this context (under
+  // async_mutex()): noted, and the notify fd woken; this queue's own poll
+  // or arm takes it (on_overflow), so that only its thread touches its state.
+  void note_overflow() noexcept;
   void check_events() noexcept;  // asynchronous and connection events
   // The queue pair holds receives the provider completes itself (posted in
   // error): poll() returns them, and the notify fd wakes a reactor for them.
@@ -259,6 +262,10 @@ class verbs_cq final : public completion_queue {
   int flush_fd_ = -1;                // an eventfd in the epoll set, readable while flushing_ is not empty
   std::atomic<std::uint32_t> retiring_{0};  // retired queue pairs whose receive queue this is
   int retire_fd_ = -1;                      // a timerfd in the epoll set (retired_added)
+  int overflow_fd_ = -1;                    // an eventfd in the epoll set: note_overflow
+  std::atomic<bool> overflow_noted_{false};
+  void take_overflow() noexcept;  // poll's thread: a noted overflow becomes overflow_
+  void on_overflow() noexcept;
   // poll()'s halves: marks those whose event or deadline came (true: some
   // are), and destroys the marked once a poll has emptied the queue.
   bool arm_retired() noexcept;
