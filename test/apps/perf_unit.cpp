@@ -113,9 +113,9 @@ TEST_CASE("perf stream: writes cycle through the places --slots gives, and by de
   for (const std::uint64_t slots : {std::uint64_t{2}, std::uint64_t{0}}) {
     const session_options opt{.provider = "tcp", .buffer_size = 1 << 20, .queue_depth = 64};
     std::atomic<std::uint16_t> port{0};
-    std::atomic<bool> stop{false};
+    std::atomic<bool> stop{false}, failed{false};
     std::vector<std::byte> served;
-    std::string server_error;
+    std::string server_error;  // written before `failed`, read after it or after the join
     std::thread server([&] {
       try {
         session s = accept_one("127.0.0.1", 0, opt,
@@ -128,10 +128,20 @@ TEST_CASE("perf stream: writes cycle through the places --slots gives, and by de
         served = s.buf;
       } catch (const std::exception& e) {
         server_error = e.what();
+        failed = true;
       }
     });
-    while (port.load() == 0 && server_error.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    REQUIRE(server_error.empty());
+    // The server thread ends (and is joined) however this test leaves the scope.
+    struct joiner {
+      std::atomic<bool>& stop;
+      std::thread& t;
+      ~joiner() {
+        stop = true;
+        if (t.joinable()) t.join();
+      }
+    } join_server{stop, server};
+    while (port.load() == 0 && !failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    REQUIRE_FALSE(failed.load());
     {
       session s = connect_to("127.0.0.1", port.load(), opt);
       std::fill(s.buf.begin(), s.buf.end(), std::byte{0x7e});

@@ -28,6 +28,17 @@ constexpr std::uint32_t kMaxPollBatch = 32;
 
 // ---------------------------------------------------------------- completion queue
 
+// A constructor that fails after ibv_create_cq: no event may find the
+// verbs_cq that never was (its cq_context), then the queue and channel go.
+void verbs_cq::destroy_unbuilt_cq() noexcept {
+  {
+    std::lock_guard lock(dev_->async_mutex());
+    cq_->cq_context = nullptr;
+  }
+  ibv_destroy_cq(cq_);
+  ibv_destroy_comp_channel(channel_);
+}
+
 verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev_(std::move(dev)) {
   flushing_.reserve(8);  // (before anything that would leak if it threw)
   channel_ = ibv_create_comp_channel(dev_->ctx);
@@ -42,16 +53,14 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
   epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
   if (epfd_ < 0) {
     const int err = errno;
-    ibv_destroy_cq(cq_);
-    ibv_destroy_comp_channel(channel_);
+    destroy_unbuilt_cq();
     throw sys_error(err, "epoll_create1");
   }
   flush_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (flush_fd_ < 0) {
     const int err = errno;
     ::close(epfd_);
-    ibv_destroy_cq(cq_);
-    ibv_destroy_comp_channel(channel_);
+    destroy_unbuilt_cq();
     throw sys_error(err, "eventfd");
   }
   retire_fd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -59,8 +68,7 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     const int err = errno;
     ::close(flush_fd_);
     ::close(epfd_);
-    ibv_destroy_cq(cq_);
-    ibv_destroy_comp_channel(channel_);
+    destroy_unbuilt_cq();
     throw sys_error(err, "timerfd_create");
   }
   overflow_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -69,8 +77,7 @@ verbs_cq::verbs_cq(std::shared_ptr<device_state> dev, std::uint32_t depth) : dev
     ::close(retire_fd_);
     ::close(flush_fd_);
     ::close(epfd_);
-    ibv_destroy_cq(cq_);
-    ibv_destroy_comp_channel(channel_);
+    destroy_unbuilt_cq();
     throw sys_error(err, "eventfd");
   }
   watch(channel_->fd);

@@ -84,9 +84,10 @@ void device_state::drain_async_events() noexcept {
     }
     // Every device of the process on this context reads its events (they
     // share the async fd): the handlers below may run on another device's
-    // thread. A queue's overflow is only noted for its own thread; a queue
-    // pair's move to error (ibv_modify_qp, an atomic state) and the flags
-    // are safe from any thread.
+    // thread. A queue's overflow is only noted for its own thread; the
+    // flags are atomics. A queue pair's move to error (ibv_modify_qp and
+    // its atomic state) runs here: it races only an application's own
+    // modify() of the same queue pair to reset, which the runtime never does.
     switch (ev.event_type) {
       case IBV_EVENT_CQ_ERR:
         if (ev.element.cq != nullptr && ev.element.cq->cq_context != nullptr) {

@@ -265,6 +265,7 @@ class verbs_cq final : public completion_queue {
   int overflow_fd_ = -1;                    // an eventfd in the epoll set: note_overflow
   std::atomic<bool> overflow_noted_{false};
   void take_overflow() noexcept;  // poll's thread: a noted overflow becomes overflow_
+  void destroy_unbuilt_cq() noexcept;
   void on_overflow() noexcept;
   // poll()'s halves: marks those whose event or deadline came (true: some
   // are), and destroys the marked once a poll has emptied the queue.
