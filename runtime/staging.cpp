@@ -77,6 +77,7 @@ staging_area::staging_area(transport::protection_domain& pd, unsigned piece_shif
                            std::uint32_t count)
     : chunk_(chunk),
       memory_(new std::byte[chunk * count]),
+      pinned_(cuda::detail::pin_host(memory_.get(), chunk * count)),
       region_(register_in_pieces(pd, memory_.get(), chunk * count, transport::access::local_write, piece_shift),
               memory_kind::host) {
   free_.reserve(count);

@@ -91,6 +91,7 @@ class staging_area {
  private:
   std::size_t chunk_;
   std::unique_ptr<std::byte[]> memory_;
+  std::shared_ptr<void> pinned_;  // page-locked for CUDA's copies while it lives (cuda::detail::pin_host)
   memory_region region_;
   std::vector<std::uint32_t> free_;
   // Transfers waiting for a buffer (held here: nothing else holds one that

@@ -9,6 +9,7 @@
 #endif
 
 #include <cstdlib>
+#include <new>
 #include <string>
 
 namespace anydoor {
@@ -150,6 +151,16 @@ std::unique_ptr<memory_region> protection_domain::register_copied(void*, std::si
                                                                   std::shared_ptr<memory_copier>) {
   throw std::system_error(errc::not_supported,
                           "register_copied: this device reaches memory directly or not at all (caps().copied_memory)");
+}
+
+std::shared_ptr<std::byte> memory_copier::bounce_buffer(std::size_t n) noexcept {
+  std::byte* p = new (std::nothrow) std::byte[n];
+  if (p == nullptr) return nullptr;
+  try {
+    return std::shared_ptr<std::byte>(p, std::default_delete<std::byte[]>());
+  } catch (const std::bad_alloc&) {  // (the shared_ptr's count; it deleted p)
+    return nullptr;
+  }
 }
 
 std::unique_ptr<device> open_device(const device_options& options) {

@@ -5,6 +5,7 @@
 #include "log.hpp"
 
 #include <atomic>
+#include <cstdlib>
 #include <ctime>
 #include <mutex>
 #include <system_error>
@@ -79,6 +80,9 @@ struct api {
   CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
   CUresult (*stream_destroy)(CUstream) = nullptr;
   CUresult (*stream_synchronize)(CUstream) = nullptr;
+  CUresult (*host_register)(void*, size_t, unsigned) = nullptr;
+  CUresult (*host_unregister)(void*) = nullptr;
+  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
 };
 
 struct loaded {
@@ -125,6 +129,9 @@ loaded load() noexcept {
   sym(l.fn.stream_create, "cuStreamCreate");
   sym(l.fn.stream_destroy, "cuStreamDestroy_v2");
   sym(l.fn.stream_synchronize, "cuStreamSynchronize");
+  sym(l.fn.host_register, "cuMemHostRegister_v2");
+  sym(l.fn.host_unregister, "cuMemHostUnregister");
+  sym(l.fn.ctx_get_device, "cuCtxGetDevice");
   if (!all) {
     l.status.why = "libcuda.so.1 lacks driver API entry points the runtime needs (a driver older than CUDA 11.7?)";
     l.fn = {};
@@ -276,13 +283,57 @@ std::error_code sync_copy(bool to_host, void* dst, const void* src, std::size_t 
   if (std::error_code ec = scope.find(d, as_device(to_host ? src : dst), why)) {
     return make_error_code(errc::device_copy_failed);
   }
+  // On the calling thread's default stream, waited for: a synchronous
+  // cuMemcpyHtoD from pageable memory returns once the bytes are staged,
+  // before they are in place (a kernel on another stream could read the
+  // old ones after the runtime said the message arrived); the stream's
+  // synchronize waits for the copy itself.
+  const char* call = "cuCtxPushCurrent";
   CUresult r = scope.enter();
-  if (r == CUDA_SUCCESS) r = to_host ? d.fn.memcpy_dtoh(dst, as_device(src), n) : d.fn.memcpy_htod(as_device(dst), src, n);
+  if (r == CUDA_SUCCESS) {
+    call = to_host ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync";
+    r = to_host ? d.fn.memcpy_dtoh_async(dst, as_device(src), n, CU_STREAM_PER_THREAD)
+                : d.fn.memcpy_htod_async(as_device(dst), src, n, CU_STREAM_PER_THREAD);
+  }
+  if (r == CUDA_SUCCESS) {
+    call = "cuStreamSynchronize";
+    r = d.fn.stream_synchronize(CU_STREAM_PER_THREAD);
+  }
   if (r != CUDA_SUCCESS) {
-    why = std::string(to_host ? "cuMemcpyDtoH" : "cuMemcpyHtoD") + ": " + result_text(d.fn, r);
+    why = std::string(call) + ": " + result_text(d.fn, r);
     return make_error_code(errc::device_copy_failed);
   }
   return {};
+}
+
+// A context the runtime holds: a primary one retained until the last
+// holder goes (a copier; the bounce buffers pinned in it).
+struct held_context {
+  const api& fn;
+  CUcontext ctx;
+  bool primary;
+  CUdevice dev;
+  held_context(const api& f, CUcontext c, bool p, CUdevice d) noexcept : fn(f), ctx(c), primary(p), dev(d) {}
+  ~held_context() {
+    if (primary) fn.primary_release(dev);
+  }
+  held_context(const held_context&) = delete;
+  held_context& operator=(const held_context&) = delete;
+};
+
+// Undoes cuMemHostRegister of q in held's context; false when it could
+// not (the memory must then stay allocated: freed, its pages could come
+// back from the heap while the driver takes them for pinned). A driver
+// shut down (the process exiting) or memory not registered counts as
+// done.
+bool unpin(const held_context& held, void* q) noexcept {
+  CUresult r = held.fn.ctx_push(held.ctx);
+  if (r == CUDA_SUCCESS) {
+    r = held.fn.host_unregister(q);
+    CUcontext popped = nullptr;
+    held.fn.ctx_pop(&popped);
+  }
+  return r == CUDA_SUCCESS || r == CUDA_ERROR_DEINITIALIZED || r == CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
 }
 
 // The tcp provider's way into GPU memory: copies on a stream of its own
@@ -290,15 +341,14 @@ std::error_code sync_copy(bool to_host, void* dst, const void* src, std::size_t 
 // it), each waited for.
 class cuda_copier final : public transport::memory_copier {
  public:
-  cuda_copier(const loaded& d, CUcontext ctx, bool primary, CUdevice dev, CUstream stream) noexcept
-      : d_(d), ctx_(ctx), primary_(primary), dev_(dev), stream_(stream) {}
+  cuda_copier(const loaded& d, std::shared_ptr<held_context> ctx, CUstream stream) noexcept
+      : d_(d), held_(std::move(ctx)), ctx_(held_->ctx), stream_(stream) {}
   ~cuda_copier() override {
     if (d_.fn.ctx_push(ctx_) == CUDA_SUCCESS) {
       d_.fn.stream_destroy(stream_);
       CUcontext popped = nullptr;
       d_.fn.ctx_pop(&popped);
     }
-    if (primary_) d_.fn.primary_release(dev_);
   }
   cuda_copier(const cuda_copier&) = delete;
   cuda_copier& operator=(const cuda_copier&) = delete;
@@ -307,6 +357,63 @@ class cuda_copier final : public transport::memory_copier {
   }
   std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept override {
     return copy(false, dst, src, n);
+  }
+  // Page-locked (cuMemHostRegister, portable: pinned for every context)
+  // while the buffer lives, in the primary context of the memory's device,
+  // retained meanwhile (the buffer outlives the copier, and an
+  // application's own context may be destroyed first); ordinary memory,
+  // with a word in the log once, where the driver refuses (a memlock
+  // limit, say): copies still work, slower.
+  std::shared_ptr<std::byte> bounce_buffer(std::size_t n) noexcept override {
+    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t len = (n + page - 1) / page * page;
+    auto* p = static_cast<std::byte*>(std::aligned_alloc(page, len));
+    if (p == nullptr) return nullptr;
+    std::shared_ptr<held_context> primary;
+    CUdevice dev = 0;
+    CUresult r = d_.fn.ctx_push(ctx_);
+    if (r == CUDA_SUCCESS) {
+      r = d_.fn.ctx_get_device(&dev);
+      CUcontext popped = nullptr;
+      d_.fn.ctx_pop(&popped);
+    }
+    CUcontext pctx = nullptr;
+    if (r == CUDA_SUCCESS) r = d_.fn.primary_retain(&pctx, dev);
+    if (r == CUDA_SUCCESS) {
+      try {
+        primary = std::make_shared<held_context>(d_.fn, pctx, true, dev);
+      } catch (const std::bad_alloc&) {
+        d_.fn.primary_release(dev);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+      }
+    }
+    if (r == CUDA_SUCCESS) r = d_.fn.ctx_push(pctx);
+    if (r == CUDA_SUCCESS) {
+      r = d_.fn.host_register(p, len, CU_MEMHOSTREGISTER_PORTABLE);
+      CUcontext popped = nullptr;
+      d_.fn.ctx_pop(&popped);
+    }
+    const bool pinned = r == CUDA_SUCCESS;
+    if (!pinned) {
+      primary.reset();
+      if (!bounce_warned_.exchange(true)) {
+        log().warn("cuda: a {}-byte bounce buffer for GPU memory copies could not be page-locked ({}): its copies "
+                   "are slower", len, result_text(d_.fn, r));
+      }
+    }
+    try {
+      return std::shared_ptr<std::byte>(p, [primary](std::byte* q) noexcept {
+        if (primary == nullptr) {
+          std::free(q);
+          return;
+        }
+        if (unpin(*primary, q)) std::free(q);
+        // (else still registered: freed, the pages could come back to
+        // the heap while the driver thinks them pinned; kept instead)
+      });
+    } catch (const std::bad_alloc&) {  // (the deleter ran)
+      return nullptr;
+    }
   }
 
  private:
@@ -327,12 +434,12 @@ class cuda_copier final : public transport::memory_copier {
     return make_error_code(errc::device_copy_failed);
   }
   const loaded& d_;
+  std::shared_ptr<held_context> held_;
   CUcontext ctx_;
-  bool primary_;
-  CUdevice dev_;
   CUstream stream_;
   std::mutex mutex_;
   std::atomic<bool> warned_{false};
+  std::atomic<bool> bounce_warned_{false};
 };
 
 }  // namespace
@@ -364,9 +471,77 @@ std::shared_ptr<transport::memory_copier> driver_copier(const void* p, std::size
   bool primary = false;
   CUdevice dev = 0;
   CUcontext ctx = scope.take(primary, dev);
-  return std::make_shared<cuda_copier>(d, ctx, primary, dev, stream);
+  // (no memory for what holds them: the stream goes, in its context)
+  auto drop_stream = [&] {
+    if (d.fn.ctx_push(ctx) == CUDA_SUCCESS) {
+      d.fn.stream_destroy(stream);
+      CUcontext popped = nullptr;
+      d.fn.ctx_pop(&popped);
+    }
+  };
+  std::shared_ptr<held_context> held;
+  try {
+    held = std::make_shared<held_context>(d.fn, ctx, primary, dev);
+  } catch (...) {
+    drop_stream();
+    if (primary) d.fn.primary_release(dev);
+    throw;
+  }
+  try {
+    return std::make_shared<cuda_copier>(d, held, stream);
+  } catch (...) {
+    drop_stream();  // (held, alive until the throw leaves, still holds the context)
+    throw;
+  }
 }
 }  // namespace
+
+std::shared_ptr<void> pin_host(void* p, std::size_t n) noexcept {
+  const loaded& d = the_driver();
+  if (!d.status.usable || installed_test_backend() != nullptr || !process_has_cuda(true)) return nullptr;
+  // The first device whose primary context the application made active
+  // (retained while the memory is pinned; portable: pinned for every
+  // context). None active: nothing is pinned.
+  for (int i = 0; i < d.status.devices; ++i) {
+    CUdevice dev = 0;
+    unsigned flags = 0;
+    int active = 0;
+    if (d.fn.device_get(&dev, i) != CUDA_SUCCESS || d.fn.primary_state(dev, &flags, &active) != CUDA_SUCCESS ||
+        active == 0) {
+      continue;
+    }
+    CUcontext ctx = nullptr;
+    if (d.fn.primary_retain(&ctx, dev) != CUDA_SUCCESS) continue;
+    std::shared_ptr<held_context> held;
+    try {
+      held = std::make_shared<held_context>(d.fn, ctx, true, dev);
+    } catch (const std::bad_alloc&) {
+      d.fn.primary_release(dev);
+      return nullptr;
+    }
+    CUresult r = d.fn.ctx_push(ctx);
+    if (r == CUDA_SUCCESS) {
+      r = d.fn.host_register(p, n, CU_MEMHOSTREGISTER_PORTABLE);
+      CUcontext popped = nullptr;
+      d.fn.ctx_pop(&popped);
+    }
+    if (r != CUDA_SUCCESS) {
+      log().warn("cuda: {} bytes of staging buffers could not be page-locked ({}): their copies are slower", n,
+                 result_text(d.fn, r));
+      return nullptr;
+    }
+    try {
+      // (a primary context retained: only a driver shutting down, which
+      // unpins everything, keeps the unpin from happening)
+      return std::shared_ptr<void>(p, [held](void* q) noexcept { (void)unpin(*held, q); });
+    } catch (const std::bad_alloc&) {  // (the deleter ran)
+      return nullptr;
+    }
+  }
+  log().info("cuda: no GPU's primary context is active: {} bytes of staging buffers stay pageable (their copies are "
+             "slower)", n);
+  return nullptr;
+}
 
 std::error_code export_dmabuf(const void* p, std::size_t n, dmabuf_export& out, std::string& why) noexcept {
   const loaded& d = the_driver();
@@ -421,6 +596,8 @@ std::shared_ptr<transport::memory_copier> driver_copier(const void*, std::size_t
   throw std::system_error(errc::not_supported, driver().why);
 }
 }  // namespace
+
+std::shared_ptr<void> pin_host(void*, std::size_t) noexcept { return nullptr; }
 
 std::error_code export_dmabuf(const void*, std::size_t, dmabuf_export&, std::string& why) noexcept {
   why = driver().why;

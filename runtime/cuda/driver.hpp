@@ -67,10 +67,18 @@ inline bool host_registrable(const void* p, bool look_now = false) noexcept {
 }
 
 // Synchronous copies between host memory and GPU device memory (the
-// pointer's context; the legacy default stream): errc::device_copy_failed
-// with the driver's reason in `why`.
+// pointer's context; the calling thread's default stream, waited for
+// until the bytes are in place): errc::device_copy_failed with the
+// driver's reason in `why`.
 std::error_code copy_to_host(void* dst, const void* src, std::size_t n, std::string& why) noexcept;
 std::error_code copy_to_device(void* dst, const void* src, std::size_t n, std::string& why) noexcept;
+
+// Page-locks host memory [p, p + n) for the GPU's copies
+// (cuMemHostRegister, portable) until the returned handle goes, which must
+// be before the memory is freed; null (nothing pinned, copies of it are
+// only slower) without a driver, with a test backend, when no device's
+// primary context is active, or when the driver refuses (logged).
+std::shared_ptr<void> pin_host(void* p, std::size_t n) noexcept;
 
 // What a device that reaches GPU memory by copies (caps().copied_memory:
 // the tcp provider) gets for [p, p + n): a copier bound to the memory's

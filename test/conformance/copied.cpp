@@ -155,15 +155,134 @@ TEST_CASE("copied memory: sends, receives, writes and reads move its bytes only 
   CHECK(copier->to_host_bytes == 3 * size);
 }
 
+TEST_CASE("copied memory: large transfers move in few large copies, each byte once, through the copier's bounce "
+          "buffers", "[conformance]") {
+  fake_device_memory m(kDeviceSize);
+  auto copier = std::make_shared<fake_copier>(m);
+  connected_pair p;
+  if (!device_has_copied(*p.a.dev)) return;
+  constexpr auto rights = access::local_write | access::remote_read | access::remote_write;
+  auto mr = p.a.pd->register_copied(m.dev(), kDeviceSize, rights, copier);
+  std::vector<std::byte> host(kDeviceSize);
+  auto hmr = p.b.pd->register_memory(host.data(), host.size(), rights);
+  const auto dev = reinterpret_cast<std::uint64_t>(m.dev());
+  // (a copy per 64 KiB, the staging buffer's size, would be 48 and more;
+  // per 256 KiB, 13)
+  constexpr std::size_t kBig = (3 << 20) + 5, kMaxCopies = 8;
+  auto copies = [&](bool to_host, std::size_t most) {
+    std::size_t n = 0, bytes = 0;
+    for (const auto& c : copier->log()) {
+      if (c.to_host != to_host) continue;
+      ++n;
+      bytes += c.length;
+    }
+    INFO((to_host ? "out of" : "into") << " copied memory: " << n << " copies, " << bytes << " bytes");
+    CHECK(n <= most);
+    return bytes;
+  };
+
+  // b writes host memory into a's copied memory, at an odd offset.
+  fill(host.data(), kBig, 21);
+  tp::sge sg = hmr->slice(0, static_cast<std::uint32_t>(kBig));
+  tp::work_request wr{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = dev + 3,
+                      .rkey = mr->rkey()};
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(m.view() + 3, host.data(), kBig) == 0);
+  CHECK(copies(false, kMaxCopies) == kBig);
+  copier->clear_log();
+
+  // a receives a message into two pieces of copied memory (two segments,
+  // each contiguous): the bytes of each land in place.
+  fill(host.data(), kBig, 22);
+  constexpr std::size_t kFirst = (2 << 20) + 7;
+  tp::sge rsg[2] = {mr->slice(11, static_cast<std::uint32_t>(kFirst)),
+                    mr->slice(kFirst + 100, static_cast<std::uint32_t>(kBig - kFirst))};
+  tp::recv_request rr{.wr_id = 2, .sg_list = {rsg, 2}};
+  REQUIRE_FALSE(p.a.qp->post_recv({&rr, 1}));
+  wr = send_wr(3, {&sg, 1});
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  auto rc = p.drv.wait_one(p.a.cq.get());
+  REQUIRE(rc.status == tp::wc_status::success);
+  CHECK(rc.byte_len == kBig);
+  CHECK(std::memcmp(m.view() + 11, host.data(), kFirst) == 0);
+  CHECK(std::memcmp(m.view() + kFirst + 100, host.data() + kFirst, kBig - kFirst) == 0);
+  // Between the two pieces: still the first write's bytes (from host
+  // byte kFirst + 8 on, at offset 3).
+  {
+    std::vector<std::byte> first(kBig);
+    fill(first.data(), kBig, 21);
+    CHECK(std::memcmp(m.view() + 11 + kFirst, first.data() + 8 + kFirst, 89) == 0);
+  }
+  CHECK(copies(false, kMaxCopies) == kBig);
+  copier->clear_log();
+
+  // A message scattered over copied, host and copied memory, and a write
+  // of exactly 1 MiB.
+  fill(host.data(), kBig, 24);
+  std::vector<std::byte> mid(200 << 10);
+  auto midmr = p.a.pd->register_memory(mid.data(), mid.size(), access::local_write);
+  constexpr std::size_t kA = 300 << 10, kB = 200 << 10, kC = kBig - kA - kB;
+  tp::sge msg[3] = {mr->slice(0, kA), midmr->slice(0, kB), mr->slice(kA + 64, static_cast<std::uint32_t>(kC))};
+  rr = {.wr_id = 5, .sg_list = {msg, 3}};
+  REQUIRE_FALSE(p.a.qp->post_recv({&rr, 1}));
+  wr = send_wr(6, {&sg, 1});
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  rc = p.drv.wait_one(p.a.cq.get());
+  REQUIRE(rc.status == tp::wc_status::success);
+  CHECK(std::memcmp(m.view(), host.data(), kA) == 0);
+  CHECK(std::memcmp(mid.data(), host.data() + kA, kB) == 0);
+  CHECK(std::memcmp(m.view() + kA + 64, host.data() + kA + kB, kC) == 0);
+  CHECK(copies(false, kMaxCopies) == kA + kC);
+  copier->clear_log();
+  fill(host.data(), 1 << 20, 25);
+  tp::sge one = hmr->slice(0, 1 << 20);
+  wr = {.wr_id = 7, .op = tp::opcode::write, .sg_list = {&one, 1}, .remote_addr = dev + 4096, .rkey = mr->rkey()};
+  REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(m.view() + 4096, host.data(), 1 << 20) == 0);
+  CHECK(copies(false, kMaxCopies) == 1 << 20);
+  copier->clear_log();
+
+  // a reads b's memory into copied memory (tcp: the response comes in
+  // 256 KiB frames, each copied into place as it ends; 64 KiB copies
+  // would be 48 and more).
+  fill(host.data(), kBig, 26);
+  tp::sge rd = mr->slice(7, static_cast<std::uint32_t>(kBig));
+  wr = {.wr_id = 8, .op = tp::opcode::read, .sg_list = {&rd, 1},
+        .remote_addr = reinterpret_cast<std::uint64_t>(host.data()), .rkey = hmr->rkey()};
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(m.view() + 7, host.data(), kBig) == 0);
+  CHECK(copies(false, 2 * kMaxCopies) == kBig);
+  copier->clear_log();
+
+  // a writes from copied memory into b.
+  fill(m.view() + 1, kBig, 23);
+  tp::sge asg = mr->slice(1, static_cast<std::uint32_t>(kBig));
+  wr = {.wr_id = 9, .op = tp::opcode::write, .sg_list = {&asg, 1},
+        .remote_addr = reinterpret_cast<std::uint64_t>(host.data()), .rkey = hmr->rkey()};
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  CHECK(std::memcmp(host.data(), m.view() + 1, kBig) == 0);
+  CHECK(copies(true, kMaxCopies) == kBig);
+  // tcp: one bounce buffer each way for a's queue pair, kept between
+  // transfers (b's host memory needs none).
+  if (p.a.dev->provider() == "tcp") CHECK(copier->bounce_buffers == 2);
+  CHECK_FALSE(copier->bad_range);
+}
+
 TEST_CASE("copied memory: a copy that fails fails the operation, never sends or leaves wrong bytes as success",
           "[conformance]") {
-  fake_device_memory m(1 << 20);
+  fake_device_memory m(2 << 20);
   auto copier = std::make_shared<fake_copier>(m);
   connected_pair p;
   if (!device_has_copied(*p.a.dev)) return;
   constexpr auto rights = access::local_write | access::remote_read | access::remote_write;
   auto mr = p.a.pd->register_copied(m.dev(), m.size(), rights, copier);
-  std::vector<std::byte> host(1 << 20);
+  std::vector<std::byte> host(2 << 20);
   auto hmr = p.b.pd->register_memory(host.data(), host.size(), rights);
   const auto dev = reinterpret_cast<std::uint64_t>(m.dev());
   copier->fail_after = 0;
@@ -182,10 +301,20 @@ TEST_CASE("copied memory: a copy that fails fails the operation, never sends or 
     CHECK(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::remote_access_error);
   }
   SECTION("a peer's write into copied memory: the write fails, not acknowledged as done") {
-    tp::sge sg = hmr->slice(0, 65536);
+    // The larger goes through the bounce buffer, and its second copy,
+    // which fails, is one of the bounce's (the first may be of bytes that
+    // came with the header, or the bounce's first MiB).
+    const std::uint32_t len = GENERATE(65536u, 2u << 20);
+    if (len > 65536) copier->fail_after = 1;
+    tp::sge sg = hmr->slice(0, len);
     tp::work_request wr{.wr_id = 3, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = dev, .rkey = mr->rkey()};
     REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
     CHECK(p.drv.wait_one(p.b.cq.get()).status != tp::wc_status::success);
+    const auto log = copier->log();
+    if (len > 65536 && p.a.dev->provider() == "tcp") {
+      REQUIRE(log.size() >= 2);
+      CHECK(log[1].length > 65536);  // the bounce's, not a staging buffer's
+    }
   }
   CHECK(copier->copies > 0);
 }

@@ -83,6 +83,12 @@ class fake_copier final : public anydoor::transport::memory_copier {
     to_device_bytes += n;
     return {};
   }
+  // The device's bounce buffers come from here (ordinary memory), counted.
+  std::shared_ptr<std::byte> bounce_buffer(std::size_t n) noexcept override {
+    ++bounce_buffers;
+    return memory_copier::bounce_buffer(n);
+  }
+  std::atomic<int> bounce_buffers{0};
   std::atomic<std::uint64_t> to_host_bytes{0}, to_device_bytes{0};
   std::atomic<std::uint64_t> copies{0};
   std::atomic<long> fail_after{-1};

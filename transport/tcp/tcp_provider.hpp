@@ -313,6 +313,11 @@ class free_stash {
 };
 
 inline constexpr std::size_t kRxStagingBytes = 64 * 1024;
+// A queue pair's bounce buffers for copied memory (one each way, made on
+// first use): what one copy moves at most. Large, so that a copy's fixed
+// cost (a CUDA copy is started and waited for: microseconds) is spread
+// over many bytes.
+inline constexpr std::size_t kCopyBounce = 1024 * 1024;
 using rx_staging = std::array<std::byte, kRxStagingBytes>;
 
 // A transmit batch (tcp_qp_tx.cpp): iovecs of whole frames, what each
@@ -423,6 +428,8 @@ class tcp_qp final : public queue_pair {
   // Payload bytes that reached registered memory through the staging
   // buffer (a copy more than a read straight into it): for tests.
   std::uint64_t payload_via_staging() const noexcept { return payload_via_staging_; }
+  // The most bytes one sendmsg was given (at most tx_batch::kMaxSendBytes): for tests.
+  std::size_t largest_send() const noexcept { return largest_send_; }
 
   // Connection manager: adopt a connected socket; moves the QP to rts.
   std::error_code attach_socket(int fd, std::uint32_t peer_max_send_wr) noexcept;
@@ -556,7 +563,7 @@ class tcp_qp final : public queue_pair {
   void add_header(const void* p) noexcept;
   bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
   bool pin_iov() noexcept;  // false: the stream must be cut
-  // Copies up to kTxBounce bytes of iovec i (copied memory at registered
+  // Copies up to kCopyBounce bytes of iovec i (copied memory at registered
   // address addr, pinned at p) into tx_bounce_ and points it there; false
   // when the copier fails.
   bool bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier) noexcept;
@@ -665,6 +672,7 @@ class tcp_qp final : public queue_pair {
   // pin_iov pinned [iov_pos_, iov_end_) for the sendmsg in progress, which
   // sends what of it fits tx_batch::kMaxSendBytes (the last iovec cut short)
   std::size_t iov_end_ = 0;
+  std::size_t largest_send_ = 0;
   // Copied memory (register_copied) goes out through tx_bounce_, one piece
   // per sendmsg: the iovec bounced_ then points at bounced_base_, for
   // bounced_len_ of its bounced_full_ bytes at registered address
@@ -672,8 +680,8 @@ class tcp_qp final : public queue_pair {
   // it did not send. The bounce holds held_len_ bytes of iovec held_iov_
   // of this batch from registered address held_addr_ until they are sent
   // (a sendmsg that sends less, or nothing, does not copy them again).
-  static constexpr std::size_t kTxBounce = 256 * 1024;
-  std::unique_ptr<std::byte[]> tx_bounce_;
+  // (the copier's bounce_buffer: page-locked for CUDA; kCopyBounce bytes)
+  std::shared_ptr<std::byte> tx_bounce_;
   static constexpr std::size_t kNoBounce = ~std::size_t{0};
   std::size_t bounced_ = kNoBounce;
   std::uint64_t bounced_addr_ = 0;
@@ -713,6 +721,18 @@ class tcp_qp final : public queue_pair {
   // not two).
   bool rx_header_only_ = false;
   std::uint64_t payload_via_staging_ = 0;
+  // Large pieces of payload bound for copied memory are read into
+  // rx_bounce_ (the copier's bounce_buffer, kCopyBounce bytes), which
+  // holds rx_bounce_fill_ bytes for [rx_bounce_addr_, + fill) of
+  // registration rx_bounce_key_ (the current segment's, contiguous up to
+  // its addr); they go into place in one copy when it is full, or the
+  // segment or payload ends (flush_rx_bounce).
+  std::shared_ptr<std::byte> rx_bounce_;
+  std::size_t rx_bounce_fill_ = 0;
+  std::uint32_t rx_bounce_key_ = 0;
+  access rx_bounce_need_{};
+  std::uint64_t rx_bounce_addr_ = 0;
+  bool flush_rx_bounce() noexcept;  // false: the payload is lost (lose_payload)
   rx_phase phase_ = rx_phase::header;
   frame_header cur_{};
   std::array<segment, 16> seg_{};

@@ -235,6 +235,10 @@ void tcp_qp::close_socket() noexcept {
   // pass stops using them once fd_ is closed.
   return_staging();
   if (tx_ != nullptr) batches_->give(std::exchange(tx_, nullptr));
+  // The bounce buffers of copied memory (page-locked for CUDA) go too: a
+  // closed queue pair holds no pinned memory.
+  tx_bounce_.reset();
+  rx_bounce_.reset();
 }
 
 // What belongs to one socket's byte stream: the transmit batch, the
@@ -244,6 +248,7 @@ void tcp_qp::reset_stream() noexcept {
   held_iov_ = kNoBounce;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   rx_begin_ = rx_end_ = 0;
+  rx_bounce_fill_ = 0;
   rx_header_only_ = false;
   phase_ = rx_phase::header;
   close_when_flushed_ = false;

@@ -5,6 +5,8 @@
 
 #include "log.hpp"
 
+#include <anydoor/error.hpp>
+
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -139,6 +141,7 @@ void tcp_qp::receive_frames() noexcept {
     // buffer it would count as pending work, and a consumer that arms
     // would be woken again at once for as long as a NAK waits to leave.
     rx_begin_ = rx_end_ = 0;
+    rx_bounce_fill_ = 0;
     if (fd_ >= 0) discard_input();
     return;
   }
@@ -230,11 +233,11 @@ void tcp_qp::receive_frames() noexcept {
       phase_ = rx_phase::payload;
     }
     // payload: staging buffer first, then straight from the socket when
-    // large or the end of a large frame; each piece pins its destination
-    // while it moves
+    // large or the end of a large frame (copied memory: into the bounce
+    // buffer); each piece pins its destination while it moves
     while (payload_left_ > 0) {
       segment* s = seg_index_ < seg_count_ ? &seg_[seg_index_] : nullptr;
-      const std::uint64_t want = s != nullptr ? std::min(s->len, payload_left_) : payload_left_;
+      std::uint64_t want = s != nullptr ? std::min(s->len, payload_left_) : payload_left_;
       std::size_t got = 0;
       if (rx_begin_ < rx_end_) {
         got = static_cast<std::size_t>(std::min<std::uint64_t>(want, rx_end_ - rx_begin_));
@@ -242,8 +245,11 @@ void tcp_qp::receive_frames() noexcept {
           memory_copier* copier = nullptr;
           if (std::byte* p = table_.pin(s->key, s->addr, got, s->need, via(s->need), copier)) {
             std::error_code ec;
-            if (copier == nullptr) std::memcpy(p, rx_buf_.data() + rx_begin_, got);
-            else ec = copier->to_device(p, rx_buf_.data() + rx_begin_, got);
+            if (copier == nullptr) {
+              std::memcpy(p, rx_buf_.data() + rx_begin_, got);
+            } else {
+              ec = copier->to_device(p, rx_buf_.data() + rx_begin_, got);
+            }
             payload_via_staging_ += got;
             table_.unpin(s->key);
             if (ec) {
@@ -259,19 +265,35 @@ void tcp_qp::receive_frames() noexcept {
         if (drained) return;
         rx_begin_ = rx_end_ = 0;
         std::byte* direct = nullptr;
+        bool bounce = false;
         // Straight into the destination when the piece is large, or when it
         // ends a large frame (a tail the staging read left: reading it with
         // the next header puts a stream of large frames back in step, where
-        // staging reads would copy every byte of it twice).
+        // staging reads would copy every byte of it twice). Copied memory
+        // the same way into the bounce buffer, and the bounce's bytes go
+        // into place in one copy per kCopyBounce (a read fills what it can,
+        // the next read goes on filling it).
         if (s != nullptr && s->key != 0 &&
-            (want >= kDirectReadMin || (want == payload_left_ && cur_.length >= kDirectReadMin))) {
+            (rx_bounce_fill_ != 0 || want >= kDirectReadMin ||
+             (want == payload_left_ && cur_.length >= kDirectReadMin))) {
           memory_copier* copier = nullptr;
           direct = table_.pin(s->key, s->addr, want, s->need, via(s->need), copier);
           if (direct == nullptr) {
             lose_payload();
           } else if (copier != nullptr) {
-            table_.unpin(s->key);  // copied memory: through the staging buffer (above)
+            table_.unpin(s->key);
             direct = nullptr;
+            if (rx_bounce_ == nullptr) rx_bounce_ = copier->bounce_buffer(kCopyBounce);
+            if (rx_bounce_ != nullptr) {  // (else through the staging buffer, above)
+              if (rx_bounce_fill_ == 0) {
+                rx_bounce_key_ = s->key;
+                rx_bounce_need_ = s->need;
+                rx_bounce_addr_ = s->addr;
+              }
+              direct = rx_bounce_.get() + rx_bounce_fill_;
+              want = std::min<std::uint64_t>(want, kCopyBounce - rx_bounce_fill_);
+              bounce = true;
+            }
           }
         }
         ssize_t n = 0;
@@ -286,7 +308,7 @@ void tcp_qp::receive_frames() noexcept {
           m.msg_iovlen = want == payload_left_ ? 2 : 1;
           asked = static_cast<std::size_t>(want) + (m.msg_iovlen == 2 ? kHeaderSize : 0);
           n = ::recvmsg(fd_, &m, MSG_DONTWAIT);
-          table_.unpin(s->key);
+          if (!bounce) table_.unpin(s->key);
         } else {
           n = ::recv(fd_, rx_buf_.data(), rx_buf_.size(), MSG_DONTWAIT);
         }
@@ -304,11 +326,18 @@ void tcp_qp::receive_frames() noexcept {
         }
         got = std::min(static_cast<std::size_t>(n), static_cast<std::size_t>(want));
         rx_end_ = static_cast<std::size_t>(n) - got;  // what came of the next header
+        if (bounce) rx_bounce_fill_ += got;
       }
       payload_left_ -= got;
       if (s != nullptr) {
         s->addr += got;
         s->len -= got;
+        // The bounce's bytes go into place when it is full and where its
+        // segment (contiguous memory) ends.
+        if (rx_bounce_fill_ != 0 && (rx_bounce_fill_ == kCopyBounce || s->len == 0 || payload_left_ == 0) &&
+            !flush_rx_bounce()) {
+          lose_payload();
+        }
         if (s->len == 0) ++seg_index_;
       }
     }
@@ -317,9 +346,26 @@ void tcp_qp::receive_frames() noexcept {
   }
 }
 
+// The bounce buffer's bytes into their place; false when the destination
+// went away or the copy failed (the bytes are dropped either way).
+bool tcp_qp::flush_rx_bounce() noexcept {
+  const std::size_t n = std::exchange(rx_bounce_fill_, 0);
+  memory_copier* copier = nullptr;
+  std::byte* p = table_.pin(rx_bounce_key_, rx_bounce_addr_, n, rx_bounce_need_, via(rx_bounce_need_), copier);
+  if (p == nullptr) return false;
+  // (only a copier's memory is read into the bounce: a key that names
+  // other memory now is not the one the bytes were for)
+  const std::error_code ec = copier != nullptr ? copier->to_device(p, rx_bounce_.get(), n)
+                                               : make_error_code(errc::invalid_argument);
+  table_.unpin(rx_bounce_key_);
+  if (ec) log().warn("qp {}: copying {} arriving bytes into copied memory failed: {}", qpn_, n, ec.message());
+  return !ec;
+}
+
 // A destination was deregistered while its payload arrived: the rest of
 // the payload is read and dropped, and finish_payload fails the frame.
 void tcp_qp::lose_payload() noexcept {
+  rx_bounce_fill_ = 0;
   if (!payload_lost_) log().warn("qp {}: the destination of an arriving payload was deregistered", qpn_);
   payload_lost_ = true;
   for (std::size_t i = seg_index_; i < seg_count_; ++i) seg_[i].key = 0;
@@ -678,8 +724,11 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
       std::byte* p = table_.pin(dst.lkey, dst.addr, 8, access::local_write, 0, copier);
       std::error_code ec;
       if (p != nullptr) {
-        if (copier == nullptr) std::memcpy(p, &h.compare_add, 8);
-        else ec = copier->to_device(p, &h.compare_add, 8);
+        if (copier == nullptr) {
+          std::memcpy(p, &h.compare_add, 8);
+        } else {
+          ec = copier->to_device(p, &h.compare_add, 8);
+        }
         table_.unpin(dst.lkey);
       }
       if (p == nullptr || ec) {

@@ -211,7 +211,7 @@ bool tcp_qp::pin_iov() noexcept {
 }
 
 bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier) noexcept {
-  if (tx_bounce_ == nullptr) tx_bounce_.reset(new (std::nothrow) std::byte[kTxBounce]);
+  if (tx_bounce_ == nullptr) tx_bounce_ = copier.bounce_buffer(kCopyBounce);
   if (tx_bounce_ == nullptr) {
     log().warn("qp {}: no memory for the bounce buffer of copied memory", qpn_);
     return false;
@@ -220,7 +220,7 @@ bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memor
   if (held_iov_ == i && addr >= held_addr_ && addr - held_addr_ < held_len_) {
     skip = static_cast<std::size_t>(addr - held_addr_);  // still there from the last sendmsg
   } else {
-    const std::size_t n = std::min(tx_->iov[i].iov_len, kTxBounce);
+    const std::size_t n = std::min(tx_->iov[i].iov_len, kCopyBounce);
     held_iov_ = kNoBounce;
     if (const std::error_code ec = copier.to_host(tx_bounce_.get(), p, n)) {
       log().warn("qp {}: copying {} bytes out of copied memory failed: {}", qpn_, n, ec.message());
@@ -348,6 +348,9 @@ void tcp_qp::flush_batch() noexcept {
     iovec* const cut = bytes > tx_batch::kMaxSendBytes ? &tx_->iov[end - 1] : nullptr;
     const std::size_t cut_len = cut != nullptr ? cut->iov_len : 0;
     if (cut != nullptr) cut->iov_len -= bytes - tx_batch::kMaxSendBytes;
+    std::size_t given = 0;
+    for (std::size_t k = iov_pos_; k < end; ++k) given += tx_->iov[k].iov_len;
+    largest_send_ = std::max(largest_send_, given);
     msghdr msg{};
     msg.msg_iov = &tx_->iov[iov_pos_];
     msg.msg_iovlen = end - iov_pos_;

@@ -257,6 +257,13 @@ class memory_copier {
   virtual std::error_code to_host(void* dst, const void* src, std::size_t n) noexcept = 0;
   // Host memory [src, src + n) into the copied memory at dst.
   virtual std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept = 0;
+  // A host buffer of n bytes for the device's copies to and from this
+  // memory (its bounce buffers): memory those copies move fastest (CUDA:
+  // page-locked, which the GPU reaches by DMA, where pageable memory is
+  // copied once more by the driver, in small pieces), usable with any
+  // copier; null when there is no memory. It may outlive the copier. The
+  // default: ordinary memory.
+  virtual std::shared_ptr<std::byte> bounce_buffer(std::size_t n) noexcept;
 };
 
 // A protection domain (ibv_pd): registrations and queue pairs live in one.
