@@ -358,6 +358,22 @@ class cuda_copier final : public transport::memory_copier {
   std::error_code to_device(void* dst, const void* src, std::size_t n) noexcept override {
     return copy(false, dst, src, n);
   }
+  // Started on the copier's stream; finish() synchronizes it.
+  std::error_code start_to_host(void* dst, const void* src, std::size_t n) noexcept override {
+    return start(true, dst, src, n);
+  }
+  std::error_code start_to_device(void* dst, const void* src, std::size_t n) noexcept override {
+    return start(false, dst, src, n);
+  }
+  std::error_code finish() noexcept override {
+    std::lock_guard lock(mutex_);
+    CUresult r = d_.fn.ctx_push(ctx_);
+    if (r != CUDA_SUCCESS) return failed(r);
+    r = d_.fn.stream_synchronize(stream_);
+    CUcontext popped = nullptr;
+    d_.fn.ctx_pop(&popped);
+    return r == CUDA_SUCCESS ? std::error_code{} : failed(r);
+  }
   // Page-locked (cuMemHostRegister, portable: pinned for every context)
   // while the buffer lives, in the primary context of the memory's device,
   // retained meanwhile (the buffer outlives the copier, and an
@@ -424,6 +440,16 @@ class cuda_copier final : public transport::memory_copier {
     r = to_host ? d_.fn.memcpy_dtoh_async(dst, as_device(src), n, stream_)
                 : d_.fn.memcpy_htod_async(as_device(dst), src, n, stream_);
     if (r == CUDA_SUCCESS) r = d_.fn.stream_synchronize(stream_);
+    CUcontext popped = nullptr;
+    d_.fn.ctx_pop(&popped);
+    return r == CUDA_SUCCESS ? std::error_code{} : failed(r);
+  }
+  std::error_code start(bool to_host, void* dst, const void* src, std::size_t n) noexcept {
+    std::lock_guard lock(mutex_);
+    CUresult r = d_.fn.ctx_push(ctx_);
+    if (r != CUDA_SUCCESS) return failed(r);
+    r = to_host ? d_.fn.memcpy_dtoh_async(dst, as_device(src), n, stream_)
+                : d_.fn.memcpy_htod_async(as_device(dst), src, n, stream_);
     CUcontext popped = nullptr;
     d_.fn.ctx_pop(&popped);
     return r == CUDA_SUCCESS ? std::error_code{} : failed(r);

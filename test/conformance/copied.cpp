@@ -166,9 +166,8 @@ TEST_CASE("copied memory: large transfers move in few large copies, each byte on
   std::vector<std::byte> host(kDeviceSize);
   auto hmr = p.b.pd->register_memory(host.data(), host.size(), rights);
   const auto dev = reinterpret_cast<std::uint64_t>(m.dev());
-  // (a copy per 64 KiB, the staging buffer's size, would be 48 and more;
-  // per 256 KiB, 13)
-  constexpr std::size_t kBig = (3 << 20) + 5, kMaxCopies = 8;
+  // (a copy per 64 KiB, the staging buffer's size, would be 48 and more)
+  constexpr std::size_t kBig = (3 << 20) + 5, kMaxCopies = 12;
   auto copies = [&](bool to_host, std::size_t most) {
     std::size_t n = 0, bytes = 0;
     for (const auto& c : copier->log()) {
@@ -268,9 +267,14 @@ TEST_CASE("copied memory: large transfers move in few large copies, each byte on
   REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
   CHECK(std::memcmp(host.data(), m.view() + 1, kBig) == 0);
   CHECK(copies(true, kMaxCopies) == kBig);
-  // tcp: one bounce buffer each way for a's queue pair, kept between
-  // transfers (b's host memory needs none).
-  if (p.a.dev->provider() == "tcp") CHECK(copier->bounce_buffers == 2);
+  // tcp: two bounce buffers each way for a's queue pair, kept between
+  // transfers (b's host memory needs none); copies were started ahead
+  // (overlapping the network), and every one was waited for.
+  if (p.a.dev->provider() == "tcp") {
+    CHECK(copier->bounce_buffers == 4);
+    CHECK(copier->started > 4);
+  }
+  CHECK(copier->finishes >= copier->started);
   CHECK_FALSE(copier->bad_range);
 }
 
@@ -315,6 +319,30 @@ TEST_CASE("copied memory: a copy that fails fails the operation, never sends or 
       REQUIRE(log.size() >= 2);
       CHECK(log[1].length > 65536);  // the bounce's, not a staging buffer's
     }
+  }
+  SECTION("a peer's write into copied memory whose copy fails where it is waited for: the write fails") {
+    copier->fail_after = 1;
+    copier->defer_failures = true;
+    tp::sge sg = hmr->slice(0, 2u << 20);
+    tp::work_request wr{.wr_id = 4, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = dev, .rkey = mr->rkey()};
+    REQUIRE_FALSE(p.b.qp->post_send({&wr, 1}));
+    CHECK(p.drv.wait_one(p.b.cq.get()).status != tp::wc_status::success);
+    if (p.a.dev->provider() == "tcp") CHECK(copier->started > 0);
+    CHECK_FALSE(copier->pending_failure);  // (finish() reported it)
+  }
+  SECTION("a write from copied memory whose copy ahead fails once: copied again, the bytes arrive right") {
+    copier->fail_after = 1;
+    copier->fail_once = true;
+    copier->defer_failures = true;
+    fill(m.view(), 2 << 20, 9);
+    tp::sge sg = mr->slice(0, 2u << 20);
+    tp::work_request wr{.wr_id = 5, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                        .remote_addr = reinterpret_cast<std::uint64_t>(host.data()), .rkey = hmr->rkey()};
+    REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+    CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+    CHECK(std::memcmp(host.data(), m.view(), 2 << 20) == 0);
+    if (p.a.dev->provider() == "tcp") CHECK(copier->started > 0);
+    CHECK_FALSE(copier->pending_failure);
   }
   CHECK(copier->copies > 0);
 }

@@ -83,6 +83,21 @@ class fake_copier final : public anydoor::transport::memory_copier {
     to_device_bytes += n;
     return {};
   }
+  // Started copies run at once; with defer_failures, a failure of one is
+  // reported by finish() instead (as a CUDA stream's error is).
+  std::error_code start_to_host(void* dst, const void* src, std::size_t n) noexcept override {
+    return deferred(to_host(dst, src, n));
+  }
+  std::error_code start_to_device(void* dst, const void* src, std::size_t n) noexcept override {
+    return deferred(to_device(dst, src, n));
+  }
+  std::error_code finish() noexcept override {
+    ++finishes;
+    return pending_failure.exchange(false) ? make_error_code(errc::device_copy_failed) : std::error_code{};
+  }
+  std::atomic<bool> defer_failures{false};
+  std::atomic<bool> pending_failure{false};
+  std::atomic<int> started{0}, finishes{0};
   // The device's bounce buffers come from here (ordinary memory), counted.
   std::shared_ptr<std::byte> bounce_buffer(std::size_t n) noexcept override {
     ++bounce_buffers;
@@ -138,6 +153,12 @@ class fake_copier final : public anydoor::transport::memory_copier {
       }
       if (fail_after.compare_exchange_weak(left, left - 1)) break;
     }
+    return {};
+  }
+  std::error_code deferred(std::error_code ec) noexcept {
+    ++started;
+    if (!ec || !defer_failures) return ec;
+    pending_failure = true;
     return {};
   }
   const fake_device_memory& m_;

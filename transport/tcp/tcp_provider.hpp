@@ -313,11 +313,12 @@ class free_stash {
 };
 
 inline constexpr std::size_t kRxStagingBytes = 64 * 1024;
-// A queue pair's bounce buffers for copied memory (one each way, made on
+// A queue pair's bounce buffers for copied memory (two each way, made on
 // first use): what one copy moves at most. Large, so that a copy's fixed
 // cost (a CUDA copy is started and waited for: microseconds) is spread
-// over many bytes.
-inline constexpr std::size_t kCopyBounce = 1024 * 1024;
+// over many bytes; two, so that the copy of one piece overlaps the
+// network's work on the other.
+inline constexpr std::size_t kCopyBounce = 512 * 1024;
 using rx_staging = std::array<std::byte, kRxStagingBytes>;
 
 // A transmit batch (tcp_qp_tx.cpp): iovecs of whole frames, what each
@@ -564,9 +565,13 @@ class tcp_qp final : public queue_pair {
   bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
   bool pin_iov() noexcept;  // false: the stream must be cut
   // Copies up to kCopyBounce bytes of iovec i (copied memory at registered
-  // address addr, pinned at p) into tx_bounce_ and points it there; false
-  // when the copier fails.
-  bool bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier) noexcept;
+  // address addr, pinned at p under key) into tx_bounce_ (or finds them
+  // there, or in tx_next_) and points it there, and starts the copy of
+  // the iovec's next piece into tx_next_; false when the copier fails.
+  // true with `keep`: a copy was started, and the registration stays
+  // pinned until it is settled (settle_tx_copy, by unpin_iov).
+  bool bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier, bool& keep) noexcept;
+  void settle_tx_copy() noexcept;
   void unbounce() noexcept;  // after the sendmsg: the bounced iovec as it was, less what went
   void unpin_iov() noexcept;
   void poison_read(std::uint64_t pos) noexcept;
@@ -681,7 +686,16 @@ class tcp_qp final : public queue_pair {
   // of this batch from registered address held_addr_ until they are sent
   // (a sendmsg that sends less, or nothing, does not copy them again).
   // (the copier's bounce_buffer: page-locked for CUDA; kCopyBounce bytes)
-  std::shared_ptr<std::byte> tx_bounce_;
+  // tx_next_ holds (or, while next_pending_, is being filled with, by
+  // next_copier_) next_len_ bytes of iovec next_iov_ from registered
+  // address next_addr_: the piece after the held one, copied out while the
+  // held one is sent.
+  std::shared_ptr<std::byte> tx_bounce_, tx_next_;
+  std::size_t next_iov_ = ~std::size_t{0};
+  std::uint64_t next_addr_ = 0;
+  std::size_t next_len_ = 0;
+  bool next_pending_ = false;
+  memory_copier* next_copier_ = nullptr;
   static constexpr std::size_t kNoBounce = ~std::size_t{0};
   std::size_t bounced_ = kNoBounce;
   std::uint64_t bounced_addr_ = 0;
@@ -727,12 +741,20 @@ class tcp_qp final : public queue_pair {
   // registration rx_bounce_key_ (the current segment's, contiguous up to
   // its addr); they go into place in one copy when it is full, or the
   // segment or payload ends (flush_rx_bounce).
-  std::shared_ptr<std::byte> rx_bounce_;
+  // A full bounce whose segment goes on is copied while rx_spare_ fills:
+  // rx_copy_pending_ until settle_rx_copy, its destination pinned
+  // (rx_copy_key_) meanwhile; the copy that ends a segment is waited for
+  // at once, so a frame's bytes are all in place before it completes.
+  std::shared_ptr<std::byte> rx_bounce_, rx_spare_;
   std::size_t rx_bounce_fill_ = 0;
   std::uint32_t rx_bounce_key_ = 0;
   access rx_bounce_need_{};
   std::uint64_t rx_bounce_addr_ = 0;
-  bool flush_rx_bounce() noexcept;  // false: the payload is lost (lose_payload)
+  bool rx_copy_pending_ = false;
+  std::uint32_t rx_copy_key_ = 0;
+  memory_copier* rx_copy_copier_ = nullptr;
+  bool flush_rx_bounce(bool last) noexcept;  // false: the payload is lost (lose_payload)
+  bool settle_rx_copy() noexcept;            // false: the started copy failed
   rx_phase phase_ = rx_phase::header;
   frame_header cur_{};
   std::array<segment, 16> seg_{};

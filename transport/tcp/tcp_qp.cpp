@@ -238,14 +238,18 @@ void tcp_qp::close_socket() noexcept {
   // The bounce buffers of copied memory (page-locked for CUDA) go too: a
   // closed queue pair holds no pinned memory.
   tx_bounce_.reset();
+  tx_next_.reset();
   rx_bounce_.reset();
+  rx_spare_.reset();
 }
 
 // What belongs to one socket's byte stream: the transmit batch, the
 // response ring's positions, the receive staging buffer and frame parser.
 void tcp_qp::reset_stream() noexcept {
+  settle_tx_copy();  // (copies in flight end before their buffers go)
+  (void)settle_rx_copy();
   iov_count_ = iov_pos_ = 0;
-  held_iov_ = kNoBounce;
+  held_iov_ = next_iov_ = kNoBounce;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   rx_begin_ = rx_end_ = 0;
   rx_bounce_fill_ = 0;

@@ -121,6 +121,11 @@ void tcp_qp::discard_input() noexcept {
 void tcp_qp::receive() noexcept {
   if (fd_ < 0 || !borrow_staging()) return;
   receive_frames();
+  // A copy into copied memory still running ends with the pass (its
+  // destination is pinned only until then); one that failed loses the
+  // frame it belongs to (always the current one: the copy that ends a
+  // segment is waited for at once).
+  if (rx_copy_pending_ && !settle_rx_copy()) lose_payload();
   return_staging();
 }
 
@@ -142,6 +147,7 @@ void tcp_qp::receive_frames() noexcept {
     // would be woken again at once for as long as a NAK waits to leave.
     rx_begin_ = rx_end_ = 0;
     rx_bounce_fill_ = 0;
+    (void)settle_rx_copy();
     if (fd_ >= 0) discard_input();
     return;
   }
@@ -284,6 +290,7 @@ void tcp_qp::receive_frames() noexcept {
             table_.unpin(s->key);
             direct = nullptr;
             if (rx_bounce_ == nullptr) rx_bounce_ = copier->bounce_buffer(kCopyBounce);
+            if (rx_spare_ == nullptr) rx_spare_ = copier->bounce_buffer(kCopyBounce);  // (none: no overlap)
             if (rx_bounce_ != nullptr) {  // (else through the staging buffer, above)
               if (rx_bounce_fill_ == 0) {
                 rx_bounce_key_ = s->key;
@@ -333,32 +340,62 @@ void tcp_qp::receive_frames() noexcept {
         s->addr += got;
         s->len -= got;
         // The bounce's bytes go into place when it is full and where its
-        // segment (contiguous memory) ends.
-        if (rx_bounce_fill_ != 0 && (rx_bounce_fill_ == kCopyBounce || s->len == 0 || payload_left_ == 0) &&
-            !flush_rx_bounce()) {
+        // segment (contiguous memory) ends; there a copy still running is
+        // waited for too (the segment's end may have come another way).
+        const bool ends = s->len == 0 || payload_left_ == 0;
+        if (rx_bounce_fill_ != 0 && (rx_bounce_fill_ == kCopyBounce || ends)) {
+          if (!flush_rx_bounce(ends)) lose_payload();
+        } else if (ends && rx_copy_pending_ && !settle_rx_copy()) {
           lose_payload();
         }
         if (s->len == 0) ++seg_index_;
       }
     }
     phase_ = rx_phase::header;
+    if (rx_copy_pending_ && !settle_rx_copy()) lose_payload();  // (settled above, where the segment ended)
     finish_payload();
   }
 }
 
 // The bounce buffer's bytes into their place; false when the destination
-// went away or the copy failed (the bytes are dropped either way).
-bool tcp_qp::flush_rx_bounce() noexcept {
+// went away or a copy failed (the bytes are dropped either way). Not the
+// `last` of a segment, and with a spare buffer: the copy is started, and
+// the spare fills meanwhile (the copy started before is settled first).
+bool tcp_qp::flush_rx_bounce(bool last) noexcept {
   const std::size_t n = std::exchange(rx_bounce_fill_, 0);
+  if (!settle_rx_copy()) return false;
   memory_copier* copier = nullptr;
   std::byte* p = table_.pin(rx_bounce_key_, rx_bounce_addr_, n, rx_bounce_need_, via(rx_bounce_need_), copier);
   if (p == nullptr) return false;
-  // (only a copier's memory is read into the bounce: a key that names
-  // other memory now is not the one the bytes were for)
-  const std::error_code ec = copier != nullptr ? copier->to_device(p, rx_bounce_.get(), n)
-                                               : make_error_code(errc::invalid_argument);
+  std::error_code ec;
+  if (copier == nullptr) {
+    // (only a copier's memory is read into the bounce: a key that names
+    // other memory now is not the one the bytes were for)
+    ec = make_error_code(errc::invalid_argument);
+  } else if (!last && rx_spare_ != nullptr) {
+    ec = copier->start_to_device(p, rx_bounce_.get(), n);
+    if (!ec) {
+      rx_copy_pending_ = true;
+      rx_copy_key_ = rx_bounce_key_;  // (pinned until settled)
+      rx_copy_copier_ = copier;
+      std::swap(rx_bounce_, rx_spare_);  // the segment goes on in the other buffer
+      return true;
+    }
+  } else {
+    ec = copier->to_device(p, rx_bounce_.get(), n);
+  }
   table_.unpin(rx_bounce_key_);
   if (ec) log().warn("qp {}: copying {} arriving bytes into copied memory failed: {}", qpn_, n, ec.message());
+  return !ec;
+}
+
+// Waits for the copy flush_rx_bounce started, and lets its destination go.
+bool tcp_qp::settle_rx_copy() noexcept {
+  if (!rx_copy_pending_) return true;
+  rx_copy_pending_ = false;
+  const std::error_code ec = rx_copy_copier_->finish();
+  table_.unpin(rx_copy_key_);
+  if (ec) log().warn("qp {}: copying arriving bytes into copied memory failed: {}", qpn_, ec.message());
   return !ec;
 }
 

@@ -190,9 +190,12 @@ bool tcp_qp::pin_iov() noexcept {
       // Copied memory: this sendmsg ends with a piece of it (or before it,
       // at the per-call limit), copied out
       // (the next one sends the rest; the bounce holds the bytes, so the
-      // registration need not stay pinned, only be there now).
-      const bool copied = bounce(i, addr, p, *copier);
-      table_.unpin(ref.key);
+      // registration need not stay pinned, only be there now, or until
+      // the copy of the next piece, started meanwhile, is settled).
+      bool keep = false;
+      const bool copied = bounce(i, addr, p, *copier, keep);
+      if (keep) tx_->pinned[npinned_++] = ref.key;
+      else table_.unpin(ref.key);
       if (copied) {
         iov_end_ = i + 1;
         break;
@@ -210,15 +213,25 @@ bool tcp_qp::pin_iov() noexcept {
   return true;
 }
 
-bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier) noexcept {
+bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memory_copier& copier,
+                    bool& keep) noexcept {
+  keep = false;
   if (tx_bounce_ == nullptr) tx_bounce_ = copier.bounce_buffer(kCopyBounce);
   if (tx_bounce_ == nullptr) {
     log().warn("qp {}: no memory for the bounce buffer of copied memory", qpn_);
     return false;
   }
+  if (tx_next_ == nullptr) tx_next_ = copier.bounce_buffer(kCopyBounce);  // (none: no copies ahead)
   std::size_t skip = 0;
   if (held_iov_ == i && addr >= held_addr_ && addr - held_addr_ < held_len_) {
     skip = static_cast<std::size_t>(addr - held_addr_);  // still there from the last sendmsg
+  } else if (next_iov_ == i && addr == next_addr_) {
+    // Copied out during the last sendmsg (and settled after it).
+    std::swap(tx_bounce_, tx_next_);
+    next_iov_ = kNoBounce;
+    held_iov_ = i;
+    held_addr_ = addr;
+    held_len_ = next_len_;
   } else {
     const std::size_t n = std::min(tx_->iov[i].iov_len, kCopyBounce);
     held_iov_ = kNoBounce;
@@ -235,9 +248,35 @@ bool tcp_qp::bounce(std::size_t i, std::uint64_t addr, const std::byte* p, memor
   bounced_full_ = tx_->iov[i].iov_len;
   bounced_base_ = tx_bounce_.get() + skip;
   bounced_len_ = std::min(held_len_ - skip, tx_->iov[i].iov_len);
+  // The iovec's next piece is copied out while this one is sent.
+  const std::size_t after = bounced_full_ - bounced_len_;
+  if (tx_next_ != nullptr && after > 0 && next_iov_ != i) {
+    const std::size_t n = std::min(after, kCopyBounce);
+    next_iov_ = kNoBounce;
+    if (copier.start_to_host(tx_next_.get(), p + bounced_len_, n)) {
+      // (no copy ahead: the next bounce copies the piece itself, and says
+      // what failed)
+    } else {
+      next_iov_ = i;
+      next_addr_ = addr + bounced_len_;
+      next_len_ = n;
+      next_pending_ = true;
+      next_copier_ = &copier;
+      keep = true;
+    }
+  }
   tx_->iov[i].iov_base = bounced_base_;
   tx_->iov[i].iov_len = bounced_len_;
   return true;
+}
+
+// The copy ahead started by bounce() is waited for (while its memory is
+// still pinned); one that failed is forgotten (the next bounce copies the
+// piece again and reports it).
+void tcp_qp::settle_tx_copy() noexcept {
+  if (!next_pending_) return;
+  next_pending_ = false;
+  if (next_copier_->finish()) next_iov_ = kNoBounce;
 }
 
 void tcp_qp::unbounce() noexcept {
@@ -257,6 +296,7 @@ void tcp_qp::unbounce() noexcept {
 }
 
 void tcp_qp::unpin_iov() noexcept {
+  settle_tx_copy();
   for (std::size_t i = 0; i < npinned_; ++i) table_.unpin(tx_->pinned[i]);
   npinned_ = 0;
 }
@@ -307,7 +347,7 @@ void tcp_qp::flush_batch() noexcept {
       }
       resp_head_ = resp_queued_;
       iov_count_ = iov_pos_ = 0;
-      held_iov_ = kNoBounce;  // a new batch: its iovecs are other bytes
+      held_iov_ = next_iov_ = kNoBounce;  // a new batch: its iovecs are other bytes
       if (rewind_pending_) {
         rewind_pending_ = false;
         counters_.retransmits += sq_tx_ - rewind_to_;

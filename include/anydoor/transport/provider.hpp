@@ -264,6 +264,20 @@ class memory_copier {
   // copier; null when there is no memory. It may outlive the copier. The
   // default: ordinary memory.
   virtual std::shared_ptr<std::byte> bounce_buffer(std::size_t n) noexcept;
+  // Copies as to_host and to_device, started now and waited for by
+  // finish(), so that the device overlaps them with other work (the tcp
+  // provider: the network). The destination's bytes are there, and the
+  // source is no longer read, only once finish() has returned; a failure
+  // shows in the start's result or in finish()'s. finish() waits for
+  // every copy the copier started (from any thread). The defaults copy at
+  // once (finish() has nothing to wait for).
+  virtual std::error_code start_to_host(void* dst, const void* src, std::size_t n) noexcept {
+    return to_host(dst, src, n);
+  }
+  virtual std::error_code start_to_device(void* dst, const void* src, std::size_t n) noexcept {
+    return to_device(dst, src, n);
+  }
+  virtual std::error_code finish() noexcept { return {}; }
 };
 
 // A protection domain (ibv_pd): registrations and queue pairs live in one.
