@@ -84,20 +84,34 @@ class fake_copier final : public anydoor::transport::memory_copier {
     return {};
   }
   // Started copies run at once; with defer_failures, a failure of one is
-  // reported by finish() instead (as a CUDA stream's error is).
+  // reported by finish() instead (as a CUDA stream's error is). With
+  // defer_copies they run only in finish(), and the destination holds
+  // junk meanwhile: a caller that uses a copy before waiting for it reads
+  // the junk, or has its bytes overwritten later.
   std::error_code start_to_host(void* dst, const void* src, std::size_t n) noexcept override {
-    return deferred(to_host(dst, src, n));
+    ++started_to_host;
+    return start(true, dst, src, n);
   }
   std::error_code start_to_device(void* dst, const void* src, std::size_t n) noexcept override {
-    return deferred(to_device(dst, src, n));
+    ++started_to_device;
+    return start(false, dst, src, n);
   }
   std::error_code finish() noexcept override {
     ++finishes;
+    std::vector<started_copy> run;
+    {
+      std::lock_guard lock(mutex_);
+      run.swap(started_);
+    }
+    for (const started_copy& c : run) {
+      if (deferred(c.to_host ? to_host(c.dst, c.src, c.n) : to_device(c.dst, c.src, c.n))) pending_failure = true;
+    }
     return pending_failure.exchange(false) ? make_error_code(errc::device_copy_failed) : std::error_code{};
   }
   std::atomic<bool> defer_failures{false};
+  std::atomic<bool> defer_copies{false};
   std::atomic<bool> pending_failure{false};
-  std::atomic<int> started{0}, finishes{0};
+  std::atomic<int> started{0}, finishes{0}, started_to_host{0}, started_to_device{0};
   // The device's bounce buffers come from here (ordinary memory), counted.
   std::shared_ptr<std::byte> bounce_buffer(std::size_t n) noexcept override {
     ++bounce_buffers;
@@ -155,12 +169,34 @@ class fake_copier final : public anydoor::transport::memory_copier {
     }
     return {};
   }
-  std::error_code deferred(std::error_code ec) noexcept {
+  struct started_copy {
+    void* dst;
+    const void* src;
+    std::size_t n;
+    bool to_host;
+  };
+  std::error_code start(bool to_host, void* dst, const void* src, std::size_t n) noexcept {
     ++started;
+    if (!defer_copies) return deferred(to_host ? this->to_host(dst, src, n) : to_device(dst, src, n));
+    if (!m_.contains(to_host ? src : dst, n)) {
+      bad_range = true;
+      return make_error_code(errc::invalid_argument);
+    }
+    std::memset(to_host ? dst : m_.view_of(dst), 0xa5, n);  // junk until finish()
+    try {
+      std::lock_guard lock(mutex_);
+      started_.push_back({dst, src, n, to_host});
+    } catch (const std::bad_alloc&) {
+      return make_error_code(errc::device_copy_failed);
+    }
+    return {};
+  }
+  std::error_code deferred(std::error_code ec) noexcept {
     if (!ec || !defer_failures) return ec;
     pending_failure = true;
     return {};
   }
+  std::vector<started_copy> started_;
   const fake_device_memory& m_;
   mutable std::mutex mutex_;
   std::vector<copy_record> log_;
