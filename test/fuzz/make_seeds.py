@@ -8,7 +8,7 @@ import os
 import struct
 
 BASE, RKEY = 0x500000000000, (1 << 18) | 1  # frame_fuzz.cpp: the first key of a deterministic domain
-WIRE_VERSION = 2  # transport/tcp/wire.hpp kWireVersion
+WIRE_VERSION = 3  # transport/tcp/wire.hpp kWireVersion
 LAST = 2          # kFlagLast: the last frame of a read response
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seeds")
 

@@ -1149,3 +1149,196 @@ TEST_CASE("tcp provider: a receive whose one buffer runs past its registration f
   CHECK(p.guards_intact());
   p.expect_nak(nak_code::remote_operation);
 }
+
+TEST_CASE("tcp provider: a held-back ACK leaves in the header of the next request and alone before a read",
+          "[unit][tcp]") {
+  raw_peer p;
+  tp::sge rsg = p.mr->slice(0, 64);
+  tp::recv_request rr{.wr_id = 5, .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));
+  p.send_frame({.type = frame_type::send, .psn = 1, .length = 5}, "hello", 5);
+  driver d{p.ep.cq.get()};
+  CHECK(d.wait_one(p.ep.cq.get()).wr_id == 5);  // (the pass that took it holds its ACK back)
+  auto header = [&](std::span<const std::byte> b) {
+    frame_header h;
+    REQUIRE(b.size() >= kHeaderSize);
+    REQUIRE(decode(b.first<kHeaderSize>(), h) == decode_error::none);
+    return h;
+  };
+  SECTION("a send carries it") {
+    const char msg[] = "pong";
+    tp::sge sg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
+    tp::work_request wr{.wr_id = 6, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = true};
+    REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+    const auto b = raw_read(p.fd, kHeaderSize + 4);
+    const frame_header h = header(b);
+    CHECK(h.type == frame_type::send);
+    CHECK((h.flags & kFlagAck) != 0);
+    CHECK(h.ack_psn == 1);
+    CHECK(h.length == 4);
+    CHECK(std::memcmp(b.data() + kHeaderSize, "pong", 4) == 0);
+    // and no frame of its own follows
+    CHECK(raw_read(p.fd, kHeaderSize, 100).empty());
+  }
+  SECTION("a read request cannot: the ACK goes first, alone") {
+    std::uint64_t v = 0;
+    auto lmr = p.ep.pd->register_memory(&v, 8, access::local_write);
+    tp::sge sg = lmr->slice(0, 8);
+    tp::work_request wr{.wr_id = 6, .op = tp::opcode::read, .sg_list = {&sg, 1}, .remote_addr = 0x1000, .rkey = 1};
+    REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+    const auto b = raw_read(p.fd, 2 * kHeaderSize);
+    REQUIRE(b.size() == 2 * kHeaderSize);
+    const frame_header a = header(b);
+    CHECK(a.type == frame_type::ack);
+    CHECK(a.psn == 1);
+    const frame_header r = header(std::span<const std::byte>(b).subspan(kHeaderSize));
+    CHECK(r.type == frame_type::read_request);
+    CHECK((r.flags & kFlagAck) == 0);
+    CHECK(r.read_length == 8);
+  }
+}
+
+TEST_CASE("tcp provider: an ACK in a raw peer's request is taken whatever becomes of the request "
+          "and one for a request never sent is a bad response",
+          "[unit][tcp]") {
+  raw_peer p;
+  const char msg[] = "ping";
+  tp::sge sg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
+  tp::work_request wr{.wr_id = 7, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = true};
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  const auto out = raw_read(p.fd, kHeaderSize + 4);
+  REQUIRE(out.size() == kHeaderSize + 4);
+  frame_header sent;
+  REQUIRE(decode(std::span<const std::byte, kHeaderSize>(out.data(), kHeaderSize), sent) == decode_error::none);
+  REQUIRE(sent.type == frame_type::send);
+  REQUIRE((sent.flags & kFlagAck) == 0);
+  driver d{p.ep.cq.get()};
+  SECTION("on a write, which lands") {
+    p.send_frame({.type = frame_type::write, .flags = kFlagAck, .psn = 1, .length = 5, .remote_addr = p.base() + 10,
+                  .rkey = p.mr->rkey(), .ack_psn = sent.psn},
+                 "hello", 5);
+    const auto c = d.wait_one(p.ep.cq.get());
+    CHECK(c.wr_id == 7);
+    CHECK(c.status == tp::wc_status::success);
+    d.settle(p.ep.cq.get(), 30ms);
+    CHECK(std::memcmp(p.mem.data() + 64 + 10, "hello", 5) == 0);
+    CHECK(p.ep.qp->state() == tp::qp_state::rts);
+  }
+  SECTION("on a send that finds no receive (RNR NAK)") {
+    p.send_frame({.type = frame_type::send, .flags = kFlagAck, .psn = 1, .length = 4, .ack_psn = sent.psn}, "pong",
+                 4);
+    const auto c = d.wait_one(p.ep.cq.get());
+    CHECK(c.wr_id == 7);
+    CHECK(c.status == tp::wc_status::success);
+    d.settle(p.ep.cq.get(), 30ms);
+    p.expect_nak(nak_code::rnr);
+    CHECK(p.ep.qp->state() == tp::qp_state::rts);
+  }
+  SECTION("on an atomic") {
+    std::uint64_t* target = reinterpret_cast<std::uint64_t*>(p.mem.data() + 64 + 64);
+    *target = 40;
+    p.send_frame({.type = frame_type::fetch_add, .flags = kFlagAck, .psn = 1, .remote_addr = p.base() + 64,
+                  .rkey = p.mr->rkey(), .ack_psn = sent.psn, .compare_add = 2});
+    const auto c = d.wait_one(p.ep.cq.get());
+    CHECK(c.wr_id == 7);
+    CHECK(c.status == tp::wc_status::success);
+    d.settle(p.ep.cq.get(), 30ms);
+    CHECK(*target == 42);
+  }
+  SECTION("for a request never sent") {
+    p.send_frame({.type = frame_type::write, .flags = kFlagAck, .psn = 1, .length = 5, .remote_addr = p.base() + 10,
+                  .rkey = p.mr->rkey(), .ack_psn = sent.psn + 1},
+                 "hello", 5);
+    const auto c = d.wait_one(p.ep.cq.get());
+    CHECK(c.wr_id == 7);
+    CHECK(c.status == tp::wc_status::bad_response);
+    CHECK(p.ep.qp->state() == tp::qp_state::error);
+    CHECK(std::memcmp(p.mem.data() + 64 + 10, "hello", 5) != 0);  // the request was not executed
+  }
+}
+
+TEST_CASE("tcp provider: a message that arrives whole into a receive it may not write fails with no byte landed",
+          "[unit][tcp]") {
+  // Such a message is checked by the pin that copies it, not beforehand:
+  // every way the destination can be wrong must still fail it first.
+  raw_peer p;
+  tp::sge sg{.addr = p.base(), .length = 64, .lkey = p.mr->lkey()};
+  std::unique_ptr<tp::memory_region> gone;
+  SECTION("its buffer runs past the registration") { sg.addr = p.base() + 4096 - 16; }
+  SECTION("key 0") { sg.lkey = 0; }
+  SECTION("a key no registration has") { sg.lkey = p.mr->lkey() ^ 0x40000; }
+  SECTION("the key of a region deregistered since") {
+    std::vector<std::uint8_t> other(64);
+    gone = p.ep.pd->register_memory(other.data(), other.size(), access::local_write);
+    sg.lkey = gone->lkey();
+    gone.reset();
+  }
+  SECTION("a region without local write") {
+    gone = p.ep.pd->register_memory(p.mem.data() + 64, 4096, access::none);
+    sg.lkey = gone->lkey();
+  }
+  const tp::recv_request rr{.wr_id = 7, .sg_list = {&sg, 1}};
+  REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));
+  const std::vector<std::uint8_t> payload(64, 0x5e);
+  p.send_frame({.type = frame_type::send, .psn = 1, .length = 64}, payload.data(), payload.size());
+  driver d{p.ep.cq.get()};
+  const tp::completion c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 7);
+  CHECK(c.status == tp::wc_status::local_protection_error);
+  CHECK(std::all_of(p.mem.begin(), p.mem.end(), [](auto b) { return b == 0xa5; }));
+  p.expect_nak(nak_code::remote_operation);
+  CHECK(p.ep.qp->state() == tp::qp_state::error);
+}
+
+TEST_CASE("tcp provider: a small send that only partly fits the socket goes on in a batch in order and intact",
+          "[unit][tcp]") {
+  // Inline sends go out one sendmsg each, without a batch (send_solo); the
+  // one that finds the socket nearly full sends part of its frame, and the
+  // rest, then the requests after it, go through a batch.
+  raw_peer p(4096, {.max_send_wr = 8192, .max_inline_data = 1000});
+  auto* qp = dynamic_cast<tcp_qp*>(p.ep.qp.get());
+  REQUIRE(qp != nullptr);
+  const auto& batches = static_cast<tcp_cq*>(p.ep.cq.get())->batch_pool();
+  constexpr std::size_t kLen = 1000;
+  auto byte_of = [](std::size_t i, std::size_t k) { return static_cast<std::byte>(i * 13 + k * 5 + 1); };
+  std::vector<std::byte> msg(kLen);
+  std::size_t posted = 0, after_partial = 0;
+  while (posted < 8000 && after_partial < 20) {
+    for (std::size_t k = 0; k < kLen; ++k) msg[k] = byte_of(posted, k);
+    tp::sge sg{.addr = reinterpret_cast<std::uint64_t>(msg.data()), .length = kLen};
+    tp::work_request wr{.wr_id = posted, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = true};
+    REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+    ++posted;
+    if (qp->solo_partial_sends() > 0) ++after_partial;
+  }
+  INFO("posted " << posted << " sends, " << qp->solo_partial_sends() << " sent in part by send_solo");
+  REQUIRE(qp->solo_partial_sends() == 1);
+  CHECK(batches->free_count() == 0);  // the rest waits in a batch
+  // The peer reads everything: every frame whole, in order.
+  std::vector<std::byte> wire;
+  const std::size_t want = posted * (kHeaderSize + kLen);
+  driver d{p.ep.cq.get()};
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (wire.size() < want && std::chrono::steady_clock::now() < deadline) {
+    d.step();
+    std::byte buf[65536];
+    const ssize_t r = ::recv(p.fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (r > 0) wire.insert(wire.end(), buf, buf + r);
+  }
+  REQUIRE(wire.size() == want);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < posted; ++i) {
+    const std::byte* f = wire.data() + i * (kHeaderSize + kLen);
+    frame_header h;
+    if (decode(std::span<const std::byte, kHeaderSize>(f, kHeaderSize), h) != decode_error::none ||
+        h.type != frame_type::send || h.psn != i + 1 || h.length != kLen) {
+      ++bad;
+      continue;
+    }
+    for (std::size_t k = 0; k < kLen; ++k) bad += f[kHeaderSize + k] != byte_of(i, k) ? 1u : 0u;
+  }
+  CHECK(bad == 0);
+  d.settle(p.ep.cq.get(), 10ms);
+  CHECK(batches->free_count() == 1);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}

@@ -31,6 +31,19 @@ TEST_CASE("frame headers round-trip", "[unit]") {
   CHECK(d.rkey == h.rkey);
   CHECK(d.compare_add == h.compare_add);
   CHECK(d.swap == h.swap);
+  CHECK(d.ack_psn == 0);
+  // An ACK in a request's header (offset 28, where a read request has its length)
+  h.flags |= kFlagAck;
+  h.ack_psn = 0xfffffff0;
+  b = encoded(h);
+  CHECK(static_cast<int>(b[28]) == 0xf0);
+  REQUIRE(decode(b, d) == decode_error::none);
+  CHECK(d.flags == h.flags);
+  CHECK(d.ack_psn == h.ack_psn);
+  CHECK(d.read_length == 0);
+  REQUIRE(decode(encoded({.type = frame_type::read_request, .read_length = 77}), d) == decode_error::none);
+  CHECK(d.read_length == 77);
+  CHECK(d.ack_psn == 0);
 }
 
 TEST_CASE("the frame decoder rejects every kind of malformed header", "[unit]") {
@@ -69,7 +82,21 @@ TEST_CASE("the frame decoder rejects every kind of malformed header", "[unit]") 
     CHECK(decode(encoded({.type = frame_type::fetch_add, .length = 8}), d) == decode_error::unexpected_payload);
   }
   SECTION("inconsistent field") {
-    CHECK(decode(encoded({.type = frame_type::write, .read_length = 4}), d) == decode_error::bad_field);
+    // offset 28 is a read request's length, else an ACK with kFlagAck
+    CHECK(decode(encoded({.type = frame_type::write, .ack_psn = 4}), d) == decode_error::bad_field);
+    CHECK(decode(encoded({.type = frame_type::ack, .ack_psn = 4}), d) == decode_error::bad_field);
+  }
+  SECTION("an ACK rides on requests other than a read request only") {
+    for (auto t : {frame_type::read_request, frame_type::ack, frame_type::nak, frame_type::read_response,
+                   frame_type::atomic_response}) {
+      INFO("frame type " << static_cast<int>(t));
+      CHECK(decode(encoded({.type = t, .flags = kFlagAck}), d) == decode_error::bad_flags);
+    }
+    for (auto t : {frame_type::send, frame_type::write, frame_type::fetch_add, frame_type::compare_swap}) {
+      INFO("frame type " << static_cast<int>(t));
+      CHECK(decode(encoded({.type = t, .flags = kFlagAck, .ack_psn = 7}), d) == decode_error::none);
+      CHECK(d.ack_psn == 7);
+    }
   }
   for (auto e : {decode_error::none, decode_error::bad_version, decode_error::bad_type, decode_error::bad_flags,
                  decode_error::oversized, decode_error::unexpected_payload, decode_error::bad_field}) {

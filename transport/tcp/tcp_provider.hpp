@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -527,14 +528,18 @@ class tcp_qp final : public queue_pair {
       return f;
     }
   };
+  // (48 bytes: every queue pair has a ring of 2 x the peer's send queue +
+  // 8 of them, all touched, so this is much of the memory per connection.)
   struct response {
     response_header h;           // ack, nak, atomic response; reads: type and psn
     std::uint32_t key = 0;       // read: the source's rkey
-    std::uint64_t addr = 0;      // read: next byte to frame
-    std::uint64_t left = 0;      // read: bytes not framed yet
-    std::uint64_t offset = 0;    // read: offset of the next fragment
     bool poisoned = false;       // read: the source went away
+    std::uint64_t addr = 0;      // read: next byte to frame
+    std::uint32_t left = 0;      // read: bytes not framed yet (a read is at most kMaxPayload)
+    std::uint32_t offset = 0;    // read: offset of the next fragment
   };
+  static_assert(sizeof(response) <= 48);
+  static_assert(kMaxPayload <= UINT32_MAX);
   // Where an inbound payload goes: registered memory, looked up (pinned)
   // again for every piece that moves, so that a region deregistered while
   // its payload trickles in is never written after deregistration.
@@ -555,7 +560,19 @@ class tcp_qp final : public queue_pair {
   // sending
   void flush() noexcept;
   bool fill_iov() noexcept;
-  void encode_request_header(const sq_entry& e, std::span<std::byte, kHeaderSize> out) const noexcept;
+  bool fill_requests(std::optional<std::uint32_t>& ack) noexcept;
+  // The one request post_send just queued, sent at once when nothing else
+  // waits to go (see send_solo); false: flush() must do it.
+  bool send_solo() noexcept;
+
+ public:
+  // (tests) send_solo's sendmsg calls that sent part of their frame only
+  std::uint32_t solo_partial_sends() const noexcept { return solo_partial_; }
+
+ private:
+  // `ack`: the header carries it (kFlagAck)
+  void encode_request_header(const sq_entry& e, std::span<std::byte, kHeaderSize> out,
+                             std::optional<std::uint32_t> ack = std::nullopt) const noexcept;
   std::span<std::byte, kHeaderSize> batch_header() noexcept { return tx_->hdr[hdr_used_++]; }
   void queue_response(const frame_header& h) noexcept;
   void queue_read_response(const frame_header& request) noexcept;
@@ -581,8 +598,21 @@ class tcp_qp final : public queue_pair {
   bool tx_held(clock_point now) noexcept;  // delay: not yet
   void begin_rx_stall() noexcept;
   void check_fatal() noexcept;
-  void update_interest() noexcept;
+  void update_interest() noexcept {  // (inline: called on every flush, rarely with a change)
+    if (fd_ < 0) return;
+    // A batch held back by an injected delay waits for the timer, not for room.
+    const bool want = iov_pos_ < iov_count_ && !(faults_ != nullptr && tx_hold_until_ != clock_point{});
+    const bool read = !rx_paused_ && !rx_stalled_;
+    if (want != want_write_ || read != want_read_) watch(want, read);
+  }
+  void watch(bool write, bool read) noexcept;
   bool only_ack_pending() const noexcept;
+  // Nothing to frame or send, and nothing else flush_batch would act on:
+  // a progress pass skips it (an idle poll is then a recv and little more).
+  bool tx_idle() const noexcept {
+    return tx_ == nullptr && resp_head_ == resp_tail_ && sq_tx_ == sq_tail_ && !rx_paused_ && !cut_pending_ &&
+           !rewind_pending_ && !close_when_flushed_;
+  }
   // receiving
   void receive() noexcept;
   void discard_input() noexcept;
@@ -706,6 +736,12 @@ class tcp_qp final : public queue_pair {
   std::size_t held_len_ = 0;
   bool want_write_ = false;
   bool want_read_ = true;
+  // The batch has iovecs into registered memory (else pin_iov has nothing to do)
+  bool tx_pins_ = false;
+  // send_solo's sendmsg calls that sent part of a frame only (the rest
+  // then went through a batch). (Members are placed so that none adds
+  // padding: a queue pair's size is memory per idle connection.)
+  std::uint32_t solo_partial_ = 0;
 
   // receive: staging buffer (kRxStagingBytes, borrowed from the send
   // completion queue's pool for a receive pass and kept only while

@@ -249,6 +249,7 @@ void tcp_qp::reset_stream() noexcept {
   settle_tx_copy();  // (copies in flight end before their buffers go)
   (void)settle_rx_copy();
   iov_count_ = iov_pos_ = 0;
+  tx_pins_ = false;
   held_iov_ = next_iov_ = kNoBounce;
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   rx_begin_ = rx_end_ = 0;
@@ -435,7 +436,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
     }
     e.psn = next_psn_++;
   }
-  flush();
+  if (!send_solo()) flush();
   check_fatal();
   check_local_error();
   return {};
@@ -443,7 +444,8 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
 
 // At the frame's turn in a batch (fill_iov): again for a request sent
 // again after an RNR NAK, with the same bytes.
-void tcp_qp::encode_request_header(const sq_entry& e, std::span<std::byte, kHeaderSize> out) const noexcept {
+void tcp_qp::encode_request_header(const sq_entry& e, std::span<std::byte, kHeaderSize> out,
+                                   std::optional<std::uint32_t> ack) const noexcept {
   frame_header h;
   h.psn = e.psn;
   h.remote_addr = e.wr.remote_addr;
@@ -477,6 +479,10 @@ void tcp_qp::encode_request_header(const sq_entry& e, std::span<std::byte, kHead
   if (e.wr.op == opcode::send_with_imm || e.wr.op == opcode::write_with_imm) {
     h.flags = kFlagImm;
     h.imm = e.wr.imm;
+  }
+  if (ack) {  // (never a read request's: fill_requests)
+    h.flags |= kFlagAck;
+    h.ack_psn = *ack;
   }
   encode(h, out);
 }

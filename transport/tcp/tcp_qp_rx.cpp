@@ -33,7 +33,7 @@ bool psn_le(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std:
 
 void tcp_qp::progress() noexcept {
   if (!wants_progress()) return;
-  flush();
+  if (!tx_idle()) flush();
   receive();
   // A lone ACK waits for company: it leaves with the next request posted
   // (one segment instead of two in request/reply traffic), or at the start
@@ -42,7 +42,7 @@ void tcp_qp::progress() noexcept {
   // arm-then-drain rule) sleeps after this pass, and one-sided requests
   // produce no completion here to wake it.
   const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
-  if (!only_ack_pending() || (cq != nullptr && cq->armed())) flush();
+  if (!tx_idle() && (!only_ack_pending() || (cq != nullptr && cq->armed()))) flush();
   check_fatal();
   check_local_error();
   if (has_pending_work()) {
@@ -230,6 +230,14 @@ void tcp_qp::receive_frames() noexcept {
       payload_left_ = cur_.length;
       after_ = after_payload::none;
       payload_lost_ = false;
+      // An ACK carried by a request is taken first, whatever becomes of
+      // the request (one dropped after an RNR NAK is sent again without it).
+      if ((cur_.flags & kFlagAck) != 0) {
+        frame_header a;
+        a.type = frame_type::ack;
+        a.psn = cur_.ack_psn;
+        if (!handle_response(a) || fd_ < 0 || state_ == qp_state::error) return;
+      }
       const bool ok = is_request(cur_.type) ? handle_request(cur_) : handle_response(cur_);
       if (!ok || fd_ < 0 || state_ == qp_state::error) return;
       if (payload_left_ == 0) {
@@ -403,7 +411,10 @@ bool tcp_qp::settle_rx_copy() noexcept {
 // the payload is read and dropped, and finish_payload fails the frame.
 void tcp_qp::lose_payload() noexcept {
   rx_bounce_fill_ = 0;
-  if (!payload_lost_) log().warn("qp {}: the destination of an arriving payload was deregistered", qpn_);
+  if (!payload_lost_) {
+    log().warn("qp {}: the destination of an arriving payload is not (or no longer) memory it may be written to",
+               qpn_);
+  }
   payload_lost_ = true;
   for (std::size_t i = seg_index_; i < seg_count_; ++i) seg_[i].key = 0;
 }
@@ -438,11 +449,16 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
     return false;
   }
   // The whole destination is checked before a byte lands: the pins that
-  // follow cover only the bytes that have arrived.
+  // follow cover only the bytes that have arrived. A message that has all
+  // arrived and goes into the first buffer is checked by the one pin that
+  // copies it (which fails the receive the same way, before a byte lands:
+  // lose_payload, finish_payload), not twice. (Key 0 marks a lost
+  // segment there, so it is refused here.)
+  const bool one_pin = rx_end_ - rx_begin_ >= length && r.num_sge > 0 && sges[0].lkey != 0;
   std::uint64_t left = length;
   for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
     const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
-    if (table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
+    if (!(one_pin && n == length) && table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
       push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
                  .qp_num = qpn_});
       nak(cur_.psn, nak_code::remote_operation, true);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -39,6 +40,7 @@ std::byte g_zeros[kReadFragment];
 // ---------------------------------------------------------------- transmit
 
 void tcp_qp::add_iov(const void* p, std::size_t n, iov_ref ref) noexcept {
+  tx_pins_ = tx_pins_ || ref.kind == iov_kind::request_payload || ref.kind == iov_kind::read_payload;
   tx_->ref[iov_count_] = ref;
   tx_->iov[iov_count_++] = {const_cast<void*>(p), n};
 }
@@ -53,21 +55,47 @@ void tcp_qp::add_header(const void* p) noexcept { add_header(p, iov_ref{}); }
 bool tcp_qp::fill_iov() noexcept {
   hdr_used_ = 0;
   const std::size_t cap = resp_.size();
+  const bool requests = state_ == qp_state::rts && !rnr_waiting_ && !rewind_pending_ && !tx_blocked_ &&
+                        !fatal_pending_ && sq_tx_ < sq_tail_;
+  // An ACK that ends the responses rides in the first request's header
+  // (kFlagAck) when requests follow it in this batch: framed alone only
+  // if none can carry it (below).
+  std::optional<std::uint32_t> ack;
   while (resp_queued_ < resp_tail_) {
     response& r = resp_[ring_slot(resp_queued_, cap)];
     if (r.h.type == frame_type::read_response) {
       if (!fill_read(r, resp_queued_)) return true;
     } else {
       if (iov_count_ + 1 > kMaxIov) return iov_count_ > 0;
+      if (requests && r.h.type == frame_type::ack && resp_queued_ + 1 == resp_tail_) {
+        ack = r.h.psn;
+        ++resp_queued_;
+        break;
+      }
       const auto hdr = batch_header();
       encode(r.h.frame(), hdr);
       add_header(hdr.data());
     }
     ++resp_queued_;
   }
-  if (state_ != qp_state::rts || rnr_waiting_ || rewind_pending_ || tx_blocked_ || fatal_pending_) {
-    return iov_count_ > 0;
+  if (!requests) return iov_count_ > 0;
+  if (!fill_requests(ack)) return false;
+  if (ack) {  // no request took it (there is room: fill_requests keeps one iovec)
+    frame_header a;
+    a.type = frame_type::ack;
+    a.psn = *ack;
+    const auto hdr = batch_header();
+    encode(a, hdr);
+    add_header(hdr.data());
   }
+  return iov_count_ > 0;
+}
+
+// The send queue's requests from sq_tx_ on, as many as the batch holds;
+// the first carries `ack` unless it is a read request (the ACK then goes
+// alone, before it, in the order it was queued). False: the queue pair
+// went to error meanwhile.
+bool tcp_qp::fill_requests(std::optional<std::uint32_t>& ack) noexcept {
   while (sq_tx_ < sq_tail_) {
     sq_entry& e = sq_[ring_slot(sq_tx_, attr_.max_send_wr)];
     if (e.local_error != wc_status::success || e.wr.op == opcode::bind_window) {
@@ -84,7 +112,7 @@ bool tcp_qp::fill_iov() noexcept {
       tx_blocked_ = true;
       break;
     }
-    std::size_t need = 1;
+    std::size_t need = ack ? 2 : 1;  // (room for the ACK alone, should this request not carry it)
     if (e.wr.inline_data) {
       need += e.length > 0 ? 1 : 0;
     } else if (carries_data(e.wr.op)) {
@@ -95,8 +123,18 @@ bool tcp_qp::fill_iov() noexcept {
       if (rd_atomic_out_ >= kMaxReadAtomic) break;  // sent when earlier ones are answered
       ++rd_atomic_out_;
     }
+    if (ack && e.wr.op == opcode::read) {
+      frame_header a;
+      a.type = frame_type::ack;
+      a.psn = *ack;
+      const auto hdr = batch_header();
+      encode(a, hdr);
+      add_header(hdr.data());
+      ack.reset();
+    }
     const auto hdr = batch_header();
-    encode_request_header(e, hdr);
+    encode_request_header(e, hdr, ack);
+    ack.reset();
     add_header(hdr.data());
     if (e.wr.inline_data) {
       // Inline data lives in the provider: in the slot, in place of its gather list.
@@ -109,7 +147,64 @@ bool tcp_qp::fill_iov() noexcept {
     }
     ++sq_tx_;
   }
-  return iov_count_ > 0;
+  return true;
+}
+
+// The latency path: one inline request that needs no response (a small
+// send or write), with no batch in progress and nothing to send before it
+// but a held-back ACK (which it carries), goes out in one sendmsg from its
+// slot and a header of its own, without a batch. Whatever does not fit
+// (the socket full) goes on in a batch, as fill_iov would have framed it.
+bool tcp_qp::send_solo() noexcept {
+  if (tx_ != nullptr || fd_ < 0 || faults_ != nullptr || state_ != qp_state::rts || rnr_waiting_ ||
+      rewind_pending_ || tx_blocked_ || fatal_pending_ || close_when_flushed_ || sq_tx_ + 1 != sq_tail_) {
+    return false;
+  }
+  const sq_entry& e = sq_[ring_slot(sq_tx_, attr_.max_send_wr)];
+  if (!e.wr.inline_data || e.local_error != wc_status::success || needs_response(e.wr.op) ||
+      e.wr.op == opcode::bind_window) {
+    return false;
+  }
+  std::optional<std::uint32_t> ack;
+  if (resp_queued_ != resp_tail_) {
+    const response& r = resp_[ring_slot(resp_queued_, resp_.size())];
+    if (resp_queued_ + 1 != resp_tail_ || r.h.type != frame_type::ack) return false;
+    ack = r.h.psn;
+  }
+  std::array<std::byte, kHeaderSize> header;  // (what does not go now is copied into the batch)
+  encode_request_header(e, header, ack);
+  iovec v[2] = {{header.data(), kHeaderSize}, {sges_of(sq_tx_), e.length}};
+  msghdr msg{};
+  msg.msg_iov = v;
+  msg.msg_iovlen = e.length > 0 ? 2 : 1;
+  const std::size_t total = kHeaderSize + e.length;
+  const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  ++counters_.tx_syscalls;
+  if (n < 0) return false;  // (nothing went: flush() tries again, and sees the error or waits for room)
+  // The request (and the ACK) is on its way, at least in part.
+  ++sq_tx_;
+  resp_head_ = resp_queued_ = resp_tail_;
+  largest_send_ = std::max(largest_send_, total);
+  counters_.bytes_sent += static_cast<std::uint64_t>(n);
+  const auto sent = static_cast<std::size_t>(n);
+  if (sent == total) return true;
+  ++solo_partial_;
+  if ((tx_ = batches_->take()) == nullptr) {
+    peer_gone("no memory for a transmit batch");
+    return true;
+  }
+  iov_count_ = iov_pos_ = hdr_used_ = 0;
+  tx_pins_ = false;
+  held_iov_ = next_iov_ = kNoBounce;
+  if (sent < kHeaderSize) {
+    const auto hdr = batch_header();
+    std::memcpy(hdr.data(), header.data(), kHeaderSize);
+    add_iov(hdr.data() + sent, kHeaderSize - sent, {});
+  }
+  const std::size_t skip = sent > kHeaderSize ? sent - kHeaderSize : 0;
+  if (e.length > skip) add_iov(reinterpret_cast<std::byte*>(sges_of(sq_tx_ - 1)) + skip, e.length - skip, {});
+  flush();
+  return true;
 }
 
 // Frames what fits of a read response: data fragments, then the last
@@ -171,6 +266,7 @@ bool tcp_qp::iov_holds_requests() const noexcept {
 bool tcp_qp::pin_iov() noexcept {
   npinned_ = 0;
   iov_end_ = iov_count_;
+  if (!tx_pins_) return true;  // (headers and inline bytes: the provider's own)
   for (std::size_t i = iov_pos_; i < iov_end_; ++i) {
     iov_ref& ref = tx_->ref[i];
     if (ref.kind != iov_kind::request_payload && ref.kind != iov_kind::read_payload) continue;
@@ -347,6 +443,7 @@ void tcp_qp::flush_batch() noexcept {
       }
       resp_head_ = resp_queued_;
       iov_count_ = iov_pos_ = 0;
+      tx_pins_ = false;
       held_iov_ = next_iov_ = kNoBounce;  // a new batch: its iovecs are other bytes
       if (rewind_pending_) {
         rewind_pending_ = false;
@@ -388,8 +485,7 @@ void tcp_qp::flush_batch() noexcept {
     iovec* const cut = bytes > tx_batch::kMaxSendBytes ? &tx_->iov[end - 1] : nullptr;
     const std::size_t cut_len = cut != nullptr ? cut->iov_len : 0;
     if (cut != nullptr) cut->iov_len -= bytes - tx_batch::kMaxSendBytes;
-    std::size_t given = 0;
-    for (std::size_t k = iov_pos_; k < end; ++k) given += tx_->iov[k].iov_len;
+    const std::size_t given = std::min(bytes, tx_batch::kMaxSendBytes);
     largest_send_ = std::max(largest_send_, given);
     msghdr msg{};
     msg.msg_iov = &tx_->iov[iov_pos_];
@@ -423,16 +519,11 @@ void tcp_qp::flush_batch() noexcept {
   update_interest();
 }
 
-void tcp_qp::update_interest() noexcept {
-  if (fd_ < 0) return;
-  // A batch held back by an injected delay waits for the timer, not for room.
-  const bool want = iov_pos_ < iov_count_ && !(faults_ != nullptr && tx_hold_until_ != clock_point{});
-  const bool read = !rx_paused_ && !rx_stalled_;
-  if (want == want_write_ && read == want_read_) return;
-  want_write_ = want;
+void tcp_qp::watch(bool write, bool read) noexcept {
+  want_write_ = write;
   want_read_ = read;
-  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, want, read);
-  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, want, read);
+  static_cast<tcp_cq*>(attr_.send_cq)->watch(fd_, this, write, read);
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->watch(fd_, this, write, read);
 }
 
 // ---------------------------------------------------------------- fault injection

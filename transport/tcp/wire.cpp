@@ -76,7 +76,7 @@ void encode(const frame_header& h, std::span<std::byte, kHeaderSize> out) noexce
   put<std::uint32_t>(p + 12, h.imm);
   put<std::uint64_t>(p + 16, h.remote_addr);
   put<std::uint32_t>(p + 24, h.rkey);
-  put<std::uint32_t>(p + 28, h.read_length);
+  put<std::uint32_t>(p + 28, h.type == frame_type::read_request ? h.read_length : h.ack_psn);
   put<std::uint64_t>(p + 32, h.compare_add);
   put<std::uint64_t>(p + 40, h.swap);
 }
@@ -93,7 +93,9 @@ decode_error decode(std::span<const std::byte, kHeaderSize> in, frame_header& h)
   h.imm = get<std::uint32_t>(p + 12);
   h.remote_addr = get<std::uint64_t>(p + 16);
   h.rkey = get<std::uint32_t>(p + 24);
-  h.read_length = get<std::uint32_t>(p + 28);
+  const auto at28 = get<std::uint32_t>(p + 28);
+  h.read_length = h.type == frame_type::read_request ? at28 : 0;
+  h.ack_psn = h.type == frame_type::read_request ? 0 : at28;
   h.compare_add = get<std::uint64_t>(p + 32);
   h.swap = get<std::uint64_t>(p + 40);
 
@@ -102,12 +104,14 @@ decode_error decode(std::span<const std::byte, kHeaderSize> in, frame_header& h)
     return decode_error::bad_flags;
   }
   if ((h.flags & kFlagLast) != 0 && h.type != frame_type::read_response) return decode_error::bad_flags;
+  const bool may_ack = is_request(h.type) && h.type != frame_type::read_request;
+  if ((h.flags & kFlagAck) != 0 && !may_ack) return decode_error::bad_flags;
   if (h.type == frame_type::read_response && h.length > kReadFragment) return decode_error::oversized;
   if (h.length > kMaxPayload) return decode_error::oversized;
   if (!carries_payload(h.type) && h.length != 0) return decode_error::unexpected_payload;
   if (h.type == frame_type::read_request) {
     if (h.read_length > kMaxPayload) return decode_error::oversized;
-  } else if (h.read_length != 0) {
+  } else if ((h.flags & kFlagAck) == 0 && h.ack_psn != 0) {
     return decode_error::bad_field;
   }
   return decode_error::none;

@@ -1,13 +1,13 @@
-// The tcp provider's wire format, version 1.
+// The tcp provider's wire format, version 3.
 //
 // A queue pair is one TCP connection. After the connection handshake
 // (hello/accept messages, see handshake_*), each direction carries frames:
 // a fixed 48-byte little-endian header, followed by `length` payload bytes.
 //
 //   off size field
-//    0   1   version (kWireVersion, 2)
+//    0   1   version (kWireVersion, 3)
 //    1   1   type (frame_type)
-//    2   2   flags (kFlagImm; kFlagLast on read responses)
+//    2   2   flags (kFlagImm; kFlagLast on read responses; kFlagAck)
 //    4   4   psn: requests: the request's sequence number; responses: the
 //            sequence number of the request they answer (ACK: the newest
 //            request acknowledged, cumulative)
@@ -15,7 +15,12 @@
 //   12   4   imm (send/write with immediate) or the NAK's nak_code
 //   16   8   remote_addr (write, read, atomics; read responses: the offset)
 //   24   4   rkey (write, read, atomics)
-//   28   4   read_length (read request)
+//   28   4   read_length (read request), or with kFlagAck (the other
+//            requests) ack_psn: the newest of the receiver's own requests
+//            acknowledged, cumulative, as an ACK frame with that psn would;
+//            it is taken before the request itself, whatever becomes of
+//            that (a held-back ACK travels in the next request's header
+//            instead of a frame of its own)
 //   32   8   compare_add (atomics) or the original value (atomic response)
 //   40   8   swap (compare_swap)
 #pragma once
@@ -28,11 +33,12 @@
 
 namespace anydoor::transport::tcp {
 
-inline constexpr std::uint8_t kWireVersion = 2;
+inline constexpr std::uint8_t kWireVersion = 3;
 inline constexpr std::size_t kHeaderSize = 48;
 inline constexpr std::uint16_t kFlagImm = 1u << 0;
 inline constexpr std::uint16_t kFlagLast = 1u << 1;  // read_response: the read is complete
-inline constexpr std::uint16_t kKnownFlags = kFlagImm | kFlagLast;
+inline constexpr std::uint16_t kFlagAck = 1u << 2;   // requests but read_request: ack_psn is set
+inline constexpr std::uint16_t kKnownFlags = kFlagImm | kFlagLast | kFlagAck;
 // A read's data leaves in fragments of at most this many bytes.
 inline constexpr std::uint32_t kReadFragment = 256 * 1024;
 // Largest payload one frame may carry (the provider's max_msg_size).
@@ -68,6 +74,7 @@ struct frame_header {
   std::uint64_t remote_addr = 0;
   std::uint32_t rkey = 0;
   std::uint32_t read_length = 0;
+  std::uint32_t ack_psn = 0;  // with kFlagAck (the same bytes as read_length)
   std::uint64_t compare_add = 0;
   std::uint64_t swap = 0;
 };
