@@ -62,7 +62,8 @@ tp::completion session::wait(std::chrono::milliseconds timeout) {
   std::error_code ec;
   // The clock is read only once the first 4096 polls found nothing (not
   // per completion: two clock reads a message were 2 % of a ping-pong's
-  // instructions); the timeout counts from there.
+  // instructions); the timeout counts from there, and is looked at every
+  // 4096 polls (a few milliseconds late at most).
   std::chrono::steady_clock::time_point deadline{};
   for (std::uint32_t spins = 1;; ++spins) {
     if (cq->poll({&c, 1}, ec) == 1) break;

@@ -3,14 +3,18 @@
 tcp provider's frames, well-formed frames of every type aimed at the fixed
 registered region (0x500000000000, rkey 262145); for each other decoder,
 well-formed inputs of every kind it knows, so that libFuzzer starts from
-inputs that reach deep states."""
+inputs that reach deep states.
+  make_seeds.py [DIR]   (default: test/fuzz/seeds next to this script; the
+                         fuzz-seeds-current test writes elsewhere and compares)"""
 import os
 import struct
+import sys
 
 BASE, RKEY = 0x500000000000, (1 << 18) | 1  # frame_fuzz.cpp: the first key of a deterministic domain
 WIRE_VERSION = 3  # transport/tcp/wire.hpp kWireVersion
 LAST = 2          # kFlagLast: the last frame of a read response
-root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seeds")
+ACKED = 4         # kFlagAck: a request that carries an ACK (offset 28, rlen here)
+root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "seeds")
 
 
 def frame(t, psn, length=0, imm=0, addr=0, rkey=0, rlen=0, ca=0, swap=0, flags=0, payload=b""):
@@ -29,6 +33,11 @@ seeds = {
     + frame(RRESP, 1, 64, payload=b"E" * 64) + frame(RRESP, 1, addr=64, flags=LAST) + frame(ACK, 2)
     + frame(ARESP, 3, ca=42),
     "nak": b"\0" * 48 + frame(NAK, 1, imm=1),  # an RNR NAK (nak_code::rnr)
+    # the target's send acknowledged in the header of a request, not a frame of its own
+    "piggyback": frame(WRITE, 1, 0, addr=BASE, rkey=RKEY)
+    + frame(RRESP, 1, 64, payload=b"F" * 64) + frame(RRESP, 1, addr=64, flags=LAST)
+    + frame(SEND, 1, 8, rlen=2, flags=ACKED, payload=b"G" * 8) + frame(ARESP, 3, ca=42),
+    "piggyback_atomic": frame(FADD, 1, addr=BASE, rkey=RKEY, ca=1, rlen=0xffffffff, flags=ACKED),
 }
 
 

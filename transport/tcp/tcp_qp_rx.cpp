@@ -454,11 +454,12 @@ bool tcp_qp::take_recv(std::uint32_t length, bool& rnr) noexcept {
   // copies it (which fails the receive the same way, before a byte lands:
   // lose_payload, finish_payload), not twice. (Key 0 marks a lost
   // segment there, so it is refused here.)
-  const bool one_pin = rx_end_ - rx_begin_ >= length && r.num_sge > 0 && sges[0].lkey != 0;
+  const bool one_pin =
+      length > 0 && rx_end_ - rx_begin_ >= length && r.num_sge > 0 && sges[0].length >= length && sges[0].lkey != 0;
   std::uint64_t left = length;
   for (std::uint32_t i = 0; i < r.num_sge && left > 0; ++i) {
     const std::uint64_t n = std::min<std::uint64_t>(sges[i].length, left);
-    if (!(one_pin && n == length) && table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
+    if (!(one_pin && i == 0) && table_.check(sges[i].lkey, sges[i].addr, n, access::local_write, 0) == nullptr) {
       push_recv({.wr_id = r.wr_id, .status = wc_status::local_protection_error, .opcode = wc_opcode::recv,
                  .qp_num = qpn_});
       nak(cur_.psn, nak_code::remote_operation, true);
@@ -697,6 +698,13 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
   sq_entry& head = sq_[ring_slot(sq_ack_, attr_.max_send_wr)];
   switch (h.type) {
     case frame_type::ack: {
+      // After an RNR NAK the peer drops every request until the refused one
+      // comes again: it cannot acknowledge it (or any later one) meanwhile,
+      // and the rewind that follows would put sq_tx_ behind sq_ack_.
+      if (rnr_waiting_ || rewind_pending_) {
+        protocol_error("ACK for a request refused as receiver not ready");
+        return false;
+      }
       const std::uint64_t count = std::uint64_t{h.psn - head.psn} + 1;
       if (!psn_le(head.psn, h.psn) || count > sq_tx_ - sq_ack_) {
         protocol_error("ACK for a request never sent");

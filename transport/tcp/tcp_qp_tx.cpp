@@ -78,9 +78,10 @@ bool tcp_qp::fill_iov() noexcept {
     }
     ++resp_queued_;
   }
-  if (!requests) return iov_count_ > 0;
-  if (!fill_requests(ack)) return false;
-  if (ack) {  // no request took it (there is room: fill_requests keeps one iovec)
+  // (A read response whose source went away ends with a fatal NAK: no
+  // request may follow it.)
+  if (requests && !fatal_pending_ && !fill_requests(ack)) return false;
+  if (ack) {  // no request took it (there is room: the loop above and fill_requests keep one iovec)
     frame_header a;
     a.type = frame_type::ack;
     a.psn = *ack;
@@ -180,7 +181,9 @@ bool tcp_qp::send_solo() noexcept {
   const std::size_t total = kHeaderSize + e.length;
   const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
   ++counters_.tx_syscalls;
-  if (n < 0) return false;  // (nothing went: flush() tries again, and sees the error or waits for room)
+  // Nothing went: flush() frames it in a batch and tries again (one more
+  // system call on EAGAIN), and sees the error or waits for room.
+  if (n < 0) return false;
   // The request (and the ACK) is on its way, at least in part.
   ++sq_tx_;
   resp_head_ = resp_queued_ = resp_tail_;
