@@ -561,6 +561,7 @@ class tcp_qp final : public queue_pair {
   void flush() noexcept;
   bool fill_iov() noexcept;
   bool fill_requests(std::optional<std::uint32_t>& ack) noexcept;
+  void add_ack_frame(std::uint32_t psn) noexcept;  // an ACK of its own (room checked)
   // The one request post_send just queued, sent at once when nothing else
   // waits to go (see send_solo); false: flush() must do it.
   bool send_solo() noexcept;

@@ -81,15 +81,17 @@ bool tcp_qp::fill_iov() noexcept {
   // (A read response whose source went away ends with a fatal NAK: no
   // request may follow it.)
   if (requests && !fatal_pending_ && !fill_requests(ack)) return false;
-  if (ack) {  // no request took it (there is room: the loop above and fill_requests keep one iovec)
-    frame_header a;
-    a.type = frame_type::ack;
-    a.psn = *ack;
-    const auto hdr = batch_header();
-    encode(a, hdr);
-    add_header(hdr.data());
-  }
+  if (ack) add_ack_frame(*ack);  // no request took it (there is room: the loop above and fill_requests keep one iovec)
   return iov_count_ > 0;
+}
+
+void tcp_qp::add_ack_frame(std::uint32_t psn) noexcept {
+  frame_header a;
+  a.type = frame_type::ack;
+  a.psn = psn;
+  const auto hdr = batch_header();
+  encode(a, hdr);
+  add_header(hdr.data());
 }
 
 // The send queue's requests from sq_tx_ on, as many as the batch holds;
@@ -125,12 +127,7 @@ bool tcp_qp::fill_requests(std::optional<std::uint32_t>& ack) noexcept {
       ++rd_atomic_out_;
     }
     if (ack && e.wr.op == opcode::read) {
-      frame_header a;
-      a.type = frame_type::ack;
-      a.psn = *ack;
-      const auto hdr = batch_header();
-      encode(a, hdr);
-      add_header(hdr.data());
+      add_ack_frame(*ack);
       ack.reset();
     }
     const auto hdr = batch_header();
