@@ -7,11 +7,25 @@ inputs that reach deep states.
   make_seeds.py [DIR]   (default: test/fuzz/seeds next to this script; the
                          fuzz-seeds-current test writes elsewhere and compares)"""
 import os
+import re
 import struct
 import sys
 
 BASE, RKEY = 0x500000000000, (1 << 18) | 1  # frame_fuzz.cpp: the first key of a deterministic domain
-WIRE_VERSION = 3  # transport/tcp/wire.hpp kWireVersion
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def constant(header, name):
+    """The value of `inline constexpr ... name = N;` in a header of the tree."""
+    with open(os.path.join(SOURCE, header)) as f:
+        m = re.search(r"\b" + name + r"\s*=\s*(\d+)\s*;", f.read())
+    if m is None:
+        sys.exit(f"make_seeds.py: no {name} in {header}")
+    return int(m.group(1))
+
+
+WIRE_VERSION = constant("transport/tcp/wire.hpp", "kWireVersion")  # the tcp provider's frames
+RUNTIME_VERSION = constant("runtime/protocol.hpp", "kVersion")      # the runtime's hello
 LAST = 2          # kFlagLast: the last frame of a read response
 ACKED = 4         # kFlagAck: a request that carries an ACK (offset 28, rlen here)
 root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "seeds")
@@ -37,6 +51,9 @@ seeds = {
     "piggyback": frame(WRITE, 1, 0, addr=BASE, rkey=RKEY)
     + frame(RRESP, 1, 64, payload=b"F" * 64) + frame(RRESP, 1, addr=64, flags=LAST)
     + frame(SEND, 1, 8, rlen=2, flags=ACKED, payload=b"G" * 8) + frame(ARESP, 3, ca=42),
+    # an RNR NAK for the target's read, then the read's data (refused)
+    "rnr_read": frame(WRITE, 1, 0, addr=BASE, rkey=RKEY) + frame(NAK, 1, imm=1)
+    + frame(RRESP, 1, 64, payload=b"H" * 64) + frame(RRESP, 1, addr=64, flags=LAST),
     "piggyback_atomic": frame(FADD, 1, addr=BASE, rkey=RKEY, ca=1, rlen=0xffffffff, flags=ACKED),
 }
 
@@ -57,7 +74,7 @@ def tcp_handshake(kind, pdata):
     return b"ADTP" + struct.pack("<BBHIII4x", WIRE_VERSION, kind, len(pdata), 7, 128, 64) + pdata
 
 
-def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=6, reason=0, keepalive=10000, max_credits=None):
+def hello(kind, flags=0, credits=64, nonce=b"\0" * 16, version=RUNTIME_VERSION, reason=0, keepalive=10000, max_credits=None):
     return (struct.pack("<IHBBHHIIQ", 0x31524441, version, kind, reason, credits, flags, 8256, 8192, 1 << 30) + nonce
             + struct.pack("<IH", keepalive, credits if max_credits is None else max_credits))
 
@@ -66,7 +83,7 @@ write("handshake", {
     "hello": tcp_handshake(1, hello(1)),
     "hello_auth": tcp_handshake(1, hello(1, 1, nonce=bytes(range(16)))),
     "welcome_auth": tcp_handshake(2, hello(2, 1, nonce=bytes(range(16, 32)))),
-    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, 6, 3, 2)),
+    "refuse": tcp_handshake(3, struct.pack("<IHBB", 0x31524441, RUNTIME_VERSION, 3, 2)),
     "old_version": tcp_handshake(1, hello(1, version=2)),
 })
 

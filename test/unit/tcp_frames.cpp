@@ -1468,3 +1468,35 @@ TEST_CASE("tcp provider: an ACK after an RNR NAK and before the refused request 
   CHECK(p.ep.qp->state() == tp::qp_state::error);
   CHECK(d.settle(p.ep.cq.get(), 50ms).empty());  // completed once
 }
+
+TEST_CASE("tcp provider: an RNR NAK for a read or an atomic is a bad response and so is its answer after one",
+          "[unit][tcp]") {
+  // Only a request that takes a receive can find none. Taken, such a NAK
+  // was followed by the read's (or atomic's) response, which completed the
+  // request the rewind then sent again.
+  raw_peer p;
+  std::uint64_t v = 0;
+  auto lmr = p.ep.pd->register_memory(&v, 8, access::local_write);
+  tp::sge sg = lmr->slice(0, 8);
+  tp::work_request wr{.wr_id = 9, .sg_list = {&sg, 1}, .remote_addr = 0x1000, .rkey = 1};
+  frame_header answer;
+  SECTION("a read") {
+    wr.op = tp::opcode::read;
+    answer = {.type = frame_type::read_response, .flags = kFlagLast, .psn = 1, .length = 8};
+  }
+  SECTION("an atomic") {
+    wr.op = tp::opcode::fetch_add;
+    answer = {.type = frame_type::atomic_response, .psn = 1, .compare_add = 41};
+  }
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  REQUIRE(raw_read(p.fd, kHeaderSize).size() == kHeaderSize);
+  p.send_frame({.type = frame_type::nak, .psn = 1, .imm = static_cast<std::uint32_t>(nak_code::rnr)});
+  p.send_frame(answer, "12345678", answer.length);
+  driver d{p.ep.cq.get()};
+  const auto c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 9);
+  CHECK(c.status == tp::wc_status::bad_response);
+  CHECK(p.ep.qp->state() == tp::qp_state::error);
+  CHECK(v == 0);
+  CHECK(d.settle(p.ep.cq.get(), 50ms).empty());
+}

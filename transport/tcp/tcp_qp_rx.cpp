@@ -27,6 +27,11 @@ constexpr std::size_t kMaxDiscardPerPass = 4 * kRxBufferSize;
 
 bool psn_le(std::uint32_t a, std::uint32_t b) noexcept { return static_cast<std::int32_t>(b - a) >= 0; }
 
+// Requests a responder can refuse as receiver not ready: those that consume a receive.
+bool takes_receive(opcode op) noexcept {
+  return op == opcode::send || op == opcode::send_with_imm || op == opcode::write_with_imm;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- receive
@@ -695,16 +700,17 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
     protocol_error("response with no request outstanding");
     return false;
   }
+  // After an RNR NAK the peer drops every request until the refused one
+  // comes again: nothing it sends meanwhile answers one (taken, it would
+  // complete the refused request, and the rewind that follows would put
+  // sq_tx_ behind sq_ack_).
+  if (rnr_waiting_ || rewind_pending_) {
+    protocol_error("response while a request refused as receiver not ready waits to go again");
+    return false;
+  }
   sq_entry& head = sq_[ring_slot(sq_ack_, attr_.max_send_wr)];
   switch (h.type) {
     case frame_type::ack: {
-      // After an RNR NAK the peer drops every request until the refused one
-      // comes again: it cannot acknowledge it (or any later one) meanwhile,
-      // and the rewind that follows would put sq_tx_ behind sq_ack_.
-      if (rnr_waiting_ || rewind_pending_) {
-        protocol_error("ACK for a request refused as receiver not ready");
-        return false;
-      }
       const std::uint64_t count = std::uint64_t{h.psn - head.psn} + 1;
       if (!psn_le(head.psn, h.psn) || count > sq_tx_ - sq_ack_) {
         protocol_error("ACK for a request never sent");
@@ -726,6 +732,10 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
         return false;
       }
       const auto code = static_cast<nak_code>(h.imm);
+      if (code == nak_code::rnr && !takes_receive(head.wr.op)) {
+        protocol_error("RNR NAK for a request that takes no receive");
+        return false;
+      }
       if (code == nak_code::rnr) {
         ++counters_.rnr_naks_received;
         shared_->received.fetch_add(1, std::memory_order_relaxed);

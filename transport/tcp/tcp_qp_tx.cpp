@@ -79,7 +79,9 @@ bool tcp_qp::fill_iov() noexcept {
     ++resp_queued_;
   }
   // (A read response whose source went away ends with a fatal NAK: no
-  // request may follow it.)
+  // request is framed after it once that is known here; one found gone
+  // later, at pin time, may have requests behind it in the batch, which
+  // the peer drops and the error flushes.)
   if (requests && !fatal_pending_ && !fill_requests(ack)) return false;
   if (ack) add_ack_frame(*ack);  // no request took it (there is room: the loop above and fill_requests keep one iovec)
   return iov_count_ > 0;
