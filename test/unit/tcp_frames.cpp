@@ -1500,3 +1500,41 @@ TEST_CASE("tcp provider: an RNR NAK for a read or an atomic is a bad response an
   CHECK(v == 0);
   CHECK(d.settle(p.ep.cq.get(), 50ms).empty());
 }
+
+TEST_CASE("tcp provider: a held-back ACK that no request can carry goes alone at the end of the batch",
+          "[unit][tcp]") {
+  // A bind behind a request not yet acknowledged waits (it frames nothing):
+  // the ACK held for it must not wait with it.
+  raw_peer p;
+  auto bindable = p.ep.pd->register_memory(p.mem.data() + 64, 4096, access::local_write | access::mw_bind);
+  auto w = p.ep.pd->alloc_window();
+  const char msg[] = "ping";
+  tp::sge ssg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
+  tp::work_request send{.wr_id = 7, .op = tp::opcode::send, .sg_list = {&ssg, 1}, .inline_data = true};
+  REQUIRE_FALSE(p.ep.qp->post_send({&send, 1}));
+  REQUIRE(raw_read(p.fd, kHeaderSize + 4).size() == kHeaderSize + 4);  // (not acknowledged yet)
+  tp::sge rsg = p.mr->slice(0, 64);
+  tp::recv_request rr{.wr_id = 5, .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));
+  p.send_frame({.type = frame_type::send, .psn = 1, .length = 5}, "hello", 5);
+  driver d{p.ep.cq.get()};
+  CHECK(d.wait_one(p.ep.cq.get()).wr_id == 5);  // its ACK is held back
+  tp::work_request bind{.wr_id = 8, .op = tp::opcode::bind_window};
+  bind.bind = {w.get(), bindable.get(), p.base(), 256, access::remote_read};
+  REQUIRE_FALSE(p.ep.qp->post_send({&bind, 1}));
+  const auto b = raw_read(p.fd, kHeaderSize);
+  REQUIRE(b.size() == kHeaderSize);
+  frame_header h;
+  REQUIRE(decode(std::span<const std::byte, kHeaderSize>(b.data(), kHeaderSize), h) == decode_error::none);
+  CHECK(h.type == frame_type::ack);
+  CHECK(h.psn == 1);
+  CHECK(raw_read(p.fd, kHeaderSize, 100).empty());
+  // Once the send is acknowledged, the bind completes after it.
+  p.send_frame({.type = frame_type::ack, .psn = 1});
+  const auto c = d.wait(p.ep.cq.get(), 2);
+  REQUIRE(c.size() == 2);
+  CHECK(c[0].wr_id == 7);
+  CHECK(c[1].wr_id == 8);
+  CHECK(c[1].status == tp::wc_status::success);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}
