@@ -109,6 +109,20 @@ struct raw_peer {
     while (ep.qp->state() != tp::qp_state::error && std::chrono::steady_clock::now() < deadline) d.step();
     return ep.qp->state() == tp::qp_state::error;
   }
+  // Posts an inline 4-byte send ("ping", wr_id 7) and reads its frame
+  // off the socket; returns its header.
+  frame_header send_ping() {
+    static const char msg[] = "ping";
+    const tp::sge sg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
+    const tp::work_request wr{.wr_id = 7, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = true};
+    REQUIRE_FALSE(ep.qp->post_send({&wr, 1}));
+    const auto out = raw_read(fd, kHeaderSize + 4);
+    REQUIRE(out.size() == kHeaderSize + 4);
+    frame_header h;
+    REQUIRE(decode(std::span<const std::byte, kHeaderSize>(out.data(), kHeaderSize), h) == decode_error::none);
+    CHECK(std::memcmp(out.data() + kHeaderSize, "ping", 4) == 0);
+    return h;
+  }
   // Reads the provider's next frame and checks it is a NAK with `code`.
   void expect_nak(nak_code code) {
     auto nak = raw_read(fd, kHeaderSize);
@@ -1228,14 +1242,7 @@ TEST_CASE("tcp provider: an ACK in a raw peer's request is taken whatever become
           "and one for a request never sent is a bad response",
           "[unit][tcp]") {
   raw_peer p;
-  const char msg[] = "ping";
-  tp::sge sg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
-  tp::work_request wr{.wr_id = 7, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = true};
-  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
-  const auto out = raw_read(p.fd, kHeaderSize + 4);
-  REQUIRE(out.size() == kHeaderSize + 4);
-  frame_header sent;
-  REQUIRE(decode(std::span<const std::byte, kHeaderSize>(out.data(), kHeaderSize), sent) == decode_error::none);
+  const frame_header sent = p.send_ping();
   REQUIRE(sent.type == frame_type::send);
   REQUIRE((sent.flags & kFlagAck) == 0);
   driver d{p.ep.cq.get()};
@@ -1444,11 +1451,7 @@ TEST_CASE("tcp provider: an ACK after an RNR NAK and before the refused request 
   // complete the request and the rewind would then send it again behind
   // its own completion.
   raw_peer p;
-  const char msg[] = "ping";
-  tp::sge sg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
-  tp::work_request wr{.wr_id = 7, .op = tp::opcode::send, .sg_list = {&sg, 1}, .inline_data = true};
-  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
-  REQUIRE(raw_read(p.fd, kHeaderSize + 4).size() == kHeaderSize + 4);
+  REQUIRE(p.send_ping().psn == 1);
   std::vector<std::byte> two(2 * kHeaderSize);
   encode(frame_header{.type = frame_type::nak, .psn = 1, .imm = static_cast<std::uint32_t>(nak_code::rnr)},
          std::span<std::byte, kHeaderSize>(two.data(), kHeaderSize));
@@ -1508,11 +1511,7 @@ TEST_CASE("tcp provider: a held-back ACK that no request can carry goes alone at
   raw_peer p;
   auto bindable = p.ep.pd->register_memory(p.mem.data() + 64, 4096, access::local_write | access::mw_bind);
   auto w = p.ep.pd->alloc_window();
-  const char msg[] = "ping";
-  tp::sge ssg{.addr = reinterpret_cast<std::uint64_t>(msg), .length = 4};
-  tp::work_request send{.wr_id = 7, .op = tp::opcode::send, .sg_list = {&ssg, 1}, .inline_data = true};
-  REQUIRE_FALSE(p.ep.qp->post_send({&send, 1}));
-  REQUIRE(raw_read(p.fd, kHeaderSize + 4).size() == kHeaderSize + 4);  // (not acknowledged yet)
+  REQUIRE(p.send_ping().psn == 1);  // (not acknowledged yet)
   tp::sge rsg = p.mr->slice(0, 64);
   tp::recv_request rr{.wr_id = 5, .sg_list = {&rsg, 1}};
   REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));

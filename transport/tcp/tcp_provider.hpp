@@ -559,6 +559,17 @@ class tcp_qp final : public queue_pair {
 
   // sending
   void flush() noexcept;
+  // Requests may be framed now (no RNR wait, rewind, blocked head or
+  // fatal NAK in the way); fill_iov and send_solo ask the same.
+  bool may_send_requests() const noexcept {
+    return state_ == qp_state::rts && !rnr_waiting_ && !rewind_pending_ && !tx_blocked_ && !fatal_pending_;
+  }
+  // The batch's cursor back to its start: a new batch, or none.
+  void restart_batch() noexcept {
+    iov_count_ = iov_pos_ = 0;
+    tx_pins_ = false;
+    held_iov_ = next_iov_ = kNoBounce;  // its iovecs are other bytes
+  }
   bool fill_iov() noexcept;
   bool fill_requests(std::optional<std::uint32_t>& ack) noexcept;
   void add_ack_frame(std::uint32_t psn) noexcept;  // an ACK of its own (room checked)

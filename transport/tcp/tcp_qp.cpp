@@ -248,9 +248,7 @@ void tcp_qp::close_socket() noexcept {
 void tcp_qp::reset_stream() noexcept {
   settle_tx_copy();  // (copies in flight end before their buffers go)
   (void)settle_rx_copy();
-  iov_count_ = iov_pos_ = 0;
-  tx_pins_ = false;
-  held_iov_ = next_iov_ = kNoBounce;
+  restart_batch();
   resp_head_ = resp_queued_ = resp_tail_ = 0;
   rx_begin_ = rx_end_ = 0;
   rx_bounce_fill_ = 0;

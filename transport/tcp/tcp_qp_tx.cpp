@@ -55,8 +55,7 @@ void tcp_qp::add_header(const void* p) noexcept { add_header(p, iov_ref{}); }
 bool tcp_qp::fill_iov() noexcept {
   hdr_used_ = 0;
   const std::size_t cap = resp_.size();
-  const bool requests = state_ == qp_state::rts && !rnr_waiting_ && !rewind_pending_ && !tx_blocked_ &&
-                        !fatal_pending_ && sq_tx_ < sq_tail_;
+  const bool requests = may_send_requests() && sq_tx_ < sq_tail_;
   // An ACK that ends the responses rides in the first request's header
   // (kFlagAck) when requests follow it in this batch: framed alone only
   // if none can carry it (below).
@@ -156,8 +155,8 @@ bool tcp_qp::fill_requests(std::optional<std::uint32_t>& ack) noexcept {
 // slot and a header of its own, without a batch. Whatever does not fit
 // (the socket full) goes on in a batch, as fill_iov would have framed it.
 bool tcp_qp::send_solo() noexcept {
-  if (tx_ != nullptr || fd_ < 0 || faults_ != nullptr || state_ != qp_state::rts || rnr_waiting_ ||
-      rewind_pending_ || tx_blocked_ || fatal_pending_ || close_when_flushed_ || sq_tx_ + 1 != sq_tail_) {
+  if (tx_ != nullptr || fd_ < 0 || faults_ != nullptr || !may_send_requests() || close_when_flushed_ ||
+      sq_tx_ + 1 != sq_tail_) {
     return false;
   }
   const sq_entry& e = sq_[ring_slot(sq_tx_, attr_.max_send_wr)];
@@ -195,9 +194,8 @@ bool tcp_qp::send_solo() noexcept {
     peer_gone("no memory for a transmit batch");
     return true;
   }
-  iov_count_ = iov_pos_ = hdr_used_ = 0;
-  tx_pins_ = false;
-  held_iov_ = next_iov_ = kNoBounce;
+  restart_batch();
+  hdr_used_ = 0;
   if (sent < kHeaderSize) {
     const auto hdr = batch_header();
     std::memcpy(hdr.data(), header.data(), kHeaderSize);
@@ -444,9 +442,7 @@ void tcp_qp::flush_batch() noexcept {
         return;
       }
       resp_head_ = resp_queued_;
-      iov_count_ = iov_pos_ = 0;
-      tx_pins_ = false;
-      held_iov_ = next_iov_ = kNoBounce;  // a new batch: its iovecs are other bytes
+      restart_batch();
       if (rewind_pending_) {
         rewind_pending_ = false;
         counters_.retransmits += sq_tx_ - rewind_to_;
