@@ -11,8 +11,10 @@
 # GET p50 against redis-server (epoll; it has no busy-poll mode). With the
 # tcp provider a READ is a round trip the server's process serves, so a GET
 # by READ costs what an RPC does per READ; a NIC serves it without the
-# server. Prints a table and one JSON object per figure
-# (JSON=path also writes them there).
+# server. Last, the floor under every GET over TCP: a busy-polled plain TCP
+# ping-pong's round trip (anydoor-tcp-floor), against the same Redis p50.
+# Prints a table and one JSON object per figure (JSON=path also writes
+# them there).
 #   bench/compare-kv.sh [BUILD_DIR]   (default build/)
 # Targets (issue 13): the door at least 1.0x redis-server's requests/s in
 # each sync mode; anydoor-kv GET p50 at most 0.3x redis-benchmark's.
@@ -134,3 +136,27 @@ for vs in 100 32; do
   done
 done
 kill -TERM "$APID"; wait "$APID" 2>/dev/null || true
+# The bound under those figures: a busy-polled plain TCP ping-pong of 64 B
+# on the same two CPUs (bench/tcp_floor.cpp: no framing, no runtime). No
+# GET over the tcp provider can beat one such round trip, so where it is
+# above 0.3x Redis's p50 the target cannot be met on this machine as it is.
+floor=$build/bin/anydoor-tcp-floor
+if [ -x "$floor" ]; then
+  vals=""
+  for r in $(seq 1 "$REPS"); do
+    port=$((port + 1))
+    taskset -c 0 "$floor" --server --port "$port" >/dev/null 2>&1 &
+    fpid=$!; pids+=("$fpid")
+    sleep 0.3
+    one=$(taskset -c 1 "$floor" --connect 127.0.0.1 --port "$port" --test lat -s 64 -n 20000 2>/dev/null |
+          sed -n 's/.*median_us=\([0-9.]*\).*/\1/p')
+    wait "$fpid" 2>/dev/null || true
+    [ -n "$one" ] && vals+="$(awk -v m="$one" 'BEGIN{printf "%.3f", 2 * m}') "
+  done
+  rt=$(tr ' ' '\n' <<<"$vals" | grep -v '^$' | median)
+  ratio=$(awk -v a="$rt" -v b="$redis_p50_us" 'BEGIN{printf "%.2f", a / b}')
+  printf '%-44s %10s %7s\n' "TCP floor round trip (anydoor-tcp-floor)" "$rt" "$ratio"
+  emit test=floor_round_trip size=64 round_trip_us="$rt" redis_benchmark_p50_us="$redis_p50_us" ratio="$ratio" >/dev/null
+else
+  echo "compare-kv: $floor not built (ANYDOOR_BUILD_BENCH): no floor row"
+fi

@@ -3,16 +3,61 @@
 #include "service.hpp"
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/bind_executor.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 namespace anydoor::apps::kv {
 
 namespace {
 constexpr auto tuple = asio::as_tuple(asio::use_awaitable);
-}
+
+// Two READs in flight at once and one wait for both. Lives in the awaiting
+// coroutine's frame: the READs' handlers point at it, and it keeps the
+// coroutine's own handler (inline, no allocation) until the second READ
+// has completed; the coroutine stays suspended until then, so the frame
+// outlives both.
+class read_pair {
+ public:
+  error_code ec[2];
+
+  asio::awaitable<void> both(connection& c, local_range d0, const remote_region& s0, local_range d1,
+                             const remote_region& s1) {
+    left_ = 2;
+    co_await asio::async_initiate<decltype(asio::use_awaitable), void()>(
+        [&](auto handler) {
+          using handler_t = decltype(handler);
+          static_assert(sizeof(handler_t) <= sizeof storage_ && alignof(handler_t) <= alignof(std::max_align_t));
+          new (storage_) handler_t(std::move(handler));
+          resume_ = [](read_pair& p) {
+            auto* h = std::launder(reinterpret_cast<handler_t*>(p.storage_));
+            handler_t local(std::move(*h));
+            h->~handler_t();
+            std::move(local)();  // may end the frame that holds p: nothing touches p after
+          };
+          const auto ex = c.get_executor();
+          c.async_get(d0, s0, asio::bind_executor(ex, [this](error_code e, std::size_t) { done(0, e); }));
+          c.async_get(d1, s1, asio::bind_executor(ex, [this](error_code e, std::size_t) { done(1, e); }));
+        },
+        asio::use_awaitable);
+  }
+
+ private:
+  void done(int i, const error_code& e) {
+    ec[i] = e;
+    if (--left_ == 0) resume_(*this);
+  }
+
+  int left_ = 0;
+  void (*resume_)(read_pair&) = nullptr;
+  alignas(std::max_align_t) std::byte storage_[128];
+};
+
+}  // namespace
 
 rpc::status call_status(const error_code& ec, const rpc::reply& r) {
   if (!ec) return {};
@@ -27,8 +72,23 @@ rpc::status call_status(const error_code& ec, const rpc::reply& r) {
   return {rpc::errc::unavailable, ec.message()};
 }
 
-client::client(fabric& fab, connection c, std::chrono::milliseconds timeout)
-    : fab_(fab), cli_(std::move(c), {.timeout = timeout}) {}
+client::client(fabric& fab, connection c, std::chrono::milliseconds timeout, std::size_t location_cache)
+    : fab_(fab), cli_(std::move(c), {.timeout = timeout}), locations_(location_cache) {}
+
+client::location* client::cached(std::uint64_t hash) noexcept {
+  if (locations_.empty()) return nullptr;
+  location& e = locations_[(hash >> 32) % locations_.size()];
+  return e.length != 0 && e.hash == hash ? &e : nullptr;
+}
+
+void client::remember(std::uint64_t hash, const slot& s) noexcept {
+  if (locations_.empty()) return;
+  locations_[(hash >> 32) % locations_.size()] = {hash, s.offset, s.length};
+}
+
+void client::forget(std::uint64_t hash) noexcept {
+  if (location* e = cached(hash)) e->length = 0;
+}
 
 asio::awaitable<rpc::status> client::put(std::string_view key, std::span<const std::byte> value) {
   // The request is built in a buffer of the call's own (a coroutine frame
@@ -72,12 +132,11 @@ asio::awaitable<rpc::status> client::fetch_layout() {
 }
 
 client::reader client::make_reader() {
-  // The neighbourhood, or the largest item (capped: a larger value is
-  // fetched by RPC).
+  // The neighbourhood, then the largest item (capped: a larger value is
+  // fetched by RPC): an item READ beside the neighbourhood lands after it.
   std::size_t n = kNeighbourhoodBytes;
   if (layout_) {
-    n = std::max<std::size_t>(n, std::min<std::size_t>(kItemHeader + layout_->max_key + layout_->max_value,
-                                                       std::size_t{4} << 20));
+    n += std::min<std::size_t>(kItemHeader + layout_->max_key + layout_->max_value, std::size_t{4} << 20);
   }
   // Page-aligned memory, whole pages, owned by the region's allocation below.
   auto* mem = static_cast<std::byte*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
@@ -95,34 +154,65 @@ asio::awaitable<rpc::status> client::read_get(reader& r, std::string_view key, s
   const std::uint64_t h = key_hash(l.seed, key);
   const std::uint64_t home = h & (l.buckets - 1);
   connection& conn = cli_.connection();
+  const std::size_t item_room = r.mr.size() - std::min(r.mr.size(), kNeighbourhoodBytes);
   for (int attempt = 0; attempt < kReadAttempts; ++attempt) {
     if (attempt != 0) ++rs_.retries;
-    ++rs_.reads;
-    auto [ec, n] = co_await conn.async_get(r.mr.at(0, kNeighbourhoodBytes),
-                                           table_.at(home * kBucketSize, kNeighbourhoodBytes), tuple);
-    if (ec) co_return rpc::status(rpc::errc::unavailable, "READ failed: " + ec.message());
+    // The item where this key's was last found, READ beside the
+    // neighbourhood (not on a retry: that follows a torn or moved read).
+    location ahead;
+    if (const location* c = attempt == 0 ? cached(h) : nullptr;
+        c != nullptr && c->length <= item_room && c->length <= kReadAheadMax) {
+      ahead = *c;
+    }
+    const auto nb_dst = r.mr.at(0, kNeighbourhoodBytes);
+    const auto nb_src = table_.at(home * kBucketSize, kNeighbourhoodBytes);
+    if (ahead.length != 0) {
+      rs_.reads += 2;
+      ++rs_.ahead;
+      read_pair both;
+      co_await both.both(conn, nb_dst, nb_src, r.mr.at(kNeighbourhoodBytes, ahead.length),
+                         table_.at(l.arena_offset + ahead.offset, ahead.length));
+      for (const error_code& ec : both.ec) {
+        if (ec) co_return rpc::status(rpc::errc::unavailable, "READ failed: " + ec.message());
+      }
+    } else {
+      ++rs_.reads;
+      auto [ec, n] = co_await conn.async_get(nb_dst, nb_src, tuple);
+      if (ec) co_return rpc::status(rpc::errc::unavailable, "READ failed: " + ec.message());
+    }
     const neighbourhood nb = scan_neighbourhood(r.mr.bytes().first(kNeighbourhoodBytes), h);
     bool torn = nb.torn;
     bool too_large = false;
     for (std::size_t i = 0; i < nb.n; ++i) {
       const slot& s = nb.cand[i];
       std::span<const std::byte> value;
-      match m;
+      match m = match::torn;
       if ((s.length & kInlineFlag) != 0) {
         m = check_inline(s, key, value);
       } else if (!item_in_bounds(s, l)) {
         m = match::torn;
-      } else if (s.length > r.mr.size()) {
+      } else if (s.length > item_room) {
         too_large = true;
         continue;
       } else {
-        ++rs_.reads;
-        auto [ec2, n2] = co_await conn.async_get(r.mr.at(0, s.length), table_.at(l.arena_offset + s.offset, s.length),
-                                                 tuple);
-        if (ec2) co_return rpc::status(rpc::errc::unavailable, "READ failed: " + ec2.message());
-        m = check_item(r.mr.bytes().first(s.length), s, key, value);
+        // The item READ ahead counts only if this slot points at it and it
+        // passes the checks; else it is READ now, after the slot.
+        if (ahead.length != 0 && s.offset == ahead.offset && s.length == ahead.length) {
+          ahead.length = 0;
+          m = check_item(r.mr.bytes().subspan(kNeighbourhoodBytes, s.length), s, key, value);
+          if (m == match::yes) ++rs_.ahead_hits;
+        }
+        if (m != match::yes) {
+          ++rs_.reads;
+          auto [ec2, n2] = co_await conn.async_get(r.mr.at(kNeighbourhoodBytes, s.length),
+                                                   table_.at(l.arena_offset + s.offset, s.length), tuple);
+          if (ec2) co_return rpc::status(rpc::errc::unavailable, "READ failed: " + ec2.message());
+          m = check_item(r.mr.bytes().subspan(kNeighbourhoodBytes, s.length), s, key, value);
+        }
+        if (m == match::yes) remember(h, s);
       }
       if (m == match::yes) {
+        if ((s.length & kInlineFlag) != 0) forget(h);  // nothing to READ ahead for it
         out.assign(reinterpret_cast<const char*>(value.data()), value.size());
         ++rs_.hits;
         co_return rpc::status();
@@ -132,6 +222,7 @@ asio::awaitable<rpc::status> client::read_get(reader& r, std::string_view key, s
     if (too_large) break;
     if (!torn) {
       if (nb.overflow != 0) break;  // it may be in the server-only table
+      forget(h);
       ++rs_.misses;
       co_return rpc::status(rpc::errc::not_found, "not found");
     }

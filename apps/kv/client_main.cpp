@@ -1,7 +1,8 @@
 // anydoor-kv: the key-value store's command-line client and benchmark.
 //   anydoor-kv --connect HOST:PORT put KEY VALUE | get KEY | del KEY
 //   anydoor-kv --connect HOST:PORT bench [--workload a|b|c] [--keys N] [--value-size B]
-//                                  [--duration S] [--in-flight N] [--get rpc|read] [--json]
+//                                  [--duration S] [--in-flight N] [--get rpc|read] [--location-cache N]
+//                                  [--json]
 // Exit codes: 0 done (get: found), 1 not found, 2 an error (with the reason).
 #include "client.hpp"
 #include "common/args.hpp"
@@ -32,7 +33,7 @@ constexpr const char* kUsage =
     "anydoor-kv --connect HOST:PORT [--provider auto|tcp|verbs] [--timeout SECONDS] COMMAND\n"
     "  put KEY VALUE | get KEY [--get rpc|read] | del KEY\n"
     "  bench [--workload a|b|c] [--keys N] [--value-size BYTES] [--duration SECONDS] [--in-flight N]\n"
-    "        [--get rpc|read] [--json]";
+    "        [--get rpc|read] [--location-cache N] [--json]";
 
 struct options {
   anydoor::apps::endpoint connect;
@@ -46,6 +47,7 @@ struct options {
   double duration = 10;
   std::uint32_t in_flight = 16;
   bool read = false;  // --get read
+  std::size_t location_cache = anydoor::apps::kv::kLocationCache;  // entries; 0: off
   bool json = false;
 };
 
@@ -88,6 +90,8 @@ options parse(int argc, char** argv) {
       const std::string_view v = a.value();
       if (v != "rpc" && v != "read") a.fail("--get takes rpc or read, not '" + std::string(v) + "'");
       o.read = v == "read";
+    } else if (s == "--location-cache") {
+      o.location_cache = static_cast<std::size_t>(a.size_value(0, std::uint64_t{1} << 24));
     } else if (s == "--json") {
       o.json = true;
     } else if (s.starts_with("--")) {
@@ -324,7 +328,8 @@ asio::awaitable<int> bench(const options& o, kv::client& cli) {
                 "\"load_seconds\":%.3f,\"seconds\":%.3f,\"ops\":%llu,\"ops_per_s\":%.1f,\"get_ops\":%llu,"
                 "\"put_ops\":%llu,\"get_p50_us\":%.3f,\"get_p99_us\":%.3f,\"get_p999_us\":%.3f,\"get_max_us\":%.3f,"
                 "\"put_p50_us\":%.3f,\"put_p99_us\":%.3f,\"put_p999_us\":%.3f,\"put_max_us\":%.3f,"
-                "\"reads\":%llu,\"read_hits\":%llu,\"read_retries\":%llu,\"read_fallbacks\":%llu}\n",
+                "\"reads\":%llu,\"read_hits\":%llu,\"read_retries\":%llu,\"read_fallbacks\":%llu,"
+                "\"read_ahead\":%llu,\"read_ahead_hits\":%llu}\n",
                 o.workload, static_cast<unsigned long long>(o.keys), static_cast<unsigned long long>(o.value_size),
                 o.in_flight, o.read ? "read" : "rpc", load_s, secs, static_cast<unsigned long long>(ops),
                 static_cast<double>(ops) / secs, static_cast<unsigned long long>(b.gets),
@@ -332,7 +337,8 @@ asio::awaitable<int> bench(const options& o, kv::client& cli) {
                 us(b.get_lat, 0.999), static_cast<double>(b.get_lat.max()) / 1000.0, us(b.put_lat, 0.5),
                 us(b.put_lat, 0.99), us(b.put_lat, 0.999), static_cast<double>(b.put_lat.max()) / 1000.0,
                 static_cast<unsigned long long>(rs.reads), static_cast<unsigned long long>(rs.hits),
-                static_cast<unsigned long long>(rs.retries), static_cast<unsigned long long>(rs.fallbacks));
+                static_cast<unsigned long long>(rs.retries), static_cast<unsigned long long>(rs.fallbacks),
+                static_cast<unsigned long long>(rs.ahead), static_cast<unsigned long long>(rs.ahead_hits));
     co_return 0;
   }
   const int get_pct = o.workload == 'a' ? 50 : o.workload == 'b' ? 95 : 100;
@@ -350,10 +356,12 @@ asio::awaitable<int> bench(const options& o, kv::client& cli) {
                 us(b.put_lat, 0.99), us(b.put_lat, 0.999), static_cast<double>(b.put_lat.max()) / 1000.0);
   }
   if (o.read) {
-    std::printf("  one-sided: %llu READs for %llu gets, %llu hits, %llu retries, %llu by rpc\n",
+    std::printf("  one-sided: %llu READs for %llu gets, %llu hits, %llu retries, %llu by rpc; "
+                "%llu items READ ahead from the location cache, %llu taken\n",
                 static_cast<unsigned long long>(rs.reads), static_cast<unsigned long long>(rs.gets),
                 static_cast<unsigned long long>(rs.hits), static_cast<unsigned long long>(rs.retries),
-                static_cast<unsigned long long>(rs.fallbacks));
+                static_cast<unsigned long long>(rs.fallbacks), static_cast<unsigned long long>(rs.ahead),
+                static_cast<unsigned long long>(rs.ahead_hits));
   }
   co_return 0;
 }
@@ -364,7 +372,8 @@ asio::awaitable<int> run(const options& o, anydoor::fabric& fab) {
     std::fprintf(stderr, "anydoor-kv: cannot connect to %s: %s\n", o.connect.str().c_str(), ec.message().c_str());
     co_return 2;
   }
-  kv::client cli(fab, std::move(conn), std::chrono::milliseconds(static_cast<std::int64_t>(o.timeout * 1000)));
+  kv::client cli(fab, std::move(conn), std::chrono::milliseconds(static_cast<std::int64_t>(o.timeout * 1000)),
+                 o.location_cache);
   if (o.command == "bench") co_return co_await bench(o, cli);
   const std::string& key = o.words[0];
   if (o.command == "put") {

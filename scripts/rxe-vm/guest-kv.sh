@@ -47,8 +47,9 @@ wpid=$!
 $K bench --keys 20 --workload a --get read --duration $D --in-flight 4 --json >/tmp/r.json 2>/tmp/r.err ||
   fail "the racing reader: $(cat /tmp/r.err)"
 wait $wpid || fail "the racing writer: $(cat /tmp/w.err)"
-echo "kv: one-sided GETs racing PUTs on verbs: ok ($(field /tmp/r.json get_ops) gets, $(field /tmp/r.json read_retries) retries, $(field /tmp/r.json read_fallbacks) by rpc)"
+echo "kv: one-sided GETs racing PUTs on verbs: ok ($(field /tmp/r.json get_ops) gets, $(field /tmp/r.json read_retries) retries, $(field /tmp/r.json read_fallbacks) by rpc, $(field /tmp/r.json read_ahead) items READ ahead, $(field /tmp/r.json read_ahead_hits) taken)"
 [ "$(field /tmp/r.json read_hits)" -gt 0 ] || fail "no GET went by READ"
+[ "$(field /tmp/r.json read_ahead)" -gt 0 ] || fail "no item was READ beside its neighbourhood (location cache)"
 # 16-byte values live inline in their slots (the in-place slot path).
 $K bench --keys 20 --value-size 16 --workload a --duration $D --in-flight 4 --json >/tmp/w.json 2>/tmp/w.err &
 wpid=$!

@@ -52,14 +52,20 @@ wpid=$!
 run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --get read --duration 3 --in-flight 8 --json
 wait $wpid || fail "the writing bench failed: $(cat "$tmp/w.err")"
 check_reads() {  # the GETs went by READ: a few may fall back to RPC (4 moved reads in a row under this write load)
-  python3 - "$tmp/last.out" <<'PY' || fail "racing bench: $(cat "$tmp/last.out")"
+  python3 - "$tmp/last.out" "$1" <<'PY' || fail "racing bench: $(cat "$tmp/last.out")"
 import json, sys
 o = json.load(open(sys.argv[1]))
 assert o["get"] == "read" and o["get_ops"] > 100 and o["put_ops"] > 100, o
 assert o["read_hits"] + o["read_fallbacks"] == o["get_ops"] and o["read_hits"] >= 0.9 * o["get_ops"], o
+if sys.argv[2] == "arena":
+    # Items READ ahead from the location cache: under these writes many
+    # were moved since, and were READ again (the values checked above).
+    assert o["read_ahead"] > 100 and 0 < o["read_ahead_hits"] < o["read_ahead"], o
+else:
+    assert o["read_ahead"] == 0, o  # values in their slots: nothing to READ ahead
 PY
 }
-check_reads
+check_reads arena
 # Values of 16 bytes live inline in their slots: the in-place slot path.
 "$kv" --connect 127.0.0.1:$P bench --keys 20 --value-size 16 --workload a --duration 2 --in-flight 8 --json \
   >"$tmp/w.out" 2>"$tmp/w.err" &
@@ -67,7 +73,7 @@ wpid=$!
 run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --value-size 16 --workload a --get read --duration 2 \
   --in-flight 8 --json
 wait $wpid || fail "the writing bench failed: $(cat "$tmp/w.err")"
-check_reads
+check_reads inline
 pass "one-sided GETs racing PUTs (arena and inline values): every value read was written for its key"
 
 # --- the bench's output and options
@@ -78,7 +84,27 @@ expect_in "$tmp/last.out" "get latency us +p50 [0-9.]+ +p99 [0-9.]+ +p99.9 [0-9.
 [ "$(grep -c '^anydoor-kv: [0-9] s: ' "$tmp/last.err")" -ge 2 ] || fail "no progress lines on a 3.5 s bench"
 run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --workload c --keys 300 --duration 1 --get read
 expect_in "$tmp/last.out" "one-sided: [0-9]+ READs for [0-9]+ gets"
-pass "bench: workloads, progress, one-sided summary"
+expect_in "$tmp/last.out" "[0-9]+ items READ ahead from the location cache, [0-9]+ taken"
+# --location-cache: with no writes every item READ ahead is taken (one
+# round trip per GET after a key's first); 0 turns it off (two READs, one
+# after the other, per GET of an arena value).
+for lc in 4096 0; do
+  run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --workload c --keys 300 --duration 1 --get read --location-cache $lc --json
+  python3 - "$tmp/last.out" $lc <<'PY' || fail "--location-cache $lc: $(cat "$tmp/last.out")"
+import json, sys
+o = json.load(open(sys.argv[1]))
+g = o["get_ops"]
+assert g > 300 and o["read_hits"] == g and o["read_fallbacks"] == 0, o
+assert o["reads"] == 2 * g, o  # 100 B values: neighbourhood and item, each GET
+if sys.argv[2] == "0":
+    assert o["read_ahead"] == 0 and o["read_ahead_hits"] == 0, o
+else:
+    assert o["read_ahead"] == o["read_ahead_hits"] and o["read_ahead"] >= g // 2, o  # (cache collisions: no guess)
+PY
+done
+run_cmd 2 "$kv" --connect 127.0.0.1:$P bench --location-cache -1
+expect_in "$tmp/last.err" "--location-cache"
+pass "bench: workloads, progress, one-sided summary, --location-cache"
 
 # --- the Redis door: redis-cli, pipelining, inline commands, errors
 R() { timeout 10 redis-cli -p "$RP" "$@"; }
@@ -192,7 +218,7 @@ done
 wpid=$!
 run_cmd 0 "$kv" --connect 127.0.0.1:$P bench --keys 20 --workload a --get read --duration 3 --in-flight 8 --json
 wait $wpid || fail "--threads: the writing bench failed: $(cat "$tmp/w.err")"
-check_reads
+check_reads arena
 stop thr KILL
 # (--sync no: what the log holds reaches the disk only when the server
 # closes it on SIGTERM, below)

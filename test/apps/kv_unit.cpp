@@ -2,12 +2,15 @@
 // one-sided read checks (including torn, moved and hostile reads), the log
 // format (torn tails at every byte, corruption), the durable log (group
 // commit, compaction, replay) and the Redis protocol parser and commands.
+#include "../support/runtime.hpp"
+#include "kv/client.hpp"
 #include "kv/log.hpp"
 #include "kv/read.hpp"
 #include "kv/resp.hpp"
 #include "kv/service.hpp"
 #include "kv/store.hpp"
 
+#include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
@@ -24,6 +27,11 @@
 #include <string>
 
 using namespace anydoor::apps::kv;
+using anydoor::test::addr;
+using anydoor::test::failure;
+using anydoor::test::run_to_completion;
+using anydoor::test::test_host;
+using anydoor::test::test_options;
 
 namespace {
 
@@ -737,4 +745,98 @@ TEST_CASE("kv store: memory freed in one size class serves other sizes", "[kv]")
   while (m < 2 * n && st.put("small" + std::to_string(m), B(small)) == put_status::ok) ++m;
   CHECK(m >= n);  // at least one per freed block
   for (int i = 0; i < m; ++i) CHECK(S(*st.get("small" + std::to_string(i))) == small);
+}
+
+TEST_CASE("kv client: the location cache READs an item beside its neighbourhood - a moved item is READ again and "
+          "never taken stale",
+          "[kv]") {
+  asio::io_context io;
+  store st({.max_memory = 1 << 20, .max_key = 64, .max_value = 4096});
+  service svc(st, nullptr);
+  anydoor::fabric sfab(io, test_options());
+  anydoor::fabric cfab(io, test_options());
+  anydoor::memory_region table = sfab.register_memory(st.memory(), anydoor::access::remote_read);
+  anydoor::rpc::server srv;
+  svc.add_methods(srv, table);
+  anydoor::acceptor acc = sfab.listen(test_host(), 0);
+  const std::string where = addr(acc);
+  srv.async_serve(std::move(acc), [](anydoor::error_code) {});
+  failure f;
+  auto text = [](char c, std::size_t n, int ver) { return std::string(n, c) + "#" + std::to_string(ver); };
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    for (const std::size_t entries : {kLocationCache, std::size_t{0}}) {
+      INFO("location cache entries: " << entries);
+      client cli(cfab, co_await cfab.async_connect(where, asio::use_awaitable), std::chrono::seconds(10), entries);
+      anydoor::rpc::status st1 = co_await cli.fetch_layout();
+      REQUIRE(st1.is_ok());
+      client::reader r = cli.make_reader();
+      std::string got;
+      const std::string key = "k" + std::to_string(entries);
+      // An arena item (200 B): the first GET reads neighbourhood, then item.
+      st1 = co_await cli.put(key, B(text('a', 200, 1)));
+      REQUIRE(st1.is_ok());
+      st1 = co_await cli.read_get(r, key, got);
+      REQUIRE(st1.is_ok());
+      CHECK(got == text('a', 200, 1));
+      CHECK(cli.reads().reads == 2);
+      CHECK(cli.reads().ahead == 0);
+      // Unchanged: the item READ beside the neighbourhood is taken.
+      st1 = co_await cli.read_get(r, key, got);
+      REQUIRE(st1.is_ok());
+      CHECK(got == text('a', 200, 1));
+      CHECK(cli.reads().ahead == (entries != 0 ? 1u : 0u));
+      CHECK(cli.reads().ahead_hits == cli.reads().ahead);
+      // Updated (out of place: the item moves), twice, then a third time
+      // into memory an older version of this key left (sizes alike): the
+      // guess is stale or holds an older version; the value is the new one.
+      for (int ver = 2; ver <= 5; ++ver) {
+        const auto before = cli.reads();
+        st1 = co_await cli.put(key, B(text('b', 200, ver)));
+        REQUIRE(st1.is_ok());
+        st1 = co_await cli.read_get(r, key, got);
+        REQUIRE(st1.is_ok());
+        CHECK(got == text('b', 200, ver));
+        if (entries != 0) {
+          CHECK(cli.reads().ahead == before.ahead + 1);
+          // Taken only if the slot points at the very place READ ahead
+          // (memory reused for this version): then it must be this version.
+          if (cli.reads().ahead_hits != before.ahead_hits) {
+            CHECK(cli.reads().reads == before.reads + 2);
+          } else {
+            CHECK(cli.reads().reads == before.reads + 3);  // READ again after the slot
+          }
+        } else {
+          CHECK(cli.reads().reads == before.reads + 2);
+        }
+      }
+      // Inline now (a small value): the slot holds it; nothing is READ ahead after.
+      st1 = co_await cli.put(key, B("tiny"));
+      REQUIRE(st1.is_ok());
+      st1 = co_await cli.read_get(r, key, got);
+      REQUIRE(st1.is_ok());
+      CHECK(got == "tiny");
+      const auto after_inline = cli.reads();
+      st1 = co_await cli.read_get(r, key, got);
+      REQUIRE(st1.is_ok());
+      CHECK(got == "tiny");
+      CHECK(cli.reads().ahead == after_inline.ahead);
+      CHECK(cli.reads().reads == after_inline.reads + 1);
+      // Deleted: not found, whatever was cached.
+      st1 = co_await cli.put(key, B(text('c', 300, 9)));
+      REQUIRE(st1.is_ok());
+      st1 = co_await cli.read_get(r, key, got);
+      REQUIRE(st1.is_ok());
+      bool existed = false;
+      st1 = co_await cli.del(key, existed);
+      REQUIRE(st1.is_ok());
+      CHECK(existed);
+      st1 = co_await cli.read_get(r, key, got);
+      CHECK(st1.code() == anydoor::rpc::errc::not_found);
+      CHECK(cli.reads().fallbacks == 0);
+      CHECK(cli.reads().retries == 0);
+    }
+    srv.stop();
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
 }
