@@ -145,14 +145,15 @@ if [ -x "$floor" ]; then
   vals=""
   for r in $(seq 1 "$REPS"); do
     port=$((port + 1))
-    taskset -c 0 "$floor" --server --port "$port" >/dev/null 2>&1 &
+    taskset -c 0 "$floor" --server --port "$port" --test lat -s 64 -n 20000 >/dev/null 2>&1 &
     fpid=$!; pids+=("$fpid")
     sleep 0.3
     one=$(taskset -c 1 "$floor" --connect 127.0.0.1 --port "$port" --test lat -s 64 -n 20000 2>/dev/null |
-          sed -n 's/.*median_us=\([0-9.]*\).*/\1/p')
+          sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') || one=""
     wait "$fpid" 2>/dev/null || true
     [ -n "$one" ] && vals+="$(awk -v m="$one" 'BEGIN{printf "%.3f", 2 * m}') "
   done
+  [ -n "$vals" ] || { echo "compare-kv: anydoor-tcp-floor gave no result" >&2; exit 1; }
   rt=$(tr ' ' '\n' <<<"$vals" | grep -v '^$' | median)
   ratio=$(awk -v a="$rt" -v b="$redis_p50_us" 'BEGIN{printf "%.2f", a / b}')
   printf '%-44s %10s %7s\n' "TCP floor round trip (anydoor-tcp-floor)" "$rt" "$ratio"
