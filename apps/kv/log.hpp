@@ -77,7 +77,7 @@ void encode_record(std::vector<std::byte>& out, record_type t, std::string_view 
 struct log_options {
   std::string dir;
   sync_mode sync = sync_mode::everysec;
-  std::uint64_t compact_min = std::uint64_t{1} << 20;  // no compaction below this file size
+  std::uint64_t compact_min = std::uint64_t{64} << 20;  // no compaction below this file size (Redis: auto-aof-rewrite-min-size 64mb)
 };
 
 struct log_stats {

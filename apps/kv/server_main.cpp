@@ -49,7 +49,7 @@ struct options {
   std::string data_dir;
   kv::sync_mode sync = kv::sync_mode::everysec;
   kv::store_options store;
-  std::uint64_t compact_min = std::uint64_t{1} << 20;
+  std::uint64_t compact_min = std::uint64_t{64} << 20;  // as Redis's auto-aof-rewrite-min-size
   std::uint32_t resp_max_clients = 1000;
   std::uint32_t max_connections = 128;  // x (send queue + credits) must fit the device's CQ (rxe: 32767)
   std::size_t threads = 1;              // reactors (per reactor: max_connections)

@@ -376,8 +376,13 @@ RP=$(resp_port dur)
 [ "$(redis-cli -p "$RP" exists d19)" = 0 ] || fail "a delete after the compaction"
 [ "$(redis-cli -p "$RP" get key:__rand_int__ | wc -c)" = 201 ] || fail "the rewritten key after compaction"
 run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get d20
+# The default --compact-min (64M, as Redis's auto-aof-rewrite-min-size):
+# the same 4.4 MB of rewrites of one key leave the log alone.
+run_cmd 0 timeout 120 redis-benchmark -p "$RP" -t set -n 20000 -d 200 -q
+redis-cli -p "$RP" info persistence | grep -q "^aof_rewrites:0" || fail "compacted below the default --compact-min: $(redis-cli -p "$RP" info persistence)"
+[ "$(stat -c %s "$d/kv.log")" -gt 4000000 ] || fail "the log is $(stat -c %s "$d/kv.log") bytes after 4.4 MB of writes"
 stop dur TERM
-pass "compaction (log $before -> $after bytes), data intact after kill -9"
+pass "compaction (log $before -> $after bytes), data intact after kill -9, none below the default --compact-min"
 
 # --- bad command lines: exit 2 with the reason
 run_cmd 2 "$server"; expect_in "$tmp/last.err" "needs --listen"
