@@ -145,11 +145,12 @@ if [ -x "$floor" ]; then
   vals=""
   for r in $(seq 1 "$REPS"); do
     port=$((port + 1))
-    taskset -c 0 "$floor" --server --port "$port" --test lat -s 64 -n 20000 >/dev/null 2>&1 &
+    timeout 60 taskset -c 0 "$floor" --server --port "$port" --test lat -s 64 -n 20000 >/dev/null 2>&1 &
     fpid=$!; pids+=("$fpid")
     sleep 0.3
-    one=$(taskset -c 1 "$floor" --connect 127.0.0.1 --port "$port" --test lat -s 64 -n 20000 2>/dev/null |
+    one=$(timeout 60 taskset -c 1 "$floor" --connect 127.0.0.1 --port "$port" --test lat -s 64 -n 20000 2>/dev/null |
           sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') || one=""
+    [ -n "$one" ] || { echo "compare-kv: a floor round $r gave no result" >&2; kill "$fpid" 2>/dev/null || true; }
     wait "$fpid" 2>/dev/null || true
     [ -n "$one" ] && vals+="$(awk -v m="$one" 'BEGIN{printf "%.3f", 2 * m}') "
   done

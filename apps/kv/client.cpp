@@ -5,11 +5,13 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/bind_executor.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <utility>
 
 namespace anydoor::apps::kv {
 
@@ -18,42 +20,69 @@ constexpr auto tuple = asio::as_tuple(asio::use_awaitable);
 
 // Two READs in flight at once and one wait for both. Lives in the awaiting
 // coroutine's frame: the READs' handlers point at it, and it keeps the
-// coroutine's own handler (inline, no allocation) until the second READ
-// has completed; the coroutine stays suspended until then, so the frame
-// outlives both.
+// coroutine's own handler (inline, no allocation) until both READs have
+// completed; the coroutine stays suspended until then, so the frame
+// outlives both. The coroutine resumes through asio::dispatch on its own
+// executor (inline: it is the connection's io thread). A READ handler
+// destroyed without being called (its io_context destroyed first) counts
+// as abandoned: once both are gone, the kept handler is destroyed, and
+// with it the coroutine's frames, as use_awaitable's own would be. One
+// fabric is one thread, so the counts need no atomics.
 class read_pair {
  public:
   error_code ec[2];
 
   asio::awaitable<void> both(connection& c, local_range d0, const remote_region& s0, local_range d1,
                              const remote_region& s1) {
+    const auto ex = c.get_executor();  // (before anything is kept: it may throw)
     left_ = 2;
+    abandoned_ = false;
     co_await asio::async_initiate<decltype(asio::use_awaitable), void()>(
         [&](auto handler) {
           using handler_t = decltype(handler);
           static_assert(sizeof(handler_t) <= sizeof storage_ && alignof(handler_t) <= alignof(std::max_align_t));
           new (storage_) handler_t(std::move(handler));
-          resume_ = [](read_pair& p) {
+          finish_ = [](read_pair& p, bool resume) {
             auto* h = std::launder(reinterpret_cast<handler_t*>(p.storage_));
             handler_t local(std::move(*h));
             h->~handler_t();
-            std::move(local)();  // may end the frame that holds p: nothing touches p after
+            // Either may end the frame that holds p: nothing touches p after.
+            if (resume) asio::dispatch(std::move(local));
           };
-          const auto ex = c.get_executor();
-          c.async_get(d0, s0, asio::bind_executor(ex, [this](error_code e, std::size_t) { done(0, e); }));
-          c.async_get(d1, s1, asio::bind_executor(ex, [this](error_code e, std::size_t) { done(1, e); }));
+          c.async_get(d0, s0, asio::bind_executor(ex, callback(this, 0)));
+          c.async_get(d1, s1, asio::bind_executor(ex, callback(this, 1)));
         },
         asio::use_awaitable);
   }
 
  private:
-  void done(int i, const error_code& e) {
-    ec[i] = e;
-    if (--left_ == 0) resume_(*this);
+  class callback {
+   public:
+    callback(read_pair* p, int i) noexcept : p_(p), i_(i) {}
+    callback(callback&& o) noexcept : p_(std::exchange(o.p_, nullptr)), i_(o.i_) {}
+    callback& operator=(callback&&) = delete;
+    ~callback() {
+      if (p_ != nullptr) p_->settle(i_, nullptr);
+    }
+    void operator()(error_code e, std::size_t) {
+      read_pair* p = std::exchange(p_, nullptr);
+      p->settle(i_, &e);
+    }
+
+   private:
+    read_pair* p_;
+    int i_;
+  };
+
+  void settle(int i, const error_code* e) {
+    if (e != nullptr) ec[i] = *e;
+    else abandoned_ = true;
+    if (--left_ == 0) finish_(*this, !abandoned_);
   }
 
   int left_ = 0;
-  void (*resume_)(read_pair&) = nullptr;
+  bool abandoned_ = false;
+  void (*finish_)(read_pair&, bool resume) = nullptr;
   alignas(std::max_align_t) std::byte storage_[128];
 };
 
@@ -73,7 +102,7 @@ rpc::status call_status(const error_code& ec, const rpc::reply& r) {
 }
 
 client::client(fabric& fab, connection c, std::chrono::milliseconds timeout, std::size_t location_cache)
-    : fab_(fab), cli_(std::move(c), {.timeout = timeout}), locations_(location_cache) {}
+    : fab_(fab), cli_(std::move(c), {.timeout = timeout}), location_entries_(location_cache) {}
 
 client::location* client::cached(std::uint64_t hash) noexcept {
   if (locations_.empty()) return nullptr;
@@ -128,6 +157,7 @@ asio::awaitable<rpc::status> client::fetch_layout() {
   }
   layout_ = l;
   table_ = region;
+  locations_.assign(location_entries_, location{});  // (places in another layout mean nothing)
   co_return rpc::status();
 }
 
@@ -197,12 +227,17 @@ asio::awaitable<rpc::status> client::read_get(reader& r, std::string_view key, s
       } else {
         // The item READ ahead counts only if this slot points at it and it
         // passes the checks; else it is READ now, after the slot.
+        bool read_now = true;
         if (ahead.length != 0 && s.offset == ahead.offset && s.length == ahead.length) {
           ahead.length = 0;
           m = check_item(r.mr.bytes().subspan(kNeighbourhoodBytes, s.length), s, key, value);
           if (m == match::yes) ++rs_.ahead_hits;
+          // Another key's item of the slot's version is the slot's item
+          // (versions are never reused): READing it again would tell the same.
+          read_now = m == match::torn;
         }
-        if (m != match::yes) {
+        if (read_now) {
+          ahead.length = 0;  // its bytes are overwritten now
           ++rs_.reads;
           auto [ec2, n2] = co_await conn.async_get(r.mr.at(kNeighbourhoodBytes, s.length),
                                                    table_.at(l.arena_offset + s.offset, s.length), tuple);
@@ -227,6 +262,7 @@ asio::awaitable<rpc::status> client::read_get(reader& r, std::string_view key, s
       co_return rpc::status(rpc::errc::not_found, "not found");
     }
   }
+  forget(h);  // (overflowed, grown past the buffer, or torn throughout: no guess next time)
   ++rs_.fallbacks;
   co_return co_await get(key, out);
 }

@@ -33,8 +33,9 @@
 namespace anydoor::apps::kv {
 
 inline constexpr int kReadAttempts = 4;
-// Location cache entries by default (24 bytes each); 0 turns it off.
-inline constexpr std::size_t kLocationCache = 4096;
+// Location cache entries by default (24 bytes each, allocated when the
+// layout is fetched); 0 turns it off.
+inline constexpr std::size_t kLocationCache = 16384;
 // Items larger than this are not READ ahead of their slot (a stale guess
 // would move that many bytes for nothing).
 inline constexpr std::uint32_t kReadAheadMax = 16 * 1024;
@@ -90,7 +91,8 @@ class client {
   std::optional<layout> layout_;
   remote_region table_;
   read_stats rs_;
-  std::vector<location> locations_;
+  std::size_t location_entries_;
+  std::vector<location> locations_;  // location_entries_ once a layout is fetched
 };
 
 // An rpc call's outcome as a status: the server's, or the call's own.

@@ -33,6 +33,9 @@ if [ "$filter" != kv ] && [ "$filter" != doctor ]; then
 fi
 if [ -x bin/anydoor-kv-server ] && { [ -z "$filter" ] || [ "$filter" = kv ]; }; then
   suite kv bash ./kv.sh
+elif [ "$filter" = kv ]; then
+  echo "=== [kv] the apps are not built (no bin/anydoor-kv-server): nothing to run"
+  fail=$((fail + 1))
 fi
 # anydoor-doctor with rxe0 up: the device, its port, the GID anydoor uses,
 # the modules and rdma_cm's route to our own address all pass (exit 0).
