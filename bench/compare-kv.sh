@@ -27,7 +27,7 @@ REPS=${REPS:-3}
 N_PIPE=${N_PIPE:-200000}
 N_ONE=${N_ONE:-10000}
 KV_SECONDS=${KV_SECONDS:-5}
-port=$((20000 + RANDOM % 20000))
+port=$((10000 + RANDOM % 20000))  # below the ephemeral range (32768-60999): no clash with a connection's own port
 export ANYDOOR_LOG=warn
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"

@@ -27,7 +27,7 @@ rperf=$build/bin/anydoor-runtime-perf
 floor=$build/bin/anydoor-tcp-floor
 REPS=${REPS:-3}
 SIZES=${SIZES:-"8 64 4096 65536 1048576 4194304"}
-port=$((20000 + RANDOM % 20000))
+port=$((10000 + RANDOM % 20000))  # below the ephemeral range (32768-60999): no clash with a connection's own port
 export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
 
 # shellcheck source=lib.sh

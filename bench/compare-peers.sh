@@ -26,7 +26,7 @@ REPS=${REPS:-5}
 ITERS=${ITERS:-20000}
 BW_ITERS=${BW_ITERS:-20000}
 BIG_ITERS=$((BW_ITERS / 64 > 100 ? BW_ITERS / 64 : 100))
-port=$((20000 + RANDOM % 20000))
+port=$((10000 + RANDOM % 20000))  # below the ephemeral range (32768-60999): no clash with a connection's own port
 
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"

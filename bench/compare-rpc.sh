@@ -27,7 +27,7 @@ grpc=$build/bin/anydoor-grpc-echo
 REPS=${REPS:-5}
 ITERS=${ITERS:-20000}
 CALLS=${CALLS:-200000}
-port=$((20000 + RANDOM % 20000))
+port=$((10000 + RANDOM % 20000))  # below the ephemeral range (32768-60999): no clash with a connection's own port
 export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
 
 # shellcheck source=lib.sh

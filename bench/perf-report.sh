@@ -34,7 +34,7 @@ PROVIDER=${PROVIDER:-tcp}
 HOST=${HOST:-127.0.0.1}
 perf=$build/bin/anydoor-perf
 floor=$build/bin/anydoor-tcp-floor
-port=$((20000 + RANDOM % 20000))
+port=$((10000 + RANDOM % 20000))  # below the ephemeral range (32768-60999): no clash with a connection's own port
 [[ "$REPS" =~ ^[1-9][0-9]*$ && "$ITERS" =~ ^[1-9][0-9]*$ ]] || { echo "perf-report: REPS and ITERS must be positive numbers" >&2; exit 2; }
 
 # shellcheck source=lib.sh
