@@ -186,7 +186,8 @@ void print(const options& o, const plan& p, const result& r, std::string_view pr
       std::printf("\"t_min_us\":%.4f,\"t_typical_us\":%.4f,\"t_avg_us\":%.4f,\"p99_us\":%.4f,\"p999_us\":%.4f,",
                   r.lat.min, r.lat.median, r.avg_us, r.lat.p99, r.lat.p999);
     }
-    std::printf("\"bw_avg_MBps\":%.3f,\"msg_rate_Mpps\":%.6f}\n", r.mbps, r.mpps);
+    // (%g: six significant digits, so that a slow tiny-size run never prints a rate of 0)
+    std::printf("\"bw_avg_MBps\":%.6g,\"msg_rate_Mpps\":%.6g}\n", r.mbps, r.mpps);
   } else if (streamed(p.test)) {
     std::printf("RESULT test=%.*s size=%u iters=%u MBps=%.1f Mpps=%.4f avg_us=%.4f\n", static_cast<int>(name.size()),
                 name.data(), r.size, r.iters, r.mbps, r.mpps, r.avg_us);
