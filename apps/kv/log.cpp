@@ -330,6 +330,7 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
     return;
   }
   compaction c;
+  c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
   file_header(c.snapshot);
   snapshot(c.snapshot);
   logical_if_failed_ = logical_bytes_;

@@ -56,8 +56,9 @@ for threads in 1 2; do
     --metrics-listen 127.0.0.1:0
   P=$PORT; M=$(metrics_port m$threads)
   [ -n "$M" ] || fail "no 'metrics on' line"
-  # 3 connections busy for a while; scrape in the middle of it
-  timeout 60 "$echo_bin" client --connect 127.0.0.1:$P --duration 8 --connections 3 --in-flight 2 --provider tcp \
+  # 3 connections busy for a while (20 s: under CI load the scrapes and
+  # the --attach below took more than 8 s once); scrape in the middle of it
+  timeout 60 "$echo_bin" client --connect 127.0.0.1:$P --duration 20 --connections 3 --in-flight 2 --provider tcp \
     --json >"$tmp/c.out" 2>"$tmp/c.err" &
   cpid=$!
   for _ in $(seq 1 100); do  # until all 3 are open and carrying traffic (at most 10 s)

@@ -60,6 +60,14 @@ measured run_calls(rpc_env& env, const Method& method, Request req, std::uint32_
   return out;
 }
 
+// What a pool may still grow by during the measured calls: with both cores
+// busy (CI), the peer drains its socket late, more of the tcp provider's
+// send batches are in flight at once than in the warm-up, and its stash
+// grows to that new high-water mark (a batch and its list's room: 2
+// allocations; seen in 1 run in 25 with two busy loops beside the test).
+// One allocation per call would be 5000, one per thousand calls 5.
+constexpr std::uint64_t kGrowth = 4;
+
 }  // namespace
 
 TEST_CASE("rpc: no allocation per call on the steady path", "[rpc]") {
@@ -79,7 +87,7 @@ TEST_CASE("rpc: no allocation per call on the steady path", "[rpc]") {
       env.serve();
       const measured r = run_calls(env, m::add, m::add_req{1, 2}, window);
       INFO("allocations: " << r.allocations << " for " << r.calls << " calls");
-      CHECK(r.allocations == 0);
+      CHECK(r.allocations <= kGrowth);
     }
     SECTION("coroutine handler, window " + std::to_string(window)) {
       rpc_env env;
@@ -89,7 +97,7 @@ TEST_CASE("rpc: no allocation per call on the steady path", "[rpc]") {
       env.serve();
       const measured r = run_calls(env, m::add, m::add_req{1, 2}, window);
       INFO("allocations: " << r.allocations << " for " << r.calls << " calls");
-      CHECK(r.allocations == 0);
+      CHECK(r.allocations <= kGrowth);
     }
   }
 }
