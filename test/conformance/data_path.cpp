@@ -182,7 +182,7 @@ TEST_CASE("write places data remotely and consumes no receive", "[conformance]")
   auto c = p.drv.wait_one(p.a.cq.get());
   CHECK(c.status == tp::wc_status::success);
   CHECK(c.opcode == tp::wc_opcode::write);
-  CHECK(std::equal(src.begin(), src.end(), dst.begin() + 32));
+  CHECK(wait_placed([&] { return std::equal(src.begin(), src.end(), dst.begin() + 32); }));
   CHECK(std::all_of(dst.begin(), dst.begin() + 32, [](auto b) { return b == 0xcc; }));
   CHECK(std::all_of(dst.begin() + 32 + 4096, dst.end(), [](auto b) { return b == 0xcc; }));
   CHECK(p.drv.settle(p.b.cq.get(), 20ms).empty());  // the target sees no completion

@@ -37,6 +37,16 @@ inline std::string test_host() {
 // Where providers legitimately differ, tests check this and say why.
 inline bool testing_tcp() { return provider_under_test() == "tcp"; }
 
+// iWARP (siw) completes a WRITE at the requester once the transport has
+// taken its data, not once it is placed (RC's ACK implies placement, as on
+// tcp and rxe): waits, bounded, until `placed()` holds, and returns it.
+template <class Pred>
+bool wait_placed(Pred placed, std::chrono::milliseconds limit = 2000ms) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!placed() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  return placed();
+}
+
 inline std::unique_ptr<tp::device> open_test_device() {
   return tp::open_device({.provider = provider_under_test()});
 }
