@@ -36,6 +36,9 @@ require_tools compare-kv "$server" "$kv" redis-server redis-benchmark redis-cli 
 work=$(mktemp -d)
 pids=()
 cleanup() {
+  # TERM first: `timeout` (the floor's runs) passes it on, KILL it cannot.
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  sleep 0.2
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$work"

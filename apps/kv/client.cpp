@@ -191,7 +191,8 @@ asio::awaitable<rpc::status> client::read_get(reader& r, std::string_view key, s
     // neighbourhood (not on a retry: that follows a torn or moved read).
     location ahead;
     if (const location* c = attempt == 0 ? cached(h) : nullptr;
-        c != nullptr && c->length <= item_room && c->length <= kReadAheadMax) {
+        c != nullptr && c->length <= item_room && c->length <= kReadAheadMax && c->offset <= l.arena_size &&
+        c->length <= l.arena_size - c->offset) {
       ahead = *c;
     }
     const auto nb_dst = r.mr.at(0, kNeighbourhoodBytes);

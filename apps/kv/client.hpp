@@ -5,7 +5,8 @@
 // then asking by RPC. Coroutines on the connection's io thread.
 //
 // The location cache: where a key's item was last found (direct-mapped by
-// the key's hash, a fixed table allocated once). A GET by READ whose key is
+// the key's hash; a fixed table, allocated and cleared when the layout is
+// fetched). A GET by READ whose key is
 // there READs that item beside the neighbourhood, both in flight at once:
 // one round trip instead of two. The neighbourhood decides: the item is
 // taken only if the slot it holds for the key points at the same offset

@@ -60,6 +60,9 @@ if [ -x bin/anydoor-doctor ] && { [ -z "$filter" ] || [ "$filter" = doctor ]; };
   export IP
   export -f doctor_check
   suite doctor bash -c doctor_check
+elif [ "$filter" = doctor ]; then
+  echo "=== [doctor] the apps are not built (no bin/anydoor-doctor): nothing to run"
+  fail=$((fail + 1))
 fi
 if [ "$(cat bench 2>/dev/null)" = 1 ] && [ -x bin/anydoor-perf ]; then
   bash ./bench.sh || fail=$((fail + 1))

@@ -786,9 +786,9 @@ TEST_CASE("kv client: the location cache READs an item beside its neighbourhood 
       CHECK(got == text('a', 200, 1));
       CHECK(cli.reads().ahead == (entries != 0 ? 1u : 0u));
       CHECK(cli.reads().ahead_hits == cli.reads().ahead);
-      // Updated (out of place: the item moves), twice, then a third time
-      // into memory an older version of this key left (sizes alike): the
-      // guess is stale or holds an older version; the value is the new one.
+      // Updated four times (out of place: the item moves; a later version
+      // may land in memory an older one left, sizes alike): the guess is
+      // stale, or holds an older version; the value is the new one.
       for (int ver = 2; ver <= 5; ++ver) {
         const auto before = cli.reads();
         st1 = co_await cli.put(key, B(text('b', 200, ver)));
