@@ -26,6 +26,7 @@ constexpr char kMagic[8] = {'A', 'D', 'K', 'V', 'L', 'O', 'G', '1'};
 constexpr std::uint32_t kLogVersion = 1;
 constexpr std::uint32_t kMaxKeyHard = 65535;
 constexpr std::uint32_t kMaxValueHard = std::uint32_t{1} << 30;
+constexpr std::uint64_t kReserve = std::uint64_t{4} << 20;
 
 std::uint32_t load32(const std::byte* p) {
   std::uint32_t v;
@@ -95,6 +96,10 @@ log_parse parse_log(std::span<const std::byte> file,
   while (at < end) {
     const std::byte* p = file.data() + at;
     const std::size_t left = end - at;
+    if (p[0] == std::byte{0} && zeros_to_end(at)) {
+      r.zero_tail = left;  // space reserved ahead (fallocate), not yet written
+      break;
+    }
     std::string bad;
     std::size_t rec = 0;
     if (left < kRecordHeader) {
@@ -137,8 +142,10 @@ log_parse parse_log(std::span<const std::byte> file,
       }
       return false;
     };
-    const bool last = rec == 0 ? !valid_record_after(at + 1) : at + rec == end;
-    if (last || zeros_to_end(at)) {
+    // (A whole record with a bad CRC and only zeros after it is the last
+    // write too: cut short inside space reserved ahead.)
+    const bool last = rec == 0 ? !valid_record_after(at + 1) : zeros_to_end(at + rec);
+    if (last) {
       r.result = log_parse::outcome::torn;
       r.why = bad + " at offset " + std::to_string(at) + " (" + std::to_string(left) + " bytes to the end)";
     } else {
@@ -213,6 +220,10 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       fail(path_ + " is corrupt: " + p.why + "; refusing to start (move the file away to start empty)");
     }
     report_.records = p.records;
+    if (p.zero_tail > 0) {  // reserved ahead by the last run: written into from where the records end
+      reserved_ = size;
+      size = p.valid_end;
+    }
     if (p.result == log_parse::outcome::torn) {
       report_.torn_bytes = size - p.valid_end;
       report_.torn_why = p.why;
@@ -360,6 +371,32 @@ void durable_log::close() noexcept {
   }
   cv_.notify_one();
   if (thread_.joinable()) thread_.join();
+  // A clean stop leaves the records alone in the file: the space reserved
+  // ahead is cut off (were it left, the next start would skip it anyway).
+  const off_t at = ::lseek(fd_, 0, SEEK_CUR);
+  if (at > 0 && reserved_ > static_cast<std::uint64_t>(at) && ::ftruncate(fd_, at) == 0) {
+    reserved_ = static_cast<std::uint64_t>(at);
+  }
+}
+
+void durable_log::reserve(std::size_t n) noexcept {
+  if (!reserving_) return;
+  const off_t at = ::lseek(fd_, 0, SEEK_CUR);
+  if (at < 0) return;
+  const std::uint64_t need = static_cast<std::uint64_t>(at) + n;
+  if (need <= reserved_) return;
+  const std::uint64_t to = need + kReserve;
+  if (::fallocate(fd_, 0, at, static_cast<off_t>(to - static_cast<std::uint64_t>(at))) != 0) {
+    // Not supported here (EOPNOTSUPP), or no room for the reserve (the
+    // records themselves may still fit): plain appends from now on.
+    reserving_ = false;
+    if (errno != EOPNOTSUPP && errno != ENOSYS) {
+      std::fprintf(stderr, "anydoor-kv: cannot reserve space ahead in %s (%s): appending without\n", path_.c_str(),
+                   std::strerror(errno));
+    }
+    return;
+  }
+  reserved_ = to;
 }
 
 std::error_code durable_log::write_all(int fd, const std::byte* p, std::size_t n) noexcept {
@@ -391,6 +428,7 @@ std::error_code durable_log::compact(const compaction& c, const std::vector<std:
   fsyncs_.fetch_add(2, std::memory_order_relaxed);
   ::close(fd_);
   fd_ = fd;
+  reserved_ = 0;  // the new file has none
   return {};
 }
 
@@ -444,6 +482,7 @@ void durable_log::run() noexcept {
           last_sync = clock::now();
         }
       } else if (!buf.empty()) {
+        if (writes_all) reserve(buf.size());
         ec = write_all(fd_, buf.data(), buf.size());
         dirty = true;
       }

@@ -17,8 +17,16 @@
 // (Redis's appendfsync terms, on purpose.) A write is visible to readers
 // as soon as it is applied, before it is durable, as in Redis.
 //
+// With always the thread reserves the file ahead of its writes, 4 MiB at a
+// time (fallocate): an fdatasync after a write into reserved space flushes
+// the data alone, where one after a write that grows the file also commits
+// the file's new size to the journal (ext4 here: 103 us against 149 us a
+// record, p50). A clean stop cuts the reserve off; after a crash the file
+// ends with zeros, which replay skips (not a torn tail: they hold nothing).
+// A file system without fallocate gets plain appends.
+//
 // On start the log is replayed; a torn tail (a bad record with no valid
-// record anywhere after it: cut short, a CRC that fails, zeros) is cut off,
+// record anywhere after it: cut short, a CRC that fails) is cut off,
 // saved to kv.log.torn-<time> and reported; a bad record with a valid one
 // after it is corruption: the server refuses to start. The log is compacted (rewritten from the live data into
 // kv.log.compact, fsynced, renamed over kv.log) when it grows past twice
@@ -65,6 +73,7 @@ struct log_parse {
   enum class outcome { ok, torn, corrupt, not_a_log };
   outcome result = outcome::ok;
   std::size_t valid_end = 0;  // bytes of good records (with the file header)
+  std::size_t zero_tail = 0;  // ok: zeros from valid_end to the end (space reserved ahead)
   std::size_t records = 0;
   std::string why;            // torn or corrupt: what was wrong, and where
 };
@@ -150,6 +159,7 @@ class durable_log {
     std::size_t marker = 0;  // pending bytes the snapshot already covers
   };
   void run() noexcept;
+  void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
   std::error_code compact(const compaction& c, const std::vector<std::byte>& buf) noexcept;
@@ -190,6 +200,10 @@ class durable_log {
   std::error_code write_error_;
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
+  // The log thread's (always), and close() once it is joined: where the
+  // space reserved ahead ends; false once fallocate failed.
+  std::uint64_t reserved_ = 0;
+  bool reserving_ = true;
   std::thread thread_;
 };
 

@@ -167,10 +167,11 @@ void print_listening(const options& o, std::uint16_t port, std::string_view prov
     threads += std::to_string(o.threads);
     threads += " reactor threads";
   }
-  std::printf("anydoor-kv-server: listening on %s (provider %.*s, %llu buckets, max memory %llu bytes%s)\n",
+  std::printf("anydoor-kv-server: listening on %s (provider %.*s, %llu buckets, max memory %llu bytes%s%s)\n",
               bound.str().c_str(), static_cast<int>(provider.size()), provider.data(),
               static_cast<unsigned long long>(st.describe().buckets),
-              static_cast<unsigned long long>(o.store.max_memory), threads.c_str());
+              static_cast<unsigned long long>(o.store.max_memory), threads.c_str(),
+              st.index_resident() ? "" : ", index faulted in as keys arrive: larger than half the RAM");
   std::fflush(stdout);
 }
 

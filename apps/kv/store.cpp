@@ -8,12 +8,19 @@
 #include <system_error>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 namespace anydoor::apps::kv {
 
 namespace {
 
 constexpr std::uint64_t kPage = 4096;
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+#ifdef MADV_POPULATE_WRITE
+constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kPopulateWrite = 23;  // Linux 5.14; older kernels say EINVAL
+#endif
 
 std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
 
@@ -38,11 +45,38 @@ store::store(const store_options& o) : o_(o) {
   arena_offset_ = round_up((buckets_ + 1) * kBucketSize, kPage);
   arena_size_ = round_up(o_.max_memory + o_.max_memory / 4, kPage);  // the slack only a replay uses
   total_ = static_cast<std::size_t>(arena_offset_ + arena_size_);
-  void* p = ::mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // Mapped on a huge-page boundary, huge pages asked for: every GET and
+  // PUT lands on a random bucket, and with 4 KiB pages each one is a TLB
+  // miss (a two-level page walk under a hypervisor: 89 ns against 9 ns per
+  // random read of a 128 MiB index here). Ignored where THP is off.
+  const std::size_t mapped = total_ + kHugePage;
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     throw std::system_error(errno, std::generic_category(), "cannot map " + std::to_string(total_) + " bytes");
   }
-  base_ = static_cast<std::byte*>(p);
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t aligned = (at + kHugePage - 1) & ~std::uintptr_t{kHugePage - 1};
+  if (aligned > at) ::munmap(p, aligned - at);
+  if (const std::size_t tail = at + mapped - (aligned + total_); tail > 0) {
+    ::munmap(reinterpret_cast<void*>(aligned + total_), tail);
+  }
+  base_ = reinterpret_cast<std::byte*>(aligned);
+  ::madvise(base_, total_, MADV_HUGEPAGE);
+  // The index is faulted in now, in one call (0.8 us a 4 KiB page here,
+  // against 11 us for a fault taken on first touch): otherwise the first
+  // write to each page of it pays a fault on the io thread, and a fresh
+  // server answers its first 100k SETs at a third of its rate. Not when
+  // the index would take more than half the RAM (an index that large
+  // stays lazy: faulted in as keys arrive). The arena fills from the
+  // bottom, a page faulted once per many items.
+  const auto phys = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * kPage;
+  if (arena_offset_ <= phys / 2) {
+    if (::madvise(base_, static_cast<std::size_t>(arena_offset_), kPopulateWrite) != 0) {
+      auto* v = reinterpret_cast<volatile unsigned char*>(base_);  // (kernels before 5.14)
+      for (std::uint64_t i = 0; i < arena_offset_; i += kPage) v[i] = 0;
+    }
+    index_resident_ = true;
+  }
   std::random_device rd;
   seed_ = (std::uint64_t{rd()} << 32) ^ rd();
   // Size classes: 32 .. 64 by 8, then four per power of two, up to the largest item.

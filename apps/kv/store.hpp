@@ -67,6 +67,9 @@ class store {
   // Every key and value (order unspecified); `f` must not modify the store.
   void for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
   store_stats stats() const noexcept { return st_; }
+  // The index was faulted in at construction (not when it would take more
+  // than half the RAM).
+  bool index_resident() const noexcept { return index_resident_; }
 
  private:
   struct found {
@@ -111,6 +114,7 @@ class store {
   std::uint64_t arena_size_ = 0;  // max_memory and a quarter more (for replays)
   std::uint64_t seed_ = 0;
   std::uint64_t next_version_ = 1;
+  bool index_resident_ = false;
   std::uint64_t bump_ = 0;  // arena bytes handed out from the top
   std::vector<std::size_t> class_sizes_;
   std::vector<std::vector<std::uint64_t>> free_lists_;

@@ -17,10 +17,16 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <array>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <random>
@@ -102,6 +108,27 @@ TEST_CASE("kv store: put, get, del, overwrite across inline and arena items", "[
   CHECK(st.put("", B("x")) == put_status::too_large);
   CHECK(st.put(std::string(1025, 'k'), B("x")) == put_status::too_large);
   CHECK(st.put("k", std::vector<std::byte>((1 << 20) + 1)) == put_status::too_large);
+}
+
+TEST_CASE("kv store: the index is faulted in at start - no page fault per first write to a bucket", "[kv]") {
+  // 16 MiB of arena: an 8 MiB index, 2048 pages a first touch would fault
+  // one by one on the io thread.
+  store st({.max_memory = 16 << 20});
+  const auto mem = st.memory();
+  const std::size_t index = static_cast<std::size_t>(st.describe().arena_offset);
+  REQUIRE(st.index_resident());
+  REQUIRE(index >= (std::size_t{8} << 20));
+  CHECK(reinterpret_cast<std::uintptr_t>(mem.data()) % (std::uintptr_t{2} << 20) == 0);  // huge-page aligned
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((index + page - 1) / page);
+  REQUIRE(::mincore(mem.data(), index, in.data()) == 0);
+  std::size_t absent = 0;
+  for (unsigned char c : in) absent += (c & 1) == 0 ? 1 : 0;
+  CHECK(absent == 0);
+  // The arena is not: it fills from the bottom as items arrive.
+  std::vector<unsigned char> arena(1);
+  REQUIRE(::mincore(mem.data() + mem.size() - page, page, arena.data()) == 0);
+  CHECK((arena[0] & 1) == 0);
 }
 
 TEST_CASE("kv store: a full neighbourhood overflows to the server-only table, readers are told to ask", "[kv]") {
@@ -312,10 +339,24 @@ TEST_CASE("kv log: records round-trip - a cut at every byte of the last record i
   auto bad = file;
   bad[file.size() - 1] ^= std::byte{1};
   CHECK(parse_log(bad, apply).result == log_parse::outcome::torn);
-  // Zeros after the good records (a file extended but not written): torn.
+  // Zeros after the good records (space reserved ahead, or a file
+  // extended but not written): nothing torn, the records end there.
   auto zeros = std::vector<std::byte>(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(last));
   zeros.resize(zeros.size() + 4096);
   p = parse_log(zeros, apply);
+  CHECK(p.result == log_parse::outcome::ok);
+  CHECK(p.valid_end == last);
+  CHECK(p.zero_tail == 4096);
+  // ... but a byte that is not zero in them is a torn tail (the bytes from
+  // the end of the records on), as is a record cut short into zeros.
+  zeros.back() = std::byte{7};
+  p = parse_log(zeros, apply);
+  CHECK(p.result == log_parse::outcome::torn);
+  CHECK(p.valid_end == last);
+  CHECK(p.zero_tail == 0);
+  auto cut_into_zeros = std::vector<std::byte>(file.begin(), file.end() - 3);
+  cut_into_zeros.resize(cut_into_zeros.size() + 4096);
+  p = parse_log(cut_into_zeros, apply);
   CHECK(p.result == log_parse::outcome::torn);
   CHECK(p.valid_end == last);
   // A bad record with a good one after it: corruption.
@@ -346,6 +387,19 @@ TEST_CASE("kv log: records round-trip - a cut at every byte of the last record i
 }
 
 namespace {
+std::vector<std::byte> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> b(c.size());
+  if (!c.empty()) std::memcpy(b.data(), c.data(), c.size());
+  return b;
+}
+// Where the good records in the log file at `path` end (the file may be
+// longer: space reserved ahead).
+std::size_t logged_end(const std::string& path) {
+  return parse_log(file_bytes(path), [](record_type, std::string_view, std::span<const std::byte>) {}).valid_end;
+}
+
 // Replays the log in `dir` into a fresh store: it must equal `live`, and
 // no tail may be torn.
 void expect_replay_equals(asio::io_context& io, const std::string& dir, sync_mode mode, const store& live) {
@@ -441,8 +495,10 @@ TEST_CASE("kv log: a write is answered only once the file holds it - in every sy
         CHECK(svc.must_wait(lsn));  // the service waits in every mode
         log.async_wait(lsn, [&, lsn](std::error_code ec) {
           CHECK_FALSE(ec);
-          // The log's sequence numbers count record bytes after the file header.
-          if (std::filesystem::file_size(dir + "/kv.log") < kLogHeader + lsn) ++short_file;
+          // The log's sequence numbers count record bytes after the file
+          // header; the file holds them as good records (not just its size:
+          // with always it is reserved ahead).
+          if (logged_end(dir + "/kv.log") < kLogHeader + lsn) ++short_file;
           ++answered;
         });
         io.restart();
@@ -458,6 +514,84 @@ TEST_CASE("kv log: a write is answered only once the file holds it - in every sy
     }
     std::filesystem::remove_all(dir);
   }
+}
+
+TEST_CASE("kv log: sync always reserves the file ahead - a clean stop cuts the reserve, a crash leaves zeros replay skips",
+          "[kv]") {
+  const std::string dir = tmpdir(), crash = tmpdir();
+  {
+    // Where the file system cannot reserve (fallocate), appends are plain.
+    const int fd = ::open((dir + "/probe").c_str(), O_RDWR | O_CREAT, 0644);
+    REQUIRE(fd >= 0);
+    const bool can = ::fallocate(fd, 0, 0, 4096) == 0;
+    ::close(fd);
+    std::filesystem::remove(dir + "/probe");
+    if (!can) {
+      WARN("skipped: the file system under " << dir << " has no fallocate (" << std::strerror(errno) << ")");
+      return;
+    }
+  }
+  asio::io_context io;
+  store st({.max_memory = 1 << 20});
+  std::uint64_t last = 0;
+  auto put_and_wait = [&](durable_log& log, service& svc, const std::string& key) {
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.put(key, B("value of " + key), lsn).is_ok());
+    bool done = false;
+    log.async_wait(lsn, [&](std::error_code ec) {
+      CHECK_FALSE(ec);
+      done = true;
+    });
+    io.restart();
+    io.run();
+    REQUIRE(done);
+    last = lsn;
+  };
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always},
+                    [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+    service svc(st, &log);
+    for (int i = 0; i < 50; ++i) put_and_wait(log, svc, "k" + std::to_string(i));
+    // Reserved ahead: 4 MiB past the first write.
+    CHECK(std::filesystem::file_size(dir + "/kv.log") >= (std::uint64_t{4} << 20));
+    CHECK(logged_end(dir + "/kv.log") == kLogHeader + last);
+    // What a crash now would leave: the records, then zeros.
+    std::filesystem::copy_file(dir + "/kv.log", crash + "/kv.log");
+    log.close();
+    CHECK(std::filesystem::file_size(dir + "/kv.log") == kLogHeader + last);  // the reserve cut off
+  }
+  // After the crash: the zeros are skipped, not cut off as a torn tail, and
+  // writes continue where the records end.
+  std::size_t replayed = 0;
+  {
+    store back({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = crash, .sync = sync_mode::always},
+                    [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+                      CHECK(t == record_type::put);
+                      back.put(k, v, true);
+                      ++replayed;
+                    });
+    CHECK(log.replayed().torn_bytes == 0);
+    CHECK(log.replayed().bytes == kLogHeader + last);
+    service svc(back, &log);
+    put_and_wait(log, svc, "after-crash");
+    log.close();
+  }
+  CHECK(replayed == 50);
+  for (const auto& e : std::filesystem::directory_iterator(crash)) {
+    CHECK(e.path().filename().string().rfind("kv.log.torn", 0) == std::string::npos);
+  }
+  std::size_t records = 0;
+  const log_parse p = parse_log(file_bytes(crash + "/kv.log"), [&](record_type, std::string_view k, std::span<const std::byte>) {
+    ++records;
+    (void)k;
+  });
+  CHECK(p.result == log_parse::outcome::ok);
+  CHECK(records == 51);
+  CHECK(p.zero_tail == 0);  // cut at the clean stop
+  CHECK(std::filesystem::file_size(crash + "/kv.log") == p.valid_end);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(crash);
 }
 
 TEST_CASE("kv log: everysec and no - writes by the io thread, compactions by the log thread, in order", "[kv]") {
