@@ -237,6 +237,7 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   report_.bytes = size;
   report_.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   logical_bytes_ = size;
+  taken_end_ = written_end_ = size;
   thread_ = std::thread([this] { run(); });
 }
 
@@ -290,11 +291,12 @@ void durable_log::end_of_turn() noexcept {
   // disk flush). everysec and no: the io thread writes the turn's records
   // itself, as Redis writes its AOF buffer before it replies, so their
   // replies wait for one write(2), not for a hand-off to another thread
-  // and back. While a compaction runs, or the thread still writes records
-  // handed to it earlier, the records go to the thread too: one writer at
-  // a time keeps the file in order. (fd_ changes only in a compaction,
-  // while compacting_ holds; its end is posted here after the change.)
-  bool hand_off = o_.sync == sync_mode::always || compacting_ || failed_;
+  // and back. While the thread still writes records handed to it
+  // earlier, or a compaction swaps the files, the records go to the
+  // thread too: one writer at a time keeps the file in order. (fd_ changes
+  // only while switching_, with no writer at work: io_writing_ says this
+  // thread is one.)
+  bool hand_off = o_.sync == sync_mode::always || failed_;
   std::vector<std::byte> buf;
   std::uint64_t end = 0;
   {
@@ -302,13 +304,15 @@ void durable_log::end_of_turn() noexcept {
     if (stop_) return;  // close() writes what is left
     // The thread's write failed (its failure is on its way here): nothing
     // after its records may be written, or answered, before that.
-    if (handed_ || thread_writing_ || write_error_) hand_off = true;
+    if (handed_ || thread_writing_ || write_error_ || switching_) hand_off = true;
     if (hand_off) {
       handed_ = true;
-    } else {
+    } else if (!pending_.empty()) {
       buf.swap(pending_);
       pending_.swap(spare_);
       end = pending_end_;
+      taken_end_ += buf.size();
+      io_writing_ = true;
     }
   }
   if (hand_off) {
@@ -317,9 +321,12 @@ void durable_log::end_of_turn() noexcept {
   }
   if (buf.empty()) return;
   const std::error_code ec = write_all(fd_, buf.data(), buf.size());
-  bool wake = false;
+  bool wake = false, compactor_waits = false;
   {
     std::lock_guard lk(m_);
+    io_writing_ = false;
+    compactor_waits = switching_;
+    if (!ec) written_end_ += buf.size();
     buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
     if (ec) {
@@ -331,6 +338,7 @@ void durable_log::end_of_turn() noexcept {
     }
   }
   if (wake) cv_.notify_one();
+  if (compactor_waits) switch_cv_.notify_all();
   on_durable(end, ec, false, {});
 }
 
@@ -344,16 +352,27 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
   c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
   file_header(c.snapshot);
   snapshot(c.snapshot);
+  {
+    // The snapshot holds every record appended so far: those written or
+    // being written (up to taken_end_) and those still pending.
+    std::lock_guard lk(m_);
+    if (stop_) return;
+    c.start = taken_end_ + pending_.size();
+  }
+  if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
+  const std::uint64_t snapshot_bytes = c.snapshot.size();
+  try {
+    compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(c)); });
+  } catch (const std::system_error& e) {
+    retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
+    ++stats_.compaction_failures;
+    std::fprintf(stderr, "anydoor-kv: cannot start compacting %s (%s): trying again later\n", path_.c_str(), e.what());
+    return;
+  }
   logical_if_failed_ = logical_bytes_;
-  logical_bytes_ = c.snapshot.size();
+  logical_bytes_ = snapshot_bytes;
   compacting_ = true;
   if (!work_) work_.emplace(io_.get_executor());
-  {
-    std::lock_guard lk(m_);
-    c.marker = pending_.size();
-    compact_ = std::move(c);
-  }
-  cv_.notify_one();
 }
 
 log_stats durable_log::stats() const noexcept {
@@ -369,6 +388,9 @@ void durable_log::close() noexcept {
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
   }
+  // A compaction under way gives up (the old log stays) unless it is
+  // swapping the files already; then the thread writes what is left.
+  if (compactor_.joinable()) compactor_.join();
   cv_.notify_one();
   if (thread_.joinable()) thread_.join();
   // A clean stop leaves the records alone in the file: the space reserved
@@ -412,24 +434,112 @@ std::error_code durable_log::write_all(int fd, const std::byte* p, std::size_t n
   return {};
 }
 
-std::error_code durable_log::compact(const compaction& c, const std::vector<std::byte>& buf) noexcept {
-  const int fd = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return {errno, std::generic_category()};
-  std::error_code ec = write_all(fd, c.snapshot.data(), c.snapshot.size());
-  if (!ec && buf.size() > c.marker) ec = write_all(fd, buf.data() + c.marker, buf.size() - c.marker);
-  if (!ec && ::fsync(fd) != 0) ec = {errno, std::generic_category()};
-  if (!ec && ::rename(tmp_path_.c_str(), path_.c_str()) != 0) ec = {errno, std::generic_category()};
-  if (!ec && ::fsync(dir_fd_) != 0) ec = {errno, std::generic_category()};
-  if (ec) {
-    ::close(fd);
-    ::unlink(tmp_path_.c_str());
-    return ec;
+std::error_code durable_log::copy_records(int fd, std::uint64_t from, std::uint64_t to,
+                                         std::vector<std::byte>& buf) noexcept {
+  while (from < to) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(to - from, buf.size()));
+    const ssize_t r = ::pread(fd_, buf.data(), n, static_cast<off_t>(from));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return {errno, std::generic_category()};
+    if (r == 0) return std::make_error_code(std::errc::io_error);  // the old log is shorter than its records
+    if (const std::error_code ec = write_all(fd, buf.data(), static_cast<std::size_t>(r))) return ec;
+    from += static_cast<std::uint64_t>(r);
   }
-  fsyncs_.fetch_add(2, std::memory_order_relaxed);
-  ::close(fd_);
-  fd_ = fd;
-  reserved_ = 0;  // the new file has none
   return {};
+}
+
+void durable_log::compact(compaction c) noexcept {
+  // fd_ (the old log) is read here without the lock: only this thread
+  // changes it, below.
+  std::error_code ec;
+  bool switched = false;
+  std::string failed_step;
+  const int fd = ::open(tmp_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);  // (read by the next compaction)
+  if (fd < 0) ec = {errno, std::generic_category()};
+  if (!ec) ec = write_all(fd, c.snapshot.data(), c.snapshot.size());
+  const std::uint64_t snapshot_bytes = c.snapshot.size();
+  std::vector<std::byte>().swap(c.snapshot);  // (its memory back now)
+  if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};
+  if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
+  // Catch up with the records written to the old log meanwhile, while they
+  // go on: each round copies what was written when it began.
+  std::vector<std::byte> buf;
+  try {
+    buf.resize(std::size_t{1} << 20);
+  } catch (const std::bad_alloc&) {
+    ec = std::make_error_code(std::errc::not_enough_memory);
+  }
+  std::uint64_t from = c.start, copied = snapshot_bytes;
+  auto cancelled = [&] { return stop_ || write_error_; };  // under m_
+  for (int round = 0; !ec && round < 8; ++round) {
+    std::uint64_t to = 0;
+    {
+      std::lock_guard lk(m_);
+      if (cancelled()) ec = std::make_error_code(std::errc::operation_canceled);
+      to = written_end_;
+    }
+    if (ec || to - from < (std::uint64_t{64} << 10)) break;
+    ec = copy_records(fd, from, to, buf);
+    copied += to - from;
+    from = to;
+    if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};  // keeps the last fsync short
+    if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!ec) {
+    // The last round holds the writers: the records they take meanwhile
+    // wait in pending_ and go to the new log.
+    std::uint64_t to = 0;
+    {
+      std::unique_lock lk(m_);
+      switching_ = true;
+      switch_cv_.wait(lk, [&] { return !io_writing_ && !thread_writing_ && !thread_syncing_; });
+      if (cancelled()) ec = std::make_error_code(std::errc::operation_canceled);
+      to = written_end_;
+    }
+    if (!ec) ec = copy_records(fd, from, to, buf);
+    copied += to - from;
+    if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};
+    if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
+    if (!ec && ::rename(tmp_path_.c_str(), path_.c_str()) != 0) ec = {errno, std::generic_category()};
+    if (!ec) {
+      // From here kv.log is the new file: it is the one written to, even
+      // should the directory's fsync fail (then the log fails: the rename
+      // may not survive a crash).
+      switched = true;
+      if (::fsync(dir_fd_) != 0) {
+        ec = {errno, std::generic_category()};
+        failed_step = "fsync of " + o_.dir + " after compacting";
+      } else {
+        fsyncs_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    int old = -1;
+    {
+      std::lock_guard lk(m_);
+      if (switched) {
+        old = fd_;
+        fd_ = fd;
+        taken_end_ = written_end_ = copied;
+        new_file_ = true;
+        if (ec && !write_error_) {
+          write_error_ = ec;
+          write_error_what_ = "the log " + path_ + " cannot be made durable: " + failed_step + ": " + ec.message();
+        }
+      }
+      switching_ = false;
+    }
+    cv_.notify_one();  // records held meanwhile
+    if (old >= 0) ::close(old);
+  }
+  if (!switched) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp_path_.c_str());
+  }
+  // A failure after the switch is the log's (write_error_ above, reported
+  // with the next write); one before leaves the old log as it was.
+  const std::error_code compact_ec = switched ? std::error_code() : ec;
+  const std::error_code log_ec = switched ? ec : std::error_code();
+  asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
 }
 
 void durable_log::run() noexcept {
@@ -439,49 +549,47 @@ void durable_log::run() noexcept {
   clock::time_point last_sync = clock::now();
   bool failed = false;
   // With everysec and no the io thread writes the records itself
-  // (end_of_turn) unless it hands them here (handed_), or a compaction or
-  // the stop needs them: only then does this thread take pending_.
+  // (end_of_turn) unless it hands them here (handed_), or the stop needs
+  // them: only then does this thread take pending_. While a compaction
+  // swaps the files (switching_) it leaves fd_ alone.
   const bool writes_all = o_.sync == sync_mode::always;
   for (;;) {
     auto ready = [&] {
-      return stop_ || compact_.has_value() || ((writes_all || handed_) && !pending_.empty());
+      return !switching_ && (stop_ || ((writes_all || handed_) && !pending_.empty()) || unsynced_);
     };
     if (o_.sync == sync_mode::everysec && dirty) {
       cv_.wait_until(lk, last_sync + std::chrono::seconds(1), ready);
     } else {
-      cv_.wait(lk, [&] { return ready() || unsynced_; });
+      cv_.wait(lk, ready);
+    }
+    if (switching_) {
+      cv_.wait(lk, [&] { return !switching_; });
+      continue;
     }
     if (unsynced_) {  // written by the io thread, not yet fsynced
       unsynced_ = false;
       dirty = true;
     }
+    if (new_file_) {  // a compaction swapped the files: the new one has no reserve
+      new_file_ = false;
+      reserved_ = 0;
+    }
     const bool stopping = stop_;
     std::vector<std::byte> buf;
-    if (writes_all || handed_ || stopping || compact_) {
+    if (writes_all || handed_ || stopping) {
       handed_ = false;
       thread_writing_ = true;  // until written: the io thread hands its records here meanwhile
       buf.swap(pending_);
       pending_.swap(spare_);  // the buffer the last round used, emptied
+      taken_end_ += buf.size();
     }
+    thread_syncing_ = true;
     const std::uint64_t end = pending_end_;
-    std::optional<compaction> c = std::move(compact_);
-    compact_.reset();
     lk.unlock();
 
-    std::error_code ec, compact_ec;
+    std::error_code ec;
     if (!failed) {
-      if (c) {
-        compact_ec = compact(*c, buf);
-        if (compact_ec) {
-          // The old log stays; it lacks everything in buf (the records
-          // before the marker were never written to it either).
-          ec = write_all(fd_, buf.data(), buf.size());
-          dirty = true;
-        } else {
-          dirty = false;
-          last_sync = clock::now();
-        }
-      } else if (!buf.empty()) {
+      if (!buf.empty()) {
         if (writes_all) reserve(buf.size());
         ec = write_all(fd_, buf.data(), buf.size());
         dirty = true;
@@ -498,22 +606,23 @@ void durable_log::run() noexcept {
           last_sync = clock::now();
         }
       }
-      if (!buf.empty() || c || ec) {
-        asio::post(io_, [this, end, ec, compact_ec, compacted = c.has_value()] {
-          on_durable(end, ec, compacted, compact_ec);
-        });
+      if (!buf.empty() || ec) {
+        asio::post(io_, [this, end, ec] { on_durable(end, ec, false, {}); });
       }
     }
-    buf.clear();
     lk.lock();
     thread_writing_ = false;
+    thread_syncing_ = false;
+    if (!ec && !failed) written_end_ += buf.size();
+    if (switching_) switch_cv_.notify_all();
     if (ec && !failed) {
       failed = true;
       write_error_ = ec;
       write_error_what_ = "the log " + path_ + " cannot be written: " + ec.message();
     }
+    buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
-    if (stopping && pending_.empty() && !compact_) break;
+    if (stopping && pending_.empty()) break;
   }
 }
 
@@ -521,7 +630,10 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
                              std::error_code compact_ec) noexcept {
   if (compacted) {
     compacting_ = false;
-    if (compact_ec) {
+    if (compactor_.joinable()) compactor_.join();  // it ends with this post
+    if (compact_ec == std::errc::operation_canceled) {
+      // the log closed under it: the old log stays, nothing to report
+    } else if (compact_ec) {
       // The log keeps growing in the old file; try again after another compact_min.
       logical_bytes_ = logical_if_failed_;
       retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);

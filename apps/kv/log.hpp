@@ -13,7 +13,7 @@
 // (with always also one fsync). With always the log thread writes and
 // fsyncs them; with everysec and no the io thread writes them itself at
 // the end of the turn, as Redis writes its AOF buffer before it replies,
-// and the thread only fsyncs (everysec) and compacts.
+// and the thread only fsyncs (everysec).
 // (Redis's appendfsync terms, on purpose.) A write is visible to readers
 // as soon as it is applied, before it is durable, as in Redis.
 //
@@ -28,9 +28,19 @@
 // On start the log is replayed; a torn tail (a bad record with no valid
 // record anywhere after it: cut short, a CRC that fails) is cut off,
 // saved to kv.log.torn-<time> and reported; a bad record with a valid one
-// after it is corruption: the server refuses to start. The log is compacted (rewritten from the live data into
-// kv.log.compact, fsynced, renamed over kv.log) when it grows past twice
-// the live data and compact_min. DIR/LOCK keeps a second server out.
+// after it is corruption: the server refuses to start. DIR/LOCK keeps a
+// second server out.
+//
+// Compaction, when the log grows past twice the live data and
+// compact_min: the io thread snapshots the live data (one put record per
+// key); a thread of its own writes it to kv.log.compact and fsyncs it
+// while writes go on to the old log and are answered as usual; it then
+// copies the records written since the snapshot from the old log, in a
+// few rounds, and only for the last round, the fsync and the rename over
+// kv.log does it hold the writers (their records wait in memory,
+// milliseconds, not the whole rewrite). A crash at any point leaves either
+// the old log, complete, or the new one, complete. A compaction that
+// fails leaves the old log and is retried after another compact_min.
 //
 // File: "ADKVLOG1" + u32 version (1) + u32 0, then records:
 //   u32 crc (of the rest), u8 type (1 put, 2 del), u8 0, u16 0,
@@ -149,6 +159,9 @@ class durable_log {
   // least compact_min; `snapshot` appends one put record per live key.
   void maybe_compact(std::uint64_t live_bytes, const std::function<void(std::vector<std::byte>&)>& snapshot);
 
+  // On the io thread: a compaction is under way.
+  bool compacting() const noexcept { return compacting_; }
+
   // Writes and fsyncs what is pending, stops the thread (a clean stop).
   void close() noexcept;
   log_stats stats() const noexcept;
@@ -156,13 +169,16 @@ class durable_log {
  private:
   struct compaction {
     std::vector<std::byte> snapshot;
-    std::size_t marker = 0;  // pending bytes the snapshot already covers
+    std::uint64_t start = 0;  // the offset in the old log where records the snapshot lacks begin
   };
   void run() noexcept;
   void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
-  std::error_code compact(const compaction& c, const std::vector<std::byte>& buf) noexcept;
+  // On compactor_: the whole compaction; posts its end to the io thread.
+  void compact(compaction c) noexcept;
+  // Copies [from, to) of the old log (fd_) to the end of `fd`.
+  std::error_code copy_records(int fd, std::uint64_t from, std::uint64_t to, std::vector<std::byte>& buf) noexcept;
   void on_durable(std::uint64_t lsn, std::error_code ec, bool compacted, std::error_code compact_ec) noexcept;
 
   asio::io_context& io_;
@@ -192,14 +208,23 @@ class durable_log {
   std::condition_variable cv_;
   std::vector<std::byte> pending_, spare_;
   std::uint64_t pending_end_ = 0;
-  std::optional<compaction> compact_;
   bool handed_ = false;          // the thread is to write what pending_ holds
   bool thread_writing_ = false;  // the thread writes records it took
+  bool thread_syncing_ = false;  // the thread fsyncs fd_
+  bool io_writing_ = false;      // the io thread writes records it took
+  // The compactor swaps the files: nobody touches fd_ (records wait in
+  // pending_); fd_ changes only then, with none of the three flags above set.
+  bool switching_ = false;
+  bool new_file_ = false;        // fd_ was swapped: the thread's reserve starts over
+  std::uint64_t taken_end_ = 0;  // the offset in fd_ where the records taken from pending_ end
+  std::uint64_t written_end_ = 0;  // ... and where those written end
+  std::condition_variable switch_cv_;  // the compactor waits for writers to finish
   bool unsynced_ = false;  // the io thread wrote records that wait for an fsync
   bool stop_ = false;
   std::error_code write_error_;
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
+  std::thread compactor_;  // started by the io thread, joined by it (or close())
   // The log thread's (always), and close() once it is joined: where the
   // space reserved ahead ends; false once fallocate failed.
   std::uint64_t reserved_ = 0;
