@@ -143,8 +143,10 @@ log_parse parse_log(std::span<const std::byte> file,
       return false;
     };
     // (A whole record with a bad CRC and only zeros after it is the last
-    // write too: cut short inside space reserved ahead.)
-    const bool last = rec == 0 ? !valid_record_after(at + 1) : zeros_to_end(at + rec);
+    // write too, cut short inside space reserved ahead, unless its length
+    // is what broke and good records lie inside what it claims.)
+    const bool last = rec == 0 ? !valid_record_after(at + 1)
+                               : at + rec == end || (zeros_to_end(at + rec) && !valid_record_after(at + 1));
     if (last) {
       r.result = log_parse::outcome::torn;
       r.why = bad + " at offset " + std::to_string(at) + " (" + std::to_string(left) + " bytes to the end)";
@@ -207,7 +209,12 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       report_.torn_copy = o_.dir + "/kv.log.torn-" + std::to_string(::time(nullptr));
       const int t = ::open(report_.torn_copy.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
       const auto* tail = static_cast<const std::byte*>(m) + p.valid_end;
-      if (t < 0 || write_all(t, tail, size - p.valid_end) || ::fsync(t) != 0) {
+      // (Not the zeros of a reserve after the bytes that matter: 4 KiB and
+      // more of them at the end; fewer may be a record's own.)
+      std::size_t keep = size - p.valid_end;
+      while (keep > 0 && tail[keep - 1] == std::byte{0}) --keep;
+      if (size - p.valid_end - keep < 4096) keep = size - p.valid_end;
+      if (t < 0 || write_all(t, tail, keep) || ::fsync(t) != 0) {
         if (t >= 0) ::close(t);
         ::munmap(m, size);
         fail(sys_error("cannot save the torn tail of " + path_ + " to " + report_.torn_copy));
@@ -221,6 +228,7 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     }
     report_.records = p.records;
     if (p.zero_tail > 0) {  // reserved ahead by the last run: written into from where the records end
+      report_.zero_bytes = p.zero_tail;
       reserved_ = size;
       size = p.valid_end;
     }
@@ -325,7 +333,7 @@ void durable_log::end_of_turn() noexcept {
   {
     std::lock_guard lk(m_);
     io_writing_ = false;
-    compactor_waits = switching_;
+    compactor_waits = compactor_waits_;
     if (!ec) written_end_ += buf.size();
     buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
@@ -390,6 +398,7 @@ void durable_log::close() noexcept {
   }
   // A compaction under way gives up (the old log stays) unless it is
   // swapping the files already; then the thread writes what is left.
+  switch_cv_.notify_all();
   if (compactor_.joinable()) compactor_.join();
   cv_.notify_one();
   if (thread_.joinable()) thread_.join();
@@ -469,9 +478,22 @@ void durable_log::compact(compaction c) noexcept {
   } catch (const std::bad_alloc&) {
     ec = std::make_error_code(std::errc::not_enough_memory);
   }
+  // The records the snapshot covers may still be on their way to the old
+  // log (pending, or being written): the copy starts once they are there,
+  // so it never holds a record twice and the new file is exactly the
+  // snapshot and what followed it.
   std::uint64_t from = c.start, copied = snapshot_bytes;
   auto cancelled = [&] { return stop_ || write_error_; };  // under m_
-  for (int round = 0; !ec && round < 8; ++round) {
+  if (!ec) {
+    std::unique_lock lk(m_);
+    compactor_waits_ = true;
+    switch_cv_.wait(lk, [&] { return cancelled() || written_end_ >= c.start; });
+    compactor_waits_ = false;
+    if (cancelled()) ec = std::make_error_code(std::errc::operation_canceled);
+  }
+  // Rounds until what is left is small: each copies what was written when
+  // it began (records keep coming meanwhile).
+  for (int round = 0; !ec && round < 16; ++round) {
     std::uint64_t to = 0;
     {
       std::lock_guard lk(m_);
@@ -485,6 +507,7 @@ void durable_log::compact(compaction c) noexcept {
     if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};  // keeps the last fsync short
     if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
   }
+  int old = -1;
   if (!ec) {
     // The last round holds the writers: the records they take meanwhile
     // wait in pending_ and go to the new log.
@@ -492,7 +515,9 @@ void durable_log::compact(compaction c) noexcept {
     {
       std::unique_lock lk(m_);
       switching_ = true;
+      compactor_waits_ = true;
       switch_cv_.wait(lk, [&] { return !io_writing_ && !thread_writing_ && !thread_syncing_; });
+      compactor_waits_ = false;
       if (cancelled()) ec = std::make_error_code(std::errc::operation_canceled);
       to = written_end_;
     }
@@ -500,11 +525,13 @@ void durable_log::compact(compaction c) noexcept {
     copied += to - from;
     if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};
     if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
+    // The new file must be exactly what the offsets say.
+    if (!ec && ::lseek(fd, 0, SEEK_CUR) != static_cast<off_t>(copied)) ec = std::make_error_code(std::errc::io_error);
     if (!ec && ::rename(tmp_path_.c_str(), path_.c_str()) != 0) ec = {errno, std::generic_category()};
     if (!ec) {
       // From here kv.log is the new file: it is the one written to, even
       // should the directory's fsync fail (then the log fails: the rename
-      // may not survive a crash).
+      // may not survive a crash, and nothing more is acknowledged).
       switched = true;
       if (::fsync(dir_fd_) != 0) {
         ec = {errno, std::generic_category()};
@@ -513,7 +540,6 @@ void durable_log::compact(compaction c) noexcept {
         fsyncs_.fetch_add(1, std::memory_order_relaxed);
       }
     }
-    int old = -1;
     {
       std::lock_guard lk(m_);
       if (switched) {
@@ -529,17 +555,17 @@ void durable_log::compact(compaction c) noexcept {
       switching_ = false;
     }
     cv_.notify_one();  // records held meanwhile
-    if (old >= 0) ::close(old);
   }
   if (!switched) {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp_path_.c_str());
   }
-  // A failure after the switch is the log's (write_error_ above, reported
-  // with the next write); one before leaves the old log as it was.
+  // A failure after the switch is the log's (write_error_ above); one
+  // before leaves the old log as it was.
   const std::error_code compact_ec = switched ? std::error_code() : ec;
   const std::error_code log_ec = switched ? ec : std::error_code();
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
+  if (old >= 0) ::close(old);  // (the last close of an unlinked file may take a while: after the post)
 }
 
 void durable_log::run() noexcept {
@@ -573,6 +599,12 @@ void durable_log::run() noexcept {
     if (new_file_) {  // a compaction swapped the files: the new one has no reserve
       new_file_ = false;
       reserved_ = 0;
+    }
+    // The log failed elsewhere (the io thread's write, or the directory's
+    // fsync after a compaction): nothing more is written or acknowledged.
+    if (write_error_) {
+      failed = true;
+      dirty = false;
     }
     const bool stopping = stop_;
     std::vector<std::byte> buf;
@@ -614,12 +646,13 @@ void durable_log::run() noexcept {
     thread_writing_ = false;
     thread_syncing_ = false;
     if (!ec && !failed) written_end_ += buf.size();
-    if (switching_) switch_cv_.notify_all();
     if (ec && !failed) {
       failed = true;
       write_error_ = ec;
       write_error_what_ = "the log " + path_ + " cannot be written: " + ec.message();
     }
+    if (failed) dirty = false;  // (nothing more is written or fsynced: no timed wakeups)
+    if (compactor_waits_) switch_cv_.notify_all();
     buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
     if (stopping && pending_.empty()) break;
@@ -629,10 +662,10 @@ void durable_log::run() noexcept {
 void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted,
                              std::error_code compact_ec) noexcept {
   if (compacted) {
-    compacting_ = false;
-    if (compactor_.joinable()) compactor_.join();  // it ends with this post
+    compacting_ = false;  // (its thread is joined by the next compaction or close(): it may still be closing the old file)
     if (compact_ec == std::errc::operation_canceled) {
-      // the log closed under it: the old log stays, nothing to report
+      // The log closed or failed under it: the old log stays, nothing to report.
+      logical_bytes_ = logical_if_failed_;
     } else if (compact_ec) {
       // The log keeps growing in the old file; try again after another compact_min.
       logical_bytes_ = logical_if_failed_;
@@ -646,7 +679,7 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
   }
   if (ec) {
     failed_ = true;
-    work_.reset();
+    if (!compacting_) work_.reset();  // (else the compaction's end is still to come here)
     while (!waiters_.empty()) {
       auto h = std::move(waiters_.front().second);
       waiters_.pop_front();
@@ -655,7 +688,7 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
     return;
   }
   durable_ = std::max(durable_, lsn);
-  if (durable_ >= lsn_ && !compacting_) work_.reset();
+  if ((durable_ >= lsn_ || failed_) && !compacting_) work_.reset();
   while (!waiters_.empty() && waiters_.front().first <= durable_) {
     auto h = std::move(waiters_.front().second);
     waiters_.pop_front();

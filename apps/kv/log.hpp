@@ -18,12 +18,16 @@
 // as soon as it is applied, before it is durable, as in Redis.
 //
 // With always the thread reserves the file ahead of its writes, 4 MiB at a
-// time (fallocate): an fdatasync after a write into reserved space flushes
-// the data alone, where one after a write that grows the file also commits
-// the file's new size to the journal (ext4 here: 103 us against 149 us a
+// time (fallocate): a write into reserved space does not grow the file, so
+// its fdatasync has no new size to commit (the file system still marks the
+// reserved blocks written; measured on ext4 here: 103 us against 149 us a
 // record, p50). A clean stop cuts the reserve off; after a crash the file
-// ends with zeros, which replay skips (not a torn tail: they hold nothing).
-// A file system without fallocate gets plain appends.
+// ends with zeros, which replay skips and reports (not a torn tail: they
+// hold nothing). A file system without fallocate gets plain appends.
+// Known limit: should power fail while an fdatasync of a batch spanning
+// pages runs, and a later page of it reach the disk before an earlier one,
+// replay finds zeros with good records after them and refuses to start as
+// for corruption (saying where); those records were never acknowledged.
 //
 // On start the log is replayed; a torn tail (a bad record with no valid
 // record anywhere after it: cut short, a CRC that fails) is cut off,
@@ -35,12 +39,15 @@
 // compact_min: the io thread snapshots the live data (one put record per
 // key); a thread of its own writes it to kv.log.compact and fsyncs it
 // while writes go on to the old log and are answered as usual; it then
-// copies the records written since the snapshot from the old log, in a
-// few rounds, and only for the last round, the fsync and the rename over
-// kv.log does it hold the writers (their records wait in memory,
-// milliseconds, not the whole rewrite). A crash at any point leaves either
-// the old log, complete, or the new one, complete. A compaction that
-// fails leaves the old log and is retried after another compact_min.
+// copies the records written since the snapshot from the old log, in
+// rounds (each copies what was written during the one before), and only
+// for the last round, the fsync and the rename over kv.log does it hold
+// the writers: their records wait in memory for what the round before
+// left, normally milliseconds, not the whole rewrite. A crash at any point
+// leaves either the old log, complete, or the new one, complete (the new
+// one is checked to end where the offsets say before the rename). A
+// compaction that fails leaves the old log and is retried after another
+// compact_min.
 //
 // File: "ADKVLOG1" + u32 version (1) + u32 0, then records:
 //   u32 crc (of the rest), u8 type (1 put, 2 del), u8 0, u16 0,
@@ -112,7 +119,8 @@ struct replay_report {
   std::uint64_t bytes = 0;
   std::uint64_t torn_bytes = 0;  // cut off the tail
   std::string torn_why;
-  std::string torn_copy;         // where the cut bytes were saved
+  std::string torn_copy;         // where the cut bytes were saved (without 4 KiB or more of trailing zeros)
+  std::uint64_t zero_bytes = 0;  // zeros after the records, skipped (space reserved ahead)
   double ms = 0;
 };
 
@@ -216,6 +224,7 @@ class durable_log {
   // pending_); fd_ changes only then, with none of the three flags above set.
   bool switching_ = false;
   bool new_file_ = false;        // fd_ was swapped: the thread's reserve starts over
+  bool compactor_waits_ = false;  // on switch_cv_: writers say when they finish a write
   std::uint64_t taken_end_ = 0;  // the offset in fd_ where the records taken from pending_ end
   std::uint64_t written_end_ = 0;  // ... and where those written end
   std::condition_variable switch_cv_;  // the compactor waits for writers to finish
@@ -225,10 +234,11 @@ class durable_log {
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
   std::thread compactor_;  // started by the io thread, joined by it (or close())
-  // The log thread's (always), and close() once it is joined: where the
-  // space reserved ahead ends; false once fallocate failed.
+  // The log thread's (set before it starts, reset by it after a swap of
+  // the files; close() reads it once it is joined): where the space
+  // reserved ahead ends.
   std::uint64_t reserved_ = 0;
-  bool reserving_ = true;
+  bool reserving_ = true;  // false once fallocate failed
   std::thread thread_;
 };
 

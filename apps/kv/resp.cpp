@@ -357,8 +357,9 @@ void resp_door::info(std::string_view section, std::string& out) const {
     t += "# Persistence\r\naof_enabled:" + std::string(log != nullptr ? "1" : "0") + "\r\n";
     if (log != nullptr) {
       const auto ls = log->stats();
-      t += "aof_current_size:" + std::to_string(ls.file_bytes) + "\r\naof_rewrites:" +
-           std::to_string(ls.compactions) + "\r\naof_fsyncs:" + std::to_string(ls.fsyncs) + "\r\n";
+      t += "aof_current_size:" + std::to_string(ls.file_bytes) + "\r\naof_rewrite_in_progress:" +
+           (log->compacting() ? "1" : "0") + "\r\naof_rewrites:" + std::to_string(ls.compactions) +
+           "\r\naof_fsyncs:" + std::to_string(ls.fsyncs) + "\r\n";
     }
     t += "\r\n";
   }

@@ -142,6 +142,11 @@ std::unique_ptr<kv::durable_log> open_log(const options& o, asio::io_context& io
   std::printf("anydoor-kv-server: data dir %s, sync %s: replayed %llu records (%llu keys, %llu log bytes) in %.1f ms\n",
               o.data_dir.c_str(), kv::to_string(o.sync), static_cast<unsigned long long>(rep.records),
               static_cast<unsigned long long>(st.stats().keys), static_cast<unsigned long long>(rep.bytes), rep.ms);
+  if (rep.zero_bytes != 0) {
+    std::printf("anydoor-kv-server: %llu bytes of zeros after the last record skipped (space the log reserved "
+                "ahead with --sync always, left by a crash or a kill; or a file extended without its data)\n",
+                static_cast<unsigned long long>(rep.zero_bytes));
+  }
   if (rep.torn_bytes != 0) {
     std::printf("anydoor-kv-server: cut a torn tail of %llu bytes off the log: %s (saved to %s)\n",
                 static_cast<unsigned long long>(rep.torn_bytes), rep.torn_why.c_str(), rep.torn_copy.c_str());
@@ -171,7 +176,7 @@ void print_listening(const options& o, std::uint16_t port, std::string_view prov
               bound.str().c_str(), static_cast<int>(provider.size()), provider.data(),
               static_cast<unsigned long long>(st.describe().buckets),
               static_cast<unsigned long long>(o.store.max_memory), threads.c_str(),
-              st.index_resident() ? "" : ", index faulted in as keys arrive: larger than half the RAM");
+              st.index_resident() ? "" : ", index faulted in as keys arrive: larger than half the memory (RAM or cgroup limit)");
   std::fflush(stdout);
 }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cstdio>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <system_error>
@@ -23,6 +25,37 @@ constexpr int kPopulateWrite = 23;  // Linux 5.14; older kernels say EINVAL
 #endif
 
 std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
+
+// The RAM, or the memory cgroup's limit when that is lower (v2
+// memory.max, v1 memory.limit_in_bytes; inside a container the cgroup
+// file system shows the container's own at its root).
+std::uint64_t usable_memory() {
+  std::uint64_t m = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                    static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  auto limit_in = [&m](const std::string& file) {
+    if (std::FILE* g = std::fopen(file.c_str(), "r")) {
+      unsigned long long limit = 0;
+      if (std::fscanf(g, "%llu", &limit) == 1 && limit > 0) m = std::min<std::uint64_t>(m, limit);  // ("max": none)
+      std::fclose(g);
+    }
+  };
+  if (std::FILE* f = std::fopen("/proc/self/cgroup", "r")) {
+    char line[512];
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      std::string l = line;
+      while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
+      if (l.rfind("0::", 0) == 0) {
+        limit_in("/sys/fs/cgroup" + l.substr(3) + "/memory.max");
+        limit_in("/sys/fs/cgroup/memory.max");
+      } else if (const auto at = l.find(":memory:"); at != std::string::npos) {
+        limit_in("/sys/fs/cgroup/memory" + l.substr(at + 8) + "/memory.limit_in_bytes");
+        limit_in("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+      }
+    }
+    std::fclose(f);
+  }
+  return m;
+}
 
 // Publishes a slot's version after everything it covers is written (a NIC
 // reads the memory without our locks; a reader checks the CRC anyway).
@@ -45,10 +78,12 @@ store::store(const store_options& o) : o_(o) {
   arena_offset_ = round_up((buckets_ + 1) * kBucketSize, kPage);
   arena_size_ = round_up(o_.max_memory + o_.max_memory / 4, kPage);  // the slack only a replay uses
   total_ = static_cast<std::size_t>(arena_offset_ + arena_size_);
-  // Mapped on a huge-page boundary, huge pages asked for: every GET and
-  // PUT lands on a random bucket, and with 4 KiB pages each one is a TLB
-  // miss (a two-level page walk under a hypervisor: 89 ns against 9 ns per
-  // random read of a 128 MiB index here). Ignored where THP is off.
+  // Mapped on a huge-page boundary, huge pages asked for the index: every
+  // GET and PUT lands on a random bucket, and with 4 KiB pages each one is
+  // a TLB miss (a two-level page walk under a hypervisor: 89 ns against
+  // 9 ns per random read of a 128 MiB index here). Ignored where THP is
+  // off. Not the arena: it fills from the bottom, and a first touch of a
+  // huge page there would zero 2 MiB on the io thread at once.
   const std::size_t mapped = total_ + kHugePage;
   void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
@@ -61,21 +96,25 @@ store::store(const store_options& o) : o_(o) {
     ::munmap(reinterpret_cast<void*>(aligned + total_), tail);
   }
   base_ = reinterpret_cast<std::byte*>(aligned);
-  ::madvise(base_, total_, MADV_HUGEPAGE);
+  ::madvise(base_, static_cast<std::size_t>(arena_offset_), MADV_HUGEPAGE);
   // The index is faulted in now, in one call (0.8 us a 4 KiB page here,
   // against 11 us for a fault taken on first touch): otherwise the first
   // write to each page of it pays a fault on the io thread, and a fresh
   // server answers its first 100k SETs at a third of its rate. Not when
-  // the index would take more than half the RAM (an index that large
-  // stays lazy: faulted in as keys arrive). The arena fills from the
+  // the index would take more than half the memory this process may use
+  // (the RAM, or its cgroup's memory.max when lower): an index that large
+  // stays lazy, faulted in as keys arrive. The arena fills from the
   // bottom, a page faulted once per many items.
-  const auto phys = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * kPage;
-  if (arena_offset_ <= phys / 2) {
-    if (::madvise(base_, static_cast<std::size_t>(arena_offset_), kPopulateWrite) != 0) {
-      auto* v = reinterpret_cast<volatile unsigned char*>(base_);  // (kernels before 5.14)
-      for (std::uint64_t i = 0; i < arena_offset_; i += kPage) v[i] = 0;
+  if (arena_offset_ <= usable_memory() / 2) {
+    if (::madvise(base_, static_cast<std::size_t>(arena_offset_), kPopulateWrite) == 0) {
+      index_resident_ = true;
+    } else if (errno == EINVAL) {  // kernels before 5.14: one touch a page
+      const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+      auto* v = reinterpret_cast<volatile unsigned char*>(base_);
+      for (std::uint64_t i = 0; i < arena_offset_; i += page) v[i] = 0;
+      index_resident_ = true;
     }
-    index_resident_ = true;
+    // (ENOMEM and the like: left lazy, as a larger index is)
   }
   std::random_device rd;
   seed_ = (std::uint64_t{rd()} << 32) ^ rd();

@@ -68,7 +68,8 @@ class store {
   void for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
   store_stats stats() const noexcept { return st_; }
   // The index was faulted in at construction (not when it would take more
-  // than half the RAM).
+  // than half the RAM or the memory cgroup's limit, nor when the kernel
+  // refused: it is then faulted in as keys arrive).
   bool index_resident() const noexcept { return index_resident_; }
 
  private:

@@ -36,6 +36,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (p.valid_end > size || p.records != seen.size()) std::abort();
   if (p.result == kv::log_parse::outcome::not_a_log) return 0;
   if (p.result != kv::log_parse::outcome::ok && p.why.empty()) std::abort();
+  // ok: the records, then nothing or only zeros (space reserved ahead);
+  // torn and corrupt: no zero tail.
+  if (p.result == kv::log_parse::outcome::ok) {
+    if (p.valid_end + p.zero_tail != size) std::abort();
+    for (std::size_t i = p.valid_end; i < size; ++i) {
+      if (file[i] != std::byte{0}) std::abort();
+    }
+  } else if (p.zero_tail != 0) {
+    std::abort();
+  }
   std::vector<record> again;
   const kv::log_parse q = kv::parse_log(file.first(p.valid_end), collect(again));
   if (q.result != kv::log_parse::outcome::ok || q.valid_end != p.valid_end || again != seen) std::abort();
