@@ -352,7 +352,7 @@ void durable_log::end_of_turn() noexcept {
 
 void durable_log::maybe_compact(std::uint64_t live_bytes,
                                 const std::function<void(std::vector<std::byte>&)>& snapshot) {
-  if (compacting_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ < retry_compact_at_ ||
+  if (compacting_ || compaction_stopped_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ < retry_compact_at_ ||
       logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
@@ -364,8 +364,9 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
     // The snapshot holds every record appended so far: those written or
     // being written (up to taken_end_) and those still pending.
     std::lock_guard lk(m_);
-    if (stop_) return;
+    if (stop_ || no_compaction_) return;
     c.start = taken_end_ + pending_.size();
+    c.lsn = lsn_;
   }
   if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
   const std::uint64_t snapshot_bytes = c.snapshot.size();
@@ -408,6 +409,15 @@ void durable_log::close() noexcept {
   if (at > 0 && reserved_ > static_cast<std::uint64_t>(at) && ::ftruncate(fd_, at) == 0) {
     reserved_ = static_cast<std::uint64_t>(at);
   }
+}
+
+void durable_log::stop_compaction() noexcept {
+  compaction_stopped_ = true;  // (before any snapshot is built)
+  {
+    std::lock_guard lk(m_);
+    no_compaction_ = true;
+  }
+  switch_cv_.notify_all();
 }
 
 void durable_log::reserve(std::size_t n) noexcept {
@@ -483,7 +493,7 @@ void durable_log::compact(compaction c) noexcept {
   // so it never holds a record twice and the new file is exactly the
   // snapshot and what followed it.
   std::uint64_t from = c.start, copied = snapshot_bytes;
-  auto cancelled = [&] { return stop_ || write_error_; };  // under m_
+  auto cancelled = [&] { return stop_ || no_compaction_ || write_error_; };  // under m_
   if (!ec) {
     std::unique_lock lk(m_);
     compactor_waits_ = true;
@@ -511,7 +521,7 @@ void durable_log::compact(compaction c) noexcept {
   if (!ec) {
     // The last round holds the writers: the records they take meanwhile
     // wait in pending_ and go to the new log.
-    std::uint64_t to = 0;
+    std::uint64_t to = 0, appended_after = 0;
     {
       std::unique_lock lk(m_);
       switching_ = true;
@@ -520,13 +530,20 @@ void durable_log::compact(compaction c) noexcept {
       compactor_waits_ = false;
       if (cancelled()) ec = std::make_error_code(std::errc::operation_canceled);
       to = written_end_;
+      // By the sequence numbers, not the offsets: the record bytes appended
+      // after the snapshot and written (none is being written now).
+      appended_after = pending_end_ - pending_.size() - c.lsn;
     }
     if (!ec) ec = copy_records(fd, from, to, buf);
     copied += to - from;
     if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};
     if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
-    // The new file must be exactly what the offsets say.
-    if (!ec && ::lseek(fd, 0, SEEK_CUR) != static_cast<off_t>(copied)) ec = std::make_error_code(std::errc::io_error);
+    // The new file must be the snapshot and exactly the records appended
+    // after it: a check of the offsets' bookkeeping by other numbers.
+    if (!ec && (copied != snapshot_bytes + appended_after ||
+                ::lseek(fd, 0, SEEK_CUR) != static_cast<off_t>(copied))) {
+      ec = std::make_error_code(std::errc::io_error);
+    }
     if (!ec && ::rename(tmp_path_.c_str(), path_.c_str()) != 0) ec = {errno, std::generic_category()};
     if (!ec) {
       // From here kv.log is the new file: it is the one written to, even

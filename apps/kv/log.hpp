@@ -45,7 +45,8 @@
 // the writers: their records wait in memory for what the round before
 // left, normally milliseconds, not the whole rewrite. A crash at any point
 // leaves either the old log, complete, or the new one, complete (the new
-// one is checked to end where the offsets say before the rename). A
+// one is checked, before the rename, to hold as many record bytes after
+// the snapshot as were appended after it, by the sequence numbers). A
 // compaction that fails leaves the old log and is retried after another
 // compact_min.
 //
@@ -169,6 +170,10 @@ class durable_log {
 
   // On the io thread: a compaction is under way.
   bool compacting() const noexcept { return compacting_; }
+  // On the io thread, at shutdown: a compaction under way gives up (the old
+  // log stays; unless it is swapping the files already) and none starts
+  // again; its end is still posted here. Writes go on as before.
+  void stop_compaction() noexcept;
 
   // Writes and fsyncs what is pending, stops the thread (a clean stop).
   void close() noexcept;
@@ -178,6 +183,7 @@ class durable_log {
   struct compaction {
     std::vector<std::byte> snapshot;
     std::uint64_t start = 0;  // the offset in the old log where records the snapshot lacks begin
+    std::uint64_t lsn = 0;    // the log sequence number the snapshot covers
   };
   void run() noexcept;
   void reserve(std::size_t n) noexcept;
@@ -204,6 +210,7 @@ class durable_log {
   std::uint64_t logical_if_failed_ = 0;  // the old file's size, should the compaction under way fail
   std::uint64_t retry_compact_at_ = 0;
   bool compacting_ = false;
+  bool compaction_stopped_ = false;  // stop_compaction()
   bool failed_ = false;
   bool wake_posted_ = false;
   // Keeps io_context::run() going while the thread has something to report.
@@ -225,6 +232,7 @@ class durable_log {
   bool switching_ = false;
   bool new_file_ = false;        // fd_ was swapped: the thread's reserve starts over
   bool compactor_waits_ = false;  // on switch_cv_: writers say when they finish a write
+  bool no_compaction_ = false;    // stop_compaction()
   std::uint64_t taken_end_ = 0;  // the offset in fd_ where the records taken from pending_ end
   std::uint64_t written_end_ = 0;  // ... and where those written end
   std::condition_variable switch_cv_;  // the compactor waits for writers to finish

@@ -218,6 +218,7 @@ int run(const options& o) {
   bool failed = false;
   auto stop_all = [&] {
     signals.cancel();
+    if (log) log->stop_compaction();  // (else io.run() would wait for a compaction under way to finish)
     srv.shutdown(std::chrono::seconds(2));
     if (door) door->stop();
     if (metrics) metrics->stop();
