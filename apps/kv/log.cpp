@@ -356,6 +356,10 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
       logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
+  // The last compaction's thread may still be closing the old file (the
+  // last close of a large unlinked file frees its blocks, which can take
+  // long): the io thread does not wait for it; a later write tries again.
+  if (compactor_.joinable() && !compactor_exiting_.load(std::memory_order_acquire)) return;
   compaction c;
   c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
   file_header(c.snapshot);
@@ -368,8 +372,9 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
     c.start = taken_end_ + pending_.size();
     c.lsn = lsn_;
   }
-  if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
+  if (compactor_.joinable()) compactor_.join();  // the last one, past its last step (above)
   const std::uint64_t snapshot_bytes = c.snapshot.size();
+  compactor_exiting_.store(false, std::memory_order_relaxed);
   try {
     compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(c)); });
   } catch (const std::system_error& e) {
@@ -583,6 +588,7 @@ void durable_log::compact(compaction c) noexcept {
   const std::error_code log_ec = switched ? ec : std::error_code();
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
   if (old >= 0) ::close(old);  // (the last close of an unlinked file may take a while: after the post)
+  compactor_exiting_.store(true, std::memory_order_release);
 }
 
 void durable_log::run() noexcept {
@@ -637,6 +643,7 @@ void durable_log::run() noexcept {
     lk.unlock();
 
     std::error_code ec;
+    bool sync_failed = false;
     if (!failed) {
       if (!buf.empty()) {
         if (writes_all) reserve(buf.size());
@@ -649,16 +656,15 @@ void durable_log::run() noexcept {
       if (!ec && dirty && sync_now) {
         if (::fdatasync(fd_) != 0) {
           ec = {errno, std::generic_category()};
+          sync_failed = true;
         } else {
           fsyncs_.fetch_add(1, std::memory_order_relaxed);
           dirty = false;
           last_sync = clock::now();
         }
       }
-      if (!buf.empty() || ec) {
-        asio::post(io_, [this, end, ec] { on_durable(end, ec, false, {}); });
-      }
     }
+    const bool post_end = !failed && (!buf.empty() || ec);
     lk.lock();
     thread_writing_ = false;
     thread_syncing_ = false;
@@ -666,8 +672,14 @@ void durable_log::run() noexcept {
     if (ec && !failed) {
       failed = true;
       write_error_ = ec;
-      write_error_what_ = "the log " + path_ + " cannot be written: " + ec.message();
+      write_error_what_ =
+          "the log " + path_ + (sync_failed ? " cannot be made durable: fdatasync: " : " cannot be written: ") +
+          ec.message();
     }
+    // Posted once the error is set: the writers it fails are answered with
+    // error_text() (before, the io thread could answer them with an empty
+    // reason, the text not yet written here).
+    if (post_end) asio::post(io_, [this, end, ec] { on_durable(end, ec, false, {}); });
     if (failed) dirty = false;  // (nothing more is written or fsynced: no timed wakeups)
     if (compactor_waits_) switch_cv_.notify_all();
     buf.clear();
@@ -695,6 +707,18 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
     }
   }
   if (ec) {
+    if (!failed_) {
+      // Once, for the operator: the clients see the reason on each refused
+      // write, but a failure under everysec or no may follow the last
+      // write by seconds (an fsync), with no client to tell.
+      std::fprintf(stderr,
+                   "anydoor-kv: %s; writes are refused from now on (reads go on); every write acknowledged "
+                   "before is in the file%s: restart once the cause is fixed\n",
+                   error_text().c_str(),
+                   o_.sync == sync_mode::always ? ""
+                                                : " (with sync everysec or no, what the last fsync did not cover may "
+                                                  "not be on the disk)");
+    }
     failed_ = true;
     if (!compacting_) work_.reset();  // (else the compaction's end is still to come here)
     while (!waiters_.empty()) {

@@ -29,6 +29,11 @@
 // replay finds zeros with good records after them and refuses to start as
 // for corruption (saying where); those records were never acknowledged.
 //
+// A write or fsync that fails (a full disk, an I/O error, a file size
+// limit) fails the log: the records it held and every later one are not
+// acknowledged (error(), error_text() say why), stderr is told once, and
+// nothing more is written; a restart replays what was acknowledged.
+//
 // On start the log is replayed; a torn tail (a bad record with no valid
 // record anywhere after it: cut short, a CRC that fails) is cut off,
 // saved to kv.log.torn-<time> and reported; a bad record with a valid one
@@ -242,6 +247,7 @@ class durable_log {
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
   std::thread compactor_;  // started by the io thread, joined by it (or close())
+  std::atomic<bool> compactor_exiting_{false};  // its last step done (closing the old file): a join would not wait
   // The log thread's (set before it starts, reset by it after a swap of
   // the files; close() reads it once it is joined): where the space
   // reserved ahead ends.

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <system_error>
 
 #include <fnmatch.h>
 #include <unistd.h>
@@ -212,11 +213,16 @@ resp_parse resp_parser::next(std::string_view in, std::vector<std::string_view>&
 resp_door::resp_door(asio::io_context& io, service& svc, const std::string& host, std::uint16_t port,
                      std::size_t max_clients)
     : io_(io), svc_(svc), acc_(io), max_clients_(max_clients) {
-  const tcp::endpoint ep(asio::ip::make_address(host), port);
+  // (Errors name the door and the address: Asio's own say only "bind".)
+  error_code ec;
+  const auto addr = asio::ip::make_address(host, ec);
+  if (ec) throw std::system_error(ec, "redis protocol: bad listen address '" + host + "'");
+  const tcp::endpoint ep(addr, port);
   acc_.open(ep.protocol());
   acc_.set_option(tcp::acceptor::reuse_address(true));
-  acc_.bind(ep);
-  acc_.listen();
+  acc_.bind(ep, ec);
+  if (!ec) acc_.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) throw std::system_error(ec, "redis protocol: cannot listen on " + host + ":" + std::to_string(port));
   port_ = acc_.local_endpoint().port();
   lim_.max_bulk = std::max<std::size_t>(svc.data().options().max_value, svc.data().options().max_key) + 1024;
   max_request_ = std::max<std::size_t>(std::size_t{4} << 20, 2 * lim_.max_bulk + (1 << 20));
@@ -359,7 +365,8 @@ void resp_door::info(std::string_view section, std::string& out) const {
       const auto ls = log->stats();
       t += "aof_current_size:" + std::to_string(ls.file_bytes) + "\r\naof_rewrite_in_progress:" +
            (log->compacting() ? "1" : "0") + "\r\naof_rewrites:" + std::to_string(ls.compactions) +
-           "\r\naof_fsyncs:" + std::to_string(ls.fsyncs) + "\r\n";
+           "\r\naof_fsyncs:" + std::to_string(ls.fsyncs) + "\r\naof_last_write_status:" +
+           (log->error() ? "err" : "ok") + "\r\n";
     }
     t += "\r\n";
   }

@@ -406,6 +406,11 @@ int run_group(const options& o) {
 
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
+  // A file size limit (ulimit -f, systemd's LimitFSIZE) would kill the
+  // server at the log's first write past it (SIGXFSZ); ignored, the write
+  // fails with EFBIG instead, and the log fails as on a full disk: writes
+  // refused with the reason, reads going on, the operator told.
+  std::signal(SIGXFSZ, SIG_IGN);
   try {
     return o.threads > 1 ? run_group(o) : run(o);
   } catch (const std::exception& e) {

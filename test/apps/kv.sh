@@ -128,6 +128,9 @@ R info keyspace | grep -q "^db0:keys=[0-9]*,expires=0" || fail "INFO keyspace"
 R info stats | grep -q "^total_commands_processed:" || fail "INFO stats"
 [ "$(R config get appendonly | tr '\n' ,)" = "appendonly,no," ] || fail "CONFIG GET appendonly (memory-only)"
 [ "$(R dbsize)" -ge 5 ] || fail "DBSIZE"
+# A Redis port taken (here by this server's own door): exit 1 naming the door and the address.
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --resp-listen 127.0.0.1:$RP
+expect_in "$tmp/last.err" "redis protocol: cannot listen on 127.0.0.1:$RP: Address already in use"
 python3 - "$RP" <<'PY' || fail "pipelined and inline requests"
 import socket, sys
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
@@ -364,6 +367,46 @@ printf 'garbage!garbage!' >"$tmp/notalog"; mkdir "$tmp/bad"; cp "$tmp/notalog" "
 run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$tmp/bad"
 expect_in "$tmp/last.err" "is not an anydoor-kv log"
 pass "torn tail cut, corruption refused, a second server refused, not-a-log refused"
+
+# --- a log the disk cannot take (here a file size limit, ulimit -f 64 KiB:
+# writes past it fail with EFBIG, as on a full disk): the write that hit
+# it is refused with the reason, so is every write after it, reads go on,
+# the server says so once on stderr and in INFO; after a restart without
+# the limit every acknowledged write is back and the cut record is a torn tail.
+big=$(head -c 1000 /dev/zero | tr '\0' v)
+for mode in always everysec; do
+  fd=$tmp/data-full-$mode
+  start_server full bash -c 'ulimit -f 64 && exec "$0" "$@"' "$server" --listen 127.0.0.1:0 --provider tcp \
+    --data-dir "$fd" --sync $mode --resp-listen 127.0.0.1:0
+  P=$PORT; RP=$(resp_port full)
+  acked=0; refused=
+  for i in $(seq 1 200); do
+    out=$(redis-cli -p "$RP" set "full$i" "$big")
+    if [ "$out" = OK ]; then acked=$i; else refused=$out; break; fi
+  done
+  [ "$acked" -ge 50 ] && [ -n "$refused" ] || fail "sync $mode: $acked writes taken under a 64 KiB file limit, refused: '$refused'"
+  grep -q "cannot be written: File too large" <<<"$refused" || fail "sync $mode: the refusal does not say why: $refused"
+  kill -0 "$PID_full" 2>/dev/null || fail "sync $mode: the server died at the file size limit"
+  out=$(redis-cli -p "$RP" set after x)
+  grep -q "cannot be written: File too large" <<<"$out" || fail "sync $mode: a write after the failure: $out"
+  run_cmd 2 "$kv" --connect 127.0.0.1:$P put after x
+  expect_in "$tmp/last.err" "cannot be written: File too large"
+  [ "$(redis-cli -p "$RP" get full1)" = "$big" ] || fail "sync $mode: a read after the log failed"
+  run_cmd 1 "$kv" --connect 127.0.0.1:$P get after
+  redis-cli -p "$RP" info persistence | grep -q "^aof_last_write_status:err" || fail "sync $mode: INFO says the log is fine"
+  expect_in "$tmp/full.err" "anydoor-kv: the log .*kv.log cannot be written: File too large; writes are refused from now on"
+  [ "$(grep -c "writes are refused from now on" "$tmp/full.err")" = 1 ] || fail "sync $mode: the failure was reported more than once"
+  stop full TERM
+  start_server full "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$fd" --sync $mode --resp-listen 127.0.0.1:0
+  expect_in "$tmp/full.out" "replayed $acked records"
+  expect_in "$tmp/full.out" "cut a torn tail of [0-9]+ bytes"
+  RP=$(resp_port full)
+  [ "$(redis-cli -p "$RP" get "full$acked")" = "$big" ] || fail "sync $mode: the last acknowledged write after the restart"
+  [ "$(redis-cli -p "$RP" set after x)" = OK ] || fail "sync $mode: no writes after the restart"
+  redis-cli -p "$RP" info persistence | grep -q "^aof_last_write_status:ok" || fail "sync $mode: INFO after the restart"
+  stop full TERM
+done
+pass "a log the disk cannot take: writes refused with the reason, reads go on, nothing acknowledged lost (always, everysec)"
 
 # --- compaction: the log is rewritten once it holds more than twice the live data
 start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d" --compact-min 64K --resp-listen 127.0.0.1:0

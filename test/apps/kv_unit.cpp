@@ -19,10 +19,12 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <array>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
@@ -39,6 +41,7 @@ using anydoor::test::failure;
 using anydoor::test::run_to_completion;
 using anydoor::test::test_host;
 using anydoor::test::test_options;
+namespace rpc = anydoor::rpc;
 
 namespace {
 
@@ -529,6 +532,121 @@ TEST_CASE("kv log: a write is answered only once the file holds it - in every sy
       if (mode == sync_mode::no) CHECK(fsyncs == 0);
       log.close();
     }
+    std::filesystem::remove_all(dir);
+  }
+}
+
+namespace {
+
+// A file size limit for the scope (as ulimit -f), with SIGXFSZ ignored as
+// the server ignores it: a write past the limit writes what fits, the next
+// fails with EFBIG, as on a full disk.
+struct file_size_limit {
+  ::rlimit old{};
+  void (*old_handler)(int) = SIG_DFL;
+  explicit file_size_limit(rlim_t bytes) {
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+    old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    ::rlimit l = old;
+    l.rlim_cur = std::min(bytes, old.rlim_max);
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &l) == 0);
+  }
+  ~file_size_limit() {
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    std::signal(SIGXFSZ, old_handler);
+  }
+  file_size_limit(const file_size_limit&) = delete;
+  file_size_limit& operator=(const file_size_limit&) = delete;
+};
+
+}  // namespace
+
+TEST_CASE("kv log: a write the file cannot take fails the log - nothing after it is acknowledged, reads go on, replay "
+          "keeps every acknowledged write",
+          "[kv]") {
+  constexpr rlim_t kLimit = 64 << 10;
+  auto key = [](int i) { return "full" + std::to_string(i); };
+  auto value = [](int i) { return std::string(1000, static_cast<char>('a' + i % 26)); };
+  for (const sync_mode mode : {sync_mode::always, sync_mode::everysec, sync_mode::no}) {
+    INFO("sync " << to_string(mode));
+    const std::string dir = tmpdir();
+    asio::io_context io;
+    int acked = 0;
+    std::uint64_t acked_bytes = 0;
+    std::error_code failure;
+    std::string text_at_failure;
+    {
+      store st({.max_memory = 4 << 20});
+      durable_log log(io, {.dir = dir, .sync = mode},
+                      [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+      service svc(st, &log);
+      const file_size_limit limit(kLimit);
+      for (int i = 0; i < 200 && !failure; ++i) {
+        std::uint64_t lsn = 0;
+        const std::string k = key(i), v = value(i);
+        const rpc::status put = svc.put(k, B(v), lsn);
+        REQUIRE(put.is_ok());  // (refused only once the failure is known)
+        log.async_wait(lsn, [&, n = kRecordHeader + k.size() + v.size()](std::error_code ec) {
+          if (ec) {
+            failure = ec;
+            text_at_failure = log.error_text();  // what the writer is answered with
+          } else {
+            ++acked;
+            acked_bytes += n;
+          }
+        });
+        io.restart();
+        io.run();
+      }
+      REQUIRE(failure == std::errc::file_too_large);
+      CHECK(acked > 50);
+      CHECK(log.error() == failure);
+      CHECK_THAT(text_at_failure, Catch::Contains("cannot be written: File too large") && Catch::Contains("kv.log"));
+      CHECK(log.error_text() == text_at_failure);
+      // Every later write is refused before the store is touched.
+      std::uint64_t lsn = 0;
+      const rpc::status after = svc.put("after", B("x"), lsn);
+      CHECK(after.code() == rpc::errc::unavailable);
+      CHECK(after.message() == log.error_text());
+      CHECK(lsn == 0);
+      CHECK_FALSE(svc.get("after"));
+      bool existed = true;
+      CHECK(svc.del(key(0), existed, lsn).code() == rpc::errc::unavailable);
+      // A waiter that comes later learns of the failure too.
+      std::error_code late;
+      log.async_wait(std::uint64_t{1} << 40, [&](std::error_code ec) { late = ec; });
+      io.restart();
+      io.run();
+      CHECK(late == failure);
+      // Reads go on.
+      const auto v0 = svc.get(key(0));
+      REQUIRE(v0);
+      CHECK(S(*v0) == value(0));
+      log.close();
+    }
+    // Without the limit: every acknowledged write is back, the record cut at
+    // the limit is a torn tail, and the log takes writes again.
+    store st({.max_memory = 4 << 20});
+    int replayed = 0;
+    bool in_order = true;
+    durable_log log(io, {.dir = dir, .sync = mode}, [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+      if (t != record_type::put || k != key(replayed) || S(v) != value(replayed)) in_order = false;
+      ++replayed;
+    });
+    CHECK(replayed == acked);
+    CHECK(in_order);
+    CHECK(log.replayed().bytes == kLogHeader + acked_bytes);
+    CHECK(log.replayed().torn_bytes == kLimit - kLogHeader - acked_bytes);  // what fit of the refused record
+    CHECK(log.replayed().torn_bytes > 0);
+    service svc(st, &log);
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.put("after", B("restart"), lsn).is_ok());
+    std::error_code ec{EIO, std::generic_category()};
+    log.async_wait(lsn, [&](std::error_code e) { ec = e; });
+    io.restart();
+    io.run();
+    CHECK_FALSE(ec);
+    log.close();
     std::filesystem::remove_all(dir);
   }
 }
