@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <random>
 #include <stdexcept>
 
 #include <fcntl.h>
@@ -23,7 +24,7 @@ namespace anydoor::apps::kv {
 namespace {
 
 constexpr char kMagic[8] = {'A', 'D', 'K', 'V', 'L', 'O', 'G', '1'};
-constexpr std::uint32_t kLogVersion = 1;
+constexpr std::uint32_t kLogVersion = 2;  // salted; 1 (salt 0) is read and appended to as before
 constexpr std::uint32_t kMaxKeyHard = 65535;
 constexpr std::uint32_t kMaxValueHard = std::uint32_t{1} << 30;
 constexpr std::uint64_t kReserve = std::uint64_t{4} << 20;
@@ -36,12 +37,37 @@ std::uint32_t load32(const std::byte* p) {
 
 std::string sys_error(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-void file_header(std::vector<std::byte>& out) {
+void file_header(std::vector<std::byte>& out, std::uint32_t salt) {
   const std::size_t at = out.size();
   out.resize(at + kLogHeader);
-  const std::uint32_t v[2] = {kLogVersion, 0};
+  const std::uint32_t v[2] = {salt == 0 ? 1 : kLogVersion, salt};
   std::memcpy(out.data() + at, kMagic, 8);
   std::memcpy(out.data() + at + 8, v, 8);
+}
+
+// Version 2's header check: 24 bits of a salted CRC of type and lengths.
+std::uint32_t header_check(std::uint32_t salt, const std::byte* p) noexcept {
+  std::byte h[9];
+  h[0] = p[4];
+  std::memcpy(h + 1, p + 8, 8);
+  return crc32c(salt ^ 0x9e3779b9u, h, sizeof h) & 0xffffffu;
+}
+
+// The record header at p (at least kRecordHeader bytes) is one this log
+// writes: a known type, and the check bytes right (zeros in version 1).
+bool header_ok(std::uint32_t salt, const std::byte* p) noexcept {
+  const auto type = static_cast<std::uint8_t>(p[4]);
+  if (type != 1 && type != 2) return false;
+  const std::uint32_t check = static_cast<std::uint32_t>(p[5]) | static_cast<std::uint32_t>(p[6]) << 8 |
+                              static_cast<std::uint32_t>(p[7]) << 16;
+  return check == (salt == 0 ? 0 : header_check(salt, p));
+}
+
+std::uint32_t random_salt() {
+  std::random_device rd;
+  std::uint32_t s = 0;
+  while (s == 0) s = rd();
+  return s;
 }
 
 }  // namespace
@@ -55,20 +81,23 @@ const char* to_string(sync_mode m) noexcept {
   return "?";
 }
 
-void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key,
-                   std::span<const std::byte> value) {
+void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
+                   std::uint32_t salt) {
   const std::size_t at = out.size();
   out.resize(at + kRecordHeader + key.size() + value.size());
   std::byte* p = out.data() + at;
   const std::uint32_t k = static_cast<std::uint32_t>(key.size());
   const std::uint32_t v = static_cast<std::uint32_t>(value.size());
   p[4] = static_cast<std::byte>(t);
-  p[5] = p[6] = p[7] = std::byte{0};
   std::memcpy(p + 8, &k, 4);
   std::memcpy(p + 12, &v, 4);
+  const std::uint32_t check = salt == 0 ? 0 : header_check(salt, p);
+  p[5] = static_cast<std::byte>(check & 0xff);
+  p[6] = static_cast<std::byte>((check >> 8) & 0xff);
+  p[7] = static_cast<std::byte>(check >> 16);
   std::memcpy(p + kRecordHeader, key.data(), key.size());
   if (!value.empty()) std::memcpy(p + kRecordHeader + key.size(), value.data(), value.size());
-  const std::uint32_t crc = crc32c(0, p + 4, kRecordHeader - 4 + key.size() + value.size());
+  const std::uint32_t crc = crc32c(salt, p + 4, kRecordHeader - 4 + key.size() + value.size());
   std::memcpy(p, &crc, 4);
 }
 
@@ -80,11 +109,14 @@ log_parse parse_log(std::span<const std::byte> file,
     r.why = file.size() < kLogHeader ? "shorter than the log header" : "no anydoor-kv log header";
     return r;
   }
-  if (load32(file.data() + 8) != kLogVersion || load32(file.data() + 12) != 0) {
+  const std::uint32_t version = load32(file.data() + 8), salt = load32(file.data() + 12);
+  if (!(version == 1 && salt == 0) && !(version == 2 && salt != 0)) {
     r.result = log_parse::outcome::not_a_log;
-    r.why = "log version " + std::to_string(load32(file.data() + 8)) + " (this server reads 1)";
+    r.why = version == 1 || version == 2 ? "log version " + std::to_string(version) + " with a bad salt"
+                                         : "log version " + std::to_string(version) + " (this server reads 1 and 2)";
     return r;
   }
+  r.salt = salt;
   std::size_t at = kLogHeader;
   const std::size_t end = file.size();
   auto zeros_to_end = [&](std::size_t from) {
@@ -107,15 +139,17 @@ log_parse parse_log(std::span<const std::byte> file,
     } else {
       const auto type = static_cast<std::uint8_t>(p[4]);
       const std::uint32_t k = load32(p + 8), v = load32(p + 12);
-      if ((type != 1 && type != 2) || p[5] != std::byte{0} || p[6] != std::byte{0} || p[7] != std::byte{0}) {
+      if (type != 1 && type != 2) {
         bad = "an unknown record type";
+      } else if (!header_ok(salt, p)) {
+        bad = salt == 0 ? "nonzero reserved bytes in a record header" : "a record header that fails its check";
       } else if (k == 0 || k > kMaxKeyHard || v > kMaxValueHard || (type == 2 && v != 0)) {
         bad = "impossible key or value lengths";
       } else if (kRecordHeader + std::size_t{k} + v > left) {
         bad = "a record cut short";
       } else {
         rec = kRecordHeader + std::size_t{k} + v;
-        if (crc32c(0, p + 4, rec - 4) != load32(p)) {
+        if (crc32c(salt, p + 4, rec - 4) != load32(p)) {
           bad = "a CRC mismatch";
         } else {
           apply(static_cast<record_type>(type), std::string_view(reinterpret_cast<const char*>(p + kRecordHeader), k),
@@ -129,16 +163,23 @@ log_parse parse_log(std::span<const std::byte> file,
     // A bad record: the torn end of the last write, or corruption? A tail
     // is torn when nothing valid follows the bad spot: no complete record
     // with a good CRC starts anywhere after it (a corrupted length can
-    // make a record in the middle look cut short).
+    // make a record in the middle look cut short). Version 2 keys both
+    // checks with the log's salt (random, never sent to a client): a
+    // client's value cannot hold a record that passes them, so one cut
+    // short by a crash is a torn tail whatever it holds, and the scan
+    // computes a record's CRC only behind a header that passes its check
+    // (one in 2^24 of a client's forged headers): linear in the tail.
+    // (Version 1 is unsalted: a value holding a well-formed record, cut
+    // short, reads as corruption, and the scan is quadratic in forged
+    // headers; a log of version 1 is rewritten as version 2 at start.)
     r.valid_end = at;
     auto valid_record_after = [&](std::size_t from) {
       for (std::size_t o = from; o + kRecordHeader <= end; ++o) {
         const std::byte* q = file.data() + o;
-        const auto t = static_cast<std::uint8_t>(q[4]);
-        if ((t != 1 && t != 2) || q[5] != std::byte{0} || q[6] != std::byte{0} || q[7] != std::byte{0}) continue;
+        if (!header_ok(salt, q)) continue;
         const std::uint64_t k = load32(q + 8), v = load32(q + 12);
         if (k == 0 || k > kMaxKeyHard || v > kMaxValueHard || kRecordHeader + k + v > end - o) continue;
-        if (crc32c(0, q + 4, kRecordHeader - 4 + k + v) == load32(q)) return true;
+        if (crc32c(salt, q + 4, kRecordHeader - 4 + k + v) == load32(q)) return true;
       }
       return false;
     };
@@ -190,8 +231,9 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   const auto t0 = std::chrono::steady_clock::now();
   std::uint64_t size = static_cast<std::uint64_t>(st.st_size);
   if (size == 0) {
+    salt_ = random_salt();
     std::vector<std::byte> h;
-    file_header(h);
+    file_header(h, salt_);
     if (write_all(fd_, h.data(), h.size()) || ::fsync(fd_) != 0 || ::fsync(dir_fd_) != 0) fail(sys_error("cannot write " + path_));
     size = kLogHeader;
   } else {
@@ -227,6 +269,7 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       fail(path_ + " is corrupt: " + p.why + "; refusing to start (move the file away to start empty)");
     }
     report_.records = p.records;
+    salt_ = p.salt;  // (0: a version 1 log, rewritten below)
     if (p.zero_tail > 0) {  // reserved ahead by the last run: written into from where the records end
       report_.zero_bytes = p.zero_tail;
       reserved_ = size;
@@ -241,6 +284,65 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       size = p.valid_end;
     }
     if (::lseek(fd_, static_cast<off_t>(size), SEEK_SET) < 0) fail(sys_error("lseek " + path_));
+    if (salt_ == 0) {
+      // A log of version 1 (an earlier server's, unsalted) is rewritten as
+      // version 2 before anything is appended, as a compaction would: the
+      // same records, salted, in kv.log.compact, fsynced, renamed over the
+      // log. Should that fail short of the rename (a full disk), the log
+      // stays version 1 and is written on as such; after the rename the new
+      // file is the log, and a failed fsync of the directory refuses the
+      // start (a crash could bring the old file back without what follows).
+      const std::uint32_t salt = random_salt();
+      std::string why;
+      std::uint64_t written = 0;
+      const int t = ::open(tmp_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      void* old = MAP_FAILED;
+      if (t < 0) {
+        why = sys_error("cannot create " + tmp_path_);
+      } else if (old = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd_, 0); old == MAP_FAILED) {
+        why = sys_error("cannot map " + path_);
+      } else {
+        std::vector<std::byte> buf;
+        file_header(buf, salt);
+        std::error_code ec;
+        const log_parse again = parse_log(
+            {static_cast<const std::byte*>(old), size}, [&](record_type type, std::string_view k, std::span<const std::byte> v) {
+              encode_record(buf, type, k, v, salt);
+              if (!ec && buf.size() >= (std::size_t{1} << 20)) {
+                ec = write_all(t, buf.data(), buf.size());
+                written += buf.size();
+                buf.clear();
+              }
+            });
+        ::munmap(old, size);
+        if (!ec) {
+          ec = write_all(t, buf.data(), buf.size());
+          written += buf.size();
+        }
+        if (again.result != log_parse::outcome::ok || again.valid_end != size) {
+          why = "its records did not read back as they did a moment before";
+        } else if (ec) {
+          why = "cannot write " + tmp_path_ + ": " + ec.message();
+        } else if (::fsync(t) != 0) {
+          why = sys_error("cannot fsync " + tmp_path_);
+        } else if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+          why = sys_error("cannot rename " + tmp_path_);
+        }
+      }
+      if (why.empty()) {
+        ::close(fd_);
+        fd_ = t;
+        salt_ = salt;
+        reserved_ = 0;
+        size = written;
+        report_.rewritten = true;
+        if (::fsync(dir_fd_) != 0) fail(sys_error("fsync of " + o_.dir + " after rewriting " + path_ + " as version 2"));
+      } else {
+        if (t >= 0) ::close(t);
+        ::unlink(tmp_path_.c_str());
+        report_.rewrite_failed = why;
+      }
+    }
   }
   report_.bytes = size;
   report_.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -272,7 +374,7 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
   {
     std::lock_guard lk(m_);
     if (stop_) return 0;
-    encode_record(pending_, t, key, value);
+    encode_record(pending_, t, key, value, salt_);
     lsn_ += n;
     pending_end_ = lsn_;
   }
@@ -362,7 +464,7 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
   if (compactor_.joinable() && !compactor_exiting_.load(std::memory_order_acquire)) return;
   compaction c;
   c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
-  file_header(c.snapshot);
+  file_header(c.snapshot, salt_);
   snapshot(c.snapshot);
   {
     // The snapshot holds every record appended so far: those written or

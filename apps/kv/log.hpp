@@ -55,9 +55,17 @@
 // compaction that fails leaves the old log and is retried after another
 // compact_min.
 //
-// File: "ADKVLOG1" + u32 version (1) + u32 0, then records:
-//   u32 crc (of the rest), u8 type (1 put, 2 del), u8 0, u16 0,
-//   u32 key length, u32 value length, key, value.
+// File: "ADKVLOG1" + u32 version (2) + u32 salt (random, nonzero), then records:
+//   u32 crc (CRC-32C of the rest, seeded with the salt), u8 type (1 put,
+//   2 del), u24 header check (24 bits of a CRC-32C of the type and the
+//   two lengths, seeded with salt ^ 0x9e3779b9), u32 key length,
+//   u32 value length, key, value.
+// The salt keeps a client from writing, inside a value, bytes that pass
+// for a record: replay tells a torn tail from corruption by what follows
+// a bad record (see parse_log), which must not depend on what clients
+// stored. Version 1 (salt 0, zero check bytes, unseeded CRCs: logs of
+// earlier servers) is read and rewritten as version 2 at start (should
+// that fail, it is written on and compacted as version 1).
 #pragma once
 
 #include <boost/asio/any_completion_handler.hpp>
@@ -99,12 +107,14 @@ struct log_parse {
   std::size_t zero_tail = 0;  // ok: zeros from valid_end to the end (space reserved ahead)
   std::size_t records = 0;
   std::string why;            // torn or corrupt: what was wrong, and where
+  std::uint32_t salt = 0;     // the log's (0: version 1)
 };
 log_parse parse_log(std::span<const std::byte> file,
                     const std::function<void(record_type, std::string_view, std::span<const std::byte>)>& apply);
 
-// Appends one record to `out`.
-void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value);
+// Appends one record to `out`, for a log with this salt (0: version 1).
+void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
+                   std::uint32_t salt = 0);
 
 struct log_options {
   std::string dir;
@@ -127,6 +137,8 @@ struct replay_report {
   std::string torn_why;
   std::string torn_copy;         // where the cut bytes were saved (without 4 KiB or more of trailing zeros)
   std::uint64_t zero_bytes = 0;  // zeros after the records, skipped (space reserved ahead)
+  bool rewritten = false;        // a log of version 1 rewritten as version 2 (salted)
+  std::string rewrite_failed;    // why it was not (it stays version 1)
   double ms = 0;
 };
 
@@ -145,6 +157,8 @@ class durable_log {
 
   const replay_report& replayed() const noexcept { return report_; }
   const log_options& options() const noexcept { return o_; }
+  // The salt records of this log are encoded with (encode_record; 0: version 1).
+  std::uint32_t salt() const noexcept { return salt_; }
 
   // On the io thread. The record's log sequence number (its end); 0 when
   // the log has failed (error() says why): the write must not be acknowledged.
@@ -217,6 +231,7 @@ class durable_log {
   bool compacting_ = false;
   bool compaction_stopped_ = false;  // stop_compaction()
   bool failed_ = false;
+  std::uint32_t salt_ = 0;  // set once at open
   bool wake_posted_ = false;
   // Keeps io_context::run() going while the thread has something to report.
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;

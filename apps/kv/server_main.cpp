@@ -147,6 +147,14 @@ std::unique_ptr<kv::durable_log> open_log(const options& o, asio::io_context& io
                 "ahead with --sync always, left by a crash or a kill; or a file extended without its data)\n",
                 static_cast<unsigned long long>(rep.zero_bytes));
   }
+  if (rep.rewritten) {
+    std::printf("anydoor-kv-server: rewrote the log (version 1, an earlier server's) as version 2 (salted records)\n");
+  }
+  if (log->salt() == 0) {
+    std::printf("anydoor-kv-server: the log stays version 1 (%s): its records are not salted, so a value holding a "
+                "well-formed record, cut short by a crash, reads as corruption; the next start tries again\n",
+                rep.rewrite_failed.c_str());
+  }
   if (rep.torn_bytes != 0) {
     std::printf("anydoor-kv-server: cut a torn tail of %llu bytes off the log: %s (saved to %s)\n",
                 static_cast<unsigned long long>(rep.torn_bytes), rep.torn_why.c_str(), rep.torn_copy.c_str());

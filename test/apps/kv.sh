@@ -358,10 +358,11 @@ run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
 expect_in "$tmp/last.err" "is corrupt: a CRC mismatch at offset 16, with [0-9]+ bytes after it: not a torn tail; refusing to start"
 [ "$(stat -c %s "$d/kv.log")" = "$size" ] || fail "a refused start changed the log"
 cp "$tmp/kv.log.good" "$d/kv.log"
-# A length in the middle pointing past the end is corruption too, not a torn tail.
+# A length in the middle pointing past the end is corruption too, not a
+# torn tail (the record header's check, salted, catches the changed length).
 printf '\x01' | dd of="$d/kv.log" bs=1 seek=$((16 + 14)) conv=notrunc 2>/dev/null
 run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
-expect_in "$tmp/last.err" "is corrupt: a record cut short at offset 16, with [0-9]+ bytes after it"
+expect_in "$tmp/last.err" "is corrupt: a record header that fails its check at offset 16, with [0-9]+ bytes after it"
 cp "$tmp/kv.log.good" "$d/kv.log"
 printf 'garbage!garbage!' >"$tmp/notalog"; mkdir "$tmp/bad"; cp "$tmp/notalog" "$tmp/bad/kv.log"
 run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$tmp/bad"

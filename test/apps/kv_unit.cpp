@@ -310,96 +310,204 @@ TEST_CASE("kv read: hostile slots and layouts are refused before any READ", "[kv
   CHECK_FALSE(item_in_bounds(s, l));
 }
 
+namespace {
+
+// A log file's header: version 1 (salt 0, as earlier servers wrote) or 2.
+std::vector<std::byte> log_header(std::uint32_t salt) {
+  std::vector<std::byte> h(kLogHeader);
+  const std::uint32_t v[2] = {salt == 0 ? 1u : 2u, salt};
+  std::memcpy(h.data(), "ADKVLOG1", 8);
+  std::memcpy(h.data() + 8, v, 8);
+  return h;
+}
+
+}  // namespace
+
 TEST_CASE("kv log: records round-trip - a cut at every byte of the last record is a torn tail", "[kv]") {
-  std::vector<std::byte> file;
-  {
-    // The file header, as a fresh log writes it, then three records.
-    durable_log* none = nullptr;
-    (void)none;
-    const char magic[16] = {'A', 'D', 'K', 'V', 'L', 'O', 'G', '1', 1, 0, 0, 0, 0, 0, 0, 0};
-    file.assign(reinterpret_cast<const std::byte*>(magic), reinterpret_cast<const std::byte*>(magic) + 16);
-  }
-  encode_record(file, record_type::put, "alpha", B("one"));
-  encode_record(file, record_type::del, "beta", {});
-  const std::size_t last = file.size();
-  encode_record(file, record_type::put, "gamma", B(std::string(300, 'g')));
-  std::vector<std::string> seen;
-  auto apply = [&](record_type t, std::string_view k, std::span<const std::byte> v) {
-    seen.push_back((t == record_type::put ? "put " : "del ") + std::string(k) + "=" + S(v).substr(0, 3));
-  };
-  log_parse p = parse_log(file, apply);
-  CHECK(p.result == log_parse::outcome::ok);
-  CHECK(p.records == 3);
-  CHECK(seen == std::vector<std::string>{"put alpha=one", "del beta=", "put gamma=ggg"});
-  for (std::size_t cut = last + 1; cut < file.size(); ++cut) {
-    seen.clear();
-    p = parse_log(std::span(file).first(cut), apply);
-    INFO("cut at " << cut);
+  for (const std::uint32_t salt : {0u, 0x5eed1234u}) {
+    INFO("salt " << salt);
+    // The file header, then three records.
+    std::vector<std::byte> file = log_header(salt);
+    encode_record(file, record_type::put, "alpha", B("one"), salt);
+    encode_record(file, record_type::del, "beta", {}, salt);
+    const std::size_t last = file.size();
+    encode_record(file, record_type::put, "gamma", B(std::string(300, 'g')), salt);
+    std::vector<std::string> seen;
+    auto apply = [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+      seen.push_back((t == record_type::put ? "put " : "del ") + std::string(k) + "=" + S(v).substr(0, 3));
+    };
+    log_parse p = parse_log(file, apply);
+    CHECK(p.result == log_parse::outcome::ok);
+    CHECK(p.records == 3);
+    CHECK(seen == std::vector<std::string>{"put alpha=one", "del beta=", "put gamma=ggg"});
+    for (std::size_t cut = last + 1; cut < file.size(); ++cut) {
+      seen.clear();
+      p = parse_log(std::span(file).first(cut), apply);
+      INFO("cut at " << cut);
+      CHECK(p.result == log_parse::outcome::torn);
+      CHECK(p.valid_end == last);
+      CHECK(p.records == 2);
+    }
+    // The last record complete but with a bad CRC: torn (its write did not finish).
+    auto bad = file;
+    bad[file.size() - 1] ^= std::byte{1};
+    CHECK(parse_log(bad, apply).result == log_parse::outcome::torn);
+    // Zeros after the good records (space reserved ahead, or a file
+    // extended but not written): nothing torn, the records end there.
+    auto zeros = std::vector<std::byte>(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(last));
+    zeros.resize(zeros.size() + 4096);
+    p = parse_log(zeros, apply);
+    CHECK(p.result == log_parse::outcome::ok);
+    CHECK(p.valid_end == last);
+    CHECK(p.zero_tail == 4096);
+    // ... but a byte that is not zero in them is a torn tail (the bytes from
+    // the end of the records on), as is a record cut short into zeros.
+    zeros.back() = std::byte{7};
+    p = parse_log(zeros, apply);
     CHECK(p.result == log_parse::outcome::torn);
     CHECK(p.valid_end == last);
-    CHECK(p.records == 2);
+    CHECK(p.zero_tail == 0);
+    auto cut_into_zeros = std::vector<std::byte>(file.begin(), file.end() - 3);
+    cut_into_zeros.resize(cut_into_zeros.size() + 4096);
+    p = parse_log(cut_into_zeros, apply);
+    CHECK(p.result == log_parse::outcome::torn);
+    CHECK(p.valid_end == last);
+    // A length broken to reach into zeros after the records, with good
+    // records inside what it claims: corruption, not a torn record in
+    // reserved space (that would cut the good ones off).
+    auto long_into_zeros = file;
+    long_into_zeros.resize(file.size() + 4096);
+    {
+      const std::uint32_t v =
+          static_cast<std::uint32_t>(file.size() - 16 - 16 - 5 + 100);  // alpha's value, past the end of gamma
+      std::memcpy(long_into_zeros.data() + 16 + 12, &v, 4);
+    }
+    p = parse_log(long_into_zeros, apply);
+    CHECK(p.result == log_parse::outcome::corrupt);
+    CHECK(p.valid_end == 16);
+    // A bad record with a good one after it: corruption.
+    auto mid = file;
+    mid[16 + 4 + 12 + 2] ^= std::byte{0x40};  // a byte of alpha's key
+    p = parse_log(mid, apply);
+    CHECK(p.result == log_parse::outcome::corrupt);
+    CHECK(p.valid_end == 16);
+    CHECK(p.why.find("CRC mismatch at offset 16") != std::string::npos);
+    // An impossible length in the middle: corruption, not a reason to read past the end.
+    auto len = file;
+    len[16 + 8] = std::byte{0xff};
+    len[16 + 9] = std::byte{0xff};
+    len[16 + 10] = std::byte{0xff};
+    CHECK(parse_log(len, apply).result == log_parse::outcome::corrupt);
+    // A length in the middle corrupted to point past the end (below the hard
+    // limits): it looks cut short, but valid records follow: corruption.
+    auto past = file;
+    past[16 + 14] = std::byte{0x01};  // alpha's value length + 64 KiB
+    p = parse_log(past, apply);
+    CHECK(p.result == log_parse::outcome::corrupt);
+    // (Version 2: the header check fails first.)
+    CHECK(p.why.find(salt == 0 ? "a record cut short at offset 16"
+                               : "a record header that fails its check at offset 16") != std::string::npos);
+    // Not a log at all.
+    CHECK(parse_log(B("hello, this is not a log file"), apply).result == log_parse::outcome::not_a_log);
+    auto other = file;
+    other[8] = std::byte{3};
+    CHECK(parse_log(other, apply).result == log_parse::outcome::not_a_log);
+    // A version that does not match its salt: version 1 with one, 2 without.
+    other = file;
+    other[8] = salt == 0 ? std::byte{2} : std::byte{1};
+    CHECK(parse_log(other, apply).result == log_parse::outcome::not_a_log);
+    // Records of another salt (or version) are not this log's.
+    std::vector<std::byte> foreign = log_header(salt);
+    encode_record(foreign, record_type::put, "alpha", B("one"), salt ^ 1);
+    p = parse_log(foreign, apply);
+    CHECK(p.result == log_parse::outcome::torn);
+    CHECK(p.records == 0);
   }
-  // The last record complete but with a bad CRC: torn (its write did not finish).
-  auto bad = file;
-  bad[file.size() - 1] ^= std::byte{1};
-  CHECK(parse_log(bad, apply).result == log_parse::outcome::torn);
-  // Zeros after the good records (space reserved ahead, or a file
-  // extended but not written): nothing torn, the records end there.
-  auto zeros = std::vector<std::byte>(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(last));
-  zeros.resize(zeros.size() + 4096);
-  p = parse_log(zeros, apply);
-  CHECK(p.result == log_parse::outcome::ok);
-  CHECK(p.valid_end == last);
-  CHECK(p.zero_tail == 4096);
-  // ... but a byte that is not zero in them is a torn tail (the bytes from
-  // the end of the records on), as is a record cut short into zeros.
-  zeros.back() = std::byte{7};
-  p = parse_log(zeros, apply);
-  CHECK(p.result == log_parse::outcome::torn);
-  CHECK(p.valid_end == last);
-  CHECK(p.zero_tail == 0);
-  auto cut_into_zeros = std::vector<std::byte>(file.begin(), file.end() - 3);
-  cut_into_zeros.resize(cut_into_zeros.size() + 4096);
-  p = parse_log(cut_into_zeros, apply);
-  CHECK(p.result == log_parse::outcome::torn);
-  CHECK(p.valid_end == last);
-  // A length broken to reach into zeros after the records, with good
-  // records inside what it claims: corruption, not a torn record in
-  // reserved space (that would cut the good ones off).
-  auto long_into_zeros = file;
-  long_into_zeros.resize(file.size() + 4096);
+}
+
+TEST_CASE("kv log: a value holding well-formed records - cut short by a crash - is a torn tail: the log's salt",
+          "[kv]") {
+  // What a hostile client stores: records as a log of version 1, or of
+  // other salts, would hold them, in the middle of a value.
+  std::vector<std::byte> forged;
+  for (const std::uint32_t other : {0u, 0x5eed1235u, 0x12345678u}) {
+    encode_record(forged, record_type::put, "forged", B("x"), other);
+  }
+  std::string value(4096, 'v');
+  value.replace(1000, forged.size(), S(forged));
+  auto apply = [](record_type, std::string_view, std::span<const std::byte>) {};
+  for (const std::uint32_t salt : {0u, 0x5eed1234u}) {
+    INFO("salt " << salt);
+    std::vector<std::byte> file = log_header(salt);
+    encode_record(file, record_type::put, "good", B("one"), salt);
+    const std::size_t last = file.size();
+    encode_record(file, record_type::put, "hostile", B(value), salt);
+    // The crash cut the last write after the forged records.
+    const log_parse p = parse_log(std::span(file).first(file.size() - 100), apply);
+    if (salt == 0) {
+      CHECK(p.result == log_parse::outcome::corrupt);  // version 1's weakness (logs of earlier servers)
+    } else {
+      CHECK(p.result == log_parse::outcome::torn);
+      CHECK(p.valid_end == last);
+      CHECK(p.records == 1);
+    }
+  }
+  // A fresh log is salted: the same crash leaves a log that starts, the
+  // hostile record cut off as a torn tail.
+  const std::string dir = tmpdir();
+  asio::io_context io;
   {
-    const std::uint32_t v = static_cast<std::uint32_t>(file.size() - 16 - 16 - 5 + 100);  // alpha's value, past the end of gamma
-    std::memcpy(long_into_zeros.data() + 16 + 12, &v, 4);
+    store st({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = dir, .sync = sync_mode::no},
+                    [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+    CHECK(log.salt() != 0);
+    service svc(st, &log);
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.put("good", B("one"), lsn).is_ok());
+    REQUIRE(svc.put("hostile", B(value), lsn).is_ok());
+    io.run();
+    log.close();
   }
-  p = parse_log(long_into_zeros, apply);
-  CHECK(p.result == log_parse::outcome::corrupt);
-  CHECK(p.valid_end == 16);
-  // A bad record with a good one after it: corruption.
-  auto mid = file;
-  mid[16 + 4 + 12 + 2] ^= std::byte{0x40};  // a byte of alpha's key
-  p = parse_log(mid, apply);
-  CHECK(p.result == log_parse::outcome::corrupt);
-  CHECK(p.valid_end == 16);
-  CHECK(p.why.find("CRC mismatch at offset 16") != std::string::npos);
-  // An impossible length in the middle: corruption, not a reason to read past the end.
-  auto len = file;
-  len[16 + 8] = std::byte{0xff};
-  len[16 + 9] = std::byte{0xff};
-  len[16 + 10] = std::byte{0xff};
-  CHECK(parse_log(len, apply).result == log_parse::outcome::corrupt);
-  // A length in the middle corrupted to point past the end (below the hard
-  // limits): it looks cut short, but valid records follow: corruption.
-  auto past = file;
-  past[16 + 14] = std::byte{0x01};  // alpha's value length + 64 KiB
-  p = parse_log(past, apply);
-  CHECK(p.result == log_parse::outcome::corrupt);
-  CHECK(p.why.find("a record cut short at offset 16") != std::string::npos);
-  // Not a log at all.
-  CHECK(parse_log(B("hello, this is not a log file"), apply).result == log_parse::outcome::not_a_log);
-  auto v2 = file;
-  v2[8] = std::byte{2};
-  CHECK(parse_log(v2, apply).result == log_parse::outcome::not_a_log);
+  const std::string path = dir + "/kv.log";
+  REQUIRE(::truncate(path.c_str(), static_cast<off_t>(std::filesystem::file_size(path) - 100)) == 0);
+  {
+    store st({.max_memory = 1 << 20});
+    std::vector<std::string> keys;
+    durable_log log(io, {.dir = dir, .sync = sync_mode::no},
+                    [&](record_type, std::string_view k, std::span<const std::byte>) { keys.emplace_back(k); });
+    CHECK(keys == std::vector<std::string>{"good"});
+    CHECK(log.replayed().torn_bytes == kRecordHeader + 7 + value.size() - 100);
+    log.close();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv log: a torn tail full of forged record headers is told from corruption in linear time", "[kv]") {
+  // A 1 MiB value with a record header every 16 bytes, each claiming a
+  // record that reaches to near the end of the value: unsalted, replay would
+  // CRC 32 GiB to learn that none is good; salted, a forged header fails
+  // its check and costs no CRC.
+  const std::uint32_t salt = 0x5eed1234u;
+  std::vector<std::byte> value(1 << 20);
+  for (std::size_t o = 0; o + kRecordHeader + 64 <= value.size(); o += kRecordHeader) {
+    // (ending 64 bytes before the value's end: inside what the crash left)
+    const std::uint32_t k = 1, v = static_cast<std::uint32_t>(value.size() - o - kRecordHeader - 64);
+    value[o + 4] = std::byte{1};
+    value[o + 5] = static_cast<std::byte>(o >> 4);  // check bytes: zeros (version 1's) and others
+    std::memcpy(value.data() + o + 8, &k, 4);
+    std::memcpy(value.data() + o + 12, &v, 4);
+  }
+  std::vector<std::byte> file = log_header(salt);
+  encode_record(file, record_type::put, "good", B("one"), salt);
+  const std::size_t last = file.size();
+  encode_record(file, record_type::put, "many", value, salt);
+  const auto t0 = std::chrono::steady_clock::now();
+  const log_parse p =
+      parse_log(std::span(file).first(file.size() - 8), [](record_type, std::string_view, std::span<const std::byte>) {});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(p.result == log_parse::outcome::torn);
+  CHECK(p.valid_end == last);
+  CHECK(s < 1.0);
 }
 
 namespace {
@@ -439,10 +547,15 @@ void expect_replay_equals(asio::io_context& io, const std::string& dir, sync_mod
 // context, so that a compaction starts early and the later records follow
 // its marker; runs it; then replays the log into a fresh store and checks
 // it equals the live one. Returns the log's stats.
-log_stats write_compact_replay(const std::string& dir, bool break_compaction) {
+log_stats write_compact_replay(const std::string& dir, bool break_compaction, bool version1 = false) {
   asio::io_context io;
   store st({.max_memory = 4 << 20});
   log_stats stats;
+  if (version1) {  // an empty log as an earlier server left it
+    const std::vector<std::byte> h = log_header(0);
+    std::ofstream(dir + "/kv.log", std::ios::binary).write(reinterpret_cast<const char*>(h.data()),
+                                                            static_cast<std::streamsize>(h.size()));
+  }
   {
     durable_log log(io, {.dir = dir, .sync = sync_mode::always, .compact_min = 16 << 10},
                     [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
@@ -472,7 +585,16 @@ log_stats write_compact_replay(const std::string& dir, bool break_compaction) {
     // The file is exactly the records the log counted: none twice (the
     // copy after the snapshot starts where the snapshot ends), none lost.
     CHECK(std::filesystem::file_size(dir + "/kv.log") == log.stats().file_bytes);
+    CHECK(log.salt() != 0);
+    CHECK(log.replayed().rewritten == version1);
   }
+  // Version 2 through the compaction (a log of version 1 was rewritten at start).
+  const std::vector<std::byte> f = file_bytes(dir + "/kv.log");
+  REQUIRE(f.size() >= kLogHeader);
+  std::uint32_t hv[2];
+  std::memcpy(hv, f.data() + 8, 8);
+  CHECK(hv[0] == 2u);
+  CHECK(hv[1] != 0);
   expect_replay_equals(io, dir, sync_mode::always, st);
   return stats;
 }
@@ -484,6 +606,73 @@ TEST_CASE("kv log: records written while a compaction runs follow it into the ne
   CHECK(s.compactions == 1);  // 300 x 220 B of log for 10 live keys
   CHECK(s.compaction_failures == 0);
   CHECK(std::filesystem::file_size(dir + "/kv.log") < 55000);  // about 66 KB without it
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv log: a log of version 1 (an earlier server's) is rewritten as version 2 at start - its records kept",
+          "[kv]") {
+  {
+    const std::string dir = tmpdir();  // empty, then written on and compacted
+    const log_stats s = write_compact_replay(dir, false, true);
+    CHECK(s.compactions == 1);
+    CHECK(s.compaction_failures == 0);
+    std::filesystem::remove_all(dir);
+  }
+  // With records, a zero tail (always's reserve) and a torn record: the
+  // torn one is cut and saved first, the others are rewritten in order.
+  const std::string dir = tmpdir();
+  std::vector<std::byte> v1 = log_header(0);
+  encode_record(v1, record_type::put, "a", B("1"));
+  encode_record(v1, record_type::put, "b", B(std::string(3000, 'b')));
+  encode_record(v1, record_type::del, "a", {});
+  encode_record(v1, record_type::put, "c", B("3"));
+  const std::size_t good = v1.size();
+  encode_record(v1, record_type::put, "torn", B(std::string(100, 't')));
+  v1.resize(v1.size() - 10);
+  v1.resize(v1.size() + 8192);  // zeros: space reserved ahead
+  std::ofstream(dir + "/kv.log", std::ios::binary)
+      .write(reinterpret_cast<const char*>(v1.data()), static_cast<std::streamsize>(v1.size()));
+  asio::io_context io;
+  std::vector<std::string> seen;
+  auto apply = [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+    seen.push_back((t == record_type::put ? "put " : "del ") + std::string(k) + "=" + std::to_string(v.size()));
+  };
+  const std::vector<std::string> want{"put a=1", "put b=3000", "del a=0", "put c=1"};
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always}, apply);
+    CHECK(seen == want);
+    CHECK(log.replayed().rewritten);
+    CHECK(log.replayed().torn_bytes > 0);
+    CHECK_FALSE(log.replayed().torn_copy.empty());
+    CHECK(log.salt() != 0);
+    // The new file: the same records salted, and a write after them.
+    CHECK(log.replayed().bytes == good);  // (the same sizes: only the checks differ)
+    store st({.max_memory = 1 << 20});
+    service svc(st, &log);
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.put("d", B("4"), lsn).is_ok());
+    std::error_code ec{EIO, std::generic_category()};
+    log.async_wait(lsn, [&](std::error_code e) { ec = e; });
+    io.run();
+    CHECK_FALSE(ec);
+    log.close();
+  }
+  CHECK_FALSE(std::filesystem::exists(dir + "/kv.log.compact"));
+  const std::vector<std::byte> f = file_bytes(dir + "/kv.log");
+  seen.clear();
+  const log_parse p = parse_log(f, apply);
+  CHECK(p.result == log_parse::outcome::ok);
+  CHECK(p.salt != 0);
+  std::vector<std::string> want_after = want;
+  want_after.emplace_back("put d=1");
+  CHECK(seen == want_after);
+  {
+    seen.clear();
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always}, apply);  // version 2 now: nothing rewritten
+    CHECK_FALSE(log.replayed().rewritten);
+    CHECK(seen == want_after);
+    log.close();
+  }
   std::filesystem::remove_all(dir);
 }
 

@@ -51,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (q.result != kv::log_parse::outcome::ok || q.valid_end != p.valid_end || again != seen) std::abort();
   // Re-encoding the records gives back the good prefix after the header.
   std::vector<std::byte> out;
-  for (const record& r : seen) kv::encode_record(out, r.type, r.key, r.value);
+  for (const record& r : seen) kv::encode_record(out, r.type, r.key, r.value, p.salt);
   if (out.size() != p.valid_end - kv::kLogHeader ||
       !std::equal(out.begin(), out.end(), file.begin() + static_cast<std::ptrdiff_t>(kv::kLogHeader))) {
     std::abort();

@@ -115,7 +115,8 @@ write("region", {
 })
 
 # --- kv-log: the kv store's log (apps/kv/log.cpp): header, then records
-# u32 crc32c | u8 type | 3 zero | u32 key length | u32 value length | key | value.
+# u32 crc32c | u8 type | u24 check | u32 key length | u32 value length | key | value.
+# Version 1: salt 0, check 0; version 2: both CRCs seeded with the header's salt.
 def crc32c(data, crc=0):
     crc ^= 0xffffffff
     for c in data:
@@ -125,17 +126,23 @@ def crc32c(data, crc=0):
     return crc ^ 0xffffffff
 
 
-def record(t, key, value=b""):
-    body = struct.pack("<B3xII", t, len(key), len(value)) + key + value
-    return struct.pack("<I", crc32c(body)) + body
+def record(t, key, value=b"", salt=0):
+    lengths = struct.pack("<II", len(key), len(value))
+    check = 0 if salt == 0 else crc32c(bytes([t]) + lengths, salt ^ 0x9e3779b9) & 0xffffff
+    body = bytes([t]) + check.to_bytes(3, "little") + lengths + key + value
+    return struct.pack("<I", crc32c(body, salt)) + body
 
 
 LOG = b"ADKVLOG1" + struct.pack("<II", 1, 0)
+SALT = 0x5eed1234
+LOG2 = b"ADKVLOG1" + struct.pack("<II", 2, SALT)
 write("kv-log", {
     "puts": LOG + record(1, b"k1", b"v1") + record(1, b"key-2", b"x" * 200) + record(2, b"k1"),
     "torn": LOG + record(1, b"a", b"b") + record(1, b"c", b"d" * 40)[:30],
     "corrupt": LOG + record(1, b"a", b"b")[:-1] + b"X" + record(1, b"c", b"d"),
     "empty": LOG,
+    "salted": LOG2 + record(1, b"k1", b"v1", SALT) + record(1, b"key-2", b"x" * 200, SALT) + record(2, b"k1", salt=SALT),
+    "salted_torn": LOG2 + record(1, b"a", b"b", SALT) + record(1, b"c", b"d" * 40 + record(1, b"f", b"g"), SALT)[:50],
 })
 
 # --- resp: Redis protocol requests (the first byte picks the fuzzer's piece size).
