@@ -10,12 +10,12 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <random>
 #include <stdexcept>
 
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -63,10 +63,17 @@ bool header_ok(std::uint32_t salt, const std::byte* p) noexcept {
   return check == (salt == 0 ? 0 : header_check(salt, p));
 }
 
-std::uint32_t random_salt() {
-  std::random_device rd;
+// From the kernel (getrandom(2)); should that fail (it does not on Linux
+// 3.17 and later), from the clock and the pid: a salt all the same.
+std::uint32_t random_salt() noexcept {
   std::uint32_t s = 0;
-  while (s == 0) s = rd();
+  for (int tries = 0; s == 0 && tries < 8; ++tries) {
+    if (::getrandom(&s, sizeof s, 0) != static_cast<ssize_t>(sizeof s)) s = 0;
+  }
+  if (s == 0) {
+    const auto t = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    s = static_cast<std::uint32_t>(t ^ (t >> 32) ^ (static_cast<std::uint64_t>(::getpid()) << 16)) | 1u;
+  }
   return s;
 }
 
@@ -165,7 +172,8 @@ log_parse parse_log(std::span<const std::byte> file,
     // with a good CRC starts anywhere after it (a corrupted length can
     // make a record in the middle look cut short). Version 2 keys both
     // checks with the log's salt (random, never sent to a client): a
-    // client's value cannot hold a record that passes them, so one cut
+    // client's value cannot hold a record that passes them (short of
+    // guessing 32 bits), so one cut
     // short by a crash is a torn tail whatever it holds, and the scan
     // computes a record's CRC only behind a header that passes its check
     // (one in 2^24 of a client's forged headers): linear in the tail.
@@ -303,26 +311,32 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
         why = sys_error("cannot map " + path_);
       } else {
         std::vector<std::byte> buf;
-        file_header(buf, salt);
         std::error_code ec;
-        const log_parse again = parse_log(
-            {static_cast<const std::byte*>(old), size}, [&](record_type type, std::string_view k, std::span<const std::byte> v) {
-              encode_record(buf, type, k, v, salt);
-              if (!ec && buf.size() >= (std::size_t{1} << 20)) {
-                ec = write_all(t, buf.data(), buf.size());
-                written += buf.size();
-                buf.clear();
-              }
-            });
+        log_parse again;
+        try {
+          file_header(buf, salt);
+          again = parse_log({static_cast<const std::byte*>(old), size},
+                            [&](record_type type, std::string_view k, std::span<const std::byte> v) {
+                              if (ec) return;  // (the write failed: nothing more is kept)
+                              encode_record(buf, type, k, v, salt);
+                              if (buf.size() >= (std::size_t{1} << 20)) {
+                                ec = write_all(t, buf.data(), buf.size());
+                                written += buf.size();
+                                buf.clear();
+                              }
+                            });
+        } catch (const std::bad_alloc&) {
+          ec = std::make_error_code(std::errc::not_enough_memory);
+        }
         ::munmap(old, size);
         if (!ec) {
           ec = write_all(t, buf.data(), buf.size());
           written += buf.size();
         }
-        if (again.result != log_parse::outcome::ok || again.valid_end != size) {
-          why = "its records did not read back as they did a moment before";
-        } else if (ec) {
+        if (ec) {
           why = "cannot write " + tmp_path_ + ": " + ec.message();
+        } else if (again.result != log_parse::outcome::ok || again.valid_end != size) {
+          why = "its records did not read back as they did a moment before";
         } else if (::fsync(t) != 0) {
           why = sys_error("cannot fsync " + tmp_path_);
         } else if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
@@ -510,6 +524,9 @@ void durable_log::close() noexcept {
   if (compactor_.joinable()) compactor_.join();
   cv_.notify_one();
   if (thread_.joinable()) thread_.join();
+  // A failure of the last writes (the thread writes what is left) is
+  // posted to an io_context that may run no more: told here.
+  if (error()) tell_failure();
   // A clean stop leaves the records alone in the file: the space reserved
   // ahead is cut off (were it left, the next start would skip it anyway).
   const off_t at = ::lseek(fd_, 0, SEEK_CUR);
@@ -790,6 +807,20 @@ void durable_log::run() noexcept {
   }
 }
 
+void durable_log::tell_failure() noexcept {
+  // Once, for the operator: the clients see the reason on each refused
+  // write, but a failure under everysec or no may follow the last write by
+  // seconds (an fsync), or come at the close, with no client to tell.
+  if (failure_told_.exchange(true)) return;
+  std::fprintf(stderr,
+               "anydoor-kv: %s; writes are refused from now on (reads go on); every write acknowledged before is in "
+               "the file%s: restart once the cause is fixed\n",
+               error_text().c_str(),
+               o_.sync == sync_mode::always
+                   ? ""
+                   : " (with sync everysec or no, what the last fsync did not cover may not be on the disk)");
+}
+
 void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted,
                              std::error_code compact_ec) noexcept {
   if (compacted) {
@@ -809,18 +840,7 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
     }
   }
   if (ec) {
-    if (!failed_) {
-      // Once, for the operator: the clients see the reason on each refused
-      // write, but a failure under everysec or no may follow the last
-      // write by seconds (an fsync), with no client to tell.
-      std::fprintf(stderr,
-                   "anydoor-kv: %s; writes are refused from now on (reads go on); every write acknowledged "
-                   "before is in the file%s: restart once the cause is fixed\n",
-                   error_text().c_str(),
-                   o_.sync == sync_mode::always ? ""
-                                                : " (with sync everysec or no, what the last fsync did not cover may "
-                                                  "not be on the disk)");
-    }
+    tell_failure();
     failed_ = true;
     if (!compacting_) work_.reset();  // (else the compaction's end is still to come here)
     while (!waiters_.empty()) {

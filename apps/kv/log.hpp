@@ -61,9 +61,10 @@
 //   two lengths, seeded with salt ^ 0x9e3779b9), u32 key length,
 //   u32 value length, key, value.
 // The salt keeps a client from writing, inside a value, bytes that pass
-// for a record: replay tells a torn tail from corruption by what follows
-// a bad record (see parse_log), which must not depend on what clients
-// stored. Version 1 (salt 0, zero check bytes, unseeded CRCs: logs of
+// for a record (short of guessing 32 bits; it is never sent to clients):
+// replay tells a torn tail from corruption by what follows a bad record
+// (see parse_log), which must not depend on what clients stored. Integers
+// are little-endian (the hosts this runs on; the check bytes explicitly). Version 1 (salt 0, zero check bytes, unseeded CRCs: logs of
 // earlier servers) is read and rewritten as version 2 at start (should
 // that fail, it is written on and compacted as version 1).
 #pragma once
@@ -114,7 +115,7 @@ log_parse parse_log(std::span<const std::byte> file,
 
 // Appends one record to `out`, for a log with this salt (0: version 1).
 void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
-                   std::uint32_t salt = 0);
+                   std::uint32_t salt);
 
 struct log_options {
   std::string dir;
@@ -208,6 +209,7 @@ class durable_log {
   void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
+  void tell_failure() noexcept;
   // On compactor_: the whole compaction; posts its end to the io thread.
   void compact(compaction c) noexcept;
   // Copies [from, to) of the old log (fd_) to the end of `fd`.
@@ -232,6 +234,7 @@ class durable_log {
   bool compaction_stopped_ = false;  // stop_compaction()
   bool failed_ = false;
   std::uint32_t salt_ = 0;  // set once at open
+  std::atomic<bool> failure_told_{false};  // stderr told of the log's failure (tell_failure)
   bool wake_posted_ = false;
   // Keeps io_context::run() going while the thread has something to report.
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <system_error>
@@ -245,7 +246,19 @@ asio::awaitable<void> resp_door::accept_loop() {
     if (stopped_) co_return;
     if (ec) {
       if (ec == asio::error::operation_aborted) co_return;
-      // Out of descriptors, say: wait a little instead of spinning.
+      // Out of descriptors, say: wait a little instead of spinning, and
+      // tell the operator (at most every 10 s: the clients waiting to be
+      // accepted retry all the while).
+      ++st_.accept_errors;
+      const auto now = std::chrono::steady_clock::now();
+      if (st_.accept_errors == 1 || now - last_accept_report_ >= std::chrono::seconds(10)) {
+        last_accept_report_ = now;
+        std::fprintf(stderr,
+                     "anydoor-kv-server: redis protocol: accepting a connection failed: %s (%llu times so far; "
+                     "retrying every 100 ms%s)\n",
+                     ec.message().c_str(), static_cast<unsigned long long>(st_.accept_errors),
+                     ec == asio::error::no_descriptors ? "; raise the open-file limit, ulimit -n" : "");
+      }
       asio::steady_timer t(io_, std::chrono::milliseconds(100));
       co_await t.async_wait(tuple);
       continue;
@@ -374,7 +387,8 @@ void resp_door::info(std::string_view section, std::string& out) const {
     const auto& vs = svc_.stats();
     t += "# Stats\r\ntotal_connections_received:" + std::to_string(st_.connections_total) +
          "\r\ntotal_commands_processed:" + std::to_string(st_.commands) +
-         "\r\nrejected_connections:" + std::to_string(st_.rejected) +
+         "\r\nrejected_connections:" + std::to_string(st_.rejected) + "\r\naccept_errors:" +
+         std::to_string(st_.accept_errors) +
          "\r\nprotocol_errors:" + std::to_string(st_.protocol_errors) +
          "\r\nkeyspace_hits:" + std::to_string(vs.get_hits) +
          "\r\nkeyspace_misses:" + std::to_string(vs.gets - vs.get_hits) + "\r\n\r\n";

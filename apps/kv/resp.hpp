@@ -14,6 +14,7 @@
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/ip/tcp.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -58,6 +59,7 @@ struct resp_stats {
   std::uint64_t commands = 0;
   std::uint64_t protocol_errors = 0;
   std::uint64_t rejected = 0;          // over max_clients
+  std::uint64_t accept_errors = 0;     // accept(2) failed (out of descriptors, say): retried after 100 ms
 };
 
 class resp_door {
@@ -93,6 +95,7 @@ class resp_door {
   std::vector<asio::ip::tcp::socket*> open_;
   bool stopped_ = false;
   resp_stats st_;
+  std::chrono::steady_clock::time_point last_accept_report_{};
 };
 
 }  // namespace anydoor::apps::kv

@@ -275,6 +275,40 @@ run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 0; expect_in "$tmp/last.err" 
 run_cmd 2 "$server" --listen 127.0.0.1:0 --threads 257; expect_in "$tmp/last.err" "--threads takes"
 pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door, kill -9 and restart, SIGTERM under load, /metrics"
 
+# --- out of descriptors on the Redis door (ulimit -n 20: a few free): the
+# server says so once (not per retry), serves the clients it has, and
+# accepts again once descriptors are free. The fabric's listener, which
+# nobody connects to, does not try (accept(2) fails with EMFILE even when
+# no connection waits: it used to warn every 100 ms).
+start_server nofd bash -c 'ulimit -n 20 && exec "$0" "$@"' "$server" --listen 127.0.0.1:0 --provider tcp \
+  --resp-listen 127.0.0.1:0
+RP=$(resp_port nofd)
+python3 - "$RP" <<'PY' || fail "out of descriptors: the server stopped serving or never accepted again"
+import socket, sys, time
+port = int(sys.argv[1])
+first = socket.create_connection(("127.0.0.1", port), timeout=10)
+first.sendall(b"PING\r\n")
+assert first.recv(100) == b"+PONG\r\n"
+held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(30)]  # queued: accept(2) fails
+time.sleep(1.0)
+first.sendall(b"SET k v\r\n")
+assert first.recv(100) == b"+OK\r\n"
+for s in held + [first]:
+    s.close()
+time.sleep(0.5)
+s = socket.create_connection(("127.0.0.1", port), timeout=10)
+s.sendall(b"GET k\r\n")
+r = s.recv(100)
+assert r == b"$1\r\nv\r\n", r
+PY
+expect_in "$tmp/nofd.err" "redis protocol: accepting a connection failed: Too many open files \([0-9]+ times so far; retrying every 100 ms; raise the open-file limit"
+[ "$(grep -c "accepting a connection failed" "$tmp/nofd.err")" = 1 ] || fail "the accept failures were reported more than once in 10 s"
+! grep -q "tcp listener: cannot accept" "$tmp/nofd.err" || fail "the fabric's listener, with nothing to accept: $(grep -c "tcp listener" "$tmp/nofd.err") warnings"
+errs=$(redis-cli -p "$RP" info stats | sed -n 's/^accept_errors:\([0-9]*\).*/\1/p')
+[ "${errs:-0}" -ge 2 ] || fail "INFO stats accept_errors: '$errs'"
+stop nofd TERM
+pass "out of descriptors on the Redis door: reported once, the open clients served, accepting again after"
+
 # --- limits
 start_server lim "$server" --listen 127.0.0.1:0 --provider tcp --max-key 8 --max-value 100 --max-memory 64K
 P=$PORT

@@ -25,6 +25,7 @@
 #include <array>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
@@ -87,6 +88,28 @@ std::string tmpdir() {
   REQUIRE(::mkdtemp(t) != nullptr);
   return t;
 }
+
+// A file size limit for the scope (as ulimit -f), with SIGXFSZ ignored as
+// the server ignores it: a write past the limit writes what fits, the next
+// fails with EFBIG, as on a full disk.
+struct file_size_limit {
+  ::rlimit old{};
+  void (*old_handler)(int) = SIG_DFL;
+  explicit file_size_limit(rlim_t bytes) {
+    REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+    old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    ::rlimit l = old;
+    l.rlim_cur = std::min(bytes, old.rlim_max);
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &l) == 0);
+  }
+  ~file_size_limit() {
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    std::signal(SIGXFSZ, old_handler);
+  }
+  file_size_limit(const file_size_limit&) = delete;
+  file_size_limit& operator=(const file_size_limit&) = delete;
+};
+
 
 }  // namespace
 
@@ -622,12 +645,12 @@ TEST_CASE("kv log: a log of version 1 (an earlier server's) is rewritten as vers
   // torn one is cut and saved first, the others are rewritten in order.
   const std::string dir = tmpdir();
   std::vector<std::byte> v1 = log_header(0);
-  encode_record(v1, record_type::put, "a", B("1"));
-  encode_record(v1, record_type::put, "b", B(std::string(3000, 'b')));
-  encode_record(v1, record_type::del, "a", {});
-  encode_record(v1, record_type::put, "c", B("3"));
+  encode_record(v1, record_type::put, "a", B("1"), 0);
+  encode_record(v1, record_type::put, "b", B(std::string(3000, 'b')), 0);
+  encode_record(v1, record_type::del, "a", {}, 0);
+  encode_record(v1, record_type::put, "c", B("3"), 0);
   const std::size_t good = v1.size();
-  encode_record(v1, record_type::put, "torn", B(std::string(100, 't')));
+  encode_record(v1, record_type::put, "torn", B(std::string(100, 't')), 0);
   v1.resize(v1.size() - 10);
   v1.resize(v1.size() + 8192);  // zeros: space reserved ahead
   std::ofstream(dir + "/kv.log", std::ios::binary)
@@ -673,6 +696,110 @@ TEST_CASE("kv log: a log of version 1 (an earlier server's) is rewritten as vers
     CHECK(seen == want_after);
     log.close();
   }
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+// What the code under test writes to stderr (fd 2) in the scope.
+class stderr_capture {
+ public:
+  stderr_capture() : path_("/tmp/anydoor-kv-stderr-" + std::to_string(::getpid())) {
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    REQUIRE(saved_ >= 0);
+    REQUIRE(fd >= 0);
+    ::dup2(fd, 2);
+    ::close(fd);
+  }
+  ~stderr_capture() { restore(); ::unlink(path_.c_str()); }
+  std::string text() {
+    restore();
+    std::ifstream in(path_);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+  stderr_capture(const stderr_capture&) = delete;
+  stderr_capture& operator=(const stderr_capture&) = delete;
+
+ private:
+  void restore() {
+    if (saved_ < 0) return;
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    saved_ = -1;
+  }
+  std::string path_;
+  int saved_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("kv log: a version 1 log that cannot be rewritten stays version 1 - written on, and rewritten next time",
+          "[kv]") {
+  for (const bool full_disk : {false, true}) {
+    INFO((full_disk ? "the rewrite's writes fail (a file size limit)" : "kv.log.compact cannot be created"));
+    const std::string dir = tmpdir();
+    std::vector<std::byte> v1 = log_header(0);
+    for (int i = 0; i < 100; ++i) encode_record(v1, record_type::put, "k" + std::to_string(i), B(std::string(1000, 'v')), 0);
+    std::ofstream(dir + "/kv.log", std::ios::binary)
+        .write(reinterpret_cast<const char*>(v1.data()), static_cast<std::streamsize>(v1.size()));
+    if (!full_disk) std::filesystem::create_directory(dir + "/kv.log.compact");  // open() fails: EISDIR
+    asio::io_context io;
+    int replayed = 0;
+    auto count = [&](record_type, std::string_view, std::span<const std::byte>) { ++replayed; };
+    {
+      std::optional<file_size_limit> limit;
+      if (full_disk) limit.emplace(v1.size() / 2);  // (the old log is read, not grown)
+      durable_log log(io, {.dir = dir, .sync = sync_mode::always}, count);
+      limit.reset();
+      CHECK(replayed == 100);
+      CHECK_FALSE(log.replayed().rewritten);
+      CHECK_THAT(log.replayed().rewrite_failed,
+                 Catch::Contains(full_disk ? "File too large" : "Is a directory") && Catch::Contains("kv.log.compact"));
+      CHECK(log.salt() == 0);
+      store st({.max_memory = 1 << 20});
+      service svc(st, &log);
+      std::uint64_t lsn = 0;
+      REQUIRE(svc.put("after", B("x"), lsn).is_ok());
+      std::error_code ec{EIO, std::generic_category()};
+      log.async_wait(lsn, [&](std::error_code e) { ec = e; });
+      io.run();
+      CHECK_FALSE(ec);
+      log.close();
+    }
+    CHECK(std::filesystem::file_size(dir + "/kv.log") == v1.size() + kRecordHeader + 5 + 1);  // version 1, appended to
+    if (!full_disk) CHECK(std::filesystem::is_directory(dir + "/kv.log.compact"));
+    std::filesystem::remove_all(dir + "/kv.log.compact");
+    replayed = 0;
+    {
+      durable_log log(io, {.dir = dir, .sync = sync_mode::always}, count);
+      CHECK(replayed == 101);
+      CHECK(log.replayed().rewritten);
+      CHECK(log.salt() != 0);
+      log.close();
+    }
+    std::filesystem::remove_all(dir);
+  }
+}
+
+TEST_CASE("kv log: a failure of the last writes - at the close, with no io_context to run - is told on stderr", "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;  // never run: the records stay pending until the close writes them
+  stderr_capture err;
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::no},
+                    [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+    const file_size_limit limit(8 << 10);
+    for (int i = 0; i < 20; ++i) {
+      CHECK(log.append(record_type::put, "k" + std::to_string(i), B(std::string(1000, 'v'))) != 0);
+    }
+    log.close();
+    CHECK(log.error() == std::errc::file_too_large);
+  }
+  const std::string text = err.text();
+  CHECK_THAT(text, Catch::Contains("cannot be written: File too large; writes are refused from now on"));
   std::filesystem::remove_all(dir);
 }
 
@@ -725,30 +852,6 @@ TEST_CASE("kv log: a write is answered only once the file holds it - in every sy
   }
 }
 
-namespace {
-
-// A file size limit for the scope (as ulimit -f), with SIGXFSZ ignored as
-// the server ignores it: a write past the limit writes what fits, the next
-// fails with EFBIG, as on a full disk.
-struct file_size_limit {
-  ::rlimit old{};
-  void (*old_handler)(int) = SIG_DFL;
-  explicit file_size_limit(rlim_t bytes) {
-    REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
-    old_handler = std::signal(SIGXFSZ, SIG_IGN);
-    ::rlimit l = old;
-    l.rlim_cur = std::min(bytes, old.rlim_max);
-    REQUIRE(::setrlimit(RLIMIT_FSIZE, &l) == 0);
-  }
-  ~file_size_limit() {
-    ::setrlimit(RLIMIT_FSIZE, &old);
-    std::signal(SIGXFSZ, old_handler);
-  }
-  file_size_limit(const file_size_limit&) = delete;
-  file_size_limit& operator=(const file_size_limit&) = delete;
-};
-
-}  // namespace
 
 TEST_CASE("kv log: a write the file cannot take fails the log - nothing after it is acknowledged, reads go on, replay "
           "keeps every acknowledged write",

@@ -142,7 +142,9 @@ write("kv-log", {
     "corrupt": LOG + record(1, b"a", b"b")[:-1] + b"X" + record(1, b"c", b"d"),
     "empty": LOG,
     "salted": LOG2 + record(1, b"k1", b"v1", SALT) + record(1, b"key-2", b"x" * 200, SALT) + record(2, b"k1", salt=SALT),
-    "salted_torn": LOG2 + record(1, b"a", b"b", SALT) + record(1, b"c", b"d" * 40 + record(1, b"f", b"g"), SALT)[:50],
+    # A value holding records of other salts, cut short after them: torn.
+    "salted_torn": LOG2 + record(1, b"a", b"b", SALT)
+    + record(1, b"c", b"d" * 40 + record(1, b"f", b"g", SALT ^ 1) + record(1, b"h", b"i") + b"e" * 20, SALT)[:-10],
 })
 
 # --- resp: Redis protocol requests (the first byte picks the fuzzer's piece size).

@@ -209,6 +209,7 @@ class tcp_listener final : public listener {
         ec = {errno, std::system_category()};
         return nullptr;
       }
+      listener_readable_ = r > 0 && fds[0].fd >= 0 && fds[0].revents != 0;
     }
   }
 
@@ -223,7 +224,9 @@ class tcp_listener final : public listener {
   // Takes the connections the kernel has queued (a bounded number per call,
   // so that a flood cannot keep get_request from its other work).
   std::error_code accept_new() {
-    if (clock::now() < accept_paused_until_) return {};
+    // Only when poll says a connection waits: with no descriptor free,
+    // accept(2) fails with EMFILE even when none does.
+    if (!listener_readable_ || clock::now() < accept_paused_until_) return {};
     for (int taken = 0; taken < 64; ++taken) {
       const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
@@ -237,14 +240,24 @@ class tcp_listener final : public listener {
           case EINTR: case ECONNABORTED: case EPROTO: case ENOPROTOOPT: case EHOSTDOWN: case ENONET:
           case EHOSTUNREACH: case EOPNOTSUPP: case ENETUNREACH: case ENETDOWN: case EPERM:
             continue;
-          case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:
+          case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM: {
             // Out of descriptors or memory: stop accepting for a while (the
             // kernel keeps the rest queued) rather than spin on a listener
-            // that stays readable.
-            log().warn("tcp listener: cannot accept: {}{}; pausing 100 ms", std::strerror(errno),
-                       errno == EMFILE ? fd_limit_note() : std::string());
+            // that stays readable. Told at most every 10 s, with how often
+            // since.
+            const int err = errno;
+            ++accept_failures_;
+            if (last_accept_warning_ == clock::time_point{} ||
+                clock::now() - last_accept_warning_ >= std::chrono::seconds(10)) {
+              log().warn("tcp listener: cannot accept: {}{}; pausing 100 ms ({} times since the last report)",
+                         std::strerror(err), err == EMFILE ? fd_limit_note() : std::string(), accept_failures_);
+              last_accept_warning_ = clock::now();
+              accept_failures_ = 0;
+            }
             accept_paused_until_ = clock::now() + std::chrono::milliseconds(100);
+            listener_readable_ = false;
             return {};
+          }
           default:
             return {errno, std::system_category()};
         }
@@ -318,6 +331,9 @@ class tcp_listener final : public listener {
   std::vector<pending> pending_;
   std::atomic<std::uint64_t> refused_{0};
   clock::time_point accept_paused_until_{};
+  bool listener_readable_ = true;  // the last poll said so (or none yet): accept_new tries
+  clock::time_point last_accept_warning_{};
+  std::uint64_t accept_failures_ = 0;  // since the last warning
 };
 
 addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive, std::error_code& ec) {
