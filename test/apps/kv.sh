@@ -280,8 +280,17 @@ pass "--threads 2: calls on either reactor, GETs by READ on both, the Redis door
 # accepts again once descriptors are free. The fabric's listener, which
 # nobody connects to, does not try (accept(2) fails with EMFILE even when
 # no connection waits: it used to warn every 100 ms).
-start_server nofd bash -c 'ulimit -n 20 && exec "$0" "$@"' "$server" --listen 127.0.0.1:0 --provider tcp \
-  --resp-listen 127.0.0.1:0
+# (Descriptors the harness leaks into children are closed first, so that
+# the limit leaves the server the same few.)
+if [ -n "${ANYDOOR_SANITIZE:-}" ]; then
+  # UBSan's vptr check opens a pipe the first time it meets a type: with
+  # no descriptor free it reports a false error (tcp_frames.cpp skips its
+  # EMFILE test the same way).
+  echo "kv.sh: skipped under the sanitizers (${ANYDOOR_SANITIZE}): out of descriptors on the Redis door"
+else
+# (No redirection on the loop: bash would keep fd 2's copy among those closed.)
+start_server nofd bash -c 'for f in /proc/$$/fd/*; do n=${f##*/}; [ "$n" -gt 2 ] && eval "exec $n>&-"; done
+  ulimit -n 20 && exec "$0" "$@"' "$server" --listen 127.0.0.1:0 --provider tcp --resp-listen 127.0.0.1:0
 RP=$(resp_port nofd)
 python3 - "$RP" <<'PY' || fail "out of descriptors: the server stopped serving or never accepted again"
 import socket, sys, time
@@ -308,6 +317,7 @@ errs=$(redis-cli -p "$RP" info stats | sed -n 's/^accept_errors:\([0-9]*\).*/\1/
 [ "${errs:-0}" -ge 2 ] || fail "INFO stats accept_errors: '$errs'"
 stop nofd TERM
 pass "out of descriptors on the Redis door: reported once, the open clients served, accepting again after"
+fi
 
 # --- limits
 start_server lim "$server" --listen 127.0.0.1:0 --provider tcp --max-key 8 --max-value 100 --max-memory 64K

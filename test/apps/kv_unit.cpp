@@ -713,24 +713,32 @@ class stderr_capture {
     ::dup2(fd, 2);
     ::close(fd);
   }
-  ~stderr_capture() { restore(); ::unlink(path_.c_str()); }
+  ~stderr_capture() {
+    restore();
+    ::unlink(path_.c_str());
+  }
   std::string text() {
     restore();
-    std::ifstream in(path_);
-    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    return text_;
   }
   stderr_capture(const stderr_capture&) = delete;
   stderr_capture& operator=(const stderr_capture&) = delete;
 
  private:
+  // Back to the real stderr, and what was caught is written there too (a
+  // sanitizer's report among it must not vanish).
   void restore() {
     if (saved_ < 0) return;
     std::fflush(stderr);
     ::dup2(saved_, 2);
     ::close(saved_);
     saved_ = -1;
+    std::ifstream in(path_);
+    text_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::fwrite(text_.data(), 1, text_.size(), stderr);
   }
   std::string path_;
+  std::string text_;
   int saved_ = -1;
 };
 

@@ -740,6 +740,36 @@ TEST_CASE("tcp provider: out of descriptors, a connect fails with 'too many open
   CHECK(r.ec == std::errc::too_many_files_open);
 }
 
+TEST_CASE("tcp provider: a listener polled with no time left still accepts a waiting connection", "[unit][tcp]") {
+  // The listener calls accept(2) only once poll has said a connection
+  // waits; a caller that polls fd() itself and then calls get_request(0)
+  // must still get it (here a garbage hello: refused once accepted).
+  one_qp e;
+  auto lis = e.dev->listen("127.0.0.1", 0);
+  std::error_code ec;
+  CHECK(lis->get_request(20ms, ec) == nullptr);  // nothing waits: a poll that said so
+  CHECK(ec == anydoor::errc::timed_out);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(lis->port());
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0);
+  const char junk[64] = "not a hello, and long enough to be read as one ....";
+  REQUIRE(::send(fd, junk, sizeof junk, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof junk));
+  pollfd p{lis->fd(), POLLIN, 0};
+  REQUIRE(::poll(&p, 1, 2000) == 1);
+  int calls = 0;
+  for (; calls < 200 && lis->refused() == 0; ++calls) {
+    CHECK(lis->get_request(0ms, ec) == nullptr);
+    std::this_thread::sleep_for(1ms);
+  }
+  INFO(calls << " calls of get_request(0)");
+  CHECK(lis->refused() == 1);
+  ::close(fd);
+}
+
 TEST_CASE("tcp provider: arming with input read but not processed wakes the consumer at once", "[unit][tcp]") {
   // 600 writes produce no completion; one pass takes 256 frames and the
   // socket is then empty. A consumer that arms to sleep must be woken (the

@@ -170,6 +170,7 @@ class tcp_listener final : public listener {
                                                   std::error_code& ec) noexcept override {
     const auto deadline = clock::now() + timeout;
     std::vector<pollfd> fds;
+    bool polled = false;  // (at least once per call, even with no time left: accept_new waits for it)
     for (;;) {
       if (auto e = accept_new()) {
         ec = e;
@@ -194,7 +195,7 @@ class tcp_listener final : public listener {
         earliest = std::min(earliest, p.deadline);
         ++i;
       }
-      if (now >= deadline) {
+      if (now >= deadline && polled) {
         ec = errc::timed_out;
         return nullptr;
       }
@@ -204,7 +205,8 @@ class tcp_listener final : public listener {
       for (const pending& p : pending_) fds.push_back({p.fd, POLLIN, 0});
       auto wake = earliest;
       if (accept_paused_until_ > now) wake = std::min(wake, accept_paused_until_);
-      const int r = ::poll(fds.data(), fds.size(), std::max(1, remaining_ms(wake)));
+      const int r = ::poll(fds.data(), fds.size(), now >= deadline ? 0 : std::max(1, remaining_ms(wake)));
+      polled = true;
       if (r < 0 && errno != EINTR) {
         ec = {errno, std::system_category()};
         return nullptr;
