@@ -472,10 +472,6 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
       logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
-  // The last compaction's thread may still be closing the old file (the
-  // last close of a large unlinked file frees its blocks, which can take
-  // long): the io thread does not wait for it; a later write tries again.
-  if (compactor_.joinable() && !compactor_exiting_.load(std::memory_order_acquire)) return;
   compaction c;
   c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
   file_header(c.snapshot, salt_);
@@ -488,9 +484,8 @@ void durable_log::maybe_compact(std::uint64_t live_bytes,
     c.start = taken_end_ + pending_.size();
     c.lsn = lsn_;
   }
-  if (compactor_.joinable()) compactor_.join();  // the last one, past its last step (above)
+  if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
   const std::uint64_t snapshot_bytes = c.snapshot.size();
-  compactor_exiting_.store(false, std::memory_order_relaxed);
   try {
     compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(c)); });
   } catch (const std::system_error& e) {
@@ -707,7 +702,6 @@ void durable_log::compact(compaction c) noexcept {
   const std::error_code log_ec = switched ? ec : std::error_code();
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
   if (old >= 0) ::close(old);  // (the last close of an unlinked file may take a while: after the post)
-  compactor_exiting_.store(true, std::memory_order_release);
 }
 
 void durable_log::run() noexcept {

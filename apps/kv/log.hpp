@@ -265,7 +265,6 @@ class durable_log {
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
   std::thread compactor_;  // started by the io thread, joined by it (or close())
-  std::atomic<bool> compactor_exiting_{false};  // its last step done (closing the old file): a join would not wait
   // The log thread's (set before it starts, reset by it after a swap of
   // the files; close() reads it once it is joined): where the space
   // reserved ahead ends.
