@@ -379,7 +379,7 @@ std::error_code durable_log::error() const noexcept {
 
 std::string durable_log::error_text() const {
   std::lock_guard lk(m_);
-  return write_error_what_;
+  return write_error_what_.empty() ? std::string() : "the log" + write_error_what_;
 }
 
 std::uint64_t durable_log::append(record_type t, std::string_view key, std::span<const std::byte> value) {
@@ -455,7 +455,7 @@ void durable_log::end_of_turn() noexcept {
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
     if (ec) {
       write_error_ = ec;
-      write_error_what_ = "the log " + path_ + " cannot be written: " + ec.message();
+      write_error_what_ = " cannot be written: " + ec.message();
     } else if (o_.sync == sync_mode::everysec && !unsynced_) {
       unsynced_ = true;  // the thread fsyncs within about a second
       wake = true;
@@ -671,7 +671,7 @@ void durable_log::compact(compaction c) noexcept {
       switched = true;
       if (::fsync(dir_fd_) != 0) {
         ec = {errno, std::generic_category()};
-        failed_step = "fsync of " + o_.dir + " after compacting";
+        failed_step = "fsync of the data dir after compacting";
       } else {
         fsyncs_.fetch_add(1, std::memory_order_relaxed);
       }
@@ -685,7 +685,7 @@ void durable_log::compact(compaction c) noexcept {
         new_file_ = true;
         if (ec && !write_error_) {
           write_error_ = ec;
-          write_error_what_ = "the log " + path_ + " cannot be made durable: " + failed_step + ": " + ec.message();
+          write_error_what_ = " cannot be made durable: " + failed_step + ": " + ec.message();
         }
       }
       switching_ = false;
@@ -786,8 +786,7 @@ void durable_log::run() noexcept {
       failed = true;
       write_error_ = ec;
       write_error_what_ =
-          "the log " + path_ + (sync_failed ? " cannot be made durable: fdatasync: " : " cannot be written: ") +
-          ec.message();
+          std::string(sync_failed ? " cannot be made durable: fdatasync: " : " cannot be written: ") + ec.message();
     }
     // Posted once the error is set: the writers it fails are answered with
     // error_text() (before, the io thread could answer them with an empty
@@ -805,11 +804,18 @@ void durable_log::tell_failure() noexcept {
   // Once, for the operator: the clients see the reason on each refused
   // write, but a failure under everysec or no may follow the last write by
   // seconds (an fsync), or come at the close, with no client to tell.
+  // (The clients' text leaves the path out: what a hostile client needs
+  // not learn. The operator's names it.)
   if (failure_told_.exchange(true)) return;
+  std::string why;
+  {
+    std::lock_guard lk(m_);
+    why = write_error_what_;
+  }
   std::fprintf(stderr,
-               "anydoor-kv: %s; writes are refused from now on (reads go on); every write acknowledged before is in "
-               "the file%s: restart once the cause is fixed\n",
-               error_text().c_str(),
+               "anydoor-kv: the log %s%s; writes are refused from now on (reads go on); every write acknowledged "
+               "before is in the file%s: restart once the cause is fixed\n",
+               path_.c_str(), why.c_str(),
                o_.sync == sync_mode::always
                    ? ""
                    : " (with sync everysec or no, what the last fsync did not cover may not be on the disk)");

@@ -165,7 +165,7 @@ class durable_log {
   // the log has failed (error() says why): the write must not be acknowledged.
   std::uint64_t append(record_type t, std::string_view key, std::span<const std::byte> value);
   std::error_code error() const noexcept;
-  std::string error_text() const;
+  std::string error_text() const;  // "the log cannot be written: ..." (for clients: no path; stderr names it)
 
   // void(std::error_code): once the record `lsn` is as durable as the sync
   // mode promises (always: fsynced; everysec and no: written to the file).

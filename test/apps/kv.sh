@@ -431,6 +431,7 @@ for mode in always everysec; do
   done
   [ "$acked" -ge 50 ] && [ -n "$refused" ] || fail "sync $mode: $acked writes taken under a 64 KiB file limit, refused: '$refused'"
   grep -q "cannot be written: File too large" <<<"$refused" || fail "sync $mode: the refusal does not say why: $refused"
+  [ "$refused" = "ERR the log cannot be written: File too large" ] || fail "sync $mode: the refusal (the data dir's path is for the operator only): $refused"
   kill -0 "$PID_full" 2>/dev/null || fail "sync $mode: the server died at the file size limit"
   out=$(redis-cli -p "$RP" set after x)
   grep -q "cannot be written: File too large" <<<"$out" || fail "sync $mode: a write after the failure: $out"

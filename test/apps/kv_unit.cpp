@@ -901,7 +901,7 @@ TEST_CASE("kv log: a write the file cannot take fails the log - nothing after it
       REQUIRE(failure == std::errc::file_too_large);
       CHECK(acked > 50);
       CHECK(log.error() == failure);
-      CHECK_THAT(text_at_failure, Catch::Contains("cannot be written: File too large") && Catch::Contains("kv.log"));
+      CHECK(text_at_failure == "the log cannot be written: File too large");  // (the data dir's path kept from clients)
       CHECK(log.error_text() == text_at_failure);
       // Every later write is refused before the store is touched.
       std::uint64_t lsn = 0;
