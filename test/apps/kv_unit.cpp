@@ -89,6 +89,19 @@ std::string tmpdir() {
   return t;
 }
 
+// One put through the service, run until the log has answered it: what
+// the log said (EIO should it never answer).
+std::error_code durable_put(asio::io_context& io, service& svc, durable_log& log, std::string_view key,
+                            std::string_view value) {
+  std::uint64_t lsn = 0;
+  REQUIRE(svc.put(key, B(value), lsn).is_ok());
+  std::error_code ec{EIO, std::generic_category()};
+  log.async_wait(lsn, [&](std::error_code e) { ec = e; });
+  io.restart();
+  io.run();
+  return ec;
+}
+
 // A file size limit for the scope (as ulimit -f), with SIGXFSZ ignored as
 // the server ignores it: a write past the limit writes what fits, the next
 // fails with EFBIG, as on a full disk.
@@ -672,12 +685,7 @@ TEST_CASE("kv log: a log of version 1 (an earlier server's) is rewritten as vers
     CHECK(log.replayed().bytes == good);  // (the same sizes: only the checks differ)
     store st({.max_memory = 1 << 20});
     service svc(st, &log);
-    std::uint64_t lsn = 0;
-    REQUIRE(svc.put("d", B("4"), lsn).is_ok());
-    std::error_code ec{EIO, std::generic_category()};
-    log.async_wait(lsn, [&](std::error_code e) { ec = e; });
-    io.run();
-    CHECK_FALSE(ec);
+    CHECK_FALSE(durable_put(io, svc, log, "d", "4"));
     log.close();
   }
   CHECK_FALSE(std::filesystem::exists(dir + "/kv.log.compact"));
@@ -769,12 +777,7 @@ TEST_CASE("kv log: a version 1 log that cannot be rewritten stays version 1 - wr
       CHECK(log.salt() == 0);
       store st({.max_memory = 1 << 20});
       service svc(st, &log);
-      std::uint64_t lsn = 0;
-      REQUIRE(svc.put("after", B("x"), lsn).is_ok());
-      std::error_code ec{EIO, std::generic_category()};
-      log.async_wait(lsn, [&](std::error_code e) { ec = e; });
-      io.run();
-      CHECK_FALSE(ec);
+      CHECK_FALSE(durable_put(io, svc, log, "after", "x"));
       log.close();
     }
     CHECK(std::filesystem::file_size(dir + "/kv.log") == v1.size() + kRecordHeader + 5 + 1);  // version 1, appended to
@@ -939,13 +942,7 @@ TEST_CASE("kv log: a write the file cannot take fails the log - nothing after it
     CHECK(log.replayed().torn_bytes == kLimit - kLogHeader - acked_bytes);  // what fit of the refused record
     CHECK(log.replayed().torn_bytes > 0);
     service svc(st, &log);
-    std::uint64_t lsn = 0;
-    REQUIRE(svc.put("after", B("restart"), lsn).is_ok());
-    std::error_code ec{EIO, std::generic_category()};
-    log.async_wait(lsn, [&](std::error_code e) { ec = e; });
-    io.restart();
-    io.run();
-    CHECK_FALSE(ec);
+    CHECK_FALSE(durable_put(io, svc, log, "after", "restart"));
     log.close();
     std::filesystem::remove_all(dir);
   }
