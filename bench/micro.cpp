@@ -16,6 +16,7 @@
 #include <benchmark/benchmark.h>
 
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/deferred.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
@@ -94,14 +95,15 @@ struct awaited_op final : ad::operation {
 template <class Token>
 auto async_next(ad::reactor& r, synthetic_cq& cq, awaited_op& op, asio::io_context& io, Token&& token) {
   return asio::async_initiate<Token, void(boost::system::error_code)>(
-      [&](auto h) {
-        op.handler.store<>(std::move(h), io.get_executor(), nullptr, nullptr);
-        cq.push({.wr_id = r.track(op)});
+      [r = &r, cq = &cq, op = &op, io = &io](auto h) {  // (asio::deferred runs it after the return)
+        op->handler.store<>(std::move(h), io->get_executor(), nullptr, nullptr);
+        cq->push({.wr_id = r->track(*op)});
       },
       token);
 }
 
-void reactor_resume_coroutine(benchmark::State& state) {
+template <class Await>
+void resume_coroutines(benchmark::State& state, Await await_next) {
   // state.range(0) coroutines each co_await their own operation: one spin
   // step polls, dispatches and resumes all of them (a pass that dispatched
   // completions ends the round).
@@ -117,7 +119,7 @@ void reactor_resume_coroutine(benchmark::State& state) {
   for (awaited_op& op : ops) {
     asio::co_spawn(io, [&]() -> asio::awaitable<void> {
       while (!stop) {
-        co_await async_next(r, cq, op, io, asio::use_awaitable);
+        co_await await_next(r, cq, op, io);
         ++op.resumed;
       }
     }, asio::detached);
@@ -135,7 +137,23 @@ void reactor_resume_coroutine(benchmark::State& state) {
   if (after - before + n < static_cast<std::uint64_t>(state.iterations()) * n) state.SkipWithError("coroutines not resumed");
   state.SetItemsProcessed(static_cast<std::int64_t>(after - before));  // resumes
 }
+// co_await op(asio::use_awaitable): Asio builds a coroutine frame to
+// initiate each operation.
+void reactor_resume_coroutine(benchmark::State& state) {
+  resume_coroutines(state, [](ad::reactor& r, synthetic_cq& cq, awaited_op& op, asio::io_context& io) {
+    return async_next(r, cq, op, io, asio::use_awaitable);
+  });
+}
 BENCHMARK(reactor_resume_coroutine)->Arg(1)->Arg(16);
+
+// co_await op(asio::deferred): the awaitable initiates the operation
+// itself, with no frame of its own.
+void reactor_resume_deferred(benchmark::State& state) {
+  resume_coroutines(state, [](ad::reactor& r, synthetic_cq& cq, awaited_op& op, asio::io_context& io) {
+    return async_next(r, cq, op, io, asio::deferred);
+  });
+}
+BENCHMARK(reactor_resume_deferred)->Arg(1)->Arg(16);
 
 void buffer_pool_get_put(benchmark::State& state) {
   auto dev = tp::open_device({.provider = "tcp"});

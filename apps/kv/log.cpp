@@ -362,6 +362,7 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   report_.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   logical_bytes_ = size;
   taken_end_ = written_end_ = size;
+  synced_end_.store(size, std::memory_order_relaxed);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -456,6 +457,7 @@ void durable_log::end_of_turn() noexcept {
     if (ec) {
       write_error_ = ec;
       write_error_what_ = " cannot be written: " + ec.message();
+      wake = true;  // the thread makes what was written before durable
     } else if (o_.sync == sync_mode::everysec && !unsynced_) {
       unsynced_ = true;  // the thread fsyncs within about a second
       wake = true;
@@ -504,6 +506,7 @@ log_stats durable_log::stats() const noexcept {
   log_stats s = stats_;
   s.file_bytes = logical_bytes_;
   s.fsyncs = fsyncs_.load(std::memory_order_relaxed);
+  s.synced_bytes = synced_end_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -682,6 +685,7 @@ void durable_log::compact(compaction c) noexcept {
         old = fd_;
         fd_ = fd;
         taken_end_ = written_end_ = copied;
+        if (!ec) synced_end_.store(copied, std::memory_order_relaxed);
         new_file_ = true;
         if (ec && !write_error_) {
           write_error_ = ec;
@@ -708,7 +712,7 @@ void durable_log::run() noexcept {
   using clock = std::chrono::steady_clock;
   std::unique_lock lk(m_);
   bool dirty = false;
-  clock::time_point last_sync = clock::now();
+  clock::time_point synced_at = clock::now();
   bool failed = false;
   // With everysec and no the io thread writes the records itself
   // (end_of_turn) unless it hands them here (handed_), or the stop needs
@@ -717,10 +721,11 @@ void durable_log::run() noexcept {
   const bool writes_all = o_.sync == sync_mode::always;
   for (;;) {
     auto ready = [&] {
-      return !switching_ && (stop_ || ((writes_all || handed_) && !pending_.empty()) || unsynced_);
+      return !switching_ &&
+             (stop_ || ((writes_all || handed_) && !pending_.empty()) || unsynced_ || (write_error_ && !failed));
     };
     if (o_.sync == sync_mode::everysec && dirty) {
-      cv_.wait_until(lk, last_sync + std::chrono::seconds(1), ready);
+      cv_.wait_until(lk, synced_at + std::chrono::seconds(1), ready);
     } else {
       cv_.wait(lk, ready);
     }
@@ -737,8 +742,13 @@ void durable_log::run() noexcept {
       reserved_ = 0;
     }
     // The log failed elsewhere (the io thread's write, or the directory's
-    // fsync after a compaction): nothing more is written or acknowledged.
+    // fsync after a compaction): nothing more is written or acknowledged,
+    // and what was written before it is made durable once more (everysec
+    // acknowledged it after the write alone; it must not wait for a
+    // restart to reach the disk).
+    bool last_sync = false;
     if (write_error_) {
+      last_sync = !failed && o_.sync != sync_mode::no;
       failed = true;
       dirty = false;
     }
@@ -753,6 +763,7 @@ void durable_log::run() noexcept {
     }
     thread_syncing_ = true;
     const std::uint64_t end = pending_end_;
+    const std::uint64_t written_before = written_end_;  // an fdatasync from here covers at least this
     lk.unlock();
 
     std::error_code ec;
@@ -764,7 +775,7 @@ void durable_log::run() noexcept {
         dirty = true;
       }
       const bool sync_now = o_.sync == sync_mode::always ||
-                            (o_.sync == sync_mode::everysec && clock::now() - last_sync >= std::chrono::seconds(1)) ||
+                            (o_.sync == sync_mode::everysec && clock::now() - synced_at >= std::chrono::seconds(1)) ||
                             (stopping && o_.sync != sync_mode::no);
       if (!ec && dirty && sync_now) {
         if (::fdatasync(fd_) != 0) {
@@ -772,11 +783,15 @@ void durable_log::run() noexcept {
           sync_failed = true;
         } else {
           fsyncs_.fetch_add(1, std::memory_order_relaxed);
+          synced_end_.store(written_before + buf.size(), std::memory_order_relaxed);
           dirty = false;
-          last_sync = clock::now();
+          synced_at = clock::now();
         }
       }
+      // This thread's write failed: what was written before it, as above.
+      if (ec && !sync_failed && o_.sync != sync_mode::no) last_sync = true;
     }
+    if (last_sync) final_sync(written_before);
     const bool post_end = !failed && (!buf.empty() || ec);
     lk.lock();
     thread_writing_ = false;
@@ -800,6 +815,21 @@ void durable_log::run() noexcept {
   }
 }
 
+void durable_log::final_sync(std::uint64_t covered) noexcept {
+  // (Not after a failed fdatasync: a second one can report success for
+  // pages the first lost.)
+  if (::fdatasync(fd_) == 0) {
+    fsyncs_.fetch_add(1, std::memory_order_relaxed);
+    synced_end_.store(covered, std::memory_order_relaxed);
+    return;
+  }
+  const int e = errno;
+  std::fprintf(stderr,
+               "anydoor-kv: the last fdatasync of the log %s, after it failed, failed too: %s; writes acknowledged "
+               "since the last fsync may not be on the disk\n",
+               path_.c_str(), std::strerror(e));
+}
+
 void durable_log::tell_failure() noexcept {
   // Once, for the operator: the clients see the reason on each refused
   // write, but a failure under everysec or no may follow the last write by
@@ -816,9 +846,9 @@ void durable_log::tell_failure() noexcept {
                "anydoor-kv: the log %s%s; writes are refused from now on (reads go on); every write acknowledged "
                "before is in the file%s: restart once the cause is fixed\n",
                path_.c_str(), why.c_str(),
-               o_.sync == sync_mode::always
-                   ? ""
-                   : " (with sync everysec or no, what the last fsync did not cover may not be on the disk)");
+               o_.sync == sync_mode::always     ? ""
+               : o_.sync == sync_mode::everysec ? ", and one last fdatasync puts it on the disk"
+                                                : " (with sync no, the OS decides when it reaches the disk)");
 }
 
 void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted,

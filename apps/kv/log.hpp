@@ -127,6 +127,7 @@ struct log_stats {
   std::uint64_t file_bytes = 0;   // the log's size as it will be once written
   std::uint64_t records = 0;      // appended since start
   std::uint64_t fsyncs = 0;
+  std::uint64_t synced_bytes = 0;  // the current file's bytes the last fdatasync covered (all of it at start)
   std::uint64_t compactions = 0;
   std::uint64_t compaction_failures = 0;  // the old log kept, retried later
 };
@@ -210,6 +211,9 @@ class durable_log {
   void end_of_turn() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
   void tell_failure() noexcept;
+  // The log thread, once a write failed: one more fdatasync of fd_, which
+  // covers at least `covered` bytes.
+  void final_sync(std::uint64_t covered) noexcept;
   // On compactor_: the whole compaction; posts its end to the io thread.
   void compact(compaction c) noexcept;
   // Copies [from, to) of the old log (fd_) to the end of `fd`.
@@ -264,6 +268,7 @@ class durable_log {
   std::error_code write_error_;
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
+  std::atomic<std::uint64_t> synced_end_{0};  // see log_stats::synced_bytes
   std::thread compactor_;  // started by the io thread, joined by it (or close())
   // The log thread's (set before it starts, reset by it after a swap of
   // the files; close() reads it once it is joined): where the space
