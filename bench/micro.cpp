@@ -4,6 +4,8 @@
 //   reactor_resume_coroutine/N  the same, and each completion resumes a
 //                           coroutine co_awaiting it (through the runtime's
 //                           pending_handler: dispatch, resume); N coroutines
+//   reactor_resume_deferred/N   the same through co_await op(asio::deferred)
+//                           instead of use_awaitable
 //   buffer_pool_get_put     one try_get + put on a registered pool
 // The reactor is fed by `synthetic_cq`, a completion queue that hands out
 // the completions the benchmark queued: it isolates the runtime's cost from
@@ -95,8 +97,8 @@ struct awaited_op final : ad::operation {
 template <class Token>
 auto async_next(ad::reactor& r, synthetic_cq& cq, awaited_op& op, asio::io_context& io, Token&& token) {
   return asio::async_initiate<Token, void(boost::system::error_code)>(
-      [r = &r, cq = &cq, op = &op, io = &io](auto h) {  // (asio::deferred runs it after the return)
-        op->handler.store<>(std::move(h), io->get_executor(), nullptr, nullptr);
+      [r = &r, cq = &cq, op = &op, io = &io]<class H>(H&& h) {  // (asio::deferred runs it after the return)
+        op->handler.store<>(std::forward<H>(h), io->get_executor(), nullptr, nullptr);
         cq->push({.wr_id = r->track(*op)});
       },
       token);

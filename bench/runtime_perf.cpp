@@ -7,7 +7,9 @@
 // options (the server must be given the same --test and -s):
 //   --test echo|echo_rate|msg_rate|put_lat|get_lat|put_bw
 //     echo:     co_await send + co_await receive round trips (one-way
-//               latency = half the round trip)
+//               latency = half the round trip), through asio::use_awaitable
+//     echo_deferred: the same through asio::deferred (co_await op(deferred):
+//               no coroutine frame per operation, Asio 1.81's lighter path)
 //     echo_rate: echo round trips with --window in flight (default 32):
 //               each echo that comes back sends the next message (the
 //               baseline of anydoor-rpc-perf's rate test)
@@ -31,7 +33,7 @@
 //   --provider auto|tcp|verbs  (default auto)
 // Poll mode from ANYDOOR_POLL (compare-runtime.sh uses busy, as the raw
 // ping-pong does). Prints one line:
-//   RESULT test=echo size=64 iters=.. median_us=.. p99_us=.. mean_us=.. (one-way)
+//   RESULT test=echo|echo_deferred size=64 iters=.. median_us=.. p99_us=.. mean_us=.. (one-way)
 //   RESULT test=msg_rate size=64 iters=.. window=64 Mmsgs=.. MBps=..
 //   RESULT test=echo_rate size=64 iters=.. window=32 Mmsgs=.. (round trips per second)
 //   RESULT test=put_lat|get_lat size=.. iters=.. median_us=.. p99_us=.. mean_us=..
@@ -43,6 +45,7 @@
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/deferred.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -71,9 +74,9 @@ options parse(int argc, char** argv) {
   options o = anydoor::bench::parse_cli(
       argc, argv,
       "anydoor-runtime-perf (--server | --connect HOST) [--port P]\n"
-      "                            [--test echo|echo_rate|msg_rate|put_lat|get_lat|put_bw]\n"
+      "                            [--test echo|echo_deferred|echo_rate|msg_rate|put_lat|get_lat|put_bw]\n"
       "                            [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]",
-      {.port = 7473, .test = "echo", .window = 0}, {"echo", "echo_rate", "msg_rate", "put_lat", "get_lat", "put_bw"});
+      {.port = 7473, .test = "echo", .window = 0}, {"echo", "echo_deferred", "echo_rate", "msg_rate", "put_lat", "get_lat", "put_bw"});
   if (o.size == 0) o.size = 64;
   if (o.window == 0) o.window = o.test == "put_bw" ? 16 : o.test == "echo_rate" ? 32 : 64;
   if (o.iters == 0) o.iters = o.test == "msg_rate" ? 1000000 : o.test == "put_bw" ? 20000 : o.test == "echo_rate" ? 200000 : 10000;
@@ -195,6 +198,36 @@ awaitable<void> onesided_side(ad::fabric& fab, ad::connection& c, const options&
   }
 }
 
+// The echo test's two loops, through either completion token.
+template <class Token>
+awaitable<void> echo_back(ad::connection& c, Token token) {
+  for (;;) {
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(token));
+    if (ec) co_return;
+    co_await c.async_send(m.buffer(), token);
+  }
+}
+
+template <class Token>
+awaitable<void> echo_client(ad::connection& c, const options& o, const std::vector<std::byte>& out, Token token) {
+  const std::uint32_t warm = std::min<std::uint32_t>(1000, o.iters);
+  std::vector<double> ns;
+  ns.reserve(o.iters);
+  // One clock read per round trip, as in anydoor-perf's ping-pong.
+  auto t0 = clk::now();
+  for (std::uint32_t i = 0; i < warm + o.iters; ++i) {
+    co_await c.async_send(asio::buffer(out), token);
+    ad::message m = co_await c.async_receive(token);
+    const auto t1 = clk::now();
+    if (m.size() != o.size) throw std::runtime_error("echo of the wrong size");
+    if (i >= warm) ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
+    t0 = t1;
+  }
+  const summary r = summarize(std::move(ns));
+  std::printf("RESULT test=%s size=%u iters=%u median_us=%.3f p99_us=%.3f mean_us=%.3f\n", o.test.c_str(), o.size,
+              o.iters, r.median / 2000, r.p99 / 2000, r.mean / 2000);
+}
+
 awaitable<void> serve(ad::fabric& fab, const options& o) {
   ad::acceptor acc = fab.listen("0.0.0.0", o.port);
   ad::connection c = co_await acc.async_accept(use_awaitable);
@@ -202,13 +235,8 @@ awaitable<void> serve(ad::fabric& fab, const options& o) {
     co_await onesided_side(fab, c, o, true);
     co_return;
   }
-  if (o.test == "echo") {
-    for (;;) {
-      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
-      if (ec) co_return;
-      co_await c.async_send(m.buffer(), use_awaitable);
-    }
-  }
+  if (o.test == "echo") co_return co_await echo_back(c, use_awaitable);
+  if (o.test == "echo_deferred") co_return co_await echo_back(c, asio::deferred);
   if (o.test == "echo_rate") {
     // The eager echo is copied when posted: the message can go at once.
     for (;;) {
@@ -230,22 +258,9 @@ awaitable<void> run_client(ad::fabric& fab, const options& o) {
   }
   std::vector<std::byte> out(o.size, std::byte{0x5a});
   if (o.test == "echo") {
-    const std::uint32_t warm = std::min<std::uint32_t>(1000, o.iters);
-    std::vector<double> ns;
-    ns.reserve(o.iters);
-    // One clock read per round trip, as in anydoor-perf's ping-pong.
-    auto t0 = clk::now();
-    for (std::uint32_t i = 0; i < warm + o.iters; ++i) {
-      co_await c.async_send(asio::buffer(out), use_awaitable);
-      ad::message m = co_await c.async_receive(use_awaitable);
-      const auto t1 = clk::now();
-      if (m.size() != o.size) throw std::runtime_error("echo of the wrong size");
-      if (i >= warm) ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
-      t0 = t1;
-    }
-    const summary r = summarize(std::move(ns));
-    std::printf("RESULT test=echo size=%u iters=%u median_us=%.3f p99_us=%.3f mean_us=%.3f\n", o.size, o.iters,
-                r.median / 2000, r.p99 / 2000, r.mean / 2000);
+    co_await echo_client(c, o, out, use_awaitable);
+  } else if (o.test == "echo_deferred") {
+    co_await echo_client(c, o, out, asio::deferred);
   } else if (o.test == "echo_rate") {
     // --window echoes in flight: each one back sends the next.
     const std::uint32_t warm = std::min<std::uint32_t>(2000, o.iters);

@@ -704,8 +704,11 @@ void durable_log::compact(compaction c) noexcept {
   // before leaves the old log as it was.
   const std::error_code compact_ec = switched ? std::error_code() : ec;
   const std::error_code log_ec = switched ? ec : std::error_code();
+  // The old file is closed before the end is posted: the last close of a
+  // large unlinked file frees its blocks and may take a while, and the
+  // next compaction's join, on the io thread, must not wait for it.
+  if (old >= 0) ::close(old);
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
-  if (old >= 0) ::close(old);  // (the last close of an unlinked file may take a while: after the post)
 }
 
 void durable_log::run() noexcept {
@@ -854,7 +857,7 @@ void durable_log::tell_failure() noexcept {
 void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted,
                              std::error_code compact_ec) noexcept {
   if (compacted) {
-    compacting_ = false;  // (its thread is joined by the next compaction or close(): it may still be closing the old file)
+    compacting_ = false;  // (its thread is joined by the next compaction or close(): it has closed the old file)
     if (compact_ec == std::errc::operation_canceled) {
       // The log closed or failed under it: the old log stays, nothing to report.
       logical_bytes_ = logical_if_failed_;

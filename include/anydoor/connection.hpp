@@ -10,7 +10,9 @@
 // it holds anydoor's std::error_code categories unchanged and compares equal
 // to anydoor::errc and transport::wc_status values, and use_awaitable and
 // use_future throw boost::system::system_error from it. Operations of one connection run on its fabric's
-// io_context thread.
+// io_context thread. In a coroutine, co_await op(asio::deferred) behaves as
+// use_awaitable does at less cost (no coroutine frame to start each
+// operation); it starts when awaited, so the connection must outlive it.
 //
 // Sending: a message up to the eager limit is copied (inline into the work
 // request when small, else into a pooled registered buffer) and async_send
@@ -209,8 +211,8 @@ class connection {
   template <class ConstBufferSequence, class Token>
   auto async_send(const ConstBufferSequence& buffers, Token&& token) {
     return asio::async_initiate<Token, void(error_code, std::size_t)>(
-        [this](auto handler, const ConstBufferSequence& bufs) {
-          if (!impl_) return detail::complete_not_connected(std::move(handler), std::size_t{0});
+        [this]<class H>(H&& handler, const ConstBufferSequence& bufs) {
+          if (!impl_) return detail::complete_not_connected(std::forward<H>(handler), std::size_t{0});
           detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::send);
           std::size_t i = 0;
           bool too_many = false;
@@ -226,8 +228,8 @@ class connection {
           }
           n->nbufs = static_cast<std::uint8_t>(i);
           if (too_many) n->nbufs = 0xff;
-          n->handler.template store<std::size_t>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node,
-                                                 n);
+          n->handler.template store<std::size_t>(std::forward<H>(handler), detail::io_executor(*impl_),
+                                                 &detail::cancel_node, n);
           detail::start_send(*impl_, n);
         },
         token, buffers);
@@ -237,10 +239,11 @@ class connection {
   template <class Token>
   auto async_receive(Token&& token) {
     return asio::async_initiate<Token, void(error_code, message)>(
-        [this](auto handler) {
-          if (!impl_) return detail::complete_not_connected(std::move(handler), message{});
+        [this]<class H>(H&& handler) {
+          if (!impl_) return detail::complete_not_connected(std::forward<H>(handler), message{});
           detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::receive_message);
-          n->handler.template store<message>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node, n);
+          n->handler.template store<message>(std::forward<H>(handler), detail::io_executor(*impl_),
+                                             &detail::cancel_node, n);
           detail::start_receive(*impl_, n);
         },
         token);
@@ -253,12 +256,12 @@ class connection {
   template <class Token>
   auto async_receive(asio::mutable_buffer buffer, Token&& token) {
     return asio::async_initiate<Token, void(error_code, std::size_t)>(
-        [this](auto handler, asio::mutable_buffer b) {
-          if (!impl_) return detail::complete_not_connected(std::move(handler), std::size_t{0});
+        [this]<class H>(H&& handler, asio::mutable_buffer b) {
+          if (!impl_) return detail::complete_not_connected(std::forward<H>(handler), std::size_t{0});
           detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::receive_buffer);
           n->dest = b;
-          n->handler.template store<std::size_t>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node,
-                                                 n);
+          n->handler.template store<std::size_t>(std::forward<H>(handler), detail::io_executor(*impl_),
+                                                 &detail::cancel_node, n);
           detail::start_receive(*impl_, n);
         },
         token, buffer);
@@ -268,10 +271,10 @@ class connection {
   template <class Token>
   auto async_close(Token&& token) {
     return asio::async_initiate<Token, void(error_code)>(
-        [this](auto handler) {
-          if (!impl_) return detail::complete_not_connected(std::move(handler));
+        [this]<class H>(H&& handler) {
+          if (!impl_) return detail::complete_not_connected(std::forward<H>(handler));
           detail::op_node* n = detail::acquire_node(*impl_, detail::op_kind::close);
-          n->handler.template store<>(std::move(handler), detail::io_executor(*impl_), nullptr, nullptr);
+          n->handler.template store<>(std::forward<H>(handler), detail::io_executor(*impl_), nullptr, nullptr);
           detail::start_close(*impl_, n);
         },
         token);
@@ -388,12 +391,12 @@ class connection {
   template <class... Results, class Token, class Setup>
   auto onesided(detail::op_kind kind, Token&& token, Setup setup) {
     return asio::async_initiate<Token, void(error_code, Results...)>(
-        [this, kind](auto handler, Setup s) {
-          if (!impl_) return detail::complete_not_connected(std::move(handler), Results{}...);
+        [this, kind]<class H>(H&& handler, Setup s) {
+          if (!impl_) return detail::complete_not_connected(std::forward<H>(handler), Results{}...);
           detail::op_node* n = detail::acquire_node(*impl_, kind);
           s(*n);
-          n->handler.template store<Results...>(std::move(handler), detail::io_executor(*impl_), &detail::cancel_node,
-                                                n);
+          n->handler.template store<Results...>(std::forward<H>(handler), detail::io_executor(*impl_),
+                                                &detail::cancel_node, n);
           detail::start_onesided(*impl_, n);
         },
         token, std::move(setup));

@@ -289,6 +289,54 @@ TEST_CASE("completion token: use_awaitable returns values and throws errors", "[
   p.f.check();
 }
 
+TEST_CASE("completion token: co_await op(deferred) returns values and throws errors - as_tuple(deferred) returns them",
+          "[runtime]") {
+  // Asio 1.81 co_awaits a deferred operation without a coroutine frame of
+  // its own: the lighter path (anydoor-micro's reactor_resume_deferred).
+  echo_pair p;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    const std::size_t n = co_await p.c.async_send(asio::buffer(p.text), asio::deferred);
+    CHECK(n == p.text.size());
+    ad::message m = co_await p.c.async_receive(asio::deferred);
+    CHECK(std::string(reinterpret_cast<const char*>(m.data()), m.size()) == p.text);
+    co_await p.c.async_send(asio::buffer(p.text), asio::deferred);
+    std::array<char, 2> tiny{};
+    try {
+      co_await p.c.async_receive(asio::buffer(tiny), asio::deferred);
+      FAIL("no exception");
+    } catch (const boost::system::system_error& e) {
+      CHECK(e.code() == ad::errc::message_size);
+    }
+    co_await p.c.async_send(asio::buffer(p.text), asio::deferred);
+    auto [ec, rn] = co_await p.c.async_receive(asio::buffer(tiny), asio::as_tuple(asio::deferred));
+    CHECK(ec == ad::errc::message_size);
+    CHECK(rn == 0);
+    co_await p.c.async_close(asio::deferred);
+  }, p.f.handler());
+  run_to_completion(p.io);  // returns once the echo server has seen the close
+  p.f.check();
+}
+
+TEST_CASE("completion token: a callback passed as an lvalue is copied - the caller's stays whole", "[runtime]") {
+  echo_pair p;
+  int calls = 0;
+  const auto callback = [&calls, kept = std::string(64, 'k')](ad::error_code ec, std::size_t) {
+    CHECK_FALSE(ec);
+    CHECK(kept == std::string(64, 'k'));
+    ++calls;
+  };
+  p.c.async_send(asio::buffer(p.text), callback);
+  auto again = callback;  // not const: a move from it would leave its string empty
+  p.c.async_send(asio::buffer(p.text), again);
+  std::array<char, 16> in{};
+  p.c.async_receive(asio::buffer(in), again);
+  p.c.async_receive(asio::buffer(in), callback);
+  while (calls < 4) p.io.run_one();
+  again(ad::error_code{}, 0);  // still whole (its CHECK above)
+  CHECK(calls == 5);
+  p.finish();
+}
+
 TEST_CASE("cancellation: a cancelled receive completes with operation_canceled: the connection stays usable",
           "[runtime]") {
   asio::io_context io;

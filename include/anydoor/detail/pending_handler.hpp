@@ -147,20 +147,29 @@ class pending_handler {
 
   template <class Holder, class... Args>
   static void call(pending_handler& self, void* args, bool post, after_hook& after) {
+    asio::io_context* io = self.io_;
+    if (io != nullptr && !post && io->get_executor().running_in_this_thread()) [[likely]] {
+      // The common case (a coroutine resumed by the reactor on its own
+      // thread): the handler leaves its holder, which goes first (the
+      // handler may end the operation's owner), and runs here.
+      auto* h = static_cast<Holder*>(self.obj_);
+      typename Holder::handler_type handler(std::move(h->handler));
+      destroy<Holder>(self);  // (clears the cancellation slot)
+      std::apply(std::move(handler), std::move(*static_cast<std::tuple<boost::system::error_code, Args...>*>(args)));
+      after();
+      return;
+    }
+    call_later<Holder, Args...>(self, args, post, after);
+  }
+
+  // The handler runs later, or on another executor (out of line: the
+  // common case above stays small).
+  template <class Holder, class... Args>
+  [[gnu::noinline]] static void call_later(pending_handler& self, void* args, bool post, after_hook& after) {
     auto* h = static_cast<Holder*>(self.obj_);
     if (h->slot.is_connected()) h->slot.clear();
     asio::io_context* io = self.io_;
     auto& t = *static_cast<std::tuple<boost::system::error_code, Args...>*>(args);
-    if (io != nullptr && !post && io->get_executor().running_in_this_thread()) {
-      // The common case (a coroutine resumed by the reactor on its own
-      // thread): the handler leaves its holder, which goes first (the
-      // handler may end the operation's owner), and runs here.
-      typename Holder::handler_type handler(std::move(h->handler));
-      destroy<Holder>(self);
-      std::apply(std::move(handler), std::move(t));
-      after();
-      return;
-    }
     auto fn = [handler = std::move(h->handler), t = std::move(t), after = std::move(after)]() mutable {
       std::apply(std::move(handler), std::move(t));
       after();
