@@ -292,6 +292,11 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       size = p.valid_end;
     }
     if (::lseek(fd_, static_cast<off_t>(size), SEEK_SET) < 0) fail(sys_error("lseek " + path_));
+    // What the last run wrote may still be in the page cache only (everysec
+    // acknowledged it after the write; a kill -9 left it unsynced): made
+    // durable before anything new is acknowledged after it.
+    // (With sync no too: once, at start, so that synced_bytes holds.)
+    if (::fdatasync(fd_) != 0) fail(sys_error("fdatasync " + path_));
     if (salt_ == 0) {
       // A log of version 1 (an earlier server's, unsalted) is rewritten as
       // version 2 before anything is appended, as a compaction would: the
@@ -685,7 +690,7 @@ void durable_log::compact(compaction c) noexcept {
         old = fd_;
         fd_ = fd;
         taken_end_ = written_end_ = copied;
-        if (!ec) synced_end_.store(copied, std::memory_order_relaxed);
+        synced_end_.store(copied, std::memory_order_relaxed);  // (fdatasynced above, whatever the directory's fsync did)
         new_file_ = true;
         if (ec && !write_error_) {
           write_error_ = ec;
@@ -707,7 +712,13 @@ void durable_log::compact(compaction c) noexcept {
   // The old file is closed before the end is posted: the last close of a
   // large unlinked file frees its blocks and may take a while, and the
   // next compaction's join, on the io thread, must not wait for it.
-  if (old >= 0) ::close(old);
+  if (old >= 0) {
+    // The rename may not survive a crash (the directory's fsync failed):
+    // the old file may come back, and everysec's records since its last
+    // fsync must be on the disk in it too.
+    if (log_ec && o_.sync != sync_mode::no) (void)::fdatasync(old);
+    ::close(old);
+  }
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
 }
 
@@ -800,17 +811,31 @@ void durable_log::run() noexcept {
     thread_writing_ = false;
     thread_syncing_ = false;
     if (!ec && !failed) written_end_ += buf.size();
+    bool sync_failed_too = false;
     if (ec && !failed) {
       failed = true;
-      write_error_ = ec;
-      write_error_what_ =
-          std::string(sync_failed ? " cannot be made durable: fdatasync: " : " cannot be written: ") + ec.message();
+      if (sync_failed) sync_failed_ = true;
+      if (write_error_) {
+        // The io thread's write failed meanwhile and told the operator
+        // that a last fdatasync would follow: this one failed instead.
+        sync_failed_too = sync_failed;
+      } else {
+        write_error_ = ec;
+        write_error_what_ =
+            std::string(sync_failed ? " cannot be made durable: fdatasync: " : " cannot be written: ") + ec.message();
+      }
     }
     // Posted once the error is set: the writers it fails are answered with
     // error_text() (before, the io thread could answer them with an empty
     // reason, the text not yet written here).
     if (post_end) asio::post(io_, [this, end, ec] { on_durable(end, ec, false, {}); });
     if (failed) dirty = false;  // (nothing more is written or fsynced: no timed wakeups)
+    if (sync_failed_too) {
+      std::fprintf(stderr,
+                   "anydoor-kv: the log %s cannot be made durable either: fdatasync: %s; writes acknowledged since the "
+                   "last fsync may not be on the disk\n",
+                   path_.c_str(), ec.message().c_str());
+    }
     if (compactor_waits_) switch_cv_.notify_all();
     buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
@@ -841,17 +866,22 @@ void durable_log::tell_failure() noexcept {
   // not learn. The operator's names it.)
   if (failure_told_.exchange(true)) return;
   std::string why;
+  bool sync_failed = false;
   {
     std::lock_guard lk(m_);
     why = write_error_what_;
+    sync_failed = sync_failed_;
   }
   std::fprintf(stderr,
                "anydoor-kv: the log %s%s; writes are refused from now on (reads go on); every write acknowledged "
                "before is in the file%s: restart once the cause is fixed\n",
                path_.c_str(), why.c_str(),
-               o_.sync == sync_mode::always     ? ""
-               : o_.sync == sync_mode::everysec ? ", and one last fdatasync puts it on the disk"
-                                                : " (with sync no, the OS decides when it reaches the disk)");
+               o_.sync == sync_mode::always ? ""
+               : o_.sync == sync_mode::no
+                   ? " (with sync no, the OS decides when it reaches the disk)"
+                   : (sync_failed ? ", but what was acknowledged since the last fsync may not be on the disk"
+                                  : ", and one more fdatasync is made to put it on the disk (a line follows should "
+                                    "it fail)"));
 }
 
 void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compacted,

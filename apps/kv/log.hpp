@@ -127,7 +127,9 @@ struct log_stats {
   std::uint64_t file_bytes = 0;   // the log's size as it will be once written
   std::uint64_t records = 0;      // appended since start
   std::uint64_t fsyncs = 0;
-  std::uint64_t synced_bytes = 0;  // the current file's bytes the last fdatasync covered (all of it at start)
+  // The current file's bytes an fdatasync covered: all of it at start (an
+  // existing log is fdatasynced when opened, in every sync mode).
+  std::uint64_t synced_bytes = 0;
   std::uint64_t compactions = 0;
   std::uint64_t compaction_failures = 0;  // the old log kept, retried later
 };
@@ -266,6 +268,7 @@ class durable_log {
   bool unsynced_ = false;  // the io thread wrote records that wait for an fsync
   bool stop_ = false;
   std::error_code write_error_;
+  bool sync_failed_ = false;  // the failure was an fdatasync's (what it covered is unknown)
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
   std::atomic<std::uint64_t> synced_end_{0};  // see log_stats::synced_bytes

@@ -12,7 +12,8 @@
 // use_future throw boost::system::system_error from it. Operations of one connection run on its fabric's
 // io_context thread. In a coroutine, co_await op(asio::deferred) behaves as
 // use_awaitable does at less cost (no coroutine frame to start each
-// operation); it starts when awaited, so the connection must outlive it.
+// operation); it starts when awaited, so the connection, and what its
+// arguments point to (buffers, the ranges of a span), must last until then.
 //
 // Sending: a message up to the eager limit is copied (inline into the work
 // request when small, else into a pooled registered buffer) and async_send

@@ -176,9 +176,9 @@ class pending_handler {
     };
     if (io != nullptr) {
       // The handler's executor is this io_context's (possibly type-erased,
-      // as use_awaitable's): run it directly when dispatching on the
-      // io_context's own thread, else post it there, without going through
-      // the type-erased executor.
+      // as use_awaitable's), and it may not run here (posted, or called
+      // from another thread; call() ran the rest): posted there, without
+      // going through the type-erased executor.
       destroy<Holder>(self);
       asio::post(io->get_executor(), std::move(fn));
       return;
