@@ -792,7 +792,7 @@ void durable_log::run() noexcept {
                             (o_.sync == sync_mode::everysec && clock::now() - synced_at >= std::chrono::seconds(1)) ||
                             (stopping && o_.sync != sync_mode::no);
       if (!ec && dirty && sync_now) {
-        if (::fdatasync(fd_) != 0) {
+        if (sync_file(fd_) != 0) {
           ec = {errno, std::generic_category()};
           sync_failed = true;
         } else {
@@ -843,10 +843,14 @@ void durable_log::run() noexcept {
   }
 }
 
+int durable_log::sync_file(int fd) const noexcept {
+  return o_.fdatasync_hook != nullptr ? o_.fdatasync_hook(fd) : ::fdatasync(fd);
+}
+
 void durable_log::final_sync(std::uint64_t covered) noexcept {
   // (Not after a failed fdatasync: a second one can report success for
   // pages the first lost.)
-  if (::fdatasync(fd_) == 0) {
+  if (sync_file(fd_) == 0) {
     fsyncs_.fetch_add(1, std::memory_order_relaxed);
     synced_end_.store(covered, std::memory_order_relaxed);
     return;

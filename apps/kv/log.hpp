@@ -121,6 +121,11 @@ struct log_options {
   std::string dir;
   sync_mode sync = sync_mode::everysec;
   std::uint64_t compact_min = std::uint64_t{64} << 20;  // no compaction below this file size (Redis: auto-aof-rewrite-min-size 64mb)
+  // Fault injection for tests: called instead of fdatasync(2) on the log
+  // file by the log thread (its fsyncs, and the last one after a failed
+  // write); null: fdatasync. A failed fdatasync cannot be staged on a
+  // real file system here.
+  int (*fdatasync_hook)(int fd) = nullptr;
 };
 
 struct log_stats {
@@ -216,6 +221,7 @@ class durable_log {
   // The log thread, once a write failed: one more fdatasync of fd_, which
   // covers at least `covered` bytes.
   void final_sync(std::uint64_t covered) noexcept;
+  int sync_file(int fd) const noexcept;  // fdatasync, or the test's hook
   // On compactor_: the whole compaction; posts its end to the io thread.
   void compact(compaction c) noexcept;
   // Copies [from, to) of the old log (fd_) to the end of `fd`.

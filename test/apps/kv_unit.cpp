@@ -20,9 +20,12 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -793,6 +796,111 @@ TEST_CASE("kv log: a version 1 log that cannot be rewritten stays version 1 - wr
     }
     std::filesystem::remove_all(dir);
   }
+}
+
+namespace {
+
+// fdatasync(2) that fails with EIO once the file has reached g_fail_at
+// bytes (a write hit a file size limit there), counting its calls.
+std::atomic<int> g_syncs{0};
+std::atomic<int> g_failed_syncs{0};
+std::atomic<long long> g_fail_at{0};
+int failing_fdatasync(int fd) {
+  ++g_syncs;
+  struct stat st{};
+  if (::fstat(fd, &st) == 0 && st.st_size >= g_fail_at.load()) {
+    ++g_failed_syncs;
+    errno = EIO;
+    return -1;
+  }
+  return ::fdatasync(fd);
+}
+
+int occurrences(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("kv log: a failed fdatasync fails the log - never tried again, the operator told what may not be on the disk",
+          "[kv]") {
+  g_syncs = 0;
+  g_failed_syncs = 0;
+  g_fail_at = 0;  // every fdatasync fails
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  std::string told;
+  {
+    stderr_capture capture;
+    store st({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = dir, .sync = sync_mode::everysec, .fdatasync_hook = &failing_fdatasync},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    CHECK_FALSE(durable_put(io, svc, log, "a", "1"));  // everysec: answered once written
+    // The thread fsyncs it within about a second: that fails.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!log.error() && std::chrono::steady_clock::now() < until) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(20));
+    }
+    REQUIRE(log.error() == std::errc::io_error);
+    io.restart();
+    io.poll();  // (the failure's post)
+    CHECK(log.error_text() == "the log cannot be made durable: fdatasync: Input/output error");
+    std::uint64_t lsn = 0;
+    CHECK(svc.put("b", B("2"), lsn).code() == rpc::errc::unavailable);
+    // Never tried again (a second fdatasync can report success for pages
+    // the first lost): not later, not at the close.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    log.close();
+    CHECK(g_syncs == 1);
+    CHECK(log.stats().fsyncs == 0);
+    told = capture.text();
+  }
+  CHECK_THAT(told, Catch::Contains("kv.log cannot be made durable: fdatasync: Input/output error; writes are refused") &&
+                       Catch::Contains("but what was acknowledged since the last fsync may not be on the disk"));
+  CHECK_THAT(told, !Catch::Contains("one more fdatasync"));
+  CHECK(occurrences(told, "writes are refused from now on") == 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv log: the last fdatasync after a failed write fails too - stderr says so, nothing is tried after", "[kv]") {
+  constexpr rlim_t kLimit = 64 << 10;
+  g_syncs = 0;
+  g_failed_syncs = 0;
+  g_fail_at = static_cast<long long>(kLimit);  // fdatasync fails once a write has hit the limit
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  std::string told;
+  {
+    stderr_capture capture;
+    store st({.max_memory = 4 << 20});
+    durable_log log(io, {.dir = dir, .sync = sync_mode::everysec, .fdatasync_hook = &failing_fdatasync},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    {
+      const file_size_limit limit(kLimit);
+      std::error_code ec;
+      for (int i = 0; i < 200 && !ec; ++i) ec = durable_put(io, svc, log, "k" + std::to_string(i), std::string(1000, 'v'));
+      REQUIRE(ec == std::errc::file_too_large);
+    }
+    // The thread's last fdatasync, which fails: told once it returns.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (g_failed_syncs == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // (its stderr line follows the call)
+    log.close();
+    CHECK(g_failed_syncs == 1);
+    CHECK(log.error_text() == "the log cannot be written: File too large");  // (the first cause stays)
+    told = capture.text();
+  }
+  CHECK_THAT(told, Catch::Contains("and one more fdatasync is made to put it on the disk"));
+  CHECK_THAT(told, Catch::Contains("after it failed, failed too: Input/output error; writes acknowledged since the "
+                                   "last fsync may not be on the disk"));
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("kv log: a failure of the last writes - at the close, with no io_context to run - is told on stderr", "[kv]") {
