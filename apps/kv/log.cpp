@@ -460,8 +460,10 @@ void durable_log::end_of_turn() noexcept {
     buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
     if (ec) {
-      write_error_ = ec;
-      write_error_what_ = " cannot be written: " + ec.message();
+      if (!write_error_) {  // (the log thread's fdatasync may have failed meanwhile: the first cause stays)
+        write_error_ = ec;
+        write_error_what_ = " cannot be written: " + ec.message();
+      }
       wake = true;  // the thread makes what was written before durable
     } else if (o_.sync == sync_mode::everysec && !unsynced_) {
       unsynced_ = true;  // the thread fsyncs within about a second
@@ -716,7 +718,10 @@ void durable_log::compact(compaction c) noexcept {
     // The rename may not survive a crash (the directory's fsync failed):
     // the old file may come back, and everysec's records since its last
     // fsync must be on the disk in it too.
-    if (log_ec && o_.sync != sync_mode::no) (void)::fdatasync(old);
+    if (log_ec && o_.sync == sync_mode::everysec && ::fdatasync(old) != 0) {
+      std::lock_guard lk(m_);
+      sync_failed_ = true;  // (told by tell_failure(), which runs after the post below)
+    }
     ::close(old);
   }
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
@@ -756,16 +761,18 @@ void durable_log::run() noexcept {
       reserved_ = 0;
     }
     // The log failed elsewhere (the io thread's write, or the directory's
-    // fsync after a compaction): nothing more is written or acknowledged,
-    // and what was written before it is made durable once more (everysec
-    // acknowledged it after the write alone; it must not wait for a
-    // restart to reach the disk).
+    // fsync after a compaction): nothing more is written or acknowledged.
+    // With everysec, what was written before is made durable once more
+    // (acknowledged after the write alone, it must not wait for a restart
+    // to reach the disk); always acknowledged nothing without an fsync,
+    // and no leaves it to the OS. Never after a failed fdatasync.
     bool last_sync = false;
     if (write_error_) {
-      last_sync = !failed && o_.sync != sync_mode::no;
+      last_sync = !failed && o_.sync == sync_mode::everysec && !sync_failed_;
       failed = true;
       dirty = false;
     }
+    const bool told_elsewhere = last_sync;  // (the io thread tells the operator, maybe already)
     const bool stopping = stop_;
     std::vector<std::byte> buf;
     if (writes_all || handed_ || stopping) {
@@ -803,22 +810,29 @@ void durable_log::run() noexcept {
         }
       }
       // This thread's write failed: what was written before it, as above.
-      if (ec && !sync_failed && o_.sync != sync_mode::no) last_sync = true;
+      if (ec && !sync_failed && o_.sync == sync_mode::everysec) last_sync = true;
     }
-    if (last_sync) final_sync(written_before);
+    const std::error_code last_sync_ec = last_sync ? final_sync(written_before) : std::error_code();
     const bool post_end = !failed && (!buf.empty() || ec);
     lk.lock();
     thread_writing_ = false;
     thread_syncing_ = false;
     if (!ec && !failed) written_end_ += buf.size();
-    bool sync_failed_too = false;
+    // The operator is told what may not be on the disk: by the line
+    // tell_failure() prints when sync_failed_ is set before it runs, else
+    // (the io thread's failure, told already or about to be) by one more.
+    std::error_code also_failed;
+    if (last_sync_ec) {
+      sync_failed_ = true;
+      if (told_elsewhere && failure_told_.load()) also_failed = last_sync_ec;
+    }
     if (ec && !failed) {
       failed = true;
       if (sync_failed) sync_failed_ = true;
       if (write_error_) {
-        // The io thread's write failed meanwhile and told the operator
-        // that a last fdatasync would follow: this one failed instead.
-        sync_failed_too = sync_failed;
+        // The io thread's write failed meanwhile, and it may have told the
+        // operator already: this fdatasync failed too.
+        if (sync_failed) also_failed = ec;
       } else {
         write_error_ = ec;
         write_error_what_ =
@@ -830,11 +844,11 @@ void durable_log::run() noexcept {
     // reason, the text not yet written here).
     if (post_end) asio::post(io_, [this, end, ec] { on_durable(end, ec, false, {}); });
     if (failed) dirty = false;  // (nothing more is written or fsynced: no timed wakeups)
-    if (sync_failed_too) {
+    if (also_failed) {
       std::fprintf(stderr,
                    "anydoor-kv: the log %s cannot be made durable either: fdatasync: %s; writes acknowledged since the "
-                   "last fsync may not be on the disk\n",
-                   path_.c_str(), ec.message().c_str());
+                   "last fsync may not be on the disk, and a restart does not make them so\n",
+                   path_.c_str(), also_failed.message().c_str());
     }
     if (compactor_waits_) switch_cv_.notify_all();
     buf.clear();
@@ -847,19 +861,15 @@ int durable_log::sync_file(int fd) const noexcept {
   return o_.fdatasync_hook != nullptr ? o_.fdatasync_hook(fd) : ::fdatasync(fd);
 }
 
-void durable_log::final_sync(std::uint64_t covered) noexcept {
+std::error_code durable_log::final_sync(std::uint64_t covered) noexcept {
   // (Not after a failed fdatasync: a second one can report success for
   // pages the first lost.)
   if (sync_file(fd_) == 0) {
     fsyncs_.fetch_add(1, std::memory_order_relaxed);
     synced_end_.store(covered, std::memory_order_relaxed);
-    return;
+    return {};
   }
-  const int e = errno;
-  std::fprintf(stderr,
-               "anydoor-kv: the last fdatasync of the log %s, after it failed, failed too: %s; writes acknowledged "
-               "since the last fsync may not be on the disk\n",
-               path_.c_str(), std::strerror(e));
+  return {errno, std::generic_category()};
 }
 
 void durable_log::tell_failure() noexcept {
@@ -883,7 +893,8 @@ void durable_log::tell_failure() noexcept {
                o_.sync == sync_mode::always ? ""
                : o_.sync == sync_mode::no
                    ? " (with sync no, the OS decides when it reaches the disk)"
-                   : (sync_failed ? ", but what was acknowledged since the last fsync may not be on the disk"
+                   : (sync_failed ? ", but what was acknowledged since the last fsync may not be on the disk, "
+                                    "and a restart does not make it so"
                                   : ", and one more fdatasync is made to put it on the disk (a line follows should "
                                     "it fail)"));
 }

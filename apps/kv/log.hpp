@@ -219,8 +219,8 @@ class durable_log {
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
   void tell_failure() noexcept;
   // The log thread, once a write failed: one more fdatasync of fd_, which
-  // covers at least `covered` bytes.
-  void final_sync(std::uint64_t covered) noexcept;
+  // covers at least `covered` bytes; its error.
+  std::error_code final_sync(std::uint64_t covered) noexcept;
   int sync_file(int fd) const noexcept;  // fdatasync, or the test's hook
   // On compactor_: the whole compaction; posts its end to the io thread.
   void compact(compaction c) noexcept;
