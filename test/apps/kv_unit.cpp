@@ -550,11 +550,17 @@ TEST_CASE("kv log: a torn tail full of forged record headers is told from corrup
 }
 
 namespace {
+// The whole file, in one read: byte by byte through a stream iterator
+// took minutes under TSan at -O1 (a test reads a log 300 times).
 std::vector<std::byte> file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> b(c.size());
-  if (!c.empty()) std::memcpy(b.data(), c.data(), c.size());
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  std::vector<std::byte> b;
+  const std::streamoff n = in ? static_cast<std::streamoff>(in.tellg()) : -1;
+  if (n <= 0) return b;
+  b.resize(static_cast<std::size_t>(n));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(b.data()), static_cast<std::streamsize>(n));
+  b.resize(static_cast<std::size_t>(in.gcount()));
   return b;
 }
 // Where the good records in the log file at `path` end (the file may be
