@@ -26,8 +26,15 @@ constexpr auto tuple = asio::as_tuple(asio::use_awaitable);
 // executor (inline: it is the connection's io thread). A READ handler
 // destroyed without being called (its io_context destroyed first) counts
 // as abandoned: once both are gone, the kept handler is destroyed, and
-// with it the coroutine's frames, as use_awaitable's own would be. One
-// fabric is one thread, so the counts need no atomics.
+// with it the coroutine's frames, as use_awaitable's own would be. A READ
+// that cannot start (std::bad_alloc from an empty node pool) counts as
+// abandoned too, and the exception leaves the initiation as Asio's own
+// would (out of the io_context's run(); the coroutine is never resumed):
+// the kept handler is destroyed once the READ already started, if one
+// did, has completed, so the frame holding this pair outlives it. The
+// count starts at one, the initiation's own share, and each READ adds
+// its share just before it is started: a READ never started is never
+// waited for. One fabric is one thread, so the counts need no atomics.
 class read_pair {
  public:
   error_code ec[2];
@@ -35,7 +42,7 @@ class read_pair {
   asio::awaitable<void> both(connection& c, local_range d0, const remote_region& s0, local_range d1,
                              const remote_region& s1) {
     const auto ex = c.get_executor();  // (before anything is kept: it may throw)
-    left_ = 2;
+    left_ = 1;  // the initiation's share
     abandoned_ = false;
     co_await asio::async_initiate<decltype(asio::use_awaitable), void()>(
         [&](auto handler) {
@@ -49,8 +56,18 @@ class read_pair {
             // Either may end the frame that holds p: nothing touches p after.
             if (resume) asio::dispatch(std::move(local));
           };
-          c.async_get(d0, s0, asio::bind_executor(ex, callback(this, 0)));
-          c.async_get(d1, s1, asio::bind_executor(ex, callback(this, 1)));
+          try {
+            ++left_;
+            c.async_get(d0, s0, asio::bind_executor(ex, callback(this, 0)));
+            ++left_;
+            c.async_get(d1, s1, asio::bind_executor(ex, callback(this, 1)));
+          } catch (...) {
+            // (A callback not taken by its operation has settled as abandoned.)
+            abandoned_ = true;
+            release();  // may destroy the kept handler: nothing touches this after
+            throw;
+          }
+          release();
         },
         asio::use_awaitable);
   }
@@ -77,6 +94,9 @@ class read_pair {
   void settle(int i, const error_code* e) {
     if (e != nullptr) ec[i] = *e;
     else abandoned_ = true;
+    release();
+  }
+  void release() {
     if (--left_ == 0) finish_(*this, !abandoned_);
   }
 
