@@ -69,7 +69,7 @@ struct counting_op final : ad::operation {
 constexpr int kBatch = 16;
 
 void reactor_dispatch(benchmark::State& state) {
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   synthetic_cq cq;
   // One poll per io_context round, so that each step below is one poll.
   ad::reactor r(io, cq, {.mode = ad::poll_mode::busy, .batch = kBatch, .spin_polls = 1});
@@ -110,7 +110,7 @@ void resume_coroutines(benchmark::State& state, Await await_next) {
   // step polls, dispatches and resumes all of them (a pass that dispatched
   // completions ends the round).
   const auto n = static_cast<std::size_t>(state.range(0));
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   synthetic_cq cq;
   // A batch larger than n: the pass ends after the n completions (a full
   // batch would make the reactor poll again, and the resumed coroutines

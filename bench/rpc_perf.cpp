@@ -125,7 +125,7 @@ awaitable<void> run_client(ad::fabric& fab, const ad::bench::cli_options& o) {
 int main(int argc, char** argv) {
   const auto o = parse(argc, argv);
   try {
-    asio::io_context io;
+    asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
     ad::fabric_options fo;
     fo.device.provider = o.provider;
     fo.max_connections = 4;

@@ -304,7 +304,7 @@ awaitable<void> run_client(ad::fabric& fab, const options& o) {
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   try {
-    asio::io_context io;
+    asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
     ad::fabric_options fo;
     fo.device.provider = o.provider;
     fo.connection.credits = static_cast<std::uint16_t>(o.test == "msg_rate" ? o.window : 64);

@@ -3,7 +3,9 @@
 
 #include "log.hpp"
 
+#include <boost/asio/execution.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/require.hpp>
 
 #include <unistd.h>
 
@@ -228,10 +230,28 @@ void reactor::stop() {
   fd_.cancel(ignored);
 }
 
-void reactor::spin_step() {
+void reactor::post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch) {
+  // The reactor's own loop goes on: a continuation of the handler running
+  // now. From inside the io_context's run(), Asio queues it for this thread
+  // alone (no lock of its scheduler, no atomic count of its work) and
+  // appends it to the shared queue when this handler returns, behind what
+  // others have posted. The flag's reference moves from step to step.
+  auto ex = asio::require(io_.get_executor(), asio::execution::blocking.never,
+                          asio::execution::relationship.continuation);
+  ex.execute([this, alive = std::move(alive), epoch]() mutable {
+    if (*alive && epoch == epoch_) spin_step(std::move(alive));
+  });
+}
+
+void reactor::spin_step(std::shared_ptr<bool> alive) {
   if (!running_) return;
+  // (A stop and a start from a handler of this round start another loop:
+  // this one's next step retires.)
   const std::uint64_t epoch = epoch_;
-  const auto now = std::chrono::steady_clock::now();
+  // Busy mode never sleeps: no clock read per round (adaptive mode keeps
+  // the time of the last completion).
+  const bool timed = mode_ != poll_mode::busy;
+  const auto now = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   // Empty polls repeat within this round (up to spin_polls) while the owner
   // has none of its handlers waiting: each io_context round costs Asio an
   // epoll_wait, a system call the raw provider loop does not make. A pass
@@ -243,7 +263,7 @@ void reactor::spin_step() {
     if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
     if (!running_) break;
     if (drain() > 0) {
-      last_activity_ = now;
+      if (timed) last_activity_ = now;
       break;
     }
     if (yield_check_ != nullptr && yield_check_(yield_check_ctx_)) break;
@@ -251,10 +271,8 @@ void reactor::spin_step() {
   spinning_ = false;
   if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
   if (!running_) return;
-  if (mode_ == poll_mode::busy || now - last_activity_ < options_.spin) {
-    asio::post(io_, [this, alive = alive_, epoch] {
-      if (*alive && epoch == epoch_) spin_step();
-    });
+  if (!timed || now - last_activity_ < options_.spin) {
+    post_spin_step(alive != nullptr ? std::move(alive) : alive_, epoch);
     return;
   }
   arm_and_wait();
@@ -274,9 +292,7 @@ void reactor::arm_and_wait() {
     if (drain() == 0) break;
     if (mode_ == poll_mode::adaptive) {
       last_activity_ = std::chrono::steady_clock::now();
-      asio::post(io_, [this, alive = alive_, epoch = epoch_] {
-        if (*alive && epoch == epoch_) spin_step();
-      });
+      post_spin_step(alive_, epoch_);
       return;
     }
   }

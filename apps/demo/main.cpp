@@ -96,7 +96,7 @@ namespace ad = anydoor;
 
 int echo_server(int port_fd) {
   try {
-    asio::io_context io;
+    asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
     ad::fabric fab(io, {.max_connections = 2});
     ad::acceptor acc = fab.listen("127.0.0.1", 0);
     const std::uint16_t port = acc.port();
@@ -123,7 +123,7 @@ int echo_server(int port_fd) {
 }
 
 int echo_client(std::uint16_t port) {
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   ad::fabric fab(io, {.max_connections = 2});
   int rc = 1;
   // RNR NAKs as the device counts them (verbs: the NIC's port counters,

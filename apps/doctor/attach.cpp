@@ -94,7 +94,7 @@ bool parse_metrics(std::string_view text, std::vector<sample>& out, std::string&
 bool fetch_metrics(const std::string& host, std::uint16_t port, std::string& body, std::string& why) {
   // All of it within 10 s, and at most 8 MiB: the endpoint may be anything.
   constexpr std::size_t kMaxPage = std::size_t{8} << 20;
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   tcp::resolver resolver(io);
   tcp::socket sock(io);
   std::string resp;

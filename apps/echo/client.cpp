@@ -275,7 +275,7 @@ fabric_options client_fabric_options(const client_options& o) {
 // connections and of --count).
 struct worker {
   client_options o;
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   std::unique_ptr<fabric> fab;
   std::unique_ptr<load> l;
 };

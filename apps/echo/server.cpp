@@ -173,7 +173,7 @@ int run_group(const server_options& o) {
 int run_server(const server_options& o) {
   ensure_fd_limit((std::uint64_t{o.max_connections} + 16) * o.threads + 64, "anydoor-echo");
   if (o.threads > 1) return run_group(o);
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   fabric fab(io, make_fabric_options(o));
   acceptor acc = fab.listen(o.listen.host, o.listen.port);
   endpoint bound = o.listen;

@@ -426,7 +426,7 @@ asio::awaitable<int> run(const options& o, anydoor::fabric& fab) {
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   try {
-    asio::io_context io;
+    asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
     anydoor::fabric_options fo;
     fo.device.provider = o.provider;
     fo.connection.max_message = std::uint64_t{1} << 30;

@@ -208,7 +208,7 @@ std::unique_ptr<anydoor::metrics_endpoint> open_metrics(const options& o, asio::
 }
 
 int run(const options& o) {
-  asio::io_context io;
+  asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   kv::store st(o.store);
   std::unique_ptr<kv::durable_log> log = open_log(o, io, st);
   kv::service svc(st, log.get());

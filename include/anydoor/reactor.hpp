@@ -154,7 +154,9 @@ class reactor {
   void wait_readable();
   void on_readable();
   void arm_and_wait();
-  void spin_step();
+  // One busy round; `alive` is alive_'s reference a posted step carries (empty: none).
+  void spin_step(std::shared_ptr<bool> alive = nullptr);
+  void post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch);
   bool watch_notify_fd();  // the notify fd joins the io_context (first sleep); false: failed
 
   asio::io_context& io_;

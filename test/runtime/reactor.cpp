@@ -4,7 +4,9 @@
 
 #include <anydoor/reactor.hpp>
 
+#include <boost/asio/execution.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/require.hpp>
 #include <boost/asio/steady_timer.hpp>
 
 #include <fcntl.h>
@@ -208,6 +210,45 @@ TEST_CASE("reactor: a busy round polls up to spin_polls times unless its owner h
     CHECK_FALSE(r.spinning());
     r.stop();
     io.run();  // the last round sees the stop
+  }
+}
+
+TEST_CASE("reactor: a handler posted during a busy round runs before the next round - with any concurrency hint",
+          "[runtime]") {
+  // The reactor's next step is a continuation of its round (queued for the
+  // io thread alone, no lock): it must still go behind what the round's
+  // handlers posted, plain posts and continuations, whatever the hint.
+  endpoint e;
+  for (const int hint : {BOOST_ASIO_CONCURRENCY_HINT_DEFAULT, 1}) {
+    INFO("concurrency hint " << hint);
+    asio::io_context io(hint);
+    anydoor::reactor r(io, *e.cq, {.mode = anydoor::poll_mode::busy, .spin_polls = 2});
+    struct hook_state {
+      asio::io_context* io;
+      anydoor::reactor* r;
+      bool posted = false;
+      std::vector<std::uint64_t> seen;  // the reactor's polls when each posted handler ran
+    } st{&io, &r};
+    r.set_before_poll([](void* ctx) noexcept {
+      auto* s = static_cast<hook_state*>(ctx);
+      if (s->posted) return;
+      s->posted = true;
+      asio::post(*s->io, [s] { s->seen.push_back(s->r->stats().polls); });
+      // (asio::post would prefer relationship.fork: executed directly)
+      asio::require(s->io->get_executor(), asio::execution::blocking.never,
+                    asio::execution::relationship.continuation)
+          .execute([s] { s->seen.push_back(s->r->stats().polls); });
+    }, &st);
+    r.start();
+    REQUIRE(io.run_one() == 1);  // the first round: 2 empty polls
+    CHECK(r.stats().polls == 2);
+    REQUIRE(io.run_one() == 1);
+    REQUIRE(io.run_one() == 1);
+    CHECK(st.seen == std::vector<std::uint64_t>{2, 2});  // both before the next round
+    REQUIRE(io.run_one() == 1);                          // the second round
+    CHECK(r.stats().polls == 4);
+    r.stop();
+    io.run();
   }
 }
 
