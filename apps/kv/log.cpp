@@ -10,6 +10,9 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <limits>
+#include <memory>
+#include <new>
 #include <stdexcept>
 
 #include <fcntl.h>
@@ -37,7 +40,8 @@ std::uint32_t load32(const std::byte* p) {
 
 std::string sys_error(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-void file_header(std::vector<std::byte>& out, std::uint32_t salt) {
+template <class Buffer>
+void file_header(Buffer& out, std::uint32_t salt) {
   const std::size_t at = out.size();
   out.resize(at + kLogHeader);
   const std::uint32_t v[2] = {salt == 0 ? 1 : kLogVersion, salt};
@@ -88,8 +92,36 @@ const char* to_string(sync_mode m) noexcept {
   return "?";
 }
 
-void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
-                   std::uint32_t salt) {
+namespace {
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+}  // namespace
+
+template <class T>
+T* snapshot_allocator<T>::allocate(std::size_t n) {
+  if (n > std::numeric_limits<std::size_t>::max() / sizeof(T)) throw std::bad_array_new_length();
+  const std::size_t bytes = n * sizeof(T);
+  if (bytes < kHugePage) return std::allocator<T>().allocate(n);
+  const std::size_t mapped = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  (void)::madvise(p, mapped, MADV_HUGEPAGE);  // (a hint: EINVAL without THP support)
+  return static_cast<T*>(p);
+}
+
+template <class T>
+void snapshot_allocator<T>::deallocate(T* p, std::size_t n) noexcept {
+  const std::size_t bytes = n * sizeof(T);
+  if (bytes < kHugePage) return std::allocator<T>().deallocate(p, n);
+  ::munmap(p, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+}
+
+template struct snapshot_allocator<std::byte>;
+
+namespace {
+
+template <class Buffer>
+void encode_record_into(Buffer& out, record_type t, std::string_view key, std::span<const std::byte> value,
+                        std::uint32_t salt) {
   const std::size_t at = out.size();
   out.resize(at + kRecordHeader + key.size() + value.size());
   std::byte* p = out.data() + at;
@@ -106,6 +138,18 @@ void encode_record(std::vector<std::byte>& out, record_type t, std::string_view 
   if (!value.empty()) std::memcpy(p + kRecordHeader + key.size(), value.data(), value.size());
   const std::uint32_t crc = crc32c(salt, p + 4, kRecordHeader - 4 + key.size() + value.size());
   std::memcpy(p, &crc, 4);
+}
+
+}  // namespace
+
+void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
+                   std::uint32_t salt) {
+  encode_record_into(out, t, key, value, salt);
+}
+
+void encode_record(snapshot_buffer& out, record_type t, std::string_view key, std::span<const std::byte> value,
+                   std::uint32_t salt) {
+  encode_record_into(out, t, key, value, salt);
 }
 
 log_parse parse_log(std::span<const std::byte> file,
@@ -475,16 +519,19 @@ void durable_log::end_of_turn() noexcept {
   on_durable(end, ec, false, {});
 }
 
-void durable_log::maybe_compact(std::uint64_t live_bytes,
-                                const std::function<void(std::vector<std::byte>&)>& snapshot) {
+void durable_log::maybe_compact(std::uint64_t live_bytes, const std::function<void(snapshot_buffer&)>& snapshot) {
   if (compacting_ || compaction_stopped_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ < retry_compact_at_ ||
       logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
   compaction c;
+  const auto t0 = std::chrono::steady_clock::now();
   c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
   file_header(c.snapshot, salt_);
   snapshot(c.snapshot);
+  stats_.last_snapshot_us = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+  stats_.max_snapshot_us = std::max(stats_.max_snapshot_us, stats_.last_snapshot_us);
   {
     // The snapshot holds every record appended so far: those written or
     // being written (up to taken_end_) and those still pending.
@@ -606,7 +653,7 @@ void durable_log::compact(compaction c) noexcept {
   if (fd < 0) ec = {errno, std::generic_category()};
   if (!ec) ec = write_all(fd, c.snapshot.data(), c.snapshot.size());
   const std::uint64_t snapshot_bytes = c.snapshot.size();
-  std::vector<std::byte>().swap(c.snapshot);  // (its memory back now)
+  snapshot_buffer().swap(c.snapshot);  // (its memory back now)
   if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};
   if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
   // Catch up with the records written to the old log meanwhile, while they

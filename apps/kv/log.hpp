@@ -77,16 +77,19 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace anydoor::apps::kv {
@@ -113,8 +116,40 @@ struct log_parse {
 log_parse parse_log(std::span<const std::byte> file,
                     const std::function<void(record_type, std::string_view, std::span<const std::byte>)>& apply);
 
+// Memory for a compaction's snapshot, which the io thread fills while
+// requests wait (as large as the live data, written once front to back,
+// freed once written to the new log). Blocks of 2 MiB or more are mapped
+// and marked for transparent huge pages (madvise; the kernel may decline):
+// one page fault per 2 MiB instead of one per 4 KiB, which on a VM costs
+// the io thread most of a large snapshot's time. Elements are left
+// uninitialised by resize() (every byte is written by what follows).
+template <class T>
+struct snapshot_allocator {
+  using value_type = T;
+  snapshot_allocator() noexcept = default;
+  template <class U>
+  snapshot_allocator(const snapshot_allocator<U>&) noexcept {}
+  T* allocate(std::size_t n);
+  void deallocate(T* p, std::size_t n) noexcept;
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;  // default-initialised: no zeroing
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+  template <class U>
+  bool operator==(const snapshot_allocator<U>&) const noexcept {
+    return true;
+  }
+};
+using snapshot_buffer = std::vector<std::byte, snapshot_allocator<std::byte>>;
+
 // Appends one record to `out`, for a log with this salt (0: version 1).
 void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
+                   std::uint32_t salt);
+void encode_record(snapshot_buffer& out, record_type t, std::string_view key, std::span<const std::byte> value,
                    std::uint32_t salt);
 
 struct log_options {
@@ -137,6 +172,10 @@ struct log_stats {
   std::uint64_t synced_bytes = 0;
   std::uint64_t compactions = 0;
   std::uint64_t compaction_failures = 0;  // the old log kept, retried later
+  // The io thread builds each compaction's snapshot (a copy of the live
+  // data) while requests wait: how long the last one took, and the longest.
+  std::uint64_t last_snapshot_us = 0;
+  std::uint64_t max_snapshot_us = 0;
 };
 
 struct replay_report {
@@ -194,7 +233,7 @@ class durable_log {
   // On the io thread after writes: starts a compaction when the log holds
   // more than twice `live_bytes` (the records the live data needs) and at
   // least compact_min; `snapshot` appends one put record per live key.
-  void maybe_compact(std::uint64_t live_bytes, const std::function<void(std::vector<std::byte>&)>& snapshot);
+  void maybe_compact(std::uint64_t live_bytes, const std::function<void(snapshot_buffer&)>& snapshot);
 
   // On the io thread: a compaction is under way.
   bool compacting() const noexcept { return compacting_; }
@@ -209,7 +248,7 @@ class durable_log {
 
  private:
   struct compaction {
-    std::vector<std::byte> snapshot;
+    snapshot_buffer snapshot;
     std::uint64_t start = 0;  // the offset in the old log where records the snapshot lacks begin
     std::uint64_t lsn = 0;    // the log sequence number the snapshot covers
   };

@@ -391,7 +391,11 @@ void resp_door::info(std::string_view section, std::string& out) const {
          std::to_string(st_.accept_errors) +
          "\r\nprotocol_errors:" + std::to_string(st_.protocol_errors) +
          "\r\nkeyspace_hits:" + std::to_string(vs.get_hits) +
-         "\r\nkeyspace_misses:" + std::to_string(vs.gets - vs.get_hits) + "\r\n\r\n";
+         "\r\nkeyspace_misses:" + std::to_string(vs.gets - vs.get_hits) + "\r\n";
+    // No fork here: the time the last compaction's snapshot held the io
+    // thread (Redis's field for the same pause, the fork's); 0 before one.
+    const durable_log* log = const_cast<service&>(svc_).log();
+    t += "latest_fork_usec:" + std::to_string(log != nullptr ? log->stats().last_snapshot_us : 0) + "\r\n\r\n";
   }
   if (all || sec == "keyspace") {
     t += "# Keyspace\r\n";

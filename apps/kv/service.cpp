@@ -36,7 +36,7 @@ rpc::status service::check(std::string_view key, std::size_t value_size) const {
 
 void service::maybe_compact() {
   if (log_ == nullptr) return;
-  log_->maybe_compact(st_.stats().live_bytes + st_.stats().keys * kRecordHeader, [this](std::vector<std::byte>& out) {
+  log_->maybe_compact(st_.stats().live_bytes + st_.stats().keys * kRecordHeader, [this](snapshot_buffer& out) {
     st_.for_each([&, salt = log_->salt()](std::string_view k, std::span<const std::byte> v) {
       encode_record(out, record_type::put, k, v, salt);
     });

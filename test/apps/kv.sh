@@ -126,6 +126,7 @@ R get | grep -q "wrong number of arguments for 'get'" || fail "arity"
 R info | grep -q "^redis_version:" || fail "INFO server"
 R info keyspace | grep -q "^db0:keys=[0-9]*,expires=0" || fail "INFO keyspace"
 R info stats | grep -q "^total_commands_processed:" || fail "INFO stats"
+R info stats | grep -q "^latest_fork_usec:[0-9]" || fail "INFO stats latest_fork_usec"
 [ "$(R config get appendonly | tr '\n' ,)" = "appendonly,no," ] || fail "CONFIG GET appendonly (memory-only)"
 [ "$(R dbsize)" -ge 5 ] || fail "DBSIZE"
 # A Redis port taken (here by this server's own door): exit 1 naming the door and the address.

@@ -654,6 +654,86 @@ TEST_CASE("kv log: records written while a compaction runs follow it into the ne
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("kv log: the time a compaction's snapshot holds the io thread is reported - the last one and the longest",
+          "[kv]") {
+  const std::string dir = tmpdir();
+  {
+    asio::io_context io;
+    durable_log log(io, {.dir = dir, .sync = sync_mode::no, .compact_min = 16 << 10},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    CHECK(log.stats().last_snapshot_us == 0);
+    CHECK(log.stats().max_snapshot_us == 0);
+    const std::string value(200, 'x');
+    auto fill = [&] {  // about 44 KB of log for one live key of 201 B
+      for (int i = 0; i < 200; ++i) REQUIRE(log.append(record_type::put, "k", B(value)) != 0);
+    };
+    auto one_key = [&](snapshot_buffer& out) { encode_record(out, record_type::put, "k", B(value), log.salt()); };
+    fill();
+    log.maybe_compact(kRecordHeader + 1 + value.size(), [&](snapshot_buffer& out) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));  // a large store's copy
+      one_key(out);
+    });
+    io.run();
+    io.restart();
+    REQUIRE(log.stats().compactions == 1);
+    const std::uint64_t slow = log.stats().last_snapshot_us;
+    CHECK(slow >= 30000);
+    CHECK(log.stats().max_snapshot_us == slow);
+    fill();
+    log.maybe_compact(kRecordHeader + 1 + value.size(), one_key);
+    io.run();
+    REQUIRE(log.stats().compactions == 2);
+    CHECK(log.stats().last_snapshot_us < slow);
+    CHECK(log.stats().max_snapshot_us == slow);
+    log.close();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv log: snapshot memory - mapped blocks of 2 MiB and more and small heap blocks keep what is written",
+          "[kv]") {
+  for (const std::size_t n : {std::size_t{1000}, std::size_t{3} << 20}) {
+    INFO("bytes " << n);
+    snapshot_buffer b;
+    b.reserve(n / 2);
+    for (std::size_t i = 0; i < n; ++i) b.push_back(static_cast<std::byte>(i * 7 + 3));  // grows past the reserve
+    snapshot_buffer moved = std::move(b);
+    moved.resize(n + 10);  // (the ten new bytes are left uninitialised)
+    bool same = true;
+    for (std::size_t i = 0; i < n; ++i) same = same && moved[i] == static_cast<std::byte>(i * 7 + 3);
+    CHECK(same);
+    snapshot_buffer().swap(moved);  // freed (munmap for the large one)
+    CHECK(moved.capacity() == 0);
+  }
+}
+
+TEST_CASE("kv log: a compaction whose snapshot is larger than 2 MiB (mapped memory) replays as the live data",
+          "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  store st({.max_memory = 16 << 20});
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::no, .compact_min = 1 << 20},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    for (int round = 0; round < 3; ++round) {  // 3000 keys of 1000 B, written 3 times: about 9 MB of log
+      for (int i = 0; i < 3000; ++i) {
+        std::uint64_t lsn = 0;
+        const std::string value = std::to_string(round) + ":" + std::string(998, static_cast<char>('a' + i % 26));
+        REQUIRE(svc.put("key" + std::to_string(i), B(value), lsn).is_ok());
+      }
+      io.run();
+      io.restart();
+    }
+    CHECK(log.stats().compactions >= 1);
+    CHECK(log.stats().compaction_failures == 0);
+    CHECK(st.stats().live_bytes > (std::uint64_t{2} << 20));
+    log.close();
+  }
+  expect_replay_equals(io, dir, sync_mode::no, st, 16 << 20);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("kv log: a log of version 1 (an earlier server's) is rewritten as version 2 at start - its records kept",
           "[kv]") {
   {
