@@ -14,6 +14,7 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <utility>
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -40,13 +41,16 @@ std::uint32_t load32(const std::byte* p) {
 
 std::string sys_error(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-template <class Buffer>
-void file_header(Buffer& out, std::uint32_t salt) {
+void file_header_at(std::byte* p, std::uint32_t salt) {
+  const std::uint32_t v[2] = {salt == 0 ? 1 : kLogVersion, salt};
+  std::memcpy(p, kMagic, 8);
+  std::memcpy(p + 8, v, 8);
+}
+
+void file_header(std::vector<std::byte>& out, std::uint32_t salt) {
   const std::size_t at = out.size();
   out.resize(at + kLogHeader);
-  const std::uint32_t v[2] = {salt == 0 ? 1 : kLogVersion, salt};
-  std::memcpy(out.data() + at, kMagic, 8);
-  std::memcpy(out.data() + at + 8, v, 8);
+  file_header_at(out.data() + at, salt);
 }
 
 // Version 2's header check: 24 bits of a salted CRC of type and lengths.
@@ -96,35 +100,51 @@ namespace {
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 }  // namespace
 
-template <class T>
-T* snapshot_allocator<T>::allocate(std::size_t n) {
-  if (n > std::numeric_limits<std::size_t>::max() / sizeof(T)) throw std::bad_array_new_length();
-  const std::size_t bytes = n * sizeof(T);
-  if (bytes < kHugePage) return std::allocator<T>().allocate(n);
-  const std::size_t mapped = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-  (void)::madvise(p, mapped, MADV_HUGEPAGE);  // (a hint: EINVAL without THP support)
-  return static_cast<T*>(p);
+snapshot_buffer::snapshot_buffer(snapshot_buffer&& o) noexcept
+    : blocks_(std::move(o.blocks_)), size_(std::exchange(o.size_, 0)) {
+  o.blocks_.clear();
 }
 
-template <class T>
-void snapshot_allocator<T>::deallocate(T* p, std::size_t n) noexcept {
-  const std::size_t bytes = n * sizeof(T);
-  if (bytes < kHugePage) return std::allocator<T>().deallocate(p, n);
-  ::munmap(p, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+snapshot_buffer& snapshot_buffer::operator=(snapshot_buffer&& o) noexcept {
+  if (this != &o) {
+    clear();
+    blocks_ = std::move(o.blocks_);
+    o.blocks_.clear();
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
 }
 
-template struct snapshot_allocator<std::byte>;
+snapshot_buffer::~snapshot_buffer() { clear(); }
+
+void snapshot_buffer::clear() noexcept {
+  for (const chunk& c : blocks_) ::munmap(c.p, c.mapped);
+  blocks_.clear();
+  size_ = 0;
+}
+
+std::byte* snapshot_buffer::append(std::size_t n) {
+  constexpr std::size_t kBlock = std::size_t{8} << 20;
+  if (blocks_.empty() || blocks_.back().mapped - blocks_.back().used < n) {
+    if (n > std::numeric_limits<std::size_t>::max() - kHugePage) throw std::bad_alloc();
+    const std::size_t mapped = std::max(kBlock, (n + kHugePage - 1) / kHugePage * kHugePage);
+    blocks_.reserve(blocks_.size() + 1);  // (before the mapping: nothing to undo should it throw)
+    void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    (void)::madvise(p, mapped, MADV_HUGEPAGE);  // (a hint: EINVAL without THP support)
+    blocks_.push_back({static_cast<std::byte*>(p), mapped, 0});
+  }
+  chunk& b = blocks_.back();
+  std::byte* at = b.p + b.used;
+  b.used += n;
+  size_ += n;
+  return at;
+}
 
 namespace {
 
-template <class Buffer>
-void encode_record_into(Buffer& out, record_type t, std::string_view key, std::span<const std::byte> value,
-                        std::uint32_t salt) {
-  const std::size_t at = out.size();
-  out.resize(at + kRecordHeader + key.size() + value.size());
-  std::byte* p = out.data() + at;
+void encode_record_at(std::byte* p, record_type t, std::string_view key, std::span<const std::byte> value,
+                      std::uint32_t salt) {
   const std::uint32_t k = static_cast<std::uint32_t>(key.size());
   const std::uint32_t v = static_cast<std::uint32_t>(value.size());
   p[4] = static_cast<std::byte>(t);
@@ -144,12 +164,14 @@ void encode_record_into(Buffer& out, record_type t, std::string_view key, std::s
 
 void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
                    std::uint32_t salt) {
-  encode_record_into(out, t, key, value, salt);
+  const std::size_t at = out.size();
+  out.resize(at + kRecordHeader + key.size() + value.size());
+  encode_record_at(out.data() + at, t, key, value, salt);
 }
 
 void encode_record(snapshot_buffer& out, record_type t, std::string_view key, std::span<const std::byte> value,
                    std::uint32_t salt) {
-  encode_record_into(out, t, key, value, salt);
+  encode_record_at(out.append(kRecordHeader + key.size() + value.size()), t, key, value, salt);
 }
 
 log_parse parse_log(std::span<const std::byte> file,
@@ -519,31 +541,71 @@ void durable_log::end_of_turn() noexcept {
   on_durable(end, ec, false, {});
 }
 
-void durable_log::maybe_compact(std::uint64_t live_bytes, const std::function<void(snapshot_buffer&)>& snapshot) {
-  if (compacting_ || compaction_stopped_ || failed_ || logical_bytes_ < o_.compact_min || logical_bytes_ < retry_compact_at_ ||
-      logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
+void durable_log::maybe_compact(std::uint64_t live_bytes, std::function<bool(snapshot_buffer&)> snapshot_step) {
+  if (compacting_ || snapshotting_ || compaction_stopped_ || failed_ || logical_bytes_ < o_.compact_min ||
+      logical_bytes_ < retry_compact_at_ || logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
-  compaction c;
-  const auto t0 = std::chrono::steady_clock::now();
-  c.snapshot.reserve(kLogHeader + live_bytes);  // (one allocation: the io thread builds it while writes wait)
-  file_header(c.snapshot, salt_);
-  snapshot(c.snapshot);
-  stats_.last_snapshot_us = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
-  stats_.max_snapshot_us = std::max(stats_.max_snapshot_us, stats_.last_snapshot_us);
+  auto c = std::make_unique<compaction>();
   {
-    // The snapshot holds every record appended so far: those written or
-    // being written (up to taken_end_) and those still pending.
+    // The snapshot, taken from now on, reflects every record appended so
+    // far: those written or being written (up to taken_end_) and those
+    // still pending. The records appended while it is taken follow it in
+    // the new log (as those appended while the compactor writes it): a key
+    // they change is replayed to its last value whatever the snapshot saw.
     std::lock_guard lk(m_);
     if (stop_ || no_compaction_) return;
-    c.start = taken_end_ + pending_.size();
-    c.lsn = lsn_;
+    c->start = taken_end_ + pending_.size();
+    c->lsn = lsn_;
   }
-  if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
-  const std::uint64_t snapshot_bytes = c.snapshot.size();
+  file_header_at(c->snapshot.append(kLogHeader), salt_);
+  c->logical_at_start = logical_bytes_;
+  snapshotting_ = true;
+  stats_.last_snapshot_us = 0;
+  stats_.last_snapshot_steps = 0;
+  snapshot_step_now(std::move(c), std::move(snapshot_step));
+}
+
+void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step) {
+  {
+    std::lock_guard lk(m_);
+    if (stop_ || no_compaction_ || compaction_stopped_ || failed_) {
+      snapshotting_ = false;  // (closed, stopped or failed meanwhile: the old log stays)
+      return;
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  bool done = false;
   try {
-    compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(c)); });
+    done = step(c->snapshot);
+  } catch (const std::bad_alloc&) {
+    // No memory for the snapshot: the old log stays; tried again later.
+    snapshotting_ = false;
+    retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
+    ++stats_.compaction_failures;
+    std::fprintf(stderr, "anydoor-kv: no memory for the snapshot to compact %s: trying again later\n",
+                 path_.c_str());
+    return;
+  }
+  const auto held = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+  stats_.last_snapshot_us = std::max(stats_.last_snapshot_us, held);
+  stats_.max_snapshot_us = std::max(stats_.max_snapshot_us, held);
+  ++stats_.last_snapshot_steps;
+  if (!done) {
+    // Requests run between the steps.
+    asio::post(io_, [this, alive = std::weak_ptr<int>(alive_), c = std::move(c), step = std::move(step)]() mutable {
+      if (alive.expired()) return;  // (the log was destroyed first: its io_context runs on)
+      snapshot_step_now(std::move(c), std::move(step));
+    });
+    return;
+  }
+  snapshotting_ = false;
+  if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
+  const std::uint64_t snapshot_bytes = c->snapshot.size();
+  const std::uint64_t appended_since = logical_bytes_ - c->logical_at_start;
+  try {
+    compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(*c)); });
   } catch (const std::system_error& e) {
     retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
     ++stats_.compaction_failures;
@@ -551,7 +613,7 @@ void durable_log::maybe_compact(std::uint64_t live_bytes, const std::function<vo
     return;
   }
   logical_if_failed_ = logical_bytes_;
-  logical_bytes_ = snapshot_bytes;
+  logical_bytes_ = snapshot_bytes + appended_since;
   compacting_ = true;
   if (!work_) work_.emplace(io_.get_executor());
 }
@@ -651,9 +713,11 @@ void durable_log::compact(compaction c) noexcept {
   std::string failed_step;
   const int fd = ::open(tmp_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);  // (read by the next compaction)
   if (fd < 0) ec = {errno, std::generic_category()};
-  if (!ec) ec = write_all(fd, c.snapshot.data(), c.snapshot.size());
+  for (std::size_t i = 0; !ec && i < c.snapshot.blocks(); ++i) {
+    ec = write_all(fd, c.snapshot.block(i).data(), c.snapshot.block(i).size());
+  }
   const std::uint64_t snapshot_bytes = c.snapshot.size();
-  snapshot_buffer().swap(c.snapshot);  // (its memory back now)
+  c.snapshot.clear();  // (its memory back now)
   if (!ec && ::fdatasync(fd) != 0) ec = {errno, std::generic_category()};
   if (!ec) fsyncs_.fetch_add(1, std::memory_order_relaxed);
   // Catch up with the records written to the old log meanwhile, while they

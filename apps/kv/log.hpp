@@ -81,6 +81,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
@@ -116,35 +117,40 @@ struct log_parse {
 log_parse parse_log(std::span<const std::byte> file,
                     const std::function<void(record_type, std::string_view, std::span<const std::byte>)>& apply);
 
-// Memory for a compaction's snapshot, which the io thread fills while
-// requests wait (as large as the live data, written once front to back,
-// freed once written to the new log). Blocks of 2 MiB or more are mapped
-// and marked for transparent huge pages (madvise; the kernel may decline):
-// one page fault per 2 MiB instead of one per 4 KiB, which on a VM costs
-// the io thread most of a large snapshot's time. Elements are left
-// uninitialised by resize() (every byte is written by what follows).
-template <class T>
-struct snapshot_allocator {
-  using value_type = T;
-  snapshot_allocator() noexcept = default;
-  template <class U>
-  snapshot_allocator(const snapshot_allocator<U>&) noexcept {}
-  T* allocate(std::size_t n);
-  void deallocate(T* p, std::size_t n) noexcept;
-  template <class U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;  // default-initialised: no zeroing
-  }
-  template <class U, class... A>
-  void construct(U* p, A&&... a) {
-    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
-  }
-  template <class U>
-  bool operator==(const snapshot_allocator<U>&) const noexcept {
-    return true;
-  }
+// A compaction's snapshot, which the io thread fills in steps (as large as
+// the live data, written once front to back, freed once written to the new
+// log): a chain of blocks, so that it grows without ever copying what it
+// holds (a vector's growth would copy it all inside one step). Blocks of
+// 8 MiB (or one record's size, if larger) are mapped and marked for
+// transparent huge pages (madvise; the kernel may decline): one page fault
+// per 2 MiB instead of one per 4 KiB, which on a VM costs much of a step.
+// Appended bytes are left uninitialised for the caller to write.
+class snapshot_buffer {
+ public:
+  snapshot_buffer() = default;
+  snapshot_buffer(snapshot_buffer&& o) noexcept;
+  snapshot_buffer& operator=(snapshot_buffer&& o) noexcept;
+  ~snapshot_buffer();
+  snapshot_buffer(const snapshot_buffer&) = delete;
+  snapshot_buffer& operator=(const snapshot_buffer&) = delete;
+
+  // n contiguous bytes at the end, to write; throws std::bad_alloc.
+  std::byte* append(std::size_t n);
+  std::size_t size() const noexcept { return size_; }
+  std::size_t blocks() const noexcept { return blocks_.size(); }
+  // The bytes in order, one contiguous span per block.
+  std::span<const std::byte> block(std::size_t i) const noexcept { return {blocks_[i].p, blocks_[i].used}; }
+  void clear() noexcept;  // frees every block
+
+ private:
+  struct chunk {
+    std::byte* p = nullptr;
+    std::size_t mapped = 0;
+    std::size_t used = 0;
+  };
+  std::vector<chunk> blocks_;
+  std::size_t size_ = 0;
 };
-using snapshot_buffer = std::vector<std::byte, snapshot_allocator<std::byte>>;
 
 // Appends one record to `out`, for a log with this salt (0: version 1).
 void encode_record(std::vector<std::byte>& out, record_type t, std::string_view key, std::span<const std::byte> value,
@@ -172,10 +178,13 @@ struct log_stats {
   std::uint64_t synced_bytes = 0;
   std::uint64_t compactions = 0;
   std::uint64_t compaction_failures = 0;  // the old log kept, retried later
-  // The io thread builds each compaction's snapshot (a copy of the live
-  // data) while requests wait: how long the last one took, and the longest.
+  // The io thread takes each compaction's snapshot (a copy of the live
+  // data) in steps, requests waiting during each: the longest step of the
+  // last snapshot (of the one being taken, while it is), the longest of all,
+  // and the last snapshot's steps.
   std::uint64_t last_snapshot_us = 0;
   std::uint64_t max_snapshot_us = 0;
+  std::uint64_t last_snapshot_steps = 0;
 };
 
 struct replay_report {
@@ -232,11 +241,19 @@ class durable_log {
 
   // On the io thread after writes: starts a compaction when the log holds
   // more than twice `live_bytes` (the records the live data needs) and at
-  // least compact_min; `snapshot` appends one put record per live key.
-  void maybe_compact(std::uint64_t live_bytes, const std::function<void(snapshot_buffer&)>& snapshot);
+  // least compact_min. The snapshot is taken in steps on the io thread,
+  // requests running in between: each call of `snapshot_step` appends put
+  // records of live keys and returns true once every live key has been
+  // appended. A key must be appended in a step unless a write changes it
+  // after the first step began (its records then follow the snapshot);
+  // appended twice is harmless. The first step runs inside this call.
+  void maybe_compact(std::uint64_t live_bytes, std::function<bool(snapshot_buffer&)> snapshot_step);
 
-  // On the io thread: a compaction is under way.
-  bool compacting() const noexcept { return compacting_; }
+  // On the io thread: a compaction is under way (its snapshot being taken,
+  // or its thread writing).
+  bool compacting() const noexcept { return compacting_ || snapshotting_; }
+  // On the io thread: its snapshot is being taken (steps still to run).
+  bool snapshotting() const noexcept { return snapshotting_; }
   // On the io thread, at shutdown: a compaction under way gives up (the old
   // log stays; unless it is swapping the files already) and none starts
   // again; its end is still posted here. Writes go on as before.
@@ -249,9 +266,11 @@ class durable_log {
  private:
   struct compaction {
     snapshot_buffer snapshot;
+    std::uint64_t logical_at_start = 0;  // logical_bytes_ when the snapshot began
     std::uint64_t start = 0;  // the offset in the old log where records the snapshot lacks begin
     std::uint64_t lsn = 0;    // the log sequence number the snapshot covers
   };
+  void snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step);
   void run() noexcept;
   void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;
@@ -282,6 +301,8 @@ class durable_log {
   std::uint64_t logical_if_failed_ = 0;  // the old file's size, should the compaction under way fail
   std::uint64_t retry_compact_at_ = 0;
   bool compacting_ = false;
+  bool snapshotting_ = false;  // a compaction's snapshot is being taken (steps posted to io_)
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // a posted step runs only while the log does
   bool compaction_stopped_ = false;  // stop_compaction()
   bool failed_ = false;
   std::uint32_t salt_ = 0;  // set once at open

@@ -36,11 +36,21 @@ rpc::status service::check(std::string_view key, std::size_t value_size) const {
 
 void service::maybe_compact() {
   if (log_ == nullptr) return;
-  log_->maybe_compact(st_.stats().live_bytes + st_.stats().keys * kRecordHeader, [this](snapshot_buffer& out) {
-    st_.for_each([&, salt = log_->salt()](std::string_view k, std::span<const std::byte> v) {
-      encode_record(out, record_type::put, k, v, salt);
-    });
-  });
+  // The snapshot in steps of about kSnapshotStep bytes of keys and values
+  // (requests run in between): the slot table bucket by bucket, then the
+  // overflow table, in one step (its keys are few, and its order changes
+  // with every insertion).
+  const store_stats s = st_.stats();
+  log_->maybe_compact(s.live_bytes + s.keys * kRecordHeader,
+                      [this, salt = log_->salt(), next = std::uint64_t{0}](snapshot_buffer& out) mutable {
+                        auto put = [&](std::string_view k, std::span<const std::byte> v) {
+                          encode_record(out, record_type::put, k, v, salt);
+                        };
+                        next = st_.for_each_from(next, kSnapshotStep, put);
+                        if (next < st_.slot_buckets()) return false;
+                        st_.for_each_overflow(put);
+                        return true;
+                      });
 }
 
 rpc::status service::put(std::string_view key, std::span<const std::byte> value, std::uint64_t& lsn) {

@@ -29,6 +29,10 @@
 
 namespace anydoor::apps::kv {
 
+// Keys and values per step of a compaction's snapshot, which holds the io
+// thread (about a millisecond per MiB here).
+inline constexpr std::size_t kSnapshotStep = std::size_t{1} << 20;
+
 inline constexpr std::uint64_t kLayoutMethod = rpc::method_id("kv.layout");
 inline constexpr std::uint64_t kGetMethod = rpc::method_id("kv.get");
 inline constexpr std::uint64_t kPutMethod = rpc::method_id("kv.put");

@@ -1,5 +1,7 @@
 #include "store.hpp"
 
+#include <limits>
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -390,14 +392,27 @@ void store::clear() noexcept {
 }
 
 void store::for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
-  for (std::uint64_t b = 0; b <= buckets_; ++b) {
+  (void)for_each_from(0, std::numeric_limits<std::size_t>::max(), f);
+  for_each_overflow(f);
+}
+
+std::uint64_t store::for_each_from(std::uint64_t from, std::size_t max_bytes,
+                                   const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
+  std::size_t seen = 0;
+  std::uint64_t b = from;
+  for (; b <= buckets_ && seen < max_bytes; ++b) {
     for (std::size_t i = 0; i < kSlotsPerBucket; ++i) {
       const slot& s = slot_at(b, i);
       if (s.version == 0) continue;
       const view v = slot_view(s);
+      seen += v.key.size() + v.value.size();
       f(v.key, v.value);
     }
   }
+  return b;
+}
+
+void store::for_each_overflow(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
   for (const auto& [k, off] : overflow_) {
     const view v = item_view(off);
     f(v.key, v.value);

@@ -66,6 +66,17 @@ class store {
 
   // Every key and value (order unspecified); `f` must not modify the store.
   void for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+  // The same in steps, with the store changed in between (a compaction's
+  // snapshot, taken while requests go on): the keys of the slot table from
+  // bucket `from` on, until `f` has seen at least `max_bytes` of keys and
+  // values; returns where the next step starts, slot_buckets() once the
+  // table is done. A key stays in its slot until it is deleted, so a key
+  // no write touches in between is seen exactly once; the overflow table's
+  // keys come in one step of their own.
+  std::uint64_t for_each_from(std::uint64_t from, std::size_t max_bytes,
+                              const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+  void for_each_overflow(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+  std::uint64_t slot_buckets() const noexcept { return buckets_ + 1; }
   store_stats stats() const noexcept { return st_; }
   // The index was faulted in at construction (not when it would take more
   // than half the RAM or the memory cgroup's limit, nor when the kernel
