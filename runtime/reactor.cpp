@@ -233,7 +233,7 @@ void reactor::stop() {
 void reactor::post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch) {
   // The reactor's own loop goes on: a continuation of the handler running
   // now. From inside the io_context's run(), Asio queues it for this thread
-  // alone (no lock of its scheduler, no atomic count of its work) and
+  // (one lock of its scheduler fewer, no atomic count of its work) and
   // appends it to the shared queue when this handler returns, behind what
   // others have posted. The flag's reference moves from step to step.
   auto ex = asio::require(io_.get_executor(), asio::execution::blocking.never,
@@ -279,6 +279,9 @@ void reactor::spin_step(std::shared_ptr<bool> alive) {
 }
 
 void reactor::arm_and_wait() {
+  // (A stop and a start from a handler run by a drain below start another
+  // loop: the step posted here then retires.)
+  const std::uint64_t epoch = epoch_;
   while (running_) {
     drain();
     if (!running_) return;
@@ -292,7 +295,7 @@ void reactor::arm_and_wait() {
     if (drain() == 0) break;
     if (mode_ == poll_mode::adaptive) {
       last_activity_ = std::chrono::steady_clock::now();
-      post_spin_step(alive_, epoch_);
+      post_spin_step(alive_, epoch);
       return;
     }
   }

@@ -546,7 +546,14 @@ void durable_log::maybe_compact(std::uint64_t live_bytes, std::function<bool(sna
       logical_bytes_ < retry_compact_at_ || logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
     return;
   }
-  auto c = std::make_unique<compaction>();
+  std::unique_ptr<compaction> c;
+  try {
+    c = std::make_unique<compaction>();
+    file_header_at(c->snapshot.append(kLogHeader), salt_);
+  } catch (const std::bad_alloc&) {
+    give_up_snapshot();
+    return;
+  }
   {
     // The snapshot, taken from now on, reflects every record appended so
     // far: those written or being written (up to taken_end_) and those
@@ -558,12 +565,20 @@ void durable_log::maybe_compact(std::uint64_t live_bytes, std::function<bool(sna
     c->start = taken_end_ + pending_.size();
     c->lsn = lsn_;
   }
-  file_header_at(c->snapshot.append(kLogHeader), salt_);
   c->logical_at_start = logical_bytes_;
   snapshotting_ = true;
   stats_.last_snapshot_us = 0;
   stats_.last_snapshot_steps = 0;
   snapshot_step_now(std::move(c), std::move(snapshot_step));
+}
+
+void durable_log::give_up_snapshot() noexcept {
+  // No memory for the snapshot (or to queue its next step): the old log
+  // stays, and a compaction is tried again after another compact_min.
+  snapshotting_ = false;
+  retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
+  ++stats_.compaction_failures;
+  std::fprintf(stderr, "anydoor-kv: no memory for the snapshot to compact %s: trying again later\n", path_.c_str());
 }
 
 void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step) {
@@ -579,12 +594,7 @@ void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function
   try {
     done = step(c->snapshot);
   } catch (const std::bad_alloc&) {
-    // No memory for the snapshot: the old log stays; tried again later.
-    snapshotting_ = false;
-    retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
-    ++stats_.compaction_failures;
-    std::fprintf(stderr, "anydoor-kv: no memory for the snapshot to compact %s: trying again later\n",
-                 path_.c_str());
+    give_up_snapshot();
     return;
   }
   const auto held = static_cast<std::uint64_t>(
@@ -594,15 +604,20 @@ void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function
   ++stats_.last_snapshot_steps;
   if (!done) {
     // Requests run between the steps.
-    asio::post(io_, [this, alive = std::weak_ptr<int>(alive_), c = std::move(c), step = std::move(step)]() mutable {
-      if (alive.expired()) return;  // (the log was destroyed first: its io_context runs on)
-      snapshot_step_now(std::move(c), std::move(step));
-    });
+    try {
+      asio::post(io_, [this, alive = std::weak_ptr<int>(alive_), c = std::move(c), step = std::move(step)]() mutable {
+        if (alive.expired()) return;  // (the log was destroyed first: its io_context runs on)
+        snapshot_step_now(std::move(c), std::move(step));
+      });
+    } catch (const std::bad_alloc&) {
+      give_up_snapshot();
+    }
     return;
   }
   snapshotting_ = false;
   if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
   const std::uint64_t snapshot_bytes = c->snapshot.size();
+  stats_.last_snapshot_bytes = snapshot_bytes;
   const std::uint64_t appended_since = logical_bytes_ - c->logical_at_start;
   try {
     compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(*c)); });

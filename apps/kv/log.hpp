@@ -185,6 +185,7 @@ struct log_stats {
   std::uint64_t last_snapshot_us = 0;
   std::uint64_t max_snapshot_us = 0;
   std::uint64_t last_snapshot_steps = 0;
+  std::uint64_t last_snapshot_bytes = 0;  // the last complete snapshot's, with the file header
 };
 
 struct replay_report {
@@ -271,6 +272,7 @@ class durable_log {
     std::uint64_t lsn = 0;    // the log sequence number the snapshot covers
   };
   void snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step);
+  void give_up_snapshot() noexcept;
   void run() noexcept;
   void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;

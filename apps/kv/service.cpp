@@ -36,20 +36,21 @@ rpc::status service::check(std::string_view key, std::size_t value_size) const {
 
 void service::maybe_compact() {
   if (log_ == nullptr) return;
-  // The snapshot in steps of about kSnapshotStep bytes of keys and values
-  // (requests run in between): the slot table bucket by bucket, then the
-  // overflow table, in one step (its keys are few, and its order changes
-  // with every insertion).
+  // The snapshot in steps of about kSnapshotStep bytes (requests run in
+  // between): the slot table bucket by bucket, then the overflow table in
+  // key order, each of the keys written before the snapshot began.
   const store_stats s = st_.stats();
   log_->maybe_compact(s.live_bytes + s.keys * kRecordHeader,
-                      [this, salt = log_->salt(), next = std::uint64_t{0}](snapshot_buffer& out) mutable {
+                      [this, salt = log_->salt(), before = st_.next_version(), next = std::uint64_t{0},
+                       after = std::string()](snapshot_buffer& out) mutable {
                         auto put = [&](std::string_view k, std::span<const std::byte> v) {
                           encode_record(out, record_type::put, k, v, salt);
                         };
-                        next = st_.for_each_from(next, kSnapshotStep, put);
-                        if (next < st_.slot_buckets()) return false;
-                        st_.for_each_overflow(put);
-                        return true;
+                        if (next < st_.slot_buckets()) {
+                          next = st_.for_each_from(next, kSnapshotStep, before, put);
+                          if (next < st_.slot_buckets()) return false;
+                        }
+                        return st_.for_each_overflow_from(after, kSnapshotStep, before, put);
                       });
 }
 

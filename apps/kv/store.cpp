@@ -229,7 +229,7 @@ std::optional<store::found> store::find(std::uint64_t h, std::string_view key) c
     }
   }
   if (header(home).overflow != 0) {
-    auto it = overflow_.find(std::string(key));
+    auto it = overflow_.find(key);
     if (it != overflow_.end()) return found{nullptr, it, true};
   }
   return std::nullopt;
@@ -392,31 +392,49 @@ void store::clear() noexcept {
 }
 
 void store::for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
-  (void)for_each_from(0, std::numeric_limits<std::size_t>::max(), f);
-  for_each_overflow(f);
+  constexpr std::size_t all = std::numeric_limits<std::size_t>::max();
+  const std::uint64_t every = std::numeric_limits<std::uint64_t>::max();
+  (void)for_each_from(0, all, every, f);
+  std::string after;
+  (void)for_each_overflow_from(after, all, every, f);
 }
 
-std::uint64_t store::for_each_from(std::uint64_t from, std::size_t max_bytes,
+namespace {
+// What a step charges per key beyond its key and value: a log record's
+// header (log.hpp's kRecordHeader), as the snapshot writes one each.
+constexpr std::size_t kRecordBytes = 16;
+}  // namespace
+
+std::uint64_t store::for_each_from(std::uint64_t from, std::size_t budget, std::uint64_t before,
                                    const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
-  std::size_t seen = 0;
+  std::size_t spent = 0;
   std::uint64_t b = from;
-  for (; b <= buckets_ && seen < max_bytes; ++b) {
+  for (; b <= buckets_ && spent < budget; ++b) {
+    spent += kBucketSize;
     for (std::size_t i = 0; i < kSlotsPerBucket; ++i) {
       const slot& s = slot_at(b, i);
-      if (s.version == 0) continue;
+      if (s.version == 0 || s.version >= before) continue;
       const view v = slot_view(s);
-      seen += v.key.size() + v.value.size();
+      spent += kRecordBytes + v.key.size() + v.value.size();
       f(v.key, v.value);
     }
   }
   return b;
 }
 
-void store::for_each_overflow(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
-  for (const auto& [k, off] : overflow_) {
-    const view v = item_view(off);
-    f(v.key, v.value);
+bool store::for_each_overflow_from(std::string& after, std::size_t budget, std::uint64_t before,
+                                   const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
+  std::size_t spent = 0;
+  auto it = after.empty() ? overflow_.begin() : overflow_.upper_bound(after);
+  for (; it != overflow_.end() && spent < budget; ++it) {
+    const view v = item_view(it->second);
+    item_header h;
+    std::memcpy(&h, base_ + arena_offset_ + it->second, sizeof h);
+    spent += kRecordBytes + v.key.size() + v.value.size();
+    if (h.version < before) f(v.key, v.value);
+    after = it->first;
   }
+  return it == overflow_.end();
 }
 
 }  // namespace anydoor::apps::kv

@@ -16,11 +16,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 namespace anydoor::apps::kv {
@@ -67,15 +67,22 @@ class store {
   // Every key and value (order unspecified); `f` must not modify the store.
   void for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
   // The same in steps, with the store changed in between (a compaction's
-  // snapshot, taken while requests go on): the keys of the slot table from
-  // bucket `from` on, until `f` has seen at least `max_bytes` of keys and
-  // values; returns where the next step starts, slot_buckets() once the
-  // table is done. A key stays in its slot until it is deleted, so a key
-  // no write touches in between is seen exactly once; the overflow table's
-  // keys come in one step of their own.
-  std::uint64_t for_each_from(std::uint64_t from, std::size_t max_bytes,
+  // snapshot, taken while requests go on), of the keys written before
+  // version `before` (next_version() when the snapshot began: what was
+  // written since has records of its own after it, and leaving it out
+  // keeps the snapshot a part of the store as it was then, never more).
+  // The slot table from bucket `from` on, until `budget` is spent (each
+  // bucket visited costs kBucketSize, each key its record's bytes);
+  // returns where the next step starts, slot_buckets() once done. Then the
+  // overflow table, in key order after `after` ("" to begin; keys are
+  // never empty), `after` set to the last key seen; true once done. A key
+  // stays in its slot, or in the overflow table, until it is deleted, so a
+  // key left alone is seen exactly once.
+  std::uint64_t for_each_from(std::uint64_t from, std::size_t budget, std::uint64_t before,
                               const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
-  void for_each_overflow(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+  bool for_each_overflow_from(std::string& after, std::size_t budget, std::uint64_t before,
+                              const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+  std::uint64_t next_version() const noexcept { return next_version_; }
   std::uint64_t slot_buckets() const noexcept { return buckets_ + 1; }
   store_stats stats() const noexcept { return st_; }
   // The index was faulted in at construction (not when it would take more
@@ -86,7 +93,7 @@ class store {
  private:
   struct found {
     slot* s = nullptr;                          // in the index
-    std::unordered_map<std::string, std::uint64_t>::iterator of;  // else in the overflow table
+    std::map<std::string, std::uint64_t, std::less<>>::iterator of;  // else in the overflow table
     bool in_overflow = false;
   };
   struct view {
@@ -131,7 +138,8 @@ class store {
   std::vector<std::size_t> class_sizes_;
   std::vector<std::vector<std::uint64_t>> free_lists_;
   // Overflowed keys: key -> item offset.
-  mutable std::unordered_map<std::string, std::uint64_t> overflow_;
+  // (ordered: a snapshot resumes after the last key it took)
+  mutable std::map<std::string, std::uint64_t, std::less<>> overflow_;
   store_stats st_;
 };
 
