@@ -34,6 +34,8 @@ rpc::status service::check(std::string_view key, std::size_t value_size) const {
   return {};
 }
 
+static_assert(kRecordHeader == 16, "store.cpp's kRecordBytes charges a record header of 16 bytes");
+
 void service::maybe_compact() {
   if (log_ == nullptr) return;
   // The snapshot in steps of about kSnapshotStep bytes (requests run in
@@ -46,11 +48,12 @@ void service::maybe_compact() {
                         auto put = [&](std::string_view k, std::span<const std::byte> v) {
                           encode_record(out, record_type::put, k, v, salt);
                         };
+                        std::size_t budget = kSnapshotStep;
                         if (next < st_.slot_buckets()) {
-                          next = st_.for_each_from(next, kSnapshotStep, before, put);
+                          next = st_.for_each_from(next, budget, before, put);
                           if (next < st_.slot_buckets()) return false;
                         }
-                        return st_.for_each_overflow_from(after, kSnapshotStep, before, put);
+                        return st_.for_each_overflow_from(after, budget, before, put);  // (with what is left)
                       });
 }
 

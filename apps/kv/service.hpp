@@ -48,12 +48,10 @@ struct service_stats {
 class service {
  public:
   // `log` may be null (memory-only).
+  // The log's compaction snapshot steps, queued on its io_context, call
+  // this service: it must outlive every run of that io_context after a
+  // write (or the log's stop_compaction() must come first).
   service(store& st, durable_log* log) : st_(st), log_(log) {}
-  // A compaction's snapshot steps still queued call this service: they
-  // give up (the log keeps its file).
-  ~service() {
-    if (log_ != nullptr) log_->stop_compaction();
-  }
   service(const service&) = delete;
   service& operator=(const service&) = delete;
 

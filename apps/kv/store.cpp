@@ -392,11 +392,13 @@ void store::clear() noexcept {
 }
 
 void store::for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
-  constexpr std::size_t all = std::numeric_limits<std::size_t>::max();
+  const std::size_t all = std::numeric_limits<std::size_t>::max();
   const std::uint64_t every = std::numeric_limits<std::uint64_t>::max();
-  (void)for_each_from(0, all, every, f);
+  std::size_t budget = all;
+  (void)for_each_from(0, budget, every, f);
+  budget = all;
   std::string after;
-  (void)for_each_overflow_from(after, all, every, f);
+  (void)for_each_overflow_from(after, budget, every, f);
 }
 
 namespace {
@@ -405,7 +407,7 @@ namespace {
 constexpr std::size_t kRecordBytes = 16;
 }  // namespace
 
-std::uint64_t store::for_each_from(std::uint64_t from, std::size_t budget, std::uint64_t before,
+std::uint64_t store::for_each_from(std::uint64_t from, std::size_t& budget, std::uint64_t before,
                                    const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
   std::size_t spent = 0;
   std::uint64_t b = from;
@@ -419,21 +421,24 @@ std::uint64_t store::for_each_from(std::uint64_t from, std::size_t budget, std::
       f(v.key, v.value);
     }
   }
+  budget -= std::min(spent, budget);
   return b;
 }
 
-bool store::for_each_overflow_from(std::string& after, std::size_t budget, std::uint64_t before,
+bool store::for_each_overflow_from(std::string& after, std::size_t& budget, std::uint64_t before,
                                    const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
   std::size_t spent = 0;
   auto it = after.empty() ? overflow_.begin() : overflow_.upper_bound(after);
-  for (; it != overflow_.end() && spent < budget; ++it) {
+  auto last = overflow_.end();
+  for (; it != overflow_.end() && spent < budget; last = it++) {
     const view v = item_view(it->second);
     item_header h;
     std::memcpy(&h, base_ + arena_offset_ + it->second, sizeof h);
     spent += kRecordBytes + v.key.size() + v.value.size();
     if (h.version < before) f(v.key, v.value);
-    after = it->first;
   }
+  if (last != overflow_.end()) after = last->first;
+  budget -= std::min(spent, budget);
   return it == overflow_.end();
 }
 

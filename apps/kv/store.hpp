@@ -72,15 +72,16 @@ class store {
   // written since has records of its own after it, and leaving it out
   // keeps the snapshot a part of the store as it was then, never more).
   // The slot table from bucket `from` on, until `budget` is spent (each
-  // bucket visited costs kBucketSize, each key its record's bytes);
-  // returns where the next step starts, slot_buckets() once done. Then the
-  // overflow table, in key order after `after` ("" to begin; keys are
-  // never empty), `after` set to the last key seen; true once done. A key
-  // stays in its slot, or in the overflow table, until it is deleted, so a
-  // key left alone is seen exactly once.
-  std::uint64_t for_each_from(std::uint64_t from, std::size_t budget, std::uint64_t before,
+  // bucket visited costs kBucketSize, each key its record's bytes; checked
+  // per bucket, so a step may pass it by a bucket's keys); returns where
+  // the next step starts, slot_buckets() once done, and leaves in `budget`
+  // what is left of it. Then the overflow table, in key order after
+  // `after` ("" to begin; keys are never empty), `after` set to the last
+  // key seen; true once done. A key stays in its slot, or in the overflow
+  // table, until it is deleted, so a key left alone is seen exactly once.
+  std::uint64_t for_each_from(std::uint64_t from, std::size_t& budget, std::uint64_t before,
                               const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
-  bool for_each_overflow_from(std::string& after, std::size_t budget, std::uint64_t before,
+  bool for_each_overflow_from(std::string& after, std::size_t& budget, std::uint64_t before,
                               const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
   std::uint64_t next_version() const noexcept { return next_version_; }
   std::uint64_t slot_buckets() const noexcept { return buckets_ + 1; }

@@ -37,6 +37,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 
 using namespace anydoor::apps::kv;
@@ -1832,6 +1833,71 @@ TEST_CASE("kv read: a key that exists before and after an update is never read a
   }
   CHECK(torn > 0);
   INFO(mixes);
+}
+
+TEST_CASE("kv store: a snapshot's steps see each key once, and none written since it began - slots and overflow",
+          "[kv]") {
+  store st({.max_memory = 8 << 20, .buckets = 1024});  // 4100 slots for 6000 keys: many overflow
+  auto value = [](int k, char c) { return std::string(k % 3 == 0 ? 20 : 300, c); };  // inline and arena items
+  for (int k = 0; k < 6000; ++k) REQUIRE(st.put("key" + std::to_string(k), B(value(k, 'a'))) == put_status::ok);
+  const std::uint64_t every = ~std::uint64_t{0};
+  // In steps of a small budget: every key exactly once.
+  std::map<std::string, int> in_slots, in_overflow;
+  std::uint64_t next = 0;
+  int steps = 0;
+  while (next < st.slot_buckets()) {
+    std::size_t budget = 4096;
+    next = st.for_each_from(next, budget, every, [&](std::string_view k, std::span<const std::byte>) { ++in_slots[std::string(k)]; });
+    ++steps;
+  }
+  std::string after;
+  for (bool done = false; !done;) {
+    std::size_t budget = 4096;
+    done = st.for_each_overflow_from(after, budget, every, [&](std::string_view k, std::span<const std::byte>) {
+      ++in_overflow[std::string(k)];
+    });
+    ++steps;
+  }
+  CHECK(steps > 20);
+  CHECK(in_slots.size() + in_overflow.size() == 6000);
+  CHECK(in_overflow.size() == st.stats().overflow_keys);
+  CHECK(in_overflow.size() > 1000);
+  bool once = true;
+  for (const auto& [k, n] : in_slots) once = once && n == 1 && in_overflow.count(k) == 0;
+  for (const auto& [k, n] : in_overflow) once = once && n == 1;
+  CHECK(once);
+  // A snapshot begins; then every other key of each kind is rewritten
+  // (same sizes: they stay where they are) and new keys are put.
+  const std::uint64_t before = st.next_version();
+  std::set<std::string> rewritten;
+  int i = 0;
+  for (const auto* part : {&in_slots, &in_overflow}) {
+    for (const auto& [k, n] : *part) {
+      if (i++ % 2 != 0) continue;
+      const int id = std::stoi(k.substr(3));
+      REQUIRE(st.put(k, B(value(id, 'b'))) == put_status::ok);
+      rewritten.insert(k);
+    }
+  }
+  for (int k = 6000; k < 6100; ++k) st.put("key" + std::to_string(k), B(value(k, 'c')));  // (some may not fit: fine)
+  std::set<std::string> seen;
+  bool all_old = true;
+  auto take = [&](std::string_view k, std::span<const std::byte> v) {
+    seen.insert(std::string(k));
+    all_old = all_old && !v.empty() && v[0] == std::byte{'a'};
+  };
+  std::size_t budget = ~std::size_t{0};
+  (void)st.for_each_from(0, budget, before, take);
+  budget = ~std::size_t{0};
+  after.clear();
+  CHECK(st.for_each_overflow_from(after, budget, before, take));
+  CHECK(all_old);  // nothing written since it began
+  CHECK(seen.size() == 6000 - rewritten.size());
+  bool exact = true;
+  for (const auto* part : {&in_slots, &in_overflow}) {
+    for (const auto& [k, n] : *part) exact = exact && (seen.count(k) == 1) == (rewritten.count(k) == 0);
+  }
+  CHECK(exact);
 }
 
 TEST_CASE("kv store: memory freed in one size class serves other sizes", "[kv]") {
