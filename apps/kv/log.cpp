@@ -572,13 +572,18 @@ void durable_log::maybe_compact(std::uint64_t live_bytes, std::function<bool(sna
   snapshot_step_now(std::move(c), std::move(snapshot_step));
 }
 
-void durable_log::give_up_snapshot() noexcept {
-  // No memory for the snapshot (or to queue its next step): the old log
-  // stays, and a compaction is tried again after another compact_min.
-  snapshotting_ = false;
+void durable_log::compaction_failed(const char* what, const char* why) noexcept {
+  // The old log stays and keeps growing; a compaction is tried again after
+  // another compact_min.
   retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
   ++stats_.compaction_failures;
-  std::fprintf(stderr, "anydoor-kv: no memory for the snapshot to compact %s: trying again later\n", path_.c_str());
+  std::fprintf(stderr, "anydoor-kv: %s %s (%s): the log keeps growing; trying again later\n", what, path_.c_str(), why);
+}
+
+void durable_log::give_up_snapshot() noexcept {
+  // No memory for the snapshot (or to queue its next step).
+  snapshotting_ = false;
+  compaction_failed("no memory for the snapshot to compact", "out of memory");
 }
 
 void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step) {
@@ -622,9 +627,7 @@ void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function
   try {
     compactor_ = std::thread([this, c = std::move(c)]() mutable { compact(std::move(*c)); });
   } catch (const std::system_error& e) {
-    retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
-    ++stats_.compaction_failures;
-    std::fprintf(stderr, "anydoor-kv: cannot start compacting %s (%s): trying again later\n", path_.c_str(), e.what());
+    compaction_failed("cannot start compacting", e.what());
     return;
   }
   logical_if_failed_ = logical_bytes_;
@@ -1035,10 +1038,7 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
     } else if (compact_ec) {
       // The log keeps growing in the old file; try again after another compact_min.
       logical_bytes_ = logical_if_failed_;
-      retry_compact_at_ = logical_bytes_ + std::max<std::uint64_t>(o_.compact_min, 1 << 20);
-      ++stats_.compaction_failures;
-      std::fprintf(stderr, "anydoor-kv: compacting %s failed (%s): the log keeps growing; trying again later\n",
-                   path_.c_str(), compact_ec.message().c_str());
+      compaction_failed("compacting failed:", compact_ec.message().c_str());
     } else if (!ec) {
       ++stats_.compactions;
     }

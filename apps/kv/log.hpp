@@ -273,6 +273,8 @@ class durable_log {
   };
   void snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step);
   void give_up_snapshot() noexcept;
+  // Reports on stderr "<what> <path> (<why>)", counts the failure, and tries again after compact_min.
+  void compaction_failed(const char* what, const char* why) noexcept;
   void run() noexcept;
   void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;

@@ -34,8 +34,6 @@ rpc::status service::check(std::string_view key, std::size_t value_size) const {
   return {};
 }
 
-static_assert(kRecordHeader == 16, "store.cpp's kRecordBytes charges a record header of 16 bytes");
-
 void service::maybe_compact() {
   if (log_ == nullptr) return;
   // The snapshot in steps of about kSnapshotStep bytes (requests run in
@@ -47,6 +45,7 @@ void service::maybe_compact() {
                        after = std::string()](snapshot_buffer& out) mutable {
                         auto put = [&](std::string_view k, std::span<const std::byte> v) {
                           encode_record(out, record_type::put, k, v, salt);
+                          return kRecordHeader + k.size() + v.size();
                         };
                         std::size_t budget = kSnapshotStep;
                         if (next < st_.slot_buckets()) {

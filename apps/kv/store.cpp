@@ -394,21 +394,19 @@ void store::clear() noexcept {
 void store::for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
   const std::size_t all = std::numeric_limits<std::size_t>::max();
   const std::uint64_t every = std::numeric_limits<std::uint64_t>::max();
+  const charged_fn each = [&f](std::string_view k, std::span<const std::byte> v) {
+    f(k, v);
+    return std::size_t{0};
+  };
   std::size_t budget = all;
-  (void)for_each_from(0, budget, every, f);
+  (void)for_each_from(0, budget, every, each);
   budget = all;
   std::string after;
-  (void)for_each_overflow_from(after, budget, every, f);
+  (void)for_each_overflow_from(after, budget, every, each);
 }
 
-namespace {
-// What a step charges per key beyond its key and value: a log record's
-// header (log.hpp's kRecordHeader), as the snapshot writes one each.
-constexpr std::size_t kRecordBytes = 16;
-}  // namespace
-
 std::uint64_t store::for_each_from(std::uint64_t from, std::size_t& budget, std::uint64_t before,
-                                   const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
+                                   const charged_fn& f) const {
   std::size_t spent = 0;
   std::uint64_t b = from;
   for (; b <= buckets_ && spent < budget; ++b) {
@@ -417,16 +415,21 @@ std::uint64_t store::for_each_from(std::uint64_t from, std::size_t& budget, std:
       const slot& s = slot_at(b, i);
       if (s.version == 0 || s.version >= before) continue;
       const view v = slot_view(s);
-      spent += kRecordBytes + v.key.size() + v.value.size();
-      f(v.key, v.value);
+      spent += f(v.key, v.value);
     }
   }
   budget -= std::min(spent, budget);
   return b;
 }
 
+namespace {
+// What visiting one key of the overflow table costs a step, besides what f
+// charges: a map node or two, a header read from the arena.
+constexpr std::size_t kOverflowVisit = 64;
+}  // namespace
+
 bool store::for_each_overflow_from(std::string& after, std::size_t& budget, std::uint64_t before,
-                                   const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
+                                   const charged_fn& f) const {
   std::size_t spent = 0;
   auto it = after.empty() ? overflow_.begin() : overflow_.upper_bound(after);
   auto last = overflow_.end();
@@ -434,8 +437,8 @@ bool store::for_each_overflow_from(std::string& after, std::size_t& budget, std:
     const view v = item_view(it->second);
     item_header h;
     std::memcpy(&h, base_ + arena_offset_ + it->second, sizeof h);
-    spent += kRecordBytes + v.key.size() + v.value.size();
-    if (h.version < before) f(v.key, v.value);
+    spent += kOverflowVisit;  // (a key written since is passed over, at a cost)
+    if (h.version < before) spent += f(v.key, v.value);
   }
   if (last != overflow_.end()) after = last->first;
   budget -= std::min(spent, budget);

@@ -72,17 +72,20 @@ class store {
   // written since has records of its own after it, and leaving it out
   // keeps the snapshot a part of the store as it was then, never more).
   // The slot table from bucket `from` on, until `budget` is spent (each
-  // bucket visited costs kBucketSize, each key its record's bytes; checked
+  // bucket visited costs kBucketSize, each key what f returns: the bytes
+  // the snapshot wrote for it, its record; checked
   // per bucket, so a step may pass it by a bucket's keys); returns where
   // the next step starts, slot_buckets() once done, and leaves in `budget`
-  // what is left of it. Then the overflow table, in key order after
+  // what is left of it. Then the overflow table (each key visited costs
+  // 64 bytes besides what f returns), in key order after
   // `after` ("" to begin; keys are never empty), `after` set to the last
   // key seen; true once done. A key stays in its slot, or in the overflow
   // table, until it is deleted, so a key left alone is seen exactly once.
+  using charged_fn = std::function<std::size_t(std::string_view, std::span<const std::byte>)>;
   std::uint64_t for_each_from(std::uint64_t from, std::size_t& budget, std::uint64_t before,
-                              const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+                              const charged_fn& f) const;
   bool for_each_overflow_from(std::string& after, std::size_t& budget, std::uint64_t before,
-                              const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;
+                              const charged_fn& f) const;
   std::uint64_t next_version() const noexcept { return next_version_; }
   std::uint64_t slot_buckets() const noexcept { return buckets_ + 1; }
   store_stats stats() const noexcept { return st_; }

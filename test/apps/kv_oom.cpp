@@ -16,8 +16,7 @@
 #include "../support/replaced_new.hpp"
 #include "../support/runtime.hpp"
 #include "kv/client.hpp"
-#include "kv/service.hpp"
-#include "kv/store.hpp"
+#include "kv_rig.hpp"
 
 #include <anydoor/detail/op_node.hpp>
 
@@ -61,16 +60,10 @@ TEST_CASE("kv client: a READ pair that cannot start for want of memory frees the
           "freed under a READ in flight",
           "[kv][oom]") {
   asio::io_context io;
-  store st({.max_memory = 1 << 20, .max_key = 64, .max_value = 4096});
-  service svc(st, nullptr);
-  anydoor::fabric sfab(io, test_options());
-  anydoor::fabric cfab(io, test_options());
-  anydoor::memory_region table = sfab.register_memory(st.memory(), anydoor::access::remote_read);
-  anydoor::rpc::server srv;
-  svc.add_methods(srv, table);
-  anydoor::acceptor acc = sfab.listen(test_host(), 0);
-  const std::string where = addr(acc);
-  srv.async_serve(std::move(acc), [](anydoor::error_code) {});
+  anydoor::test::kv_rig rig(io, {.max_memory = 1 << 20, .max_key = 64, .max_value = 4096});
+  anydoor::fabric& sfab = rig.sfab;
+  anydoor::fabric& cfab = rig.cfab;
+  const std::string& where = rig.where;
   anydoor::acceptor idle_acc = sfab.listen(test_host(), 0);
   // (io.run() below is run again after each exception it lets out: this
   // bounds the whole test instead of a watchdog thread.)
@@ -152,7 +145,7 @@ TEST_CASE("kv client: a READ pair that cannot start for want of memory frees the
     CHECK(cli.reads().ahead == reads_before.ahead + 2);
     co_await idle.async_close(asio::as_tuple(asio::use_awaitable));
     co_await idle_peer.async_close(asio::as_tuple(asio::use_awaitable));
-    srv.stop();
+    rig.srv.stop();
     driver_done = true;
     // A frame never freed keeps co_spawn's work (io.run() would not
     // return): stopped then, for the checks below to fail.

@@ -9,6 +9,7 @@
 #include "kv/resp.hpp"
 #include "kv/service.hpp"
 #include "kv/store.hpp"
+#include "kv_rig.hpp"
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -1847,14 +1848,18 @@ TEST_CASE("kv store: a snapshot's steps see each key once, and none written sinc
   int steps = 0;
   while (next < st.slot_buckets()) {
     std::size_t budget = 4096;
-    next = st.for_each_from(next, budget, every, [&](std::string_view k, std::span<const std::byte>) { ++in_slots[std::string(k)]; });
+    next = st.for_each_from(next, budget, every, [&](std::string_view k, std::span<const std::byte> v) {
+      ++in_slots[std::string(k)];
+      return 16 + k.size() + v.size();
+    });
     ++steps;
   }
   std::string after;
   for (bool done = false; !done;) {
     std::size_t budget = 4096;
-    done = st.for_each_overflow_from(after, budget, every, [&](std::string_view k, std::span<const std::byte>) {
+    done = st.for_each_overflow_from(after, budget, every, [&](std::string_view k, std::span<const std::byte> v) {
       ++in_overflow[std::string(k)];
+      return 16 + k.size() + v.size();
     });
     ++steps;
   }
@@ -1885,6 +1890,7 @@ TEST_CASE("kv store: a snapshot's steps see each key once, and none written sinc
   auto take = [&](std::string_view k, std::span<const std::byte> v) {
     seen.insert(std::string(k));
     all_old = all_old && !v.empty() && v[0] == std::byte{'a'};
+    return std::size_t{0};
   };
   std::size_t budget = ~std::size_t{0};
   (void)st.for_each_from(0, budget, before, take);
@@ -1918,16 +1924,9 @@ TEST_CASE("kv client: the location cache READs an item beside its neighbourhood 
           "never taken stale",
           "[kv]") {
   asio::io_context io;
-  store st({.max_memory = 1 << 20, .max_key = 64, .max_value = 4096});
-  service svc(st, nullptr);
-  anydoor::fabric sfab(io, test_options());
-  anydoor::fabric cfab(io, test_options());
-  anydoor::memory_region table = sfab.register_memory(st.memory(), anydoor::access::remote_read);
-  anydoor::rpc::server srv;
-  svc.add_methods(srv, table);
-  anydoor::acceptor acc = sfab.listen(test_host(), 0);
-  const std::string where = addr(acc);
-  srv.async_serve(std::move(acc), [](anydoor::error_code) {});
+  anydoor::test::kv_rig rig(io, {.max_memory = 1 << 20, .max_key = 64, .max_value = 4096});
+  anydoor::fabric& cfab = rig.cfab;
+  const std::string& where = rig.where;
   failure f;
   auto text = [](char c, std::size_t n, int ver) { return std::string(n, c) + "#" + std::to_string(ver); };
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
@@ -1998,9 +1997,9 @@ TEST_CASE("kv client: the location cache READs an item beside its neighbourhood 
       st1 = co_await cli.read_get(r, key, got);  // caches the item's place
       REQUIRE(st1.is_ok());
       if (entries != 0) {
-        const layout l = st.describe();
+        const layout l = rig.st.describe();
         const std::uint64_t h = key_hash(l.seed, key);
-        const auto mem = st.memory();
+        const auto mem = rig.st.memory();
         slot* forged = nullptr;
         for (std::size_t b = 0; b < kNeighborhood && forged == nullptr; ++b) {
           for (std::size_t i = 0; i < kSlotsPerBucket; ++i) {
@@ -2043,7 +2042,7 @@ TEST_CASE("kv client: the location cache READs an item beside its neighbourhood 
         CHECK(cli.reads().retries == 0);
       }
     }
-    srv.stop();
+    rig.srv.stop();
   }, f.handler());
   run_to_completion(io);
   f.check();
