@@ -210,8 +210,11 @@ void reactor::start() {
   running_ = true;
   const std::uint64_t epoch = ++epoch_;
   last_activity_ = std::chrono::steady_clock::now();
+  queued_loop_ = epoch;
   asio::post(io_, [this, alive = alive_, epoch] {
-    if (!*alive || !running_ || epoch != epoch_) return;
+    if (!*alive) return;
+    if (queued_loop_ == epoch) queued_loop_ = 0;
+    if (!running_ || epoch != epoch_) return;
     if (mode_ == poll_mode::event) {
       arm_and_wait();
     } else {
@@ -238,8 +241,11 @@ void reactor::post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch) {
   // others have posted. The flag's reference moves from step to step.
   auto ex = asio::require(io_.get_executor(), asio::execution::blocking.never,
                           asio::execution::relationship.continuation);
+  if (epoch == epoch_) queued_loop_ = epoch;
   ex.execute([this, alive = std::move(alive), epoch]() mutable {
-    if (*alive && epoch == epoch_) spin_step(std::move(alive));
+    if (!*alive) return;
+    if (queued_loop_ == epoch) queued_loop_ = 0;
+    if (epoch == epoch_) spin_step(std::move(alive));
   });
 }
 
@@ -330,6 +336,11 @@ void reactor::on_readable() {
   cq_.ack_events();
   const std::size_t n = drain();
   if (!running_) return;
+  // A loop of this epoch has its next step queued: a stop and a start from
+  // a handler of the drain above, or a busy loop a start() began while this
+  // wait was pending (a stop's cancel, then the wait renewed). That loop
+  // polls; starting another would poll twice per round, for good.
+  if (queued_loop_ == epoch_) return;
   if (mode_ == poll_mode::adaptive && n > 0) {
     last_activity_ = std::chrono::steady_clock::now();
     spin_step();

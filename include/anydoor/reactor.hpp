@@ -178,6 +178,9 @@ class reactor {
   bool spinning_ = false;
   bool running_ = false;
   std::uint64_t epoch_ = 0;  // bumped by start(): handlers of an earlier run retire
+  // The epoch whose loop has its next step queued (start()'s first, a busy
+  // round's next), 0 when none: a wake-up then leaves the polling to it.
+  std::uint64_t queued_loop_ = 0;
   bool waiting_ = false;
   bool failed_ = false;
   std::chrono::steady_clock::time_point last_activity_{};

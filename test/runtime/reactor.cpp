@@ -10,11 +10,13 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include <fcntl.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <optional>
 
 using namespace anydoor::test;
 using tp::access;
@@ -514,4 +516,121 @@ TEST_CASE("reactor: a notify fd that cannot be waited on fails every pending ope
   CHECK(op.last == tp::wc_status::fatal);
   CHECK(r.tracked() == 0);
   CHECK(io.stopped());  // run_for returned because the work ran out, not at the limit
+}
+
+namespace {
+// A completion queue the test drives: deliver() queues a completion and
+// signals the notify fd (an eventfd); the completion becomes visible to
+// poll() only once the event is acknowledged, so the reactor's wake-up, not
+// a spinning poll, is what finds it.
+class gated_cq final : public tp::completion_queue {
+ public:
+  gated_cq() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+  ~gated_cq() override { ::close(fd_); }
+  void deliver(const tp::completion& c) {
+    gated_.push_back(c);
+    const std::uint64_t one = 1;
+    REQUIRE(::write(fd_, &one, sizeof one) == static_cast<ssize_t>(sizeof one));
+  }
+  std::size_t poll(std::span<tp::completion> out, std::error_code& ec) noexcept override {
+    ec.clear();
+    std::size_t n = 0;
+    while (n < out.size() && !visible_.empty()) {
+      out[n++] = visible_.front();
+      visible_.pop_front();
+    }
+    return n;
+  }
+  std::error_code arm() noexcept override { return {}; }
+  int notify_fd() const noexcept override { return fd_; }
+  std::size_t ack_events() noexcept override {
+    std::uint64_t v = 0;
+    if (::read(fd_, &v, sizeof v) != static_cast<ssize_t>(sizeof v)) return 0;
+    visible_.insert(visible_.end(), gated_.begin(), gated_.end());
+    gated_.clear();
+    return static_cast<std::size_t>(v);
+  }
+  std::uint32_t depth() const noexcept override { return 64; }
+  tp::cq_counters counters() const noexcept override { return {}; }
+
+ private:
+  int fd_;
+  std::deque<tp::completion> gated_, visible_;
+};
+
+// The polls the reactor makes between now and a handler posted now: one
+// per busy loop queued (one poll per round), since each loop's next step
+// is ahead of the handler.
+std::uint64_t polls_before_next_handler(asio::io_context& io, const anydoor::reactor& r) {
+  const std::uint64_t before = r.stats().polls;
+  std::optional<std::uint64_t> at;
+  asio::post(io, [&] { at = r.stats().polls; });
+  for (int i = 0; i < 100 && !at; ++i) REQUIRE(io.run_one() == 1);
+  REQUIRE(at.has_value());
+  return *at - before;
+}
+
+// Runs the adaptive reactor until it has gone to sleep (armed, waiting on
+// its notify fd).
+void run_until_asleep(asio::io_context& io, const anydoor::reactor& r) {
+  const std::uint64_t arms = r.stats().arms;
+  for (int i = 0; i < 10'000'000 && r.stats().arms == arms; ++i) {
+    if (io.run_one() != 1) break;
+  }
+  REQUIRE(r.stats().arms > arms);
+}
+}  // namespace
+
+TEST_CASE("reactor: a stop and a start inside a wake-up's drain leave one busy loop - not two", "[runtime]") {
+  gated_cq cq;
+  asio::io_context io{1};
+  // spin: long enough that neither loop goes back to sleep during the count
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 200ms, .spin_polls = 1});
+  struct restarter : anydoor::operation {
+    anydoor::reactor* r = nullptr;
+    int calls = 0;
+    void complete(const tp::completion&) noexcept override {
+      ++calls;
+      r->stop();
+      r->start();
+    }
+  } op;
+  op.r = &r;
+  r.start();
+  run_until_asleep(io, r);
+  cq.deliver({.wr_id = r.track(op)});
+  REQUIRE(io.run_one() == 1);  // the wake-up: its drain stops and starts the reactor
+  REQUIRE(op.calls == 1);
+  CHECK(r.stats().wakeups == 1);
+  CHECK(polls_before_next_handler(io, r) == 1);
+  CHECK(polls_before_next_handler(io, r) == 1);
+  r.stop();
+  io.run();
+}
+
+TEST_CASE("reactor: a wake-up while a busy loop is queued leaves that loop alone - not a second one",
+          "[runtime]") {
+  // A stop and a start while the reactor sleeps: the stop cancels the wait,
+  // which is renewed (the reactor runs again), and the start begins a busy
+  // loop. A completion that then wakes the wait must not start another.
+  gated_cq cq;
+  asio::io_context io{1};
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 200ms, .spin_polls = 1});
+  struct counter : anydoor::operation {
+    int calls = 0;
+    void complete(const tp::completion&) noexcept override { ++calls; }
+  } op;
+  r.start();
+  run_until_asleep(io, r);
+  r.stop();
+  r.start();
+  REQUIRE(polls_before_next_handler(io, r) == 1);  // the cancelled wait renewed, the loop's first round
+  cq.deliver({.wr_id = r.track(op)});
+  for (int i = 0; i < 1000 && r.stats().wakeups == 0; ++i) REQUIRE(io.run_one() == 1);
+  REQUIRE(r.stats().wakeups == 1);
+  CHECK(op.calls == 1);  // found by the wake-up's drain (the loop's polls cannot see it before)
+  CHECK(polls_before_next_handler(io, r) == 1);
+  CHECK(polls_before_next_handler(io, r) == 1);
+  r.stop();
+  io.run();
 }
