@@ -1,10 +1,15 @@
 // anydoor-micro: the runtime's CPU cost per operation (Google Benchmark).
 //   reactor_dispatch        poll a batch, dispatch each completion by wr_id
 //                           to its operation, re-track (per completion)
-//   reactor_resume_coroutine/N  the same, and each completion resumes a
+//   reactor_resume_coroutine/N/P  the same, and each completion resumes a
 //                           coroutine co_awaiting it (through the runtime's
-//                           pending_handler: dispatch, resume); N coroutines
-//   reactor_resume_deferred/N   the same through co_await op(asio::deferred)
+//                           pending_handler: dispatch, resume); N coroutines,
+//                           P = the reactor's spin_polls: 16 (the default:
+//                           a round polls on while its handlers post nothing,
+//                           so Asio's epoll_wait per io_context round is
+//                           shared by 16 passes) or 1 (one pass per round:
+//                           the cost with an epoll_wait per pass)
+//   reactor_resume_deferred/N/P   the same through co_await op(asio::deferred)
 //                           instead of use_awaitable
 //   buffer_pool_get_put     one try_get + put on a registered pool
 // The reactor is fed by `synthetic_cq`, a completion queue that hands out
@@ -106,16 +111,18 @@ auto async_next(ad::reactor& r, synthetic_cq& cq, awaited_op& op, asio::io_conte
 
 template <class Await>
 void resume_coroutines(benchmark::State& state, Await await_next) {
-  // state.range(0) coroutines each co_await their own operation: one spin
-  // step polls, dispatches and resumes all of them (a pass that dispatched
-  // completions ends the round).
+  // state.range(0) coroutines each co_await their own operation: each pass
+  // of a spin step polls, dispatches and resumes all of them; a step makes
+  // up to state.range(1) passes (its spin_polls: the resumed coroutines post
+  // nothing, so the round goes on).
   const auto n = static_cast<std::size_t>(state.range(0));
+  const auto passes = static_cast<std::uint32_t>(state.range(1));
   asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
   synthetic_cq cq;
   // A batch larger than n: the pass ends after the n completions (a full
   // batch would make the reactor poll again, and the resumed coroutines
   // have queued n more).
-  ad::reactor r(io, cq, {.mode = ad::poll_mode::busy, .batch = 2 * kBatch});
+  ad::reactor r(io, cq, {.mode = ad::poll_mode::busy, .batch = 2 * kBatch, .spin_polls = passes});
   std::deque<awaited_op> ops(n);
   bool stop = false;
   for (awaited_op& op : ops) {
@@ -131,12 +138,14 @@ void resume_coroutines(benchmark::State& state, Await await_next) {
   for (std::size_t i = 0; i < n + 4; ++i) io.poll_one();  // start the coroutines and the reactor
   std::uint64_t before = 0;
   for (const awaited_op& op : ops) before += op.resumed;
-  for (auto _ : state) io.poll_one();  // one spin step: poll, dispatch, resume, re-await
+  for (auto _ : state) io.poll_one();  // one spin step: (poll, dispatch, resume, re-await) x passes
   stop = true;
   r.stop();
   std::uint64_t after = 0;
   for (const awaited_op& op : ops) after += op.resumed;
-  if (after - before + n < static_cast<std::uint64_t>(state.iterations()) * n) state.SkipWithError("coroutines not resumed");
+  if (after - before + n < static_cast<std::uint64_t>(state.iterations()) * n * passes) {
+    state.SkipWithError("coroutines not resumed");
+  }
   state.SetItemsProcessed(static_cast<std::int64_t>(after - before));  // resumes
 }
 // co_await op(asio::use_awaitable): Asio builds a coroutine frame to
@@ -146,7 +155,7 @@ void reactor_resume_coroutine(benchmark::State& state) {
     return async_next(r, cq, op, io, asio::use_awaitable);
   });
 }
-BENCHMARK(reactor_resume_coroutine)->Arg(1)->Arg(16);
+BENCHMARK(reactor_resume_coroutine)->Args({1, 16})->Args({16, 16})->Args({16, 1});
 
 // co_await op(asio::deferred): the awaitable initiates the operation
 // itself, with no frame of its own.
@@ -155,7 +164,7 @@ void reactor_resume_deferred(benchmark::State& state) {
     return async_next(r, cq, op, io, asio::deferred);
   });
 }
-BENCHMARK(reactor_resume_deferred)->Arg(1)->Arg(16);
+BENCHMARK(reactor_resume_deferred)->Args({1, 16})->Args({16, 16})->Args({16, 1});
 
 void buffer_pool_get_put(benchmark::State& state) {
   auto dev = tp::open_device({.provider = "tcp"});

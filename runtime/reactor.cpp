@@ -6,9 +6,25 @@
 #include <boost/asio/execution.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/require.hpp>
+#include <boost/asio/version.hpp>
+
+// Boost.Asio 1.26 (Boost 1.81, the version this project is built with): the
+// scheduler of an io_context run by one thread queues what that thread posts
+// in the thread's own queue, moved to the shared queue after each handler.
+// Its emptiness is what a busy round looks at (see handlers_posted_here).
+#if BOOST_ASIO_VERSION == 102600
+#define ANYDOOR_SEES_ASIO_THREAD_QUEUE 1
+#include <boost/asio/detail/call_stack.hpp>
+#include <boost/asio/detail/scheduler.hpp>
+#include <boost/asio/detail/scheduler_thread_info.hpp>
+#include <boost/asio/detail/thread_context.hpp>
+#else
+#define ANYDOOR_SEES_ASIO_THREAD_QUEUE 0
+#endif
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <system_error>
@@ -35,6 +51,18 @@ bool parse_poll_mode(std::string_view text, poll_mode& out) noexcept {
 }
 
 namespace {
+
+// Counts the reactors of an io_context.
+class reactor_registry final : public asio::execution_context::service {
+ public:
+  using key_type = reactor_registry;
+  static inline asio::execution_context::id id;
+  explicit reactor_registry(asio::execution_context& ctx) : asio::execution_context::service(ctx) {}
+  std::atomic<std::uint32_t> reactors{0};
+
+ private:
+  void shutdown() override {}
+};
 
 poll_mode effective_mode(const reactor_options& o) {
   const char* env = std::getenv("ANYDOOR_POLL");
@@ -75,11 +103,19 @@ reactor::reactor(asio::io_context& io, transport::completion_queue& cq, reactor_
   for (std::uint32_t i = 0; i < options_.max_operations; ++i) slots_[i].next_free = i + 2;
   slots_.back().next_free = 0;
   free_head_ = 1;
+  reactors_here_ = &asio::use_service<reactor_registry>(io_).reactors;
+  reactors_here_->fetch_add(1, std::memory_order_relaxed);
+#if ANYDOOR_SEES_ASIO_THREAD_QUEUE
+  // (Hint 1 only: with others, what the io thread posts goes to the shared
+  // queue, and a round cannot see it.)
+  one_thread_ = asio::use_service<asio::detail::io_context_impl>(io_).concurrency_hint() == 1;
+#endif
   log().debug("reactor: poll mode {}, batch {}, {} operation slots", to_string(mode_), options_.batch,
               options_.max_operations);
 }
 
 reactor::~reactor() {
+  reactors_here_->fetch_sub(1, std::memory_order_relaxed);
   *alive_ = false;
   running_ = false;
   boost::system::error_code ignored;
@@ -249,6 +285,21 @@ void reactor::post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch) {
   });
 }
 
+bool reactor::sees_posts() const noexcept {
+  return one_thread_ && reactors_here_->load(std::memory_order_relaxed) == 1;
+}
+
+bool reactor::handlers_posted_here() const noexcept {
+#if ANYDOOR_SEES_ASIO_THREAD_QUEUE
+  using namespace asio::detail;
+  io_context_impl& sched = asio::use_service<io_context_impl>(io_);
+  if (thread_info_base* t = call_stack<thread_context, thread_info_base>::contains(&sched)) {
+    return !static_cast<scheduler_thread_info*>(t)->private_op_queue.empty();
+  }
+#endif
+  return true;  // (not inside this io_context's run(): as if it had)
+}
+
 void reactor::spin_step(std::shared_ptr<bool> alive) {
   if (!running_) return;
   // (A stop and a start from a handler of this round start another loop:
@@ -258,20 +309,25 @@ void reactor::spin_step(std::shared_ptr<bool> alive) {
   // the time of the last completion).
   const bool timed = mode_ != poll_mode::busy;
   const auto now = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  // Empty polls repeat within this round (up to spin_polls) while the owner
-  // has none of its handlers waiting: each io_context round costs Asio an
-  // epoll_wait, a system call the raw provider loop does not make. A pass
-  // that dispatched completions ends the round: handlers the runtime does
-  // not know of (a coroutine that yields with asio::post, timers) may be
-  // waiting on what those completions did.
+  // Polls repeat within this round (up to spin_polls) while the owner has
+  // none of its handlers waiting and nothing else was queued for this
+  // thread: each io_context round costs Asio an epoll_wait, a system call
+  // the raw provider loop does not make. Once the handlers a pass
+  // dispatched have posted anything (a coroutine that yields with
+  // asio::post, a timer's wait, a co_spawn), the round ends so that it runs;
+  // where that cannot be seen (an io_context not made with concurrency hint
+  // 1), a pass that dispatched completions ends the round. So it does where
+  // other reactors share the io_context: what the completions' handlers
+  // sent one of them (two fabrics talking in one process) is for that one
+  // to poll next, and its step waits in the shared queue.
+  const bool sees = sees_posts();
   spinning_ = true;
   for (std::uint32_t i = 0; i < options_.spin_polls && running_; ++i) {
     if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
     if (!running_) break;
-    if (drain() > 0) {
-      if (timed) last_activity_ = now;
-      break;
-    }
+    const bool dispatched = drain() > 0;
+    if (dispatched && timed) last_activity_ = now;
+    if (sees ? handlers_posted_here() : dispatched) break;
     if (yield_check_ != nullptr && yield_check_(yield_check_ctx_)) break;
   }
   spinning_ = false;

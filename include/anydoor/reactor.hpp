@@ -5,7 +5,7 @@
 // when it is readable the reactor acknowledges the events, polls in batches
 // until the queue is empty, arms, and polls again before waiting (the
 // arm-then-drain rule: no lost wake-ups). Busy mode: it polls from a handler
-// that re-posts itself, up to spin_polls empty polls per round; the notify fd
+// that re-posts itself, up to spin_polls polls per round; the notify fd
 // is never handed to the io_context (every readiness change of a descriptor
 // in its epoll set costs the kernel work on the data path, on the sending
 // side's system call). Adaptive mode: busy for `spin` after the last
@@ -28,6 +28,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -104,11 +105,15 @@ class reactor {
     after_dispatch_ctx_ = ctx;
   }
 
-  // Busy and adaptive modes repeat empty polls within one io_context round
-  // (up to spin_polls; other handlers, timers and sockets of the io_context
-  // wait at most that long) unless fn(ctx) says the owner has handlers
-  // queued that should run first. A pass that dispatched completions ends
-  // the round.
+  // Busy and adaptive modes repeat polls within one io_context round (up
+  // to spin_polls; other handlers, timers and sockets of the io_context wait
+  // at most that long) unless fn(ctx) says the owner has handlers queued
+  // that should run first, or something was posted from the io thread
+  // during the round (a handler the completions resumed did: it runs next).
+  // On an io_context not made with concurrency hint 1 such posts cannot be
+  // seen, and a pass that dispatched completions ends the round; so it does
+  // on an io_context shared with other reactors (what the completions sent
+  // them is theirs to poll next).
   void set_yield_check(bool (*fn)(const void* ctx) noexcept, const void* ctx) noexcept {
     yield_check_ = fn;
     yield_check_ctx_ = ctx;
@@ -158,6 +163,12 @@ class reactor {
   void spin_step(std::shared_ptr<bool> alive = nullptr);
   void post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch);
   bool watch_notify_fd();  // the notify fd joins the io_context (first sleep); false: failed
+  // Whether a round can see what the io thread posts: concurrency hint 1,
+  // no other reactor on the io_context.
+  bool sees_posts() const noexcept;
+  // Whether anything was posted on this thread since the running handler
+  // began (if sees_posts()).
+  bool handlers_posted_here() const noexcept;
 
   asio::io_context& io_;
   transport::completion_queue& cq_;
@@ -176,6 +187,9 @@ class reactor {
   void (*before_poll_)(void*) noexcept = nullptr;
   void* before_poll_ctx_ = nullptr;
   bool spinning_ = false;
+  bool one_thread_ = false;  // the io_context was made with concurrency hint 1
+  // The reactors of this io_context (its registry's count, this one among them).
+  std::atomic<std::uint32_t>* reactors_here_ = nullptr;
   bool running_ = false;
   std::uint64_t epoch_ = 0;  // bumped by start(): handlers of an earlier run retire
   // The epoch whose loop has its next step queued (start()'s first, a busy
