@@ -49,7 +49,7 @@ struct reactor_options {
   std::chrono::microseconds spin{50};       // adaptive: busy time after the last completion
   std::uint32_t batch = 16;                 // completions per poll call, 16..1024
   std::uint32_t max_operations = 4096;      // operation slots, 1..2^24
-  std::uint32_t spin_polls = 16;            // busy/adaptive: empty polls per io_context round, 1..1024
+  std::uint32_t spin_polls = 16;            // busy/adaptive: polls per io_context round, 1..1024
 };
 
 // What the reactor calls when a tracked work request completes.
