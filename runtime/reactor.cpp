@@ -12,7 +12,7 @@
 // scheduler of an io_context run by one thread queues what that thread posts
 // in the thread's own queue, moved to the shared queue after each handler.
 // Its emptiness is what a busy round looks at (see handlers_posted_here).
-#if BOOST_ASIO_VERSION == 102600
+#if BOOST_ASIO_VERSION == 102600 && defined(BOOST_ASIO_HAS_THREADS)
 #define ANYDOOR_SEES_ASIO_THREAD_QUEUE 1
 #include <boost/asio/detail/call_stack.hpp>
 #include <boost/asio/detail/scheduler.hpp>
@@ -103,8 +103,6 @@ reactor::reactor(asio::io_context& io, transport::completion_queue& cq, reactor_
   for (std::uint32_t i = 0; i < options_.max_operations; ++i) slots_[i].next_free = i + 2;
   slots_.back().next_free = 0;
   free_head_ = 1;
-  reactors_here_ = &asio::use_service<reactor_registry>(io_).reactors;
-  reactors_here_->fetch_add(1, std::memory_order_relaxed);
 #if ANYDOOR_SEES_ASIO_THREAD_QUEUE
   // (Hint 1 only: with others, what the io thread posts goes to the shared
   // queue, and a round cannot see it.)
@@ -112,6 +110,9 @@ reactor::reactor(asio::io_context& io, transport::completion_queue& cq, reactor_
 #endif
   log().debug("reactor: poll mode {}, batch {}, {} operation slots", to_string(mode_), options_.batch,
               options_.max_operations);
+  // (Last: the destructor, which takes it back, runs only if this ends.)
+  reactors_here_ = &asio::use_service<reactor_registry>(io_).reactors;
+  reactors_here_->fetch_add(1, std::memory_order_relaxed);
 }
 
 reactor::~reactor() {
@@ -289,7 +290,7 @@ bool reactor::sees_posts() const noexcept {
   return one_thread_ && reactors_here_->load(std::memory_order_relaxed) == 1;
 }
 
-bool reactor::handlers_posted_here() const noexcept {
+bool reactor::handlers_posted_here(bool otherwise) const noexcept {
 #if ANYDOOR_SEES_ASIO_THREAD_QUEUE
   using namespace asio::detail;
   io_context_impl& sched = asio::use_service<io_context_impl>(io_);
@@ -297,7 +298,7 @@ bool reactor::handlers_posted_here() const noexcept {
     return !static_cast<scheduler_thread_info*>(t)->private_op_queue.empty();
   }
 #endif
-  return true;  // (not inside this io_context's run(): as if it had)
+  return otherwise;  // (not inside this io_context's run(): cannot tell)
 }
 
 void reactor::spin_step(std::shared_ptr<bool> alive) {
@@ -314,20 +315,27 @@ void reactor::spin_step(std::shared_ptr<bool> alive) {
   // thread: each io_context round costs Asio an epoll_wait, a system call
   // the raw provider loop does not make. Once the handlers a pass
   // dispatched have posted anything (a coroutine that yields with
-  // asio::post, a timer's wait, a co_spawn), the round ends so that it runs;
-  // where that cannot be seen (an io_context not made with concurrency hint
-  // 1), a pass that dispatched completions ends the round. So it does where
-  // other reactors share the io_context: what the completions' handlers
-  // sent one of them (two fabrics talking in one process) is for that one
-  // to poll next, and its step waits in the shared queue.
+  // asio::post, a co_spawn, a socket operation that completed at once),
+  // the round ends so that it runs; so it does once the round has
+  // dispatched a batch of completions. Where posts cannot be seen (an
+  // io_context not made with concurrency hint 1), a pass that dispatched
+  // completions ends the round; so it does where other reactors share the
+  // io_context: what the completions' handlers sent one of them (two
+  // fabrics talking in one process) is for that one to poll next, and its
+  // step waits in the shared queue. Not seen, and served after the round:
+  // timers (a wait started in a handler queues nothing until epoll_wait
+  // finds it due), sockets, posts from other threads, an io_context::stop().
   const bool sees = sees_posts();
+  std::size_t round_completions = 0;
   spinning_ = true;
   for (std::uint32_t i = 0; i < options_.spin_polls && running_; ++i) {
     if (before_poll_ != nullptr) before_poll_(before_poll_ctx_);
     if (!running_) break;
-    const bool dispatched = drain() > 0;
-    if (dispatched && timed) last_activity_ = now;
-    if (sees ? handlers_posted_here() : dispatched) break;
+    const std::size_t n = drain();
+    if (n > 0 && timed) last_activity_ = now;
+    round_completions += n;
+    if (n > 0 && (!sees || round_completions >= options_.batch)) break;
+    if (sees && handlers_posted_here(n > 0)) break;
     if (yield_check_ != nullptr && yield_check_(yield_check_ctx_)) break;
   }
   spinning_ = false;
@@ -395,8 +403,12 @@ void reactor::on_readable() {
   // A loop of this epoch has its next step queued: a stop and a start from
   // a handler of the drain above, or a busy loop a start() began while this
   // wait was pending (a stop's cancel, then the wait renewed). That loop
-  // polls; starting another would poll twice per round, for good.
-  if (queued_loop_ == epoch_) return;
+  // polls (from now on, if these were completions); starting another would
+  // poll twice per round, for good.
+  if (queued_loop_ == epoch_) {
+    if (mode_ == poll_mode::adaptive && n > 0) last_activity_ = std::chrono::steady_clock::now();
+    return;
+  }
   if (mode_ == poll_mode::adaptive && n > 0) {
     last_activity_ = std::chrono::steady_clock::now();
     spin_step();

@@ -109,7 +109,8 @@ class reactor {
   // to spin_polls; other handlers, timers and sockets of the io_context wait
   // at most that long) unless fn(ctx) says the owner has handlers queued
   // that should run first, or something was posted from the io thread
-  // during the round (a handler the completions resumed did: it runs next).
+  // during the round (a handler the completions resumed did: it runs next),
+  // or the round has dispatched a batch of completions.
   // On an io_context not made with concurrency hint 1 such posts cannot be
   // seen, and a pass that dispatched completions ends the round; so it does
   // on an io_context shared with other reactors (what the completions sent
@@ -167,8 +168,8 @@ class reactor {
   // no other reactor on the io_context.
   bool sees_posts() const noexcept;
   // Whether anything was posted on this thread since the running handler
-  // began (if sees_posts()).
-  bool handlers_posted_here() const noexcept;
+  // began (if sees_posts()); `otherwise` where it cannot tell.
+  bool handlers_posted_here(bool otherwise) const noexcept;
 
   asio::io_context& io_;
   transport::completion_queue& cq_;

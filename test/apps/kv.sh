@@ -103,7 +103,7 @@ else:
 PY
 done
 run_cmd 2 "$kv" --connect 127.0.0.1:$P bench --location-cache -1
-expect_in "$tmp/last.err" "--location-cache"
+expect_in "$tmp/last.err" "anydoor-kv: --location-cache takes a number from 0 to 16777216 .*not '-1'"
 pass "bench: workloads, progress, one-sided summary, --location-cache"
 
 # --- the Redis door: redis-cli, pipelining, inline commands, errors
@@ -337,6 +337,11 @@ for j in 1 $((i / 2)) $((i - 1)); do
 done
 run_cmd 0 "$kv" --connect 127.0.0.1:$P del m1
 run_cmd 0 "$kv" --connect 127.0.0.1:$P put "m$i" "$v100"
+run_cmd 2 "$kv" --connect 127.0.0.1:$P put "" v; expect_in "$tmp/last.err" "empty key"
+run_cmd 2 "$kv" --connect 127.0.0.1:$P del 123456789; expect_in "$tmp/last.err" "^anydoor-kv: del failed: .*above the limit of 8 \(--max-key\)"
+# bench loads its keys first: a key it cannot put stops it there, with the key and the reason
+run_cmd 2 "$kv" --connect 127.0.0.1:$P bench --keys 10 --value-size 20 --duration 1
+expect_in "$tmp/last.err" "^anydoor-kv: loading key:[0-9]+: key of 14 bytes is above the limit of 8 \\(--max-key\\)"
 pass "--max-key, --max-value, --max-memory (OOM after $((i - 1)) values, nothing lost, room again after a del)"
 stop lim TERM
 
@@ -515,5 +520,29 @@ run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --workload z; expect_in "$tmp/last.e
 run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --get write; expect_in "$tmp/last.err" "--get takes rpc or read"
 run_cmd 2 "$kv" --connect 127.0.0.1:1 get a; expect_in "$tmp/last.err" "cannot connect to 127.0.0.1:1"
 run_cmd 0 "$kv" --help; expect_in "$tmp/last.out" "bench \[--workload a\|b\|c\]"
+run_cmd 0 "$kv" -h; expect_in "$tmp/last.out" "bench \[--workload a\|b\|c\]"
+run_cmd 0 "$server" --help; expect_in "$tmp/last.out" "--resp-max-clients"
+run_cmd 0 "$server" -h; expect_in "$tmp/last.out" "--data-dir"
+run_cmd 2 "$server" --listen; expect_in "$tmp/last.err" "missing value after --listen"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --bogus; expect_in "$tmp/last.err" "unknown option --bogus"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --provider foo; expect_in "$tmp/last.err" "--provider takes auto, tcp or verbs, not 'foo'"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --data-dir ""; expect_in "$tmp/last.err" "--data-dir takes a directory"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --max-key 0; expect_in "$tmp/last.err" "--max-key takes a number from 1 to 65535"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --max-value 2G; expect_in "$tmp/last.err" "--max-value takes a number from 0 to 1073741824"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --compact-min x; expect_in "$tmp/last.err" "--compact-min takes a number"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --resp-max-clients 0; expect_in "$tmp/last.err" "--resp-max-clients takes a number from 1 to 100000"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --max-connections 4097; expect_in "$tmp/last.err" "--max-connections takes a number from 1 to 4096"
+run_cmd 2 "$server" --listen 127.0.0.1:0 --metrics-listen nope; expect_in "$tmp/last.err" "--metrics-listen takes HOST:PORT"
+run_cmd 2 "$kv" --connect; expect_in "$tmp/last.err" "missing value after --connect"
+run_cmd 2 "$kv" --connect nowhere get a; expect_in "$tmp/last.err" "--connect takes HOST:PORT, not 'nowhere'"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 --provider x get a; expect_in "$tmp/last.err" "--provider takes auto, tcp or verbs"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 --timeout 0 get a; expect_in "$tmp/last.err" "--timeout takes a positive number of seconds"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 --bogus get a; expect_in "$tmp/last.err" "unknown option --bogus"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 get a b; expect_in "$tmp/last.err" "unexpected argument 'b'"
+run_cmd 2 "$kv" --connect 127.0.0.1:1; expect_in "$tmp/last.err" "needs a command: put, get, del or bench"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --keys 0; expect_in "$tmp/last.err" "--keys takes a number from 1"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --value-size 2G; expect_in "$tmp/last.err" "--value-size takes a number from 0 to 1073741824"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --duration 0; expect_in "$tmp/last.err" "--duration takes a positive number of seconds"
+run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --in-flight 0; expect_in "$tmp/last.err" "--in-flight takes a number from 1 to 4096"
 pass "bad command lines"
 echo "kv app: all passed"

@@ -266,13 +266,16 @@ TEST_CASE("reactor: a busy round ends with the pass whose completions posted han
   // another reactor shares the io_context (its step waits in the queue).
   const int hint = GENERATE(BOOST_ASIO_CONCURRENCY_HINT_DEFAULT, 1);
   const bool posts = GENERATE(false, true);
-  const bool shared = GENERATE(false, true);
+  // 0: alone; 1: another reactor on the io_context; 2: one that was, destroyed since
+  const int other_reactor = GENERATE(0, 1, 2);
+  const bool shared = other_reactor == 1;
   INFO("concurrency hint " << hint << ", the completion's handler posts: " << posts
-                           << ", another reactor on the io_context: " << shared);
+                           << ", another reactor on the io_context: " << other_reactor);
   connected_pair p;
   asio::io_context io(hint);
   std::optional<anydoor::reactor> other;
-  if (shared) other.emplace(io, *p.b.cq, anydoor::reactor_options{.mode = anydoor::poll_mode::event});
+  if (other_reactor != 0) other.emplace(io, *p.b.cq, anydoor::reactor_options{.mode = anydoor::poll_mode::event});
+  if (other_reactor == 2) other.reset();
   anydoor::reactor r(io, *p.a.cq, {.mode = anydoor::poll_mode::busy, .spin_polls = 5});
   struct recorder : anydoor::operation {
     anydoor::reactor* r = nullptr;
@@ -320,6 +323,61 @@ TEST_CASE("reactor: a busy round ends with the pass whose completions posted han
     REQUIRE(io.run_one() == 1);  // before the next round
     CHECK(op.posted_ran_at == std::optional<std::uint64_t>(1));
   }
+  r.stop();
+  io.run();
+}
+
+namespace {
+// A completion queue holding what the test queued, all of it ready.
+class ready_cq final : public tp::completion_queue {
+ public:
+  ready_cq() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+  ~ready_cq() override { ::close(fd_); }
+  void push(const tp::completion& c) { ready_.push_back(c); }
+  std::size_t poll(std::span<tp::completion> out, std::error_code& ec) noexcept override {
+    ec.clear();
+    std::size_t n = 0;
+    while (n < out.size() && !ready_.empty()) {
+      out[n++] = ready_.front();
+      ready_.pop_front();
+    }
+    return n;
+  }
+  std::error_code arm() noexcept override { return {}; }
+  int notify_fd() const noexcept override { return fd_; }
+  std::size_t ack_events() noexcept override { return 0; }
+  std::uint32_t depth() const noexcept override { return 1024; }
+  tp::cq_counters counters() const noexcept override { return {}; }
+
+ private:
+  int fd_;
+  std::deque<tp::completion> ready_;
+};
+}  // namespace
+
+TEST_CASE("reactor: a busy round that sees no posts ends once it has dispatched a batch of completions",
+          "[runtime]") {
+  // Each completion's handler queues the next (nothing posted to Asio), 10
+  // per pass: the second pass brings the round to 20, above a batch (16).
+  ready_cq cq;
+  asio::io_context io{1};
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::busy, .batch = 16, .spin_polls = 8});
+  struct requeue : anydoor::operation {
+    anydoor::reactor* r = nullptr;
+    ready_cq* cq = nullptr;
+    int calls = 0;
+    void complete(const tp::completion&) noexcept override {
+      ++calls;
+      cq->push({.wr_id = r->track(*this)});
+    }
+  } op;
+  op.r = &r;
+  op.cq = &cq;
+  for (int i = 0; i < 10; ++i) cq.push({.wr_id = r.track(op)});
+  r.start();
+  REQUIRE(io.run_one() == 1);  // the first round
+  CHECK(op.calls == 20);
+  CHECK(r.stats().polls == 2);
   r.stop();
   io.run();
 }
@@ -613,7 +671,7 @@ TEST_CASE("reactor: a stop and a start inside a wake-up's drain leave one busy l
   gated_cq cq;
   asio::io_context io{1};
   // spin: long enough that neither loop goes back to sleep during the count
-  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 200ms, .spin_polls = 1});
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 500ms, .spin_polls = 1});
   struct restarter : anydoor::operation {
     anydoor::reactor* r = nullptr;
     int calls = 0;
@@ -630,8 +688,10 @@ TEST_CASE("reactor: a stop and a start inside a wake-up's drain leave one busy l
   REQUIRE(io.run_one() == 1);  // the wake-up: its drain stops and starts the reactor
   REQUIRE(op.calls == 1);
   CHECK(r.stats().wakeups == 1);
+  const std::uint64_t arms = r.stats().arms;
   CHECK(polls_before_next_handler(io, r) == 1);
   CHECK(polls_before_next_handler(io, r) == 1);
+  REQUIRE(r.stats().arms == arms);  // (not asleep again meanwhile: the count is the loops')
   r.stop();
   io.run();
 }
@@ -643,13 +703,14 @@ TEST_CASE("reactor: a wake-up while a busy loop is queued leaves that loop alone
   // loop. A completion that then wakes the wait must not start another.
   gated_cq cq;
   asio::io_context io{1};
-  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 200ms, .spin_polls = 1});
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 500ms, .spin_polls = 1});
   struct counter : anydoor::operation {
     int calls = 0;
     void complete(const tp::completion&) noexcept override { ++calls; }
   } op;
   r.start();
   run_until_asleep(io, r);
+  const std::uint64_t arms = r.stats().arms;
   r.stop();
   r.start();
   REQUIRE(polls_before_next_handler(io, r) == 1);  // the cancelled wait renewed, the loop's first round
@@ -659,6 +720,9 @@ TEST_CASE("reactor: a wake-up while a busy loop is queued leaves that loop alone
   CHECK(op.calls == 1);  // found by the wake-up's drain (the loop's polls cannot see it before)
   CHECK(polls_before_next_handler(io, r) == 1);
   CHECK(polls_before_next_handler(io, r) == 1);
+  // (The loop never slept meanwhile: else the wake-up would have had no
+  // loop to leave the polling to, and the test would prove nothing.)
+  REQUIRE(r.stats().arms == arms);
   r.stop();
   io.run();
 }
