@@ -149,7 +149,33 @@ run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --credits 3; expect_in "$tmp/l
 run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --credits 5000; expect_in "$tmp/last.err" "--credits takes"
 run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --srq 4; expect_in "$tmp/last.err" "--srq takes"
 run_cmd 2 "$echo_bin" dance; expect_in "$tmp/last.err" "unknown mode"
-run_cmd 2 "$echo_bin"; expect_in "$tmp/last.err" "usage:"
+run_cmd 2 "$echo_bin"; expect_in "$tmp/last.err" "say server or client"; expect_in "$tmp/last.err" "usage:"
 run_cmd 0 "$echo_bin" --help; expect_in "$tmp/last.out" "anydoor-echo server --listen"
+run_cmd 0 "$echo_bin" -h; expect_in "$tmp/last.out" "anydoor-echo client --connect"
+run_cmd 2 "$echo_bin" client --connect; expect_in "$tmp/last.err" "missing value after --connect"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --bogus; expect_in "$tmp/last.err" "unknown option --bogus"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --max-message 0; expect_in "$tmp/last.err" "--max-message takes a number from 1 to 1073741824"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --max-connections 4097; expect_in "$tmp/last.err" "--max-connections takes a number from 1 to 4096"
+run_cmd 2 "$echo_bin" server --listen 127.0.0.1:0 --metrics-listen nope; expect_in "$tmp/last.err" "takes HOST:PORT"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --count 0; expect_in "$tmp/last.err" "--count takes a number from 1"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --connections 4097; expect_in "$tmp/last.err" "--connections takes a number from 1 to 4096"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --timeout 0; expect_in "$tmp/last.err" "--timeout takes a positive number of seconds, not '0'"
+run_cmd 2 "$echo_bin" client --connect 127.0.0.1:1 --provider foo; expect_in "$tmp/last.err" "--provider takes"
 pass "bad command lines"
+
+# What the fabric refuses: the completion queue its options need is larger
+# than the device's (the tcp provider's 2^20 entries).
+run_cmd 1 "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-connections 4096 --credits 4096
+expect_in "$tmp/last.err" "exceeds the device's completion queue limit 1048576"
+# A port already taken: exit 1 with the reason.
+start_server taken "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-connections 1
+run_cmd 1 "$echo_bin" server --listen 127.0.0.1:$PORT --provider tcp
+expect_in "$tmp/last.err" "^anydoor-echo: listen: cannot bind 127.0.0.1:$PORT: Address already in use"
+# --max-connections 1: the first connection is served, the second refused.
+run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 2 --count 10
+expect_in "$tmp/last.err" "^anydoor-echo: cannot connect to 127.0.0.1:$PORT: too many connections"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 1 --count 10
+expect_in "$tmp/last.out" "\\(provider tcp"
+kill -TERM "$PID_taken"; wait "$PID_taken" 2>/dev/null
+pass "the fabric's refusal, a port taken, --max-connections, --provider tcp"
 echo "echo app: all passed"

@@ -580,6 +580,12 @@ TEST_CASE("rpc: options, registration and status errors", "[rpc]") {
                                 .max_backoff = std::chrono::milliseconds(5)}),
                   std::system_error);
   CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.client = {.max_calls = 0}}), std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.client = {.max_calls = (1u << 24) + 1}}), std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.client = {.timeout = std::chrono::milliseconds(-1)}}),
+                  std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.client = {.timeout = std::chrono::hours(2)}}), std::system_error);
+  CHECK_THROWS_AS(rpc::channel(fab, "127.0.0.1:1", {.max_backoff = std::chrono::hours(2)}), std::system_error);
+  CHECK_NOTHROW(rpc::channel(fab, "127.0.0.1:1", {.client = {.timeout = std::chrono::hours(1), .max_calls = 1u << 24}}));
 
   // Every status has a name; the category is rpc's own.
   for (int c = 0; c <= static_cast<int>(rpc::errc_last); ++c) {

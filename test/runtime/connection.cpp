@@ -1128,39 +1128,60 @@ TEST_CASE("buffer_pool: free list, growth to the watermark, counters, bad option
   CHECK_THROWS_AS(ad::buffer_pool(*pd, {.buffer_size = 64, .buffers_per_slab = 64, .initial_slabs = 3, .max_bytes = 8192}), E);
 }
 
-TEST_CASE("fabric options are checked", "[runtime][unit]") {
+TEST_CASE("fabric options are checked - each refusal names its option", "[runtime][unit]") {
   asio::io_context io;
-  auto bad = [&](auto mutate) {
+  // Refused with invalid_argument, the message naming `option`.
+  auto bad = [&](auto mutate, std::string_view option) {
     ad::fabric_options o = test_options();
     mutate(o);
     try {
       ad::fabric fab(io, o);
     } catch (const std::system_error& e) {
-      return e.code() == ad::errc::invalid_argument;
+      INFO("refused: " << e.what());
+      return e.code() == ad::errc::invalid_argument && std::string_view(e.what()).find(option) != std::string_view::npos;
     }
     return false;
   };
-  CHECK(bad([](ad::fabric_options& o) { o.max_connections = 0; }));
-  CHECK(bad([](ad::fabric_options& o) { o.max_connections = 5000; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.credits = 3; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.credits = 5000; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.eager_limit = 0; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.eager_limit = (1u << 20) + 1; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.max_message = 0; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.max_message = (std::uint64_t{1} << 40) + 1; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.send_queue = 7; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.signal_interval = 0; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.signal_interval = 129; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.connect_timeout = std::chrono::milliseconds(0); }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.buffer_wait = std::chrono::milliseconds(-1); }));
-  CHECK(bad([](ad::fabric_options& o) { o.pool_max_bytes = 4096; }));
-  CHECK(bad([](ad::fabric_options& o) { o.reactor.batch = 8; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.rendezvous_memory = 4095; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.rendezvous_memory = (std::uint64_t{1} << 40) + 1; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4095; }));
-  CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = (1u << 30) + 1; }));
-  CHECK_FALSE(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4096; }));
-  CHECK_FALSE(bad([](ad::fabric_options&) {}));
+  CHECK(bad([](ad::fabric_options& o) { o.max_connections = 0; }, "max_connections"));
+  CHECK(bad([](ad::fabric_options& o) { o.max_connections = 5000; }, "max_connections"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.credits = 3; }, "credits"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.credits = 5000; }, "credits"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.eager_limit = 0; }, "eager_limit"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.eager_limit = (1u << 20) + 1; }, "eager_limit"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.max_message = 0; }, "max_message"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.max_message = (std::uint64_t{1} << 40) + 1; }, "max_message"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.send_queue = 7; }, "send_queue"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.send_queue = 4097; }, "send_queue"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.signal_interval = 0; }, "signal_interval"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.signal_interval = 129; }, "signal_interval"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.connect_timeout = std::chrono::milliseconds(0); }, "connect_timeout"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.handshake_timeout = std::chrono::milliseconds(0); },
+            "handshake_timeout"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.handshake_timeout = std::chrono::minutes(11); },
+            "handshake_timeout"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.buffer_wait = std::chrono::milliseconds(-1); }, "buffer_wait"));
+  CHECK(bad([](ad::fabric_options& o) { o.pool_max_bytes = 4096; }, "pool"));
+  CHECK(bad([](ad::fabric_options& o) { o.reactor.batch = 8; }, "batch"));
+  CHECK(bad([](ad::fabric_options& o) { o.reactor.max_operations = (1u << 24) + 1; }, "max_operations"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.rendezvous_memory = 4095; }, "rendezvous_memory"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.rendezvous_memory = (std::uint64_t{1} << 40) + 1; },
+            "rendezvous_memory"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4095; }, "fragment_size"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = (1u << 30) + 1; }, "fragment_size"));
+  CHECK(bad([](ad::fabric_options& o) { o.cache_max_entries = 0; }, "cache_max_entries"));
+  CHECK(bad([](ad::fabric_options& o) { o.cache_max_entries = (std::size_t{1} << 20) + 1; }, "cache_max_entries"));
+  CHECK(bad([](ad::fabric_options& o) { o.cache_max_bytes = 4095; }, "cache_max_bytes"));
+  CHECK(bad([](ad::fabric_options& o) { o.max_piece_bytes = 4095; }, "max_piece_bytes"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.auth_token = std::string(1025, 'x'); }, "auth_token"));
+  CHECK(bad([](ad::fabric_options& o) { o.srq_buffers = 4; }, "srq_buffers"));
+  CHECK(bad([](ad::fabric_options& o) { o.srq_buffers = (1u << 20) + 1; }, "srq_buffers"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.keepalive = std::chrono::milliseconds(199); }, "keepalive"));
+  CHECK(bad([](ad::fabric_options& o) { o.connection.keepalive = std::chrono::hours(2); }, "keepalive"));
+  // The edges themselves are taken.
+  CHECK_FALSE(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4096; }, ""));
+  CHECK_FALSE(bad([](ad::fabric_options& o) { o.connection.auth_token = std::string(1024, 'x'); }, ""));
+  CHECK_FALSE(bad([](ad::fabric_options& o) { o.connection.handshake_timeout = std::chrono::minutes(10); }, ""));
+  CHECK_FALSE(bad([](ad::fabric_options&) {}, ""));
 }
 
 TEST_CASE("a rendezvous message many times the send queue's reach is read in pieces: messages behind it follow",

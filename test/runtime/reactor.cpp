@@ -177,20 +177,32 @@ TEST_CASE("reactor: ANYDOOR_POLL overrides the option, and is checked", "[runtim
 TEST_CASE("reactor: options are checked", "[runtime]") {
   endpoint e;
   asio::io_context io;
+  std::string what;
   auto code = [&](anydoor::reactor_options o) {
+    what.clear();
     try {
       anydoor::reactor r(io, *e.cq, o);
     } catch (const std::system_error& ex) {
+      what = ex.what();
       return ex.code();
     }
     return std::error_code{};
   };
+  auto names = [&](std::string_view option) { return what.find(option) != std::string::npos; };
   CHECK(code({.batch = 15}) == anydoor::errc::invalid_argument);  // at least 16 per poll
+  CHECK(names("batch"));
   CHECK(code({.batch = 2048}) == anydoor::errc::invalid_argument);
+  CHECK(names("batch"));
   CHECK(code({.max_operations = 0}) == anydoor::errc::invalid_argument);
+  CHECK(names("max_operations"));
+  CHECK(code({.max_operations = (1u << 24) + 1}) == anydoor::errc::invalid_argument);
+  CHECK(names("max_operations"));
   CHECK(code({.spin = std::chrono::microseconds(-1)}) == anydoor::errc::invalid_argument);
+  CHECK(names("spin time"));
   CHECK(code({.spin_polls = 0}) == anydoor::errc::invalid_argument);
+  CHECK(names("spin_polls"));
   CHECK(code({.spin_polls = 1025}) == anydoor::errc::invalid_argument);
+  CHECK(names("spin_polls"));
   CHECK_FALSE(code({.spin = std::chrono::microseconds(0), .batch = 64, .max_operations = 8, .spin_polls = 1024}));
 }
 
