@@ -345,6 +345,23 @@ expect_in "$tmp/last.err" "^anydoor-kv: loading key:[0-9]+: key of 14 bytes is a
 pass "--max-key, --max-value, --max-memory (OOM after $((i - 1)) values, nothing lost, room again after a del)"
 stop lim TERM
 
+# --resp-max-clients: one client more gets Redis's error and is closed;
+# the one admitted is served.
+start_server few "$server" --listen 127.0.0.1:0 --provider tcp --resp-listen 127.0.0.1:0 --resp-max-clients 1
+RP=$(resp_port few)
+exec 7<>"/dev/tcp/127.0.0.1/$RP"
+printf 'PING\r\n' >&7
+IFS= read -r -t 10 line <&7 || fail "--resp-max-clients 1: the first client got no answer"
+[ "$line" = $'+PONG\r' ] || fail "--resp-max-clients 1: the first client got '$line'"
+[ "$(timeout 10 redis-cli -p "$RP" ping 2>&1)" = "ERR max number of clients reached" ] || fail "--resp-max-clients 1: the second client was not refused"
+printf 'PING\r\n' >&7
+IFS= read -r -t 10 line <&7 || fail "--resp-max-clients 1: the first client not served after the refusal"
+exec 7>&-
+stop few TERM
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --resp-listen nohost.invalid:0
+expect_in "$tmp/last.err" "redis protocol: bad listen address 'nohost.invalid'"
+pass "--resp-max-clients, a bad --resp-listen address"
+
 # --- durability: kill -9 after acknowledged writes, restart, read back (each sync mode)
 for mode in always everysec no; do
   d=$tmp/data-$mode
@@ -417,7 +434,31 @@ cp "$tmp/kv.log.good" "$d/kv.log"
 printf 'garbage!garbage!' >"$tmp/notalog"; mkdir "$tmp/bad"; cp "$tmp/notalog" "$tmp/bad/kv.log"
 run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$tmp/bad"
 expect_in "$tmp/last.err" "is not an anydoor-kv log"
-pass "torn tail cut, corruption refused, a second server refused, not-a-log refused"
+# A log that the limits given at restart cannot hold (200 values of
+# 2000 B in the arena, against --max-memory 64K; values above --max-value
+# 1): refused, with the limit to raise, the log left as it was.
+big=$tmp/data-big
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big" --resp-listen 127.0.0.1:0
+RP=$(resp_port dur)
+v2000=$(head -c 2000 /dev/zero | tr '\0' b)
+for i in $(seq 1 200); do printf 'SET big%d %s\r\n' "$i" "$v2000"; done | timeout 30 redis-cli -p "$RP" >/dev/null
+[ "$(redis-cli -p "$RP" dbsize)" = 200 ] || fail "dbsize before the refused restarts"
+stop dur TERM
+size=$(stat -c %s "$big/kv.log")
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big" --max-memory 64K
+expect_in "$tmp/last.err" "the log holds more data than --max-memory 65536 bytes takes: raise it"
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big" --max-value 1
+expect_in "$tmp/last.err" "the log holds a key of [0-9]+ or a value of 2000 bytes, above --max-key/--max-value: raise them"
+[ "$(stat -c %s "$big/kv.log")" = "$size" ] || fail "a refused replay changed the log"
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big"
+run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get big200; [ "$(cat "$tmp/last.out")" = "$v2000" ] || fail "big200 after refused restarts"
+# SIGINT shuts down as SIGTERM does.
+kill -INT "$PID_dur"
+timeout 10 tail --pid="$PID_dur" -f /dev/null || fail "the server did not exit within 10 s of SIGINT"
+wait "$PID_dur"; rc=$?
+[ "$rc" = 0 ] || fail "the server exited $rc after SIGINT"
+expect_in "$tmp/dur.err" "SIGINT: shutting down"
+pass "torn tail cut, corruption refused, a second server refused, not-a-log refused, limits too small to replay refused, SIGINT"
 
 # --- a log the disk cannot take (here a file size limit, ulimit -f 64 KiB:
 # writes past it fail with EFBIG, as on a full disk): the write that hit
