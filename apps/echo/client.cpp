@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -260,6 +261,8 @@ void print_report(const client_options& o, std::string_view provider, std::uint6
 fabric_options client_fabric_options(const client_options& o) {
   fabric_options fo;
   fo.device.provider = o.provider;
+  // --timeout bounds each connection's set-up as it bounds each reply.
+  fo.connection.connect_timeout = std::chrono::milliseconds(std::max<std::int64_t>(1, std::llround(o.timeout * 1000)));
   fo.max_connections = std::max<std::uint32_t>(64, o.connections);
   fo.connection.credits = o.credits;
   // Receive buffers for every connection's credits, with room to spare.

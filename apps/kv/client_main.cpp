@@ -429,6 +429,9 @@ int main(int argc, char** argv) {
     asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
     anydoor::fabric_options fo;
     fo.device.provider = o.provider;
+    // --timeout bounds the connection's set-up as it bounds each call (a
+    // server that accepts at the socket and never answers: SIGSTOPped).
+    fo.connection.connect_timeout = std::chrono::milliseconds(std::max<std::int64_t>(1, std::llround(o.timeout * 1000)));
     fo.connection.max_message = std::uint64_t{1} << 30;
     fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{64} << 20, o.value_size * 4);
     anydoor::fabric fab(io, fo);

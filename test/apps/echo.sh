@@ -60,8 +60,13 @@ start=$SECONDS
 run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --duration 30 --timeout 2
 expect_in "$tmp/last.err" "stopped answering: no reply within 2"
 [ $((SECONDS - start)) -le 10 ] || fail "a stopped server took $((SECONDS - start)) s to notice"
+# Stopped before the client connects: the connection's set-up is bounded by --timeout too.
+start=$SECONDS
+run_cmd 1 "$echo_bin" client --connect 127.0.0.1:$PORT --count 1 --timeout 1
+expect_in "$tmp/last.err" "^anydoor-echo: cannot connect to 127.0.0.1:$PORT: .*timed out"
+[ $((SECONDS - start)) -le 6 ] || fail "connecting to a stopped server took $((SECONDS - start)) s with --timeout 1"
 kill -KILL "$PID_frozen"
-pass "stopped server noticed within --timeout"
+pass "stopped server noticed within --timeout, connecting or running"
 
 # The server dies mid-run (SIGKILL).
 start_server victim "$echo_bin" server --listen 127.0.0.1:0 --provider tcp

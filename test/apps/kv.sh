@@ -338,6 +338,14 @@ done
 run_cmd 0 "$kv" --connect 127.0.0.1:$P del m1
 run_cmd 0 "$kv" --connect 127.0.0.1:$P put "m$i" "$v100"
 run_cmd 2 "$kv" --connect 127.0.0.1:$P put "" v; expect_in "$tmp/last.err" "empty key"
+run_cmd 0 "$kv" --connect 127.0.0.1:$P --provider tcp --timeout 5 get m2
+# --timeout bounds the connection's set-up: a stopped server fails it in time.
+kill -STOP "$PID_lim"
+start=$SECONDS
+run_cmd 2 "$kv" --connect 127.0.0.1:$P --timeout 1 get m2
+kill -CONT "$PID_lim"
+expect_in "$tmp/last.err" "^anydoor-kv: cannot connect to 127.0.0.1:$P: .*timed out"
+[ $((SECONDS - start)) -le 6 ] || fail "a stopped server took $((SECONDS - start)) s to fail a get with --timeout 1"
 run_cmd 2 "$kv" --connect 127.0.0.1:$P del 123456789; expect_in "$tmp/last.err" "^anydoor-kv: del failed: .*above the limit of 8 \(--max-key\)"
 # bench loads its keys first: a key it cannot put stops it there, with the key and the reason
 run_cmd 2 "$kv" --connect 127.0.0.1:$P bench --keys 10 --value-size 20 --duration 1
