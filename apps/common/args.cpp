@@ -1,5 +1,7 @@
 #include "args.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <charconv>
 
 namespace anydoor::apps {
@@ -24,6 +26,11 @@ bool parse_size(std::string_view s, std::uint64_t& out, std::uint64_t min, std::
   if (v < min || v > max) return false;
   out = v;
   return true;
+}
+
+std::chrono::milliseconds timeout_ms(double seconds) noexcept {
+  const double ms = std::clamp(seconds * 1000.0, 1.0, 3600.0 * 1000.0);
+  return std::chrono::milliseconds(std::llround(ms));
 }
 
 bool parse_seconds(std::string_view s, double& out) noexcept {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -19,6 +20,9 @@ bool parse_size(std::string_view s, std::uint64_t& out, std::uint64_t min = 0,
                 std::uint64_t max = ~std::uint64_t{0}) noexcept;
 // Seconds with an optional fraction: "3", "0.5".
 bool parse_seconds(std::string_view s, double& out) noexcept;
+// A --timeout in seconds as a deadline: at least 1 ms (a shorter one would
+// read as "none"), at most 1 hour (the longest an RPC deadline carries).
+std::chrono::milliseconds timeout_ms(double seconds) noexcept;
 
 // "host:port", "[v6]:port"; port 0..65535 (port 0: any, for listeners).
 struct endpoint {

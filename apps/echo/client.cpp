@@ -61,8 +61,7 @@ class load {
     fab_.async_connect(o_.connect.str(), [this, i](error_code ec, connection c) {
       if (failed_) return;
       if (ec) return fail("cannot connect to " + o_.connect.str() + ": " + ec.message());
-      conns_[i].cli = rpc::client(std::move(c), {.timeout = std::chrono::milliseconds(
-                                                     static_cast<std::int64_t>(o_.timeout * 1000))});
+      conns_[i].cli = rpc::client(std::move(c), {.timeout = timeout_ms(o_.timeout)});
       if (++connected_ == o_.connections) return run();
       if (o_.connections > 1 && !o_.json && connected_ % 500 == 0) {
         std::fprintf(stderr, "anydoor-echo: %u of %u connections open\n", connected_, o_.connections);
@@ -262,7 +261,7 @@ fabric_options client_fabric_options(const client_options& o) {
   fabric_options fo;
   fo.device.provider = o.provider;
   // --timeout bounds each connection's set-up as it bounds each reply.
-  fo.connection.connect_timeout = std::chrono::milliseconds(std::max<std::int64_t>(1, std::llround(o.timeout * 1000)));
+  fo.connection.connect_timeout = timeout_ms(o.timeout);
   fo.max_connections = std::max<std::uint32_t>(64, o.connections);
   fo.connection.credits = o.credits;
   // Receive buffers for every connection's credits, with room to spare.

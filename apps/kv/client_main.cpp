@@ -372,7 +372,7 @@ asio::awaitable<int> run(const options& o, anydoor::fabric& fab) {
     std::fprintf(stderr, "anydoor-kv: cannot connect to %s: %s\n", o.connect.str().c_str(), ec.message().c_str());
     co_return 2;
   }
-  kv::client cli(fab, std::move(conn), std::chrono::milliseconds(static_cast<std::int64_t>(o.timeout * 1000)),
+  kv::client cli(fab, std::move(conn), anydoor::apps::timeout_ms(o.timeout),
                  o.location_cache);
   if (o.command == "bench") co_return co_await bench(o, cli);
   const std::string& key = o.words[0];
@@ -431,7 +431,7 @@ int main(int argc, char** argv) {
     fo.device.provider = o.provider;
     // --timeout bounds the connection's set-up as it bounds each call (a
     // server that accepts at the socket and never answers: SIGSTOPped).
-    fo.connection.connect_timeout = std::chrono::milliseconds(std::max<std::int64_t>(1, std::llround(o.timeout * 1000)));
+    fo.connection.connect_timeout = anydoor::apps::timeout_ms(o.timeout);
     fo.connection.max_message = std::uint64_t{1} << 30;
     fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{64} << 20, o.value_size * 4);
     anydoor::fabric fab(io, fo);

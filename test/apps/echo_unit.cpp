@@ -45,8 +45,10 @@ class mangling_server {
     thread_ = std::thread([this] { io_.run(); });
   }
   ~mangling_server() {
-    asio::post(io_, [this] { srv_.stop(); });
-    io_.stop();
+    asio::post(io_, [this] {
+      srv_.stop();
+      io_.stop();
+    });
     thread_.join();
   }
   const std::string& where() const { return where_; }
@@ -68,7 +70,12 @@ int run_capturing(const echo::client_options& o, std::string& err) {
   std::fflush(stderr);
   const int saved = ::dup(2);
   ::dup2(fd, 2);
-  const int rc = echo::run_client(o);
+  int rc = -1;
+  try {
+    rc = echo::run_client(o);
+  } catch (...) {
+    rc = -2;  // (stderr given back first)
+  }
   std::fflush(stderr);
   ::dup2(saved, 2);
   ::close(saved);
@@ -84,7 +91,7 @@ int run_capturing(const echo::client_options& o, std::string& err) {
 echo::client_options options_for(const mangling_server& s, bool verify) {
   echo::client_options o;
   REQUIRE(anydoor::apps::parse_endpoint(s.where(), o.connect));
-  o.provider = "tcp";
+  o.provider = anydoor::test::provider_under_test();
   o.size = 64;
   o.count = 20;
   o.timeout = 10;

@@ -338,7 +338,7 @@ done
 run_cmd 0 "$kv" --connect 127.0.0.1:$P del m1
 run_cmd 0 "$kv" --connect 127.0.0.1:$P put "m$i" "$v100"
 run_cmd 2 "$kv" --connect 127.0.0.1:$P put "" v; expect_in "$tmp/last.err" "empty key"
-run_cmd 0 "$kv" --connect 127.0.0.1:$P --provider tcp --timeout 5 get m2
+run_cmd 0 "$kv" --connect 127.0.0.1:$P --provider tcp --timeout 5 get m2; [ "$(cat "$tmp/last.out")" = "$v100" ] || fail "m2 with --provider tcp --timeout 5"
 # --timeout bounds the connection's set-up: a stopped server fails it in time.
 kill -STOP "$PID_lim"
 start=$SECONDS
@@ -364,6 +364,7 @@ IFS= read -r -t 10 line <&7 || fail "--resp-max-clients 1: the first client got 
 [ "$(timeout 10 redis-cli -p "$RP" ping 2>&1)" = "ERR max number of clients reached" ] || fail "--resp-max-clients 1: the second client was not refused"
 printf 'PING\r\n' >&7
 IFS= read -r -t 10 line <&7 || fail "--resp-max-clients 1: the first client not served after the refusal"
+[ "$line" = $'+PONG\r' ] || fail "--resp-max-clients 1: after the refusal the first client got '$line'"
 exec 7>&-
 stop few TERM
 run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --resp-listen nohost.invalid:0
@@ -445,20 +446,20 @@ expect_in "$tmp/last.err" "is not an anydoor-kv log"
 # A log that the limits given at restart cannot hold (200 values of
 # 2000 B in the arena, against --max-memory 64K; values above --max-value
 # 1): refused, with the limit to raise, the log left as it was.
-big=$tmp/data-big
-start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big" --resp-listen 127.0.0.1:0
+bigdir=$tmp/data-big
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$bigdir" --resp-listen 127.0.0.1:0
 RP=$(resp_port dur)
 v2000=$(head -c 2000 /dev/zero | tr '\0' b)
 for i in $(seq 1 200); do printf 'SET big%d %s\r\n' "$i" "$v2000"; done | timeout 30 redis-cli -p "$RP" >/dev/null
 [ "$(redis-cli -p "$RP" dbsize)" = 200 ] || fail "dbsize before the refused restarts"
 stop dur TERM
-size=$(stat -c %s "$big/kv.log")
-run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big" --max-memory 64K
+size=$(stat -c %s "$bigdir/kv.log")
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$bigdir" --max-memory 64K
 expect_in "$tmp/last.err" "the log holds more data than --max-memory 65536 bytes takes: raise it"
-run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big" --max-value 1
+run_cmd 1 "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$bigdir" --max-value 1
 expect_in "$tmp/last.err" "the log holds a key of [0-9]+ or a value of 2000 bytes, above --max-key/--max-value: raise them"
-[ "$(stat -c %s "$big/kv.log")" = "$size" ] || fail "a refused replay changed the log"
-start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$big"
+[ "$(stat -c %s "$bigdir/kv.log")" = "$size" ] || fail "a refused replay changed the log"
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$bigdir"
 run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get big200; [ "$(cat "$tmp/last.out")" = "$v2000" ] || fail "big200 after refused restarts"
 # SIGINT shuts down as SIGTERM does.
 kill -INT "$PID_dur"

@@ -8,6 +8,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/require.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/version.hpp>
 
 #include <fcntl.h>
 #include <sys/eventfd.h>
@@ -23,6 +24,16 @@ using tp::access;
 namespace asio = boost::asio;
 
 namespace {
+
+// Whether a busy round can see what the io thread posts on an io_context
+// of concurrency hint 1: with the Asio this project builds with (1.26, Boost
+// 1.81) it can; with any other the reactor keeps the old rule (a pass that
+// dispatched completions ends the round), and these tests expect that.
+#if BOOST_ASIO_VERSION == 102600 && defined(BOOST_ASIO_HAS_THREADS)
+constexpr bool kSeesPosts = true;
+#else
+constexpr bool kSeesPosts = false;
+#endif
 
 struct env_guard {
   std::string name;
@@ -256,7 +267,7 @@ TEST_CASE("reactor: a handler posted during a busy round runs before the next ro
     r.start();
     // The first round: 2 empty polls; with hint 1 the round sees the posts
     // and ends after its first poll.
-    const std::uint64_t first = hint == 1 ? 1 : 2;
+    const std::uint64_t first = hint == 1 && kSeesPosts ? 1 : 2;
     REQUIRE(io.run_one() == 1);
     CHECK(r.stats().polls == first);
     REQUIRE(io.run_one() == 1);
@@ -328,7 +339,7 @@ TEST_CASE("reactor: a busy round ends with the pass whose completions posted han
   // delivers within b's send): the first poll found it. That pass ended the
   // round where a handler it ran posted, or where posts cannot be seen;
   // else the round polled on, 5 polls in all.
-  const bool ends = posts || hint != 1 || shared;
+  const bool ends = posts || hint != 1 || shared || !kSeesPosts;
   CHECK(rounds == 1);
   CHECK(r.stats().polls == (ends ? 1u : 5u));
   if (posts) {
@@ -388,8 +399,8 @@ TEST_CASE("reactor: a busy round that sees no posts ends once it has dispatched 
   for (int i = 0; i < 10; ++i) cq.push({.wr_id = r.track(op)});
   r.start();
   REQUIRE(io.run_one() == 1);  // the first round
-  CHECK(op.calls == 20);
-  CHECK(r.stats().polls == 2);
+  CHECK(op.calls == (kSeesPosts ? 20 : 10));
+  CHECK(r.stats().polls == (kSeesPosts ? 2u : 1u));
   r.stop();
   io.run();
 }
@@ -683,7 +694,7 @@ TEST_CASE("reactor: a stop and a start inside a wake-up's drain leave one busy l
   gated_cq cq;
   asio::io_context io{1};
   // spin: long enough that neither loop goes back to sleep during the count
-  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 500ms, .spin_polls = 1});
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 2s, .spin_polls = 1});
   struct restarter : anydoor::operation {
     anydoor::reactor* r = nullptr;
     int calls = 0;
@@ -715,7 +726,7 @@ TEST_CASE("reactor: a wake-up while a busy loop is queued leaves that loop alone
   // loop. A completion that then wakes the wait must not start another.
   gated_cq cq;
   asio::io_context io{1};
-  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 500ms, .spin_polls = 1});
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 2s, .spin_polls = 1});
   struct counter : anydoor::operation {
     int calls = 0;
     void complete(const tp::completion&) noexcept override { ++calls; }
