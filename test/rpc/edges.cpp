@@ -599,6 +599,34 @@ TEST_CASE("rpc: options, registration and status errors", "[rpc]") {
   CHECK(bad_ok.error().code() == rpc::errc::internal);
 }
 
+TEST_CASE("rpc: a client's options are checked - max_calls 1..2^24 and timeout 0..1 h", "[rpc]") {
+  rpc_env env;
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    // Each refused construction takes its connection: a fresh one per case.
+    const rpc::client_options refused[] = {{.max_calls = 0},
+                                           {.max_calls = (1u << 24) + 1},
+                                           {.timeout = std::chrono::milliseconds(-1)},
+                                           {.timeout = std::chrono::minutes(61)}};
+    for (const rpc::client_options& o : refused) {
+      ad::connection c = co_await env.client_fab.async_connect(env.address, use_awaitable);
+      bool named = false;
+      try {
+        rpc::client cli(std::move(c), o);
+      } catch (const std::system_error& e) {
+        named = e.code() == ad::errc::invalid_argument && std::string_view(e.what()).find("max_calls") != std::string_view::npos;
+      }
+      CHECK(named);
+    }
+    rpc::client edge = co_await env.connect({.timeout = std::chrono::hours(1), .max_calls = 1u << 24});
+    CHECK(edge.is_open());
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
 TEST_CASE("rpc: max_calls bounds the calls in flight of one client", "[rpc]") {
   rpc_env env;
   env.srv.add(m::hang, [](const std::uint32_t&, rpc::server_call&) -> awaitable<rpc::result<std::uint32_t>> {

@@ -350,31 +350,46 @@ TEST_CASE("reactor: a busy round ends with the pass whose completions posted han
   io.run();
 }
 
+
 namespace {
-// A completion queue holding what the test queued, all of it ready.
-class ready_cq final : public tp::completion_queue {
+// A completion queue the test drives: push() makes a completion ready for
+// the next poll; deliver() queues one and signals the notify fd (an
+// eventfd), and it becomes visible to poll() only once the event is
+// acknowledged, so the reactor's wake-up, not a spinning poll, finds it.
+class scripted_cq final : public tp::completion_queue {
  public:
-  ready_cq() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
-  ~ready_cq() override { ::close(fd_); }
-  void push(const tp::completion& c) { ready_.push_back(c); }
+  scripted_cq() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+  ~scripted_cq() override { ::close(fd_); }
+  void push(const tp::completion& c) { visible_.push_back(c); }
+  void deliver(const tp::completion& c) {
+    gated_.push_back(c);
+    const std::uint64_t one = 1;
+    REQUIRE(::write(fd_, &one, sizeof one) == static_cast<ssize_t>(sizeof one));
+  }
   std::size_t poll(std::span<tp::completion> out, std::error_code& ec) noexcept override {
     ec.clear();
     std::size_t n = 0;
-    while (n < out.size() && !ready_.empty()) {
-      out[n++] = ready_.front();
-      ready_.pop_front();
+    while (n < out.size() && !visible_.empty()) {
+      out[n++] = visible_.front();
+      visible_.pop_front();
     }
     return n;
   }
   std::error_code arm() noexcept override { return {}; }
   int notify_fd() const noexcept override { return fd_; }
-  std::size_t ack_events() noexcept override { return 0; }
-  std::uint32_t depth() const noexcept override { return 1024; }
+  std::size_t ack_events() noexcept override {
+    std::uint64_t v = 0;
+    if (::read(fd_, &v, sizeof v) != static_cast<ssize_t>(sizeof v)) return 0;
+    visible_.insert(visible_.end(), gated_.begin(), gated_.end());
+    gated_.clear();
+    return static_cast<std::size_t>(v);
+  }
+  std::uint32_t depth() const noexcept override { return 64; }
   tp::cq_counters counters() const noexcept override { return {}; }
 
  private:
   int fd_;
-  std::deque<tp::completion> ready_;
+  std::deque<tp::completion> gated_, visible_;
 };
 }  // namespace
 
@@ -382,12 +397,12 @@ TEST_CASE("reactor: a busy round that sees no posts ends once it has dispatched 
           "[runtime]") {
   // Each completion's handler queues the next (nothing posted to Asio), 10
   // per pass: the second pass brings the round to 20, above a batch (16).
-  ready_cq cq;
+  scripted_cq cq;
   asio::io_context io{1};
   anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::busy, .batch = 16, .spin_polls = 8});
   struct requeue : anydoor::operation {
     anydoor::reactor* r = nullptr;
-    ready_cq* cq = nullptr;
+    scripted_cq* cq = nullptr;
     int calls = 0;
     void complete(const tp::completion&) noexcept override {
       ++calls;
@@ -628,45 +643,6 @@ TEST_CASE("reactor: a notify fd that cannot be waited on fails every pending ope
 }
 
 namespace {
-// A completion queue the test drives: deliver() queues a completion and
-// signals the notify fd (an eventfd); the completion becomes visible to
-// poll() only once the event is acknowledged, so the reactor's wake-up, not
-// a spinning poll, is what finds it.
-class gated_cq final : public tp::completion_queue {
- public:
-  gated_cq() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
-  ~gated_cq() override { ::close(fd_); }
-  void deliver(const tp::completion& c) {
-    gated_.push_back(c);
-    const std::uint64_t one = 1;
-    REQUIRE(::write(fd_, &one, sizeof one) == static_cast<ssize_t>(sizeof one));
-  }
-  std::size_t poll(std::span<tp::completion> out, std::error_code& ec) noexcept override {
-    ec.clear();
-    std::size_t n = 0;
-    while (n < out.size() && !visible_.empty()) {
-      out[n++] = visible_.front();
-      visible_.pop_front();
-    }
-    return n;
-  }
-  std::error_code arm() noexcept override { return {}; }
-  int notify_fd() const noexcept override { return fd_; }
-  std::size_t ack_events() noexcept override {
-    std::uint64_t v = 0;
-    if (::read(fd_, &v, sizeof v) != static_cast<ssize_t>(sizeof v)) return 0;
-    visible_.insert(visible_.end(), gated_.begin(), gated_.end());
-    gated_.clear();
-    return static_cast<std::size_t>(v);
-  }
-  std::uint32_t depth() const noexcept override { return 64; }
-  tp::cq_counters counters() const noexcept override { return {}; }
-
- private:
-  int fd_;
-  std::deque<tp::completion> gated_, visible_;
-};
-
 // The polls the reactor makes between now and a handler posted now: one
 // per busy loop queued (one poll per round), since each loop's next step
 // is ahead of the handler.
@@ -691,7 +667,7 @@ void run_until_asleep(asio::io_context& io, const anydoor::reactor& r) {
 }  // namespace
 
 TEST_CASE("reactor: a stop and a start inside a wake-up's drain leave one busy loop - not two", "[runtime]") {
-  gated_cq cq;
+  scripted_cq cq;
   asio::io_context io{1};
   // spin: long enough that neither loop goes back to sleep during the count
   anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 2s, .spin_polls = 1});
@@ -724,7 +700,7 @@ TEST_CASE("reactor: a wake-up while a busy loop is queued leaves that loop alone
   // A stop and a start while the reactor sleeps: the stop cancels the wait,
   // which is renewed (the reactor runs again), and the start begins a busy
   // loop. A completion that then wakes the wait must not start another.
-  gated_cq cq;
+  scripted_cq cq;
   asio::io_context io{1};
   anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::adaptive, .spin = 2s, .spin_polls = 1});
   struct counter : anydoor::operation {
