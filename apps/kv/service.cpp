@@ -44,8 +44,9 @@ void service::maybe_compact() {
                       [this, salt = log_->salt(), before = st_.next_version(), next = std::uint64_t{0},
                        after = std::string()](snapshot_buffer& out) mutable {
                         auto put = [&](std::string_view k, std::span<const std::byte> v) {
+                          const std::size_t before_record = out.size();
                           encode_record(out, record_type::put, k, v, salt);
-                          return kRecordHeader + k.size() + v.size();
+                          return out.size() - before_record;  // what the record took
                         };
                         std::size_t budget = kSnapshotStep;
                         if (next < st_.slot_buckets()) {

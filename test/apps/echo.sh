@@ -188,4 +188,50 @@ done
 expect_in "$tmp/last.out" "\\(provider tcp"
 kill -TERM "$PID_taken"; wait "$PID_taken" 2>/dev/null
 pass "the fabric's refusal, a port taken, --max-connections, --provider tcp"
+
+# Many connections: a progress line for every 500 opened (stderr, not with
+# --json), then the run over all of them.
+start_server many "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-connections 1100
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 1000 --count 2000
+expect_in "$tmp/last.err" "^anydoor-echo: 500 of 1000 connections open$"
+[ "$(grep -c 'connections open' "$tmp/last.err")" = 1 ] || fail "expected one 'connections open' line for 1000 connections"
+expect_in "$tmp/last.out" "^anydoor-echo: 2000 messages of 64 B in .* over 1000 connection\\(s\\)"
+run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 600 --count 600 --json
+grep -q 'connections open' "$tmp/last.err" && fail "a 'connections open' line with --json"
+pass "--connections 1000: progress while connecting"
+
+# A descriptor limit too low for --connections (and one the process may not
+# raise: no CAP_SYS_RESOURCE): one line naming the limit and what is needed,
+# then the connection that hits it fails the run with the reason.
+if command -v prlimit >/dev/null && command -v setpriv >/dev/null &&
+   prlimit --nofile=100:100 setpriv --inh-caps=-sys_resource --bounding-set=-sys_resource true 2>/dev/null; then
+  lowfd=(prlimit --nofile=100:100 setpriv --inh-caps=-sys_resource --bounding-set=-sys_resource)
+  run_cmd 1 "${lowfd[@]}" "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 200 --count 200
+  expect_in "$tmp/last.err" "^anydoor-echo: 264 descriptors are needed, more than the descriptor limit allows \\(RLIMIT_NOFILE: soft 100, hard 100\\)"
+  expect_in "$tmp/last.err" "^anydoor-echo: cannot connect to 127.0.0.1:$PORT: Too many open files$"
+  # Where the limit is enough, nothing is said.
+  run_cmd 0 "${lowfd[@]}" "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 10 --count 10
+  grep -q 'descriptors are needed' "$tmp/last.err" && fail "a descriptor warning with a limit that is enough"
+  # A soft limit below the hard one is raised as far as needed: no warning.
+  run_cmd 0 prlimit --nofile=100:1000 setpriv --inh-caps=-sys_resource --bounding-set=-sys_resource \
+    "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 200 --count 200
+  grep -q 'descriptors are needed' "$tmp/last.err" && fail "a descriptor warning where the hard limit allows"
+  # The server warns at start and goes on serving what the limit allows.
+  start_server lowfd "${lowfd[@]}" "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-connections 100
+  expect_in "$tmp/lowfd.err" "^anydoor-echo: 180 descriptors are needed, more than the descriptor limit allows \\(RLIMIT_NOFILE: soft 100, hard 100\\)"
+  run_cmd 0 "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 2 --count 10
+  # A process that may (CAP_SYS_RESOURCE) raises the limit beyond the hard
+  # one: no warning, every connection served.
+  if (( (0x$(awk '/^CapEff/ {print $2}' /proc/self/status) >> 24) & 1 )); then
+    start_server rootfd prlimit --nofile=100:100 "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-connections 100
+    grep -q 'descriptors are needed' "$tmp/rootfd.err" && fail "CAP_SYS_RESOURCE could not raise its descriptor limit"
+    run_cmd 0 prlimit --nofile=100:100 "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 90 --count 90
+    grep -q 'descriptors are needed' "$tmp/last.err" && fail "CAP_SYS_RESOURCE could not raise its descriptor limit (client)"
+  else
+    echo "skipped: raising the descriptor limit beyond the hard one (this shell lacks CAP_SYS_RESOURCE)"
+  fi
+  pass "a descriptor limit too low: named, and the run fails with the reason"
+else
+  echo "skipped: descriptor limit (prlimit or setpriv missing, or the limit cannot be lowered here)"
+fi
 echo "echo app: all passed"
