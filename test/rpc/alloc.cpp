@@ -108,3 +108,31 @@ TEST_CASE("rpc: no allocation per call on the steady path", "[rpc]") {
     }
   }
 }
+
+// server_options::retained_reply_bytes: a call slot keeps a reply buffer up
+// to that size for its next call, and gives a larger one back. The same
+// 4000-byte echo (eager; the request and the reply strings allocate on
+// their own, the same in every run) makes exactly one allocation more per
+// call where the slot cannot keep its buffer.
+TEST_CASE("rpc: retained_reply_bytes keeps a reply buffer up to its size for the next call", "[rpc]") {
+  const std::string body(4000, 'r');
+  auto fewest_with = [&](std::size_t retained) {
+    rpc_env env(rpc::server_options{.retained_reply_bytes = retained});
+    env.srv.add(m::echo, [](const std::string& r, rpc::server_call&) -> rpc::result<std::string> { return r; });
+    env.serve();
+    const measured r = run_calls(env, m::echo, body, 1);
+    INFO("retained_reply_bytes " << retained << ": " << r.allocations[0] << " and " << r.allocations[1]
+                                 << " allocations in two batches of " << r.calls << " calls");
+    CHECK(r.calls > 0);
+    return r;
+  };
+  const measured kept = fewest_with(rpc::server_options{}.retained_reply_bytes);  // 64 KiB: kept
+  const measured dropped = fewest_with(1024);                                     // below the reply
+  const measured none = fewest_with(0);
+  INFO("kept " << kept.fewest() << ", 1 KiB " << dropped.fewest() << ", 0: " << none.fewest());
+  CHECK(kept.calls == dropped.calls);
+  CHECK(dropped.fewest() >= kept.fewest() + dropped.calls);
+  CHECK(none.fewest() >= kept.fewest() + none.calls);
+  // Nothing else differs: one allocation per call, not more.
+  CHECK(dropped.fewest() <= kept.fewest() + dropped.calls + 64);
+}
