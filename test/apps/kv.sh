@@ -595,4 +595,16 @@ run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --value-size 2G; expect_in "$tmp/las
 run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --duration 0; expect_in "$tmp/last.err" "--duration takes a positive number of seconds"
 run_cmd 2 "$kv" --connect 127.0.0.1:1 bench --in-flight 0; expect_in "$tmp/last.err" "--in-flight takes a number from 1 to 4096"
 pass "bad command lines"
+
+# A peer that is not a kv server (anydoor-echo: no kv methods): the client
+# says what it cannot do and exits 2, never hangs or reads anything.
+start_server notkv "$1/anydoor-echo" server --listen 127.0.0.1:0 --provider tcp
+run_cmd 2 "$kv" --connect 127.0.0.1:$PORT bench --get read --duration 1
+expect_in "$tmp/last.err" "^anydoor-kv: cannot read the table one-sided: no method 0x[0-9a-f]+$"
+run_cmd 2 "$kv" --connect 127.0.0.1:$PORT get a
+expect_in "$tmp/last.err" "^anydoor-kv: get failed: no method 0x[0-9a-f]+$"
+run_cmd 2 "$kv" --connect 127.0.0.1:$PORT bench --get rpc --keys 10 --duration 1
+expect_in "$tmp/last.err" "^anydoor-kv: loading key:[0-9]+: no method 0x[0-9a-f]+"
+kill -TERM "$PID_notkv"; wait "$PID_notkv" 2>/dev/null
+pass "a peer that is not a kv server"
 echo "kv app: all passed"

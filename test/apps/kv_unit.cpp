@@ -1920,6 +1920,102 @@ TEST_CASE("kv store: memory freed in one size class serves other sizes", "[kv]")
   for (int i = 0; i < m; ++i) CHECK(S(*st.get("small" + std::to_string(i))) == small);
 }
 
+TEST_CASE("kv client: a layout reply it cannot use is refused and GETs go by RPC", "[kv]") {
+  // A server that answers kv.layout with what the test chooses, and GET
+  // with a fixed value: the client must refuse a short reply, a layout that
+  // does not describe a table it reads, and a table larger than the region
+  // it names, and then get by RPC (no READ of anything).
+  asio::io_context io;
+  anydoor::fabric sfab(io, test_options());
+  anydoor::fabric cfab(io, test_options());
+  layout good;
+  good.buckets = 1024;
+  good.arena_offset = (1024 + 1) * kBucketSize;
+  good.arena_size = 1 << 16;
+  good.max_key = 64;
+  good.max_value = 1024;
+  const std::size_t table_bytes = good.arena_offset + good.arena_size;
+  std::vector<std::byte> table_mem(table_bytes);
+  anydoor::memory_region table = sfab.register_memory(std::span<std::byte>(table_mem), anydoor::access::remote_read);
+  const std::vector<std::byte> packed = table.remote().pack();
+  REQUIRE(packed.size() == sizeof good.region);
+  std::memcpy(good.region, packed.data(), packed.size());
+  std::vector<std::byte> reply;
+  auto as_reply = [](const layout& l) {
+    const auto* p = reinterpret_cast<const std::byte*>(&l);
+    return std::vector<std::byte>(p, p + sizeof l);
+  };
+  rpc::server srv;
+  srv.add(kLayoutMethod, [&](rpc::server_call& call) -> rpc::status {
+    call.reply(std::span<const std::byte>(reply));
+    return {};
+  });
+  srv.add(kGetMethod, [](rpc::server_call& call) -> rpc::status {
+    call.reply(B("by-rpc"));
+    return {};
+  });
+  anydoor::acceptor acc = sfab.listen(test_host(), 0);
+  const std::string where = addr(acc);
+  srv.async_serve(std::move(acc), [](anydoor::error_code) {});
+  failure f;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    client cli(cfab, co_await cfab.async_connect(where, asio::use_awaitable), std::chrono::seconds(10));
+    struct refused_case {
+      const char* what;
+      std::vector<std::byte> bytes;
+      rpc::errc code;
+      const char* message;
+    };
+    const std::vector<std::byte> zeros(sizeof(layout));
+    layout past_region = good;  // the arena runs one byte past the region
+    past_region.arena_size += 1;
+    layout other_magic = good;
+    other_magic.magic = layout::kMagic + 1;
+    layout no_region = good;  // a region that does not unpack
+    std::memset(no_region.region, 0xff, sizeof no_region.region);
+    std::vector<std::byte> long_reply = as_reply(good);
+    long_reply.push_back(std::byte{0});
+    const std::vector<refused_case> cases{
+        {"an empty reply", {}, rpc::errc::internal, "malformed layout reply"},
+        {"a short reply", std::vector<std::byte>(10), rpc::errc::internal, "malformed layout reply"},
+        {"a reply one byte too long", long_reply, rpc::errc::internal, "malformed layout reply"},
+        {"all zeros", zeros, rpc::errc::failed_precondition, "not one this client reads"},
+        {"another magic", as_reply(other_magic), rpc::errc::failed_precondition, "not one this client reads"},
+        {"an arena past the region", as_reply(past_region), rpc::errc::failed_precondition,
+         "not one this client reads"},
+        {"a region that does not unpack", as_reply(no_region), rpc::errc::failed_precondition,
+         "not one this client reads"},
+    };
+    for (const refused_case& c : cases) {
+      INFO(c.what);
+      reply = c.bytes;
+      const rpc::status st = co_await cli.fetch_layout();
+      CHECK(st.code() == c.code);
+      CHECK(st.message().find(c.message) != std::string::npos);
+      CHECK_FALSE(cli.can_read());
+      client::reader r = cli.make_reader();
+      std::string got;
+      const rpc::status g = co_await cli.read_get(r, "key", got);
+      CHECK(g.is_ok());
+      CHECK(got == "by-rpc");
+      CHECK(cli.reads().reads == 0);
+    }
+    // The same layout, whole: taken.
+    reply = as_reply(good);
+    const rpc::status st = co_await cli.fetch_layout();
+    CHECK(st.is_ok());
+    CHECK(cli.can_read());
+    // A later refusal does not undo it (the layout taken stays), and is said.
+    reply = zeros;
+    const rpc::status again = co_await cli.fetch_layout();
+    CHECK(again.code() == rpc::errc::failed_precondition);
+    CHECK(cli.can_read());
+    srv.stop();
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+}
+
 TEST_CASE("kv client: the location cache READs an item beside its neighbourhood - a moved item is READ again and "
           "never taken stale",
           "[kv]") {
