@@ -466,16 +466,25 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
     const bool staged = !allocate && n->device_mask != 0 &&
                         (fab_->options.gpu_staging || !cuda::detail::reaches_gpu_memory(*fab_->device));
     std::byte* dst;
+    std::size_t span = b.length;  // what is registered
     if (!allocate && !staged) {
       dst = static_cast<std::byte*>(n->dest.data());
+    } else if (allocate && fab_->take_block(b.length, n->large, n->mr)) {
+      dst = n->large.get();  // a kept block, registered
     } else {
-      n->large.reset(new std::byte[b.length]);
+      // A block for async_receive is whole pages, kept when the message is
+      // released (fabric_state::keep_block).
+      if (allocate) span = fabric_state::block_size(b.length);
+      n->large.reset(new std::byte[span]);
       dst = n->large.get();
     }
-    n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, dst, b.length, transport::access::local_write,
-                                       !allocate && !staged && n->device_mask != 0);
+    if (n->mr == nullptr) {
+      n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, dst, span, transport::access::local_write,
+                                         !allocate && !staged && n->device_mask != 0);
+    }
   } catch (const std::exception& e2) {
     log().warn("connection: cannot receive a {}-byte message: {}", b.length, e2.what());
+    n->mr.reset();
     n->large.reset();
     return true;  // the caller sees no mr and fails the operation
   }
@@ -529,6 +538,14 @@ void connection_impl::on_read_done(op_node* n, transport::wc_status status) noex
     complete(n, false, error_ ? error_ : make_error_code(status));
     return;
   }
+  std::unique_ptr<op_node> holder;  // what the delivered message keeps (async_receive)
+  if (n->kind == op_kind::receive_message && (holder = fab_->take_holder()) == nullptr) {
+    log().warn("connection qp {}: no memory to deliver a {}-byte message", qp_->qp_num(), n->length);
+    fins_.push_back({n->cookie, protocol::fin_status::no_memory});
+    schedule();
+    complete(n, false, std::make_error_code(std::errc::not_enough_memory));
+    return;
+  }
   fins_.push_back({n->cookie, protocol::fin_status::ok});
   schedule();
   ++stats_.messages_received;
@@ -548,7 +565,7 @@ void connection_impl::on_read_done(op_node* n, transport::wc_status status) noex
   }
   message m;
   m.owner_ = shared_from_this();
-  m.large_ = std::make_unique<op_node>();
+  m.large_ = std::move(holder);
   m.large_->large = std::move(n->large);
   m.large_->mr = std::move(n->mr);
   m.data_ = m.large_->large.get();

@@ -145,6 +145,8 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   }
   cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries, piece_shift,
                                                device.get());
+  kept_blocks_.reserve(kKeptBlocks);
+  spare_holders_.reserve(kKeptBlocks);
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
   reactor->set_yield_check(&fabric_state::has_queued_handlers, this);
@@ -281,7 +283,59 @@ fabric_state::~fabric_state() {
   srq.reset();  // its queue pairs are gone (connections hold the fabric); before the pool's memory
   reactor.reset();
   cache.reset();
+  for (auto& h : kept_blocks_) h->mr.reset();  // (before the memory, and before the protection domain)
+  kept_blocks_.clear();
   pool.reset();
+}
+
+bool fabric_state::take_block(std::size_t n, std::unique_ptr<std::byte[]>& large,
+                              std::unique_ptr<transport::memory_region>& mr) noexcept {
+  // The smallest that fits, and not one far larger than the message (it
+  // would be held by a small message while a large one allocates).
+  std::size_t best = kept_blocks_.size();
+  for (std::size_t i = 0; i < kept_blocks_.size(); ++i) {
+    const std::size_t cap = kept_blocks_[i]->mr->length();
+    if (cap >= n && cap <= 2 * n + (std::size_t{64} << 10) &&
+        (best == kept_blocks_.size() || cap < kept_blocks_[best]->mr->length())) {
+      best = i;
+    }
+  }
+  if (best == kept_blocks_.size()) return false;
+  std::unique_ptr<op_node> h = std::move(kept_blocks_[best]);
+  kept_blocks_[best] = std::move(kept_blocks_.back());
+  kept_blocks_.pop_back();
+  kept_bytes_ -= h->mr->length();
+  large = std::move(h->large);
+  mr = std::move(h->mr);
+  if (spare_holders_.size() < kKeptBlocks) spare_holders_.push_back(std::move(h));  // (capacity reserved)
+  return true;
+}
+
+std::unique_ptr<op_node> fabric_state::take_holder() noexcept {
+  if (!spare_holders_.empty()) {
+    std::unique_ptr<op_node> h = std::move(spare_holders_.back());
+    spare_holders_.pop_back();
+    return h;
+  }
+  try {
+    return std::make_unique<op_node>();
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+
+void fabric_state::keep_block(std::unique_ptr<op_node> h) noexcept {
+  if (h->mr != nullptr && h->large != nullptr && h->mr->addr() == h->large.get()) {
+    const std::size_t cap = h->mr->length();
+    if (cap <= kKeptBlockMax && kept_blocks_.size() < kKeptBlocks && kept_bytes_ + cap <= kKeptBytes) {
+      kept_bytes_ += cap;
+      kept_blocks_.push_back(std::move(h));  // (capacity reserved)
+      return;
+    }
+  }
+  h->mr.reset();  // the registration before the memory
+  h->large.reset();
+  if (spare_holders_.size() < kKeptBlocks) spare_holders_.push_back(std::move(h));
 }
 
 doorbell_batch* fabric_state::make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept {
@@ -510,6 +564,8 @@ fabric_stats fabric::stats() const noexcept {
   s.cache = state_->cache->stats();
   s.srq_posted = state_->srq_posted;
   s.srq_spare = state_->srq_spare();
+  s.kept_blocks = state_->kept_blocks();
+  s.kept_bytes = state_->kept_bytes();
   return s;
 }
 

@@ -114,6 +114,31 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // since the last trim). A steady load frees nothing.
   void trim_free_lists() noexcept;
   void give_node(op_node* n) noexcept { nodes_.give(n); }  // n from take_node
+
+  // Memory of rendezvous messages that async_receive delivers (a message's
+  // holder node: large, and mr, its local registration): kept when the
+  // message is released and taken by the next message it fits, so a stream
+  // of large messages neither allocates nor registers (on a NIC a
+  // registration is a system call that pins pages). Blocks are whole pages;
+  // one fits a message of at least half its size (less 64 KiB). At most
+  // kKeptBlocks blocks of at most kKeptBlockMax bytes, kKeptBytes in all,
+  // local access only (never exposed to a peer), and as many empty holders.
+  static constexpr std::size_t kKeptBlocks = 8;
+  static constexpr std::size_t kKeptBlockMax = std::size_t{2} << 20;
+  static constexpr std::size_t kKeptBytes = std::size_t{8} << 20;
+  static constexpr std::size_t block_size(std::size_t n) noexcept { return (n + 4095) & ~std::size_t{4095}; }
+  // A kept block for an n-byte message (the smallest that fits) into
+  // `large` and `mr`; false when none fits.
+  bool take_block(std::size_t n, std::unique_ptr<std::byte[]>& large,
+                  std::unique_ptr<transport::memory_region>& mr) noexcept;
+  // A holder for a delivered message (a kept empty one, or a new one);
+  // null when memory runs out.
+  std::unique_ptr<op_node> take_holder() noexcept;
+  // A released message's holder: its block kept where the limits allow,
+  // else deregistered and freed (the registration before the memory).
+  void keep_block(std::unique_ptr<op_node> h) noexcept;
+  std::size_t kept_blocks() const noexcept { return kept_blocks_.size(); }
+  std::size_t kept_bytes() const noexcept { return kept_bytes_; }
   std::size_t nodes_made() const noexcept { return nodes_.made(); }
   std::size_t nodes_free() const noexcept { return nodes_.free_count(); }
   std::size_t active() const noexcept { return active_; }
@@ -180,6 +205,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   doorbell_batch* make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
   free_list<doorbell_batch> batches_;
   free_list<op_node> nodes_;
+  std::vector<std::unique_ptr<op_node>> kept_blocks_;    // capacity kKeptBlocks, reserved
+  std::vector<std::unique_ptr<op_node>> spare_holders_;  // capacity kKeptBlocks, reserved
+  std::size_t kept_bytes_ = 0;
   void flush_all(bool defer) noexcept;
   void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;

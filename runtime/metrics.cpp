@@ -153,6 +153,9 @@ std::string prometheus_text(const std::vector<metrics_snapshot>& snaps) {
        [](const metrics_snapshot& s) { return s.fabric.srq_posted; }},
       {{"anydoor_srq_spare", "gauge", "Shared receives no connection has been granted."},
        [](const metrics_snapshot& s) { return s.fabric.srq_spare; }},
+      {{"anydoor_rendezvous_kept_bytes", "gauge",
+        "Registered memory of released large messages kept for the next ones."},
+       [](const metrics_snapshot& s) { return s.fabric.kept_bytes; }},
   };
   for (const reactor_family& rf : reactor_families) {
     w.begin(rf.f);

@@ -130,7 +130,9 @@ void complete_not_connected(Handler handler, Args... defaults) {
 }  // namespace detail
 
 // A received message. Holds its receive buffer until destroyed (or moved
-// from); then the buffer is re-posted for the peer.
+// from); then the buffer is re-posted for the peer, or a large message's
+// memory kept for the next one (fabric_stats::kept_bytes). Destroy it on
+// its fabric's io_context thread.
 class message {
  public:
   message() noexcept;

@@ -147,6 +147,11 @@ struct fabric_stats {
   // growing window can still get).
   std::uint64_t srq_posted = 0;
   std::uint64_t srq_spare = 0;
+  // Memory of rendezvous messages delivered by async_receive, kept for the
+  // next ones once released (registered, local access only): at most 8
+  // blocks of at most 2 MiB, 8 MiB in all.
+  std::uint64_t kept_blocks = 0;
+  std::uint64_t kept_bytes = 0;
 };
 
 // One connection of a fabric, for monitoring (fabric::connection_reports).

@@ -54,6 +54,18 @@ namespace {
 std::span<const std::byte> B(std::string_view s) { return {reinterpret_cast<const std::byte*>(s.data()), s.size()}; }
 std::string S(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
 
+// A layout of `buckets` buckets with an arena of `arena` bytes after them
+// (no region).
+layout layout_of(std::uint64_t buckets, std::uint64_t arena, std::uint32_t max_key, std::uint32_t max_value) {
+  layout l;
+  l.buckets = buckets;
+  l.arena_offset = (buckets + 1) * kBucketSize;
+  l.arena_size = arena;
+  l.max_key = max_key;
+  l.max_value = max_value;
+  return l;
+}
+
 // What a one-sided GET concludes from the table's bytes as they are now
 // (`nb` may be an older copy of the neighbourhood).
 struct outcome {
@@ -308,12 +320,7 @@ TEST_CASE("kv read: flipped bytes in a neighbourhood never yield a value that wa
 }
 
 TEST_CASE("kv read: hostile slots and layouts are refused before any READ", "[kv]") {
-  layout l;
-  l.buckets = 1024;
-  l.arena_offset = (1024 + 1) * kBucketSize;
-  l.arena_size = 1 << 20;
-  l.max_key = 1024;
-  l.max_value = 4096;
+  const layout l = layout_of(1024, 1 << 20, 1024, 4096);
   const std::uint64_t region = l.arena_offset + l.arena_size;
   CHECK(layout_usable(l, region));
   CHECK_FALSE(layout_usable(l, region - 1));
@@ -1928,12 +1935,7 @@ TEST_CASE("kv client: a layout reply it cannot use is refused and GETs go by RPC
   asio::io_context io;
   anydoor::fabric sfab(io, test_options());
   anydoor::fabric cfab(io, test_options());
-  layout good;
-  good.buckets = 1024;
-  good.arena_offset = (1024 + 1) * kBucketSize;
-  good.arena_size = 1 << 16;
-  good.max_key = 64;
-  good.max_value = 1024;
+  layout good = layout_of(1024, 1 << 16, 64, 1024);
   const std::size_t table_bytes = good.arena_offset + good.arena_size;
   std::vector<std::byte> table_mem(table_bytes);
   anydoor::memory_region table = sfab.register_memory(std::span<std::byte>(table_mem), anydoor::access::remote_read);

@@ -56,6 +56,11 @@ TEST_CASE("metrics: a fabric's page counts its connections, their traffic and th
       co_await b.async_send(asio::buffer(out), use_awaitable);
       (void)co_await b.async_receive(use_awaitable);
     }
+    // A rendezvous message: the server keeps its memory once it is released.
+    const std::vector<std::byte> large(20000, std::byte{9});
+    co_await b.async_send(asio::buffer(large), use_awaitable);
+    (void)co_await b.async_receive(use_awaitable);
+    co_await until([&] { return server.stats().kept_bytes != 0; });
     open_page = co_await http_get_metrics(ep.port());
     a.abort();                                   // the server's side fails
     co_await b.async_close(use_awaitable);       // the server's side closes cleanly
@@ -68,9 +73,10 @@ TEST_CASE("metrics: a fabric's page counts its connections, their traffic and th
   INFO(open_page);
   CHECK(metric_sum(open_page, "anydoor_connections_open") == 2);
   CHECK(metric_sum(open_page, "anydoor_connections_accepted_total") == 2);
-  CHECK(metric_sum(open_page, "anydoor_connection_messages_received_total", "state=\"open\"") == 8);
-  CHECK(metric_sum(open_page, "anydoor_connection_messages_sent_total") == 8);
-  CHECK(metric_sum(open_page, "anydoor_connection_bytes_received_total") == 800);
+  CHECK(metric_sum(open_page, "anydoor_connection_messages_received_total", "state=\"open\"") == 9);
+  CHECK(metric_sum(open_page, "anydoor_connection_messages_sent_total") == 9);
+  CHECK(metric_sum(open_page, "anydoor_connection_bytes_received_total") == 20800);
+  CHECK(metric_sum(open_page, "anydoor_rendezvous_kept_bytes") == 20480);  // whole pages
   CHECK(metric_sum(open_page, "anydoor_connection_failures_total") == 0);
   CHECK(open_page.find("# TYPE anydoor_connections_open gauge\n") != std::string::npos);
   CHECK(open_page.find("peer=\"" + test_host() + "\"") != std::string::npos);

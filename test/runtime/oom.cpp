@@ -13,10 +13,13 @@
 #include "../support/replaced_new.hpp"
 #include "../support/runtime.hpp"
 
+#include <anydoor/detail/op_node.hpp>
 #include <anydoor/transport/types.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
@@ -149,4 +152,203 @@ TEST_CASE("no memory for a doorbell batch: a put fails with not_enough_memory an
   CHECK(refused >= 1);
   CHECK(put_ec == kNoMemory);
   CHECK(std::all_of(target.begin(), target.end(), [](std::byte b) { return b == std::byte{0}; }));
+}
+
+// The memory of rendezvous messages that async_receive delivers is kept
+// when a message is released and taken by the next one it fits (the
+// registration with it): a stream of large messages allocates no block
+// after the first. Counted by the size of a block (whole pages).
+namespace {
+constexpr std::size_t block_of(std::size_t n) { return (n + 4095) & ~std::size_t{4095}; }
+
+struct watch {
+  explicit watch(std::size_t n) {
+    anydoor::test::alloc::watch_size = n;
+    anydoor::test::alloc::watched = 0;
+  }
+  ~watch() { anydoor::test::alloc::watch_size = 0; }
+  watch(const watch&) = delete;
+  watch& operator=(const watch&) = delete;
+  std::uint64_t count() const noexcept { return anydoor::test::alloc::watched; }
+};
+
+// A connection from `client` to `acc`: the client's end into c, the
+// accepted end returned.
+awaitable<ad::connection> connect_pair(ad::fabric& client, ad::acceptor& acc, ad::connection& c) {
+  client.async_connect(addr(acc), [&](ad::error_code, ad::connection made) { c = std::move(made); });
+  ad::connection s = co_await acc.async_accept(use_awaitable);
+  const bool connected = co_await until([&] { return c.is_open(); });
+  REQUIRE(connected);
+  co_return s;
+}
+
+template <class... N>
+std::vector<std::size_t> sizes_of(N... n) {
+  return {static_cast<std::size_t>(n)...};
+}
+
+// Sends `sizes` (in order) on c, then receives them all on s, holding every
+// one until the last has come: checks each message's bytes.
+awaitable<bool> exchange_held(ad::connection& c, ad::connection& s, std::uint32_t& seed,
+                              std::vector<std::size_t> sizes) {
+  std::vector<std::vector<std::byte>> sent;
+  for (std::size_t n : sizes) sent.push_back(pattern(n, ++seed));
+  std::size_t sends_done = 0;
+  bool send_failed = false;
+  for (const auto& b : sent) {
+    c.async_send(asio::buffer(b), [&](ad::error_code ec, std::size_t) {
+      send_failed |= static_cast<bool>(ec);
+      ++sends_done;
+    });
+  }
+  std::vector<ad::message> held;
+  for (const auto& b : sent) {
+    auto [ec, m] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+    if (ec || m.size() != b.size() || !std::equal(b.begin(), b.end(), m.bytes().begin())) co_return false;
+    held.push_back(std::move(m));
+  }
+  const bool sends_ended = co_await until([&] { return sends_done == sent.size(); });
+  co_return sends_ended && !send_failed;
+}
+}  // namespace
+
+TEST_CASE("rendezvous messages: a released message's block is taken by the next one that fits", "[runtime][oom]") {
+  int scenario = 0;
+  SECTION("one at a time: one block") { scenario = 1; }
+  SECTION("held at once: a block each, all kept, a smaller message takes one") { scenario = 2; }
+  SECTION("a small message does not take a far larger block") { scenario = 3; }
+  SECTION("blocks above 2 MiB are not kept") { scenario = 4; }
+  SECTION("at most 8 blocks are kept") { scenario = 5; }
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c;
+    ad::connection s = co_await connect_pair(client, acc, c);
+    REQUIRE(c.eager_limit() < 12000);  // every size below is a rendezvous message
+    std::uint32_t seed = 0;
+    auto exchange = [&](std::vector<std::size_t> sizes) { return exchange_held(c, s, seed, std::move(sizes)); };
+    bool ok = true;
+    if (scenario == 1) {
+      watch w(block_of(20000));
+      for (int i = 0; i < 10 && ok; ++i) ok = co_await exchange(sizes_of(20000));
+      CHECK(ok);
+      CHECK(w.count() == 1);
+      CHECK(server.stats().kept_blocks == 1);
+      CHECK(server.stats().kept_bytes == block_of(20000));
+    } else if (scenario == 2) {
+      {
+        watch w(block_of(20000));
+        ok = co_await exchange(sizes_of(20000, 20000, 20000));
+        CHECK(ok);
+        CHECK(w.count() == 3);
+        ok = co_await exchange(sizes_of(20000, 20000, 20000));
+        CHECK(ok);
+        CHECK(w.count() == 3);
+      }
+      // Into a kept 20 KiB block (over an older message's bytes): exactly its own.
+      watch w(block_of(12000));
+      ok = co_await exchange(sizes_of(12000, 12000));
+      CHECK(ok);
+      CHECK(w.count() == 0);
+    } else if (scenario == 3) {
+      ok = co_await exchange(sizes_of(300000));
+      CHECK(ok);
+      {
+        watch w(block_of(20000));
+        for (int i = 0; i < 3 && ok; ++i) ok = co_await exchange(sizes_of(20000));
+        CHECK(ok);
+        CHECK(w.count() == 1);
+      }
+      watch again(block_of(300000));
+      ok = co_await exchange(sizes_of(300000));
+      CHECK(ok);
+      CHECK(again.count() == 0);  // kept, and taken by its own size
+    } else if (scenario == 4) {
+      const std::size_t big = (std::size_t{3} << 20) + 100;
+      watch w(block_of(big));
+      for (int i = 0; i < 2 && ok; ++i) ok = co_await exchange(sizes_of(big));
+      CHECK(ok);
+      CHECK(w.count() == 2);
+      CHECK(server.stats().kept_blocks == 0);
+      CHECK(server.stats().kept_bytes == 0);
+    } else if (scenario == 5) {
+      // Ten held at once, released: eight kept; ten again need two more.
+      watch w(block_of(16000));
+      ok = co_await exchange(std::vector<std::size_t>(10, 16000));
+      CHECK(ok);
+      CHECK(w.count() == 10);
+      CHECK(server.stats().kept_blocks == 8);
+      CHECK(server.stats().kept_bytes == 8 * block_of(16000));
+      ok = co_await exchange(std::vector<std::size_t>(10, 16000));
+      CHECK(ok);
+      CHECK(w.count() == 12);
+    }
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(60));
+  f.check();
+}
+
+// No memory for the holder a delivered rendezvous message needs: the
+// receive fails with not_enough_memory, the sender hears that the peer ran
+// out of memory, and the connection carries the next message.
+TEST_CASE("rendezvous messages: no memory to deliver one fails that message on both sides and nothing else",
+          "[runtime][oom]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  std::error_code recv_ec, send_ec, after_recv, after_send;
+  std::uint64_t refused = 0;
+  bool after_ok = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c;
+    ad::connection s = co_await connect_pair(client, acc, c);
+    const auto small = pattern(64, 1), large = pattern(50000, 2);
+    // Operation nodes for what follows, made before memory runs out (eight
+    // sends in flight at once), and back in the fabric's list.
+    int warm_sends = 0;
+    for (int i = 0; i < 8; ++i) c.async_send(asio::buffer(small), [&](ad::error_code, std::size_t) { ++warm_sends; });
+    for (int i = 0; i < 8; ++i) {
+      auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+      REQUIRE_FALSE(re);
+    }
+    const bool warm = co_await until([&] { return warm_sends == 8; });
+    REQUIRE(warm);
+    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);
+    {
+      anydoor::test::alloc::refused = 0;
+      anydoor::test::alloc::fail_size = sizeof(anydoor::detail::op_node);
+      bool sent = false;
+      c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) {
+        send_ec = ec;
+        sent = true;
+      });
+      auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+      recv_ec = re;
+      CHECK(rm.size() == 0);
+      const bool ended = co_await until([&] { return sent; });
+      CHECK(ended);
+      anydoor::test::alloc::fail_size = 0;
+      refused = anydoor::test::alloc::refused;
+    }
+    c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) { after_send = ec; });
+    auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+    after_recv = re;
+    after_ok = rm.size() == large.size() && std::equal(large.begin(), large.end(), rm.bytes().begin());
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(30));
+  anydoor::test::alloc::fail_size = 0;
+  f.check();
+  CHECK(refused >= 1);
+  CHECK(recv_ec == kNoMemory);
+  CHECK(send_ec == ad::errc::peer_out_of_memory);
+  CHECK_FALSE(after_recv);
+  CHECK_FALSE(after_send);
+  CHECK(after_ok);
 }

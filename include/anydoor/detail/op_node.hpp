@@ -66,9 +66,10 @@ struct op_node {
   // send
   std::array<asio::const_buffer, kMaxGather> bufs{};
   std::chrono::steady_clock::time_point deadline{};  // send waiting for a pool buffer
-  // rendezvous (either side)
-  std::unique_ptr<transport::memory_region> mr;
+  // rendezvous (either side); the memory first, so that its registration
+  // (destroyed before it) never outlives it
   std::unique_ptr<std::byte[]> large;  // receive_message of a rendezvous message
+  std::unique_ptr<transport::memory_region> mr;
   // one-sided: local pieces in bufs[0, nbufs) with their keys, the remote
   // range, the operands and the result
   std::array<const memory_region*, kMaxGather> regions{};
