@@ -754,9 +754,11 @@ message& message::operator=(message&& o) noexcept {
 message::~message() { release(); }
 
 void message::release() noexcept {
-  // (a rendezvous message's block is kept for the next one: on the
-  // connection's thread, as the pool buffer's return below)
-  if (large_ != nullptr && owner_ != nullptr) owner_->fabric().keep_block(std::move(large_));
+  // A rendezvous message's block is kept for the next one, on the fabric's
+  // thread only (elsewhere it is freed here, its registration first).
+  if (large_ != nullptr && owner_ != nullptr && owner_->fabric().io.get_executor().running_in_this_thread()) {
+    owner_->fabric().keep_block(std::move(large_));
+  }
   large_.reset();
   if (owner_ != nullptr && buffer_ != 0xffffffffu) owner_->return_buffer(buffer_);
   owner_.reset();

@@ -12,6 +12,8 @@
 
 #include <boost/asio/post.hpp>
 
+#include <sanitizer/asan_interface.h>
+
 #include <algorithm>
 #include <atomic>
 #include <charconv>
@@ -257,6 +259,14 @@ void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); 
 void fabric_state::trim_free_lists() noexcept {
   nodes_.trim();
   batches_.trim();
+  if (kept_blocks_.empty()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (kept_uses_ != kept_uses_seen_) {
+    kept_uses_seen_ = kept_uses_;
+    kept_quiet_since_ = now;
+  } else if (now - kept_quiet_since_ >= kKeptQuiet) {
+    drop_kept();
+  }
 }
 
 void fabric_state::liveness_tick() noexcept {
@@ -283,9 +293,31 @@ fabric_state::~fabric_state() {
   srq.reset();  // its queue pairs are gone (connections hold the fabric); before the pool's memory
   reactor.reset();
   cache.reset();
-  for (auto& h : kept_blocks_) h->mr.reset();  // (before the memory, and before the protection domain)
-  kept_blocks_.clear();
+  drop_kept();  // (before the protection domain)
   pool.reset();
+}
+
+// Kept blocks are poisoned for AddressSanitizer: a released message read
+// after its block was kept is reported, not silently the next message.
+namespace {
+void poison_block(const op_node& h) noexcept {
+  ASAN_POISON_MEMORY_REGION(h.large.get(), h.mr->length());
+  (void)h;
+}
+void unpoison_block(const op_node& h) noexcept {
+  ASAN_UNPOISON_MEMORY_REGION(h.large.get(), h.mr->length());
+  (void)h;
+}
+}  // namespace
+
+void fabric_state::drop_kept() noexcept {
+  for (auto& h : kept_blocks_) {
+    unpoison_block(*h);
+    h->mr.reset();  // the registration before the memory
+    h->large.reset();
+  }
+  kept_blocks_.clear();
+  kept_bytes_ = 0;
 }
 
 bool fabric_state::take_block(std::size_t n, std::unique_ptr<std::byte[]>& large,
@@ -305,6 +337,8 @@ bool fabric_state::take_block(std::size_t n, std::unique_ptr<std::byte[]>& large
   kept_blocks_[best] = std::move(kept_blocks_.back());
   kept_blocks_.pop_back();
   kept_bytes_ -= h->mr->length();
+  ++kept_uses_;
+  unpoison_block(*h);
   large = std::move(h->large);
   mr = std::move(h->mr);
   if (spare_holders_.size() < kKeptBlocks) spare_holders_.push_back(std::move(h));  // (capacity reserved)
@@ -329,6 +363,8 @@ void fabric_state::keep_block(std::unique_ptr<op_node> h) noexcept {
     const std::size_t cap = h->mr->length();
     if (cap <= kKeptBlockMax && kept_blocks_.size() < kKeptBlocks && kept_bytes_ + cap <= kKeptBytes) {
       kept_bytes_ += cap;
+      ++kept_uses_;
+      poison_block(*h);
       kept_blocks_.push_back(std::move(h));  // (capacity reserved)
       return;
     }

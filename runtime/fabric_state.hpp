@@ -111,7 +111,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::size_t batches_free() const noexcept { return batches_.free_count(); }
   // After a burst (each liveness tick, at least once a second): frees the
   // nodes and batches waiting beyond max(16, twice the most in use at once
-  // since the last trim). A steady load frees nothing.
+  // since the last trim), and the kept blocks of rendezvous messages after
+  // kKeptQuiet without use. A steady load frees nothing.
   void trim_free_lists() noexcept;
   void give_node(op_node* n) noexcept { nodes_.give(n); }  // n from take_node
 
@@ -120,12 +121,16 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // message is released and taken by the next message it fits, so a stream
   // of large messages neither allocates nor registers (on a NIC a
   // registration is a system call that pins pages). Blocks are whole pages;
-  // one fits a message of at least half its size (less 64 KiB). At most
-  // kKeptBlocks blocks of at most kKeptBlockMax bytes, kKeptBytes in all,
-  // local access only (never exposed to a peer), and as many empty holders.
+  // one of c bytes is taken by an n-byte message when n <= c <= 2n + 64 KiB.
+  // At most kKeptBlocks blocks of at most kKeptBlockMax bytes, kKeptBytes in
+  // all, local access only (never exposed to a peer), and as many empty
+  // holders. Blocks none takes or gives back for kKeptQuiet are freed (by
+  // trim_free_lists). Only on the fabric's io_context thread: a message
+  // released elsewhere frees its block.
   static constexpr std::size_t kKeptBlocks = 8;
   static constexpr std::size_t kKeptBlockMax = std::size_t{2} << 20;
   static constexpr std::size_t kKeptBytes = std::size_t{8} << 20;
+  static constexpr std::chrono::seconds kKeptQuiet{2};
   static constexpr std::size_t block_size(std::size_t n) noexcept { return (n + 4095) & ~std::size_t{4095}; }
   // A kept block for an n-byte message (the smallest that fits) into
   // `large` and `mr`; false when none fits.
@@ -208,6 +213,10 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::vector<std::unique_ptr<op_node>> kept_blocks_;    // capacity kKeptBlocks, reserved
   std::vector<std::unique_ptr<op_node>> spare_holders_;  // capacity kKeptBlocks, reserved
   std::size_t kept_bytes_ = 0;
+  std::uint64_t kept_uses_ = 0;       // blocks taken or given back, ever
+  std::uint64_t kept_uses_seen_ = 0;  // at the last trim that saw a change
+  std::chrono::steady_clock::time_point kept_quiet_since_{};
+  void drop_kept() noexcept;          // frees every kept block
   void flush_all(bool defer) noexcept;
   void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;

@@ -131,8 +131,9 @@ void complete_not_connected(Handler handler, Args... defaults) {
 
 // A received message. Holds its receive buffer until destroyed (or moved
 // from); then the buffer is re-posted for the peer, or a large message's
-// memory kept for the next one (fabric_stats::kept_bytes). Destroy it on
-// its fabric's io_context thread.
+// memory kept for the next one (fabric_stats::kept_bytes). Destroy every
+// message on its fabric's io_context thread (a large one destroyed
+// elsewhere frees its memory instead of keeping it).
 class message {
  public:
   message() noexcept;

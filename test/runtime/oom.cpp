@@ -19,11 +19,13 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <system_error>
+#include <thread>
 
 
 using namespace anydoor::test;
@@ -212,13 +214,15 @@ awaitable<bool> exchange_held(ad::connection& c, ad::connection& s, std::uint32_
 }
 }  // namespace
 
-TEST_CASE("rendezvous messages: a released message's block is taken by the next one that fits", "[runtime][oom]") {
+TEST_CASE("rendezvous messages: a released message's block is taken by the next one that fits - freed when unused",
+          "[runtime][oom]") {
   int scenario = 0;
   SECTION("one at a time: one block") { scenario = 1; }
   SECTION("held at once: a block each, all kept, a smaller message takes one") { scenario = 2; }
   SECTION("a small message does not take a far larger block") { scenario = 3; }
   SECTION("blocks above 2 MiB are not kept") { scenario = 4; }
   SECTION("at most 8 blocks are kept") { scenario = 5; }
+  SECTION("a message released on another thread frees its block") { scenario = 6; }
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::fabric client(io, test_options());
@@ -238,6 +242,22 @@ TEST_CASE("rendezvous messages: a released message's block is taken by the next 
       CHECK(w.count() == 1);
       CHECK(server.stats().kept_blocks == 1);
       CHECK(server.stats().kept_bytes == block_of(20000));
+      // In use now and then for longer than the quiet time (2 s): kept.
+      asio::steady_timer pause(co_await asio::this_coro::executor);
+      for (int i = 0; i < 12 && ok; ++i) {
+        pause.expires_after(std::chrono::milliseconds(250));
+        co_await pause.async_wait(use_awaitable);
+        ok = co_await exchange(sizes_of(20000));
+      }
+      CHECK(ok);
+      CHECK(w.count() == 1);
+      // Unused: freed within a few seconds.
+      const bool freed = co_await until([&] { return server.stats().kept_blocks == 0; }, std::chrono::seconds(8));
+      CHECK(freed);
+      CHECK(server.stats().kept_bytes == 0);
+      ok = co_await exchange(sizes_of(20000));
+      CHECK(ok);
+      CHECK(w.count() == 2);
     } else if (scenario == 2) {
       {
         watch w(block_of(20000));
@@ -276,15 +296,28 @@ TEST_CASE("rendezvous messages: a released message's block is taken by the next 
       CHECK(server.stats().kept_bytes == 0);
     } else if (scenario == 5) {
       // Ten held at once, released: eight kept; ten again need two more.
-      watch w(block_of(16000));
-      ok = co_await exchange(std::vector<std::size_t>(10, 16000));
+      watch w(block_of(22000));
+      ok = co_await exchange(std::vector<std::size_t>(10, 22000));
       CHECK(ok);
       CHECK(w.count() == 10);
       CHECK(server.stats().kept_blocks == 8);
-      CHECK(server.stats().kept_bytes == 8 * block_of(16000));
-      ok = co_await exchange(std::vector<std::size_t>(10, 16000));
+      CHECK(server.stats().kept_bytes == 8 * block_of(22000));
+      ok = co_await exchange(std::vector<std::size_t>(10, 22000));
       CHECK(ok);
       CHECK(w.count() == 12);
+    } else if (scenario == 6) {
+      // A message released on another thread: its block is freed there
+      // (the fabric's lists are its own thread's), not kept.
+      const auto b = pattern(20000, 7);
+      c.async_send(asio::buffer(b), [](ad::error_code, std::size_t) {});
+      auto [ec, m] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+      REQUIRE_FALSE(ec);
+      REQUIRE(m.size() == b.size());
+      std::thread([held = std::move(m)]() mutable { held = ad::message{}; }).join();
+      CHECK(server.stats().kept_blocks == 0);
+      ok = co_await exchange(sizes_of(20000));  // and the next one is whole
+      CHECK(ok);
+      CHECK(server.stats().kept_blocks == 1);
     }
     co_await c.async_close(use_awaitable);
   }, f.handler());
