@@ -220,9 +220,15 @@ fi
 if command -v prlimit >/dev/null && prlimit --nofile=100:100 "${nocap[@]}" true 2>/dev/null; then
   lowfd=(prlimit --nofile=100:100 "${nocap[@]}")
   start_server fdsrv "$echo_bin" server --listen 127.0.0.1:0 --provider tcp --max-connections 300
-  run_cmd 1 "${lowfd[@]}" "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 200 --count 200
-  expect_in "$tmp/last.err" "^anydoor-echo: 264 descriptors are needed, more than the descriptor limit allows \\(RLIMIT_NOFILE: soft 100, hard 100\\)"
-  expect_in "$tmp/last.err" "^anydoor-echo: cannot connect to 127.0.0.1:$PORT: Too many open files$"
+  if [ -n "${ANYDOOR_SANITIZE:-}" ]; then
+    # (the sanitizers' own checks need descriptors: out of them, UBSan
+    # reports a false "invalid vptr" in the log's formatting)
+    echo "skipped under the sanitizers (${ANYDOOR_SANITIZE}): a run out of descriptors"
+  else
+    run_cmd 1 "${lowfd[@]}" "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 200 --count 200
+    expect_in "$tmp/last.err" "^anydoor-echo: 264 descriptors are needed, more than the descriptor limit allows \\(RLIMIT_NOFILE: soft 100, hard 100\\)"
+    expect_in "$tmp/last.err" "^anydoor-echo: cannot connect to 127.0.0.1:$PORT: Too many open files$"
+  fi
   # Where the limit is enough, nothing is said.
   run_cmd 0 "${lowfd[@]}" "$echo_bin" client --connect 127.0.0.1:$PORT --provider tcp --connections 10 --count 10
   grep -q 'descriptors are needed' "$tmp/last.err" && fail "a descriptor warning with a limit that is enough"
