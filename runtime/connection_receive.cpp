@@ -472,7 +472,7 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
     } else if (allocate && fab_->take_block(b.length, n->large, n->mr)) {
       dst = n->large.get();  // a kept block, registered
     } else {
-      // A block for async_receive is whole pages, kept when the message is
+      // A block for async_receive is a multiple of 4 KiB, kept when the message is
       // released (fabric_state::keep_block).
       if (allocate) span = fabric_state::block_size(b.length);
       n->large.reset(new std::byte[span]);

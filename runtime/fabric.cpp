@@ -148,6 +148,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
   cache = std::make_unique<registration_cache>(*pd, options.cache_max_bytes, options.cache_max_entries, piece_shift,
                                                device.get());
   kept_blocks_.reserve(kKeptBlocks);
+  kept_clock_ = std::chrono::steady_clock::now();
   spare_holders_.reserve(kKeptBlocks);
   reactor = std::make_unique<anydoor::reactor>(io, *cq, reactor_for(options));
   reactor->set_after_dispatch(&fabric_state::flush_after_dispatch, this);
@@ -259,13 +260,20 @@ void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); 
 void fabric_state::trim_free_lists() noexcept {
   nodes_.trim();
   batches_.trim();
-  if (kept_blocks_.empty()) return;
-  const auto now = std::chrono::steady_clock::now();
-  if (kept_uses_ != kept_uses_seen_) {
-    kept_uses_seen_ = kept_uses_;
-    kept_quiet_since_ = now;
-  } else if (now - kept_quiet_since_ >= kKeptQuiet) {
-    drop_kept();
+  // Each kept block carries the time of the trim before it was given back
+  // (no clock on the data path): one unused for kKeptQuiet goes, whatever
+  // the others do.
+  kept_clock_ = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < kept_blocks_.size();) {
+    if (kept_clock_ - kept_blocks_[i]->deadline < kKeptQuiet) {
+      ++i;
+      continue;
+    }
+    std::unique_ptr<op_node> h = std::move(kept_blocks_[i]);
+    kept_blocks_[i] = std::move(kept_blocks_.back());
+    kept_blocks_.pop_back();
+    kept_bytes_ -= h->mr->length();
+    free_block(*h);
   }
 }
 
@@ -310,12 +318,14 @@ void unpoison_block(const op_node& h) noexcept {
 }
 }  // namespace
 
+void fabric_state::free_block(op_node& h) noexcept {
+  unpoison_block(h);
+  h.mr.reset();  // the registration before the memory
+  h.large.reset();
+}
+
 void fabric_state::drop_kept() noexcept {
-  for (auto& h : kept_blocks_) {
-    unpoison_block(*h);
-    h->mr.reset();  // the registration before the memory
-    h->large.reset();
-  }
+  for (auto& h : kept_blocks_) free_block(*h);
   kept_blocks_.clear();
   kept_bytes_ = 0;
 }
@@ -337,7 +347,6 @@ bool fabric_state::take_block(std::size_t n, std::unique_ptr<std::byte[]>& large
   kept_blocks_[best] = std::move(kept_blocks_.back());
   kept_blocks_.pop_back();
   kept_bytes_ -= h->mr->length();
-  ++kept_uses_;
   unpoison_block(*h);
   large = std::move(h->large);
   mr = std::move(h->mr);
@@ -363,7 +372,7 @@ void fabric_state::keep_block(std::unique_ptr<op_node> h) noexcept {
     const std::size_t cap = h->mr->length();
     if (cap <= kKeptBlockMax && kept_blocks_.size() < kKeptBlocks && kept_bytes_ + cap <= kKeptBytes) {
       kept_bytes_ += cap;
-      ++kept_uses_;
+      h->deadline = kept_clock_;  // (its age, counted from the last trim)
       poison_block(*h);
       kept_blocks_.push_back(std::move(h));  // (capacity reserved)
       return;

@@ -120,13 +120,14 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // holder node: large, and mr, its local registration): kept when the
   // message is released and taken by the next message it fits, so a stream
   // of large messages neither allocates nor registers (on a NIC a
-  // registration is a system call that pins pages). Blocks are whole pages;
+  // registration is a system call that pins pages). Blocks are multiples
+  // of 4 KiB;
   // one of c bytes is taken by an n-byte message when n <= c <= 2n + 64 KiB.
   // At most kKeptBlocks blocks of at most kKeptBlockMax bytes, kKeptBytes in
   // all, local access only (never exposed to a peer), and as many empty
-  // holders. Blocks none takes or gives back for kKeptQuiet are freed (by
-  // trim_free_lists). Only on the fabric's io_context thread: a message
-  // released elsewhere frees its block.
+  // holders. A block kept unused for kKeptQuiet (2 to 3 s: counted in
+  // liveness ticks) is freed by trim_free_lists. Only on the fabric's
+  // io_context thread: a message released elsewhere frees its block.
   static constexpr std::size_t kKeptBlocks = 8;
   static constexpr std::size_t kKeptBlockMax = std::size_t{2} << 20;
   static constexpr std::size_t kKeptBytes = std::size_t{8} << 20;
@@ -213,10 +214,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::vector<std::unique_ptr<op_node>> kept_blocks_;    // capacity kKeptBlocks, reserved
   std::vector<std::unique_ptr<op_node>> spare_holders_;  // capacity kKeptBlocks, reserved
   std::size_t kept_bytes_ = 0;
-  std::uint64_t kept_uses_ = 0;       // blocks taken or given back, ever
-  std::uint64_t kept_uses_seen_ = 0;  // at the last trim that saw a change
-  std::chrono::steady_clock::time_point kept_quiet_since_{};
-  void drop_kept() noexcept;          // frees every kept block
+  std::chrono::steady_clock::time_point kept_clock_{};  // of the last trim (a kept holder's deadline field)
+  void free_block(op_node& h) noexcept;  // unpoisoned, deregistered, freed (the holder stays)
+  void drop_kept() noexcept;             // frees every kept block
   void flush_all(bool defer) noexcept;
   void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;

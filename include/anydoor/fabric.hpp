@@ -149,7 +149,7 @@ struct fabric_stats {
   std::uint64_t srq_spare = 0;
   // Memory of rendezvous messages delivered by async_receive, kept for the
   // next ones once released (registered, local access only): at most 8
-  // blocks of at most 2 MiB, 8 MiB in all, freed after 2 s without use.
+  // blocks of at most 2 MiB, 8 MiB in all; one unused for 2 to 3 s is freed.
   std::uint64_t kept_blocks = 0;
   std::uint64_t kept_bytes = 0;
 };

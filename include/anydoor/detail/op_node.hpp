@@ -65,7 +65,7 @@ struct op_node {
   pending_handler handler;
   // send
   std::array<asio::const_buffer, kMaxGather> bufs{};
-  std::chrono::steady_clock::time_point deadline{};  // send waiting for a pool buffer
+  std::chrono::steady_clock::time_point deadline{};  // send waiting for a pool buffer; a kept block: its age
   // rendezvous (either side); the memory first, so that its registration
   // (destroyed before it) never outlives it
   std::unique_ptr<std::byte[]> large;  // receive_message of a rendezvous message
