@@ -269,11 +269,7 @@ void fabric_state::trim_free_lists() noexcept {
       ++i;
       continue;
     }
-    std::unique_ptr<op_node> h = std::move(kept_blocks_[i]);
-    kept_blocks_[i] = std::move(kept_blocks_.back());
-    kept_blocks_.pop_back();
-    kept_bytes_ -= h->mr->length();
-    free_block(*h);
+    free_block(*unkeep(i));
   }
 }
 
@@ -318,6 +314,14 @@ void unpoison_block(const op_node& h) noexcept {
 }
 }  // namespace
 
+std::unique_ptr<op_node> fabric_state::unkeep(std::size_t i) noexcept {
+  std::unique_ptr<op_node> h = std::move(kept_blocks_[i]);
+  kept_blocks_[i] = std::move(kept_blocks_.back());
+  kept_blocks_.pop_back();
+  kept_bytes_ -= h->mr->length();
+  return h;
+}
+
 void fabric_state::free_block(op_node& h) noexcept {
   unpoison_block(h);
   h.mr.reset();  // the registration before the memory
@@ -343,10 +347,7 @@ bool fabric_state::take_block(std::size_t n, std::unique_ptr<std::byte[]>& large
     }
   }
   if (best == kept_blocks_.size()) return false;
-  std::unique_ptr<op_node> h = std::move(kept_blocks_[best]);
-  kept_blocks_[best] = std::move(kept_blocks_.back());
-  kept_blocks_.pop_back();
-  kept_bytes_ -= h->mr->length();
+  std::unique_ptr<op_node> h = unkeep(best);
   unpoison_block(*h);
   large = std::move(h->large);
   mr = std::move(h->mr);

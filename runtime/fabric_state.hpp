@@ -215,6 +215,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::vector<std::unique_ptr<op_node>> spare_holders_;  // capacity kKeptBlocks, reserved
   std::size_t kept_bytes_ = 0;
   std::chrono::steady_clock::time_point kept_clock_{};  // of the last trim (a kept holder's deadline field)
+  std::unique_ptr<op_node> unkeep(std::size_t i) noexcept;  // kept block i out of the list
   void free_block(op_node& h) noexcept;  // unpoisoned, deregistered, freed (the holder stays)
   void drop_kept() noexcept;             // frees every kept block
   void flush_all(bool defer) noexcept;
