@@ -291,6 +291,7 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   }
   path_ = o_.dir + "/kv.log";
   tmp_path_ = o_.dir + "/kv.log.compact";
+  marker_path_ = o_.dir + "/kv.log.sync-failed";
   ::unlink(tmp_path_.c_str());  // a compaction that did not finish
   auto fail = [&](const std::string& why) {
     if (fd_ >= 0) ::close(fd_);
@@ -298,6 +299,18 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     ::close(dir_fd_);
     throw std::runtime_error(why);
   };
+  // A run whose fdatasync failed left the marker (leave_sync_marker): the
+  // log is rewritten below. Its first line says what failed.
+  if (const int m = ::open(marker_path_.c_str(), O_RDONLY | O_CLOEXEC); m >= 0) {
+    char text[512];
+    const ssize_t n = ::read(m, text, sizeof text);
+    ::close(m);
+    std::string line(text, n > 0 ? static_cast<std::size_t>(n) : 0);
+    line = line.substr(0, line.find('\n'));
+    report_.sync_failed_before = line.empty() ? "kv.log.sync-failed is empty" : line;
+  } else if (errno != ENOENT) {
+    fail(sys_error("cannot read " + marker_path_));
+  }
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) fail(sys_error("cannot open " + path_));
   struct stat st{};
@@ -363,71 +376,32 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     // durable before anything new is acknowledged after it.
     // (With sync no too: once, at start, so that synced_bytes holds.)
     if (::fdatasync(fd_) != 0) fail(sys_error("fdatasync " + path_));
-    if (salt_ == 0) {
+    if (salt_ == 0 || !report_.sync_failed_before.empty()) {
       // A log of version 1 (an earlier server's, unsalted) is rewritten as
-      // version 2 before anything is appended, as a compaction would: the
-      // same records, salted, in kv.log.compact, fsynced, renamed over the
-      // log. Should that fail short of the rename (a full disk), the log
-      // stays version 1 and is written on as such; after the rename the new
-      // file is the log, and a failed fsync of the directory refuses the
-      // start (a crash could bring the old file back without what follows).
-      const std::uint32_t salt = random_salt();
-      std::string why;
-      std::uint64_t written = 0;
-      const int t = ::open(tmp_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      void* old = MAP_FAILED;
-      if (t < 0) {
-        why = sys_error("cannot create " + tmp_path_);
-      } else if (old = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd_, 0); old == MAP_FAILED) {
-        why = sys_error("cannot map " + path_);
-      } else {
-        std::vector<std::byte> buf;
-        std::error_code ec;
-        log_parse again;
-        try {
-          file_header(buf, salt);
-          again = parse_log({static_cast<const std::byte*>(old), size},
-                            [&](record_type type, std::string_view k, std::span<const std::byte> v) {
-                              if (ec) return;  // (the write failed: nothing more is kept)
-                              encode_record(buf, type, k, v, salt);
-                              if (buf.size() >= (std::size_t{1} << 20)) {
-                                ec = write_all(t, buf.data(), buf.size());
-                                written += buf.size();
-                                buf.clear();
-                              }
-                            });
-        } catch (const std::bad_alloc&) {
-          ec = std::make_error_code(std::errc::not_enough_memory);
-        }
-        ::munmap(old, size);
-        if (!ec) {
-          ec = write_all(t, buf.data(), buf.size());
-          written += buf.size();
-        }
-        if (ec) {
-          why = "cannot write " + tmp_path_ + ": " + ec.message();
-        } else if (again.result != log_parse::outcome::ok || again.valid_end != size) {
-          why = "its records did not read back as they did a moment before";
-        } else if (::fsync(t) != 0) {
-          why = sys_error("cannot fsync " + tmp_path_);
-        } else if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-          why = sys_error("cannot rename " + tmp_path_);
-        }
-      }
+      // version 2 before anything is appended, as a compaction would.
+      // Should that fail short of the rename (a full disk), the log stays
+      // version 1 and is written on as such. After a failed fdatasync (the
+      // marker) the rewrite is what puts the replayed records on the disk:
+      // a start without it is refused. After the rename the new file is
+      // the log, and a failed fsync of the directory refuses the start (a
+      // crash could bring the old file back without what follows).
+      const std::string why = rewrite_log(size);
       if (why.empty()) {
-        ::close(fd_);
-        fd_ = t;
-        salt_ = salt;
-        reserved_ = 0;
-        size = written;
         report_.rewritten = true;
-        if (::fsync(dir_fd_) != 0) fail(sys_error("fsync of " + o_.dir + " after rewriting " + path_ + " as version 2"));
+        if (::fsync(dir_fd_) != 0) fail(sys_error("fsync of " + o_.dir + " after rewriting " + path_));
+      } else if (!report_.sync_failed_before.empty()) {
+        fail("the last run could not make " + path_ + " durable (" + report_.sync_failed_before +
+             "), and rewriting it into a new file, which would put what it holds on the disk, failed: " + why +
+             "; refusing to start (once the disk is checked, removing " + marker_path_ +
+             " starts on the log as it is)");
       } else {
-        if (t >= 0) ::close(t);
-        ::unlink(tmp_path_.c_str());
         report_.rewrite_failed = why;
       }
     }
+  }
+  if (!report_.sync_failed_before.empty()) {
+    // (Should the unlink not survive a crash, the next start rewrites again.)
+    if (::unlink(marker_path_.c_str()) != 0 || ::fsync(dir_fd_) != 0) fail(sys_error("cannot remove " + marker_path_));
   }
   report_.bytes = size;
   report_.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -435,6 +409,90 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   taken_end_ = written_end_ = size;
   synced_end_.store(size, std::memory_order_relaxed);
   thread_ = std::thread([this] { run(); });
+}
+
+std::string durable_log::rewrite_log(std::uint64_t& size) {
+  const std::uint32_t salt = random_salt();
+  std::string why;
+  std::uint64_t written = 0;
+  const int t = ::open(tmp_path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  void* old = MAP_FAILED;
+  if (t < 0) {
+    why = sys_error("cannot create " + tmp_path_);
+  } else if (old = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd_, 0); old == MAP_FAILED) {
+    why = sys_error("cannot map " + path_);
+  } else {
+    std::vector<std::byte> buf;
+    std::error_code ec;
+    log_parse again;
+    try {
+      file_header(buf, salt);
+      again = parse_log({static_cast<const std::byte*>(old), size},
+                        [&](record_type type, std::string_view k, std::span<const std::byte> v) {
+                          if (ec) return;  // (the write failed: nothing more is kept)
+                          encode_record(buf, type, k, v, salt);
+                          if (buf.size() >= (std::size_t{1} << 20)) {
+                            ec = write_all(t, buf.data(), buf.size());
+                            written += buf.size();
+                            buf.clear();
+                          }
+                        });
+    } catch (const std::bad_alloc&) {
+      ec = std::make_error_code(std::errc::not_enough_memory);
+    }
+    ::munmap(old, size);
+    if (!ec) {
+      ec = write_all(t, buf.data(), buf.size());
+      written += buf.size();
+    }
+    if (ec) {
+      why = "cannot write " + tmp_path_ + ": " + ec.message();
+    } else if (again.result != log_parse::outcome::ok || again.valid_end != size) {
+      why = "its records did not read back as they did a moment before";
+    } else if (::fsync(t) != 0) {
+      why = sys_error("cannot fsync " + tmp_path_);
+    } else if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+      why = sys_error("cannot rename " + tmp_path_);
+    }
+  }
+  if (!why.empty()) {
+    if (t >= 0) ::close(t);
+    ::unlink(tmp_path_.c_str());
+    return why;
+  }
+  ::close(fd_);
+  fd_ = t;
+  salt_ = salt;
+  reserved_ = 0;
+  size = written;
+  return why;
+}
+
+void durable_log::leave_sync_marker(const char* what, std::error_code ec) noexcept {
+  if (marker_left_.exchange(true)) return;
+  char when[64] = "";
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  if (::gmtime_r(&now, &tm) != nullptr) std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  char text[512];
+  const int n = std::snprintf(text, sizeof text, "%s failed: %s (%s)\n", what, ec.message().c_str(), when);
+  const std::size_t len = n < 0 ? 0 : std::min(static_cast<std::size_t>(n), sizeof text - 1);
+  const int m = ::open(marker_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  std::error_code wec = m < 0 ? std::error_code(errno, std::generic_category())
+                              : write_all(m, reinterpret_cast<const std::byte*>(text), len);
+  // (Its own fsyncs may fail on the same disk: without a reboot the
+  // restart finds it in the page cache, which is the case it is for.)
+  if (m >= 0) {
+    (void)::fsync(m);
+    ::close(m);
+  }
+  if (!wec) (void)::fsync(dir_fd_);
+  if (wec) {
+    std::fprintf(stderr,
+                 "anydoor-kv: cannot leave %s (%s): the next start will not rewrite the log unless the file is "
+                 "created\n",
+                 marker_path_.c_str(), wec.message().c_str());
+  }
 }
 
 durable_log::~durable_log() {
@@ -853,6 +911,8 @@ void durable_log::compact(compaction c) noexcept {
     }
     ::close(old);
   }
+  // The rename may not be on the disk: a restart rewrites the log again.
+  if (log_ec) leave_sync_marker("the fsync of the data dir after a compaction", log_ec);
   asio::post(io_, [this, log_ec, compact_ec] { on_durable(0, log_ec, true, compact_ec); });
 }
 
@@ -942,6 +1002,7 @@ void durable_log::run() noexcept {
       if (ec && !sync_failed && o_.sync == sync_mode::everysec) last_sync = true;
     }
     const std::error_code last_sync_ec = last_sync ? final_sync(written_before) : std::error_code();
+    if (sync_failed || last_sync_ec) leave_sync_marker("the fdatasync of kv.log", sync_failed ? ec : last_sync_ec);
     const bool post_end = !failed && (!buf.empty() || ec);
     lk.lock();
     thread_writing_ = false;
@@ -976,7 +1037,8 @@ void durable_log::run() noexcept {
     if (also_failed) {
       std::fprintf(stderr,
                    "anydoor-kv: the log %s cannot be made durable either: fdatasync: %s; writes acknowledged since the "
-                   "last fsync may not be on the disk, and a restart does not make them so\n",
+                   "last fsync may not be on the disk (the next start rewrites the log from what it reads, "
+                   "kv.log.sync-failed marks it)\n",
                    path_.c_str(), also_failed.message().c_str());
     }
     if (compactor_waits_) switch_cv_.notify_all();
@@ -1022,8 +1084,9 @@ void durable_log::tell_failure() noexcept {
                o_.sync == sync_mode::always ? ""
                : o_.sync == sync_mode::no
                    ? " (with sync no, the OS decides when it reaches the disk)"
-                   : (sync_failed ? ", but what was acknowledged since the last fsync may not be on the disk, "
-                                    "and a restart does not make it so"
+                   : (sync_failed ? ", but what was acknowledged since the last fsync may not be on the disk (the "
+                                    "next start rewrites the log from what it reads, kv.log.sync-failed marks it, "
+                                    "which puts on the disk what the page cache still holds)"
                                   : ", and one more fdatasync is made to put it on the disk (a line follows should "
                                     "it fail)"));
 }

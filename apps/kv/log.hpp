@@ -33,6 +33,15 @@
 // limit) fails the log: the records it held and every later one are not
 // acknowledged (error(), error_text() say why), stderr is told once, and
 // nothing more is written; a restart replays what was acknowledged.
+// A failed fdatasync of the log (or fsync of the data dir after a
+// compaction's rename) also leaves DIR/kv.log.sync-failed: the kernel
+// reports a lost write-back once and may then call the pages clean, so a
+// restart would read the log from the page cache and its own fdatasync
+// would succeed over what never reached the disk. A start that finds the
+// marker rewrites the log into a new file (as for version 1, below),
+// fsyncs it and renames it over the log, so that what it replayed is on
+// the disk; then it removes the marker. If that rewrite fails, the start
+// is refused (removing the marker starts on the log as it is).
 //
 // On start the log is replayed; a torn tail (a bad record with no valid
 // record anywhere after it: cut short, a CRC that fails) is cut off,
@@ -64,9 +73,10 @@
 // for a record (short of guessing 32 bits; it is never sent to clients):
 // replay tells a torn tail from corruption by what follows a bad record
 // (see parse_log), which must not depend on what clients stored. Integers
-// are little-endian (the hosts this runs on; the check bytes explicitly). Version 1 (salt 0, zero check bytes, unseeded CRCs: logs of
-// earlier servers) is read and rewritten as version 2 at start (should
-// that fail, it is written on and compacted as version 1).
+// are little-endian (the hosts this runs on; the check bytes explicitly).
+// Version 1 (salt 0, zero check bytes, unseeded CRCs: logs of earlier
+// servers) is read and rewritten as version 2 at start (should that fail,
+// it is written on and compacted as version 1).
 #pragma once
 
 #include <boost/asio/any_completion_handler.hpp>
@@ -195,8 +205,12 @@ struct replay_report {
   std::string torn_why;
   std::string torn_copy;         // where the cut bytes were saved (without 4 KiB or more of trailing zeros)
   std::uint64_t zero_bytes = 0;  // zeros after the records, skipped (space reserved ahead)
-  bool rewritten = false;        // a log of version 1 rewritten as version 2 (salted)
-  std::string rewrite_failed;    // why it was not (it stays version 1)
+  bool rewritten = false;        // rewritten into a new file at start (version 1, or the marker below)
+  std::string rewrite_failed;    // why a log of version 1 was not (it stays version 1)
+  // The first line of kv.log.sync-failed, left by a run whose fdatasync of
+  // the log failed ("" when there was none): the log was rewritten because
+  // of it, and the marker removed.
+  std::string sync_failed_before;
   double ms = 0;
 };
 
@@ -280,6 +294,15 @@ class durable_log {
   void end_of_turn() noexcept;
   std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
   void tell_failure() noexcept;
+  // After a failed fdatasync of fd_ (or fsync of the data dir after a
+  // compaction's rename): leaves DIR/kv.log.sync-failed saying `what`,
+  // once; on stderr should it fail. Not under m_.
+  void leave_sync_marker(const char* what, std::error_code ec) noexcept;
+  // At start: writes the first `size` bytes of the log (records) into
+  // kv.log.compact, with a new salt, fsyncs it and renames it over the
+  // log; then fd_ is the new file and `size` its length. Returns why it
+  // did not ("" when it did; the directory is left to fsync).
+  std::string rewrite_log(std::uint64_t& size);
   // The log thread, once a write failed: one more fdatasync of fd_, which
   // covers at least `covered` bytes; its error.
   std::error_code final_sync(std::uint64_t covered) noexcept;
@@ -293,7 +316,7 @@ class durable_log {
   asio::io_context& io_;
   log_options o_;
   replay_report report_;
-  std::string path_, tmp_path_;
+  std::string path_, tmp_path_, marker_path_;
   int fd_ = -1;
   int lock_fd_ = -1;
   int dir_fd_ = -1;
@@ -339,6 +362,7 @@ class durable_log {
   bool stop_ = false;
   std::error_code write_error_;
   bool sync_failed_ = false;  // the failure was an fdatasync's (what it covered is unknown)
+  std::atomic<bool> marker_left_{false};  // leave_sync_marker() ran
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
   std::atomic<std::uint64_t> synced_end_{0};  // see log_stats::synced_bytes

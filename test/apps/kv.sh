@@ -426,6 +426,16 @@ expect_in "$tmp/dur.out" "cut a torn tail of 10 bytes off the log: a record head
 [ "$(stat -c %s "$d"/kv.log.torn-*)" = 10 ] || fail "the torn tail was not saved"
 run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get d20
 stop dur TERM
+# The marker a failed fdatasync leaves (kv_unit stages the failure): the
+# start rewrites the log into a new file, says so, and removes the marker.
+ino=$(stat -c %i "$d/kv.log")
+echo "the fdatasync of kv.log failed: Input/output error (staged by kv.sh)" >"$d/kv.log.sync-failed"
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$d"
+expect_in "$tmp/dur.out" "the last run could not make the log durable \(the fdatasync of kv.log failed: Input/output error \(staged by kv.sh\)\): rewrote it into a new file"
+[ ! -e "$d/kv.log.sync-failed" ] || fail "the marker stayed after the rewrite"
+[ "$(stat -c %i "$d/kv.log")" != "$ino" ] || fail "the marked log was not rewritten into a new file"
+run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get d20
+stop dur TERM
 # A bad record with good ones after it is corruption: refused, nothing changed.
 size=$(stat -c %s "$d/kv.log")
 cp "$d/kv.log" "$tmp/kv.log.good"

@@ -1109,9 +1109,172 @@ TEST_CASE("kv log: a failed fdatasync fails the log - never tried again, the ope
     told = capture.text();
   }
   CHECK_THAT(told, Catch::Contains("kv.log cannot be made durable: fdatasync: Input/output error; writes are refused") &&
-                       Catch::Contains("but what was acknowledged since the last fsync may not be on the disk"));
+                       Catch::Contains("but what was acknowledged since the last fsync may not be on the disk (the next start "
+                                      "rewrites the log from what it reads, kv.log.sync-failed marks it"));
   CHECK_THAT(told, !Catch::Contains("one more fdatasync"));
   CHECK(occurrences(told, "writes are refused from now on") == 1);
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+std::string file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+ino_t inode_of(const std::string& path) {
+  struct stat st{};
+  REQUIRE(::stat(path.c_str(), &st) == 0);
+  return st.st_ino;
+}
+
+// A log whose every fdatasync fails after `good` records were put and
+// acknowledged (everysec): failed, closed, the marker left.
+void fail_a_log(const std::string& dir, int good) {
+  g_syncs = 0;
+  g_failed_syncs = 0;
+  g_fail_at = 0;
+  asio::io_context io;
+  stderr_capture capture;
+  store st({.max_memory = 1 << 20});
+  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec, .fdatasync_hook = &failing_fdatasync},
+                  [](record_type, std::string_view, std::span<const std::byte>) {});
+  service svc(st, &log);
+  for (int i = 0; i < good; ++i) REQUIRE_FALSE(durable_put(io, svc, log, "k" + std::to_string(i), "v" + std::to_string(i)));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!log.error() && std::chrono::steady_clock::now() < until) {
+    io.restart();
+    io.run_for(std::chrono::milliseconds(20));
+  }
+  REQUIRE(log.error() == std::errc::io_error);
+  log.close();
+}
+
+}  // namespace
+
+TEST_CASE("kv log: a failed fdatasync leaves kv.log.sync-failed - the next start rewrites the log into a new file and "
+          "removes it",
+          "[kv]") {
+  const std::string dir = tmpdir();
+  const std::string marker = dir + "/kv.log.sync-failed";
+  fail_a_log(dir, 50);
+  REQUIRE(std::filesystem::exists(marker));
+  CHECK_THAT(file_text(marker), Catch::StartsWith("the fdatasync of kv.log failed: Input/output error (") &&
+                                    Catch::EndsWith(" UTC)\n"));
+  const ino_t before = inode_of(dir + "/kv.log");
+  asio::io_context io;
+  std::map<std::string, std::string> seen;
+  auto keep = [&](record_type, std::string_view k, std::span<const std::byte> v) {
+    seen[std::string(k)] = std::string(reinterpret_cast<const char*>(v.data()), v.size());
+  };
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::everysec}, keep);
+    CHECK(seen.size() == 50);
+    CHECK(seen["k49"] == "v49");
+    CHECK(log.replayed().rewritten);
+    CHECK_THAT(log.replayed().sync_failed_before,
+               Catch::StartsWith("the fdatasync of kv.log failed: Input/output error (") && !Catch::Contains("\n"));
+    CHECK_FALSE(std::filesystem::exists(marker));
+    CHECK(inode_of(dir + "/kv.log") != before);  // a new file: its pages written and fsynced afresh
+    CHECK(log.stats().synced_bytes == std::filesystem::file_size(dir + "/kv.log"));
+    store st({.max_memory = 1 << 20});
+    service svc(st, &log);
+    CHECK_FALSE(durable_put(io, svc, log, "after", "x"));
+    log.close();
+  }
+  // Once: the next start finds no marker and rewrites nothing.
+  seen.clear();
+  const ino_t rewritten = inode_of(dir + "/kv.log");
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::everysec}, keep);
+    CHECK(seen.size() == 51);
+    CHECK(seen["after"] == "x");
+    CHECK_FALSE(log.replayed().rewritten);
+    CHECK(log.replayed().sync_failed_before.empty());
+    CHECK(inode_of(dir + "/kv.log") == rewritten);
+    log.close();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv log: a marked log that cannot be rewritten refuses the start - the marker stays until it is", "[kv]") {
+  const std::string dir = tmpdir();
+  const std::string marker = dir + "/kv.log.sync-failed";
+  fail_a_log(dir, 10);
+  REQUIRE(std::filesystem::exists(marker));
+  std::filesystem::create_directory(dir + "/kv.log.compact");  // the rewrite's open() fails: EISDIR
+  asio::io_context io;
+  int replayed = 0;
+  auto count = [&](record_type, std::string_view, std::span<const std::byte>) { ++replayed; };
+  CHECK_THROWS_WITH(durable_log(io, {.dir = dir, .sync = sync_mode::always}, count),
+                    Catch::Contains("the last run could not make " + dir + "/kv.log durable (the fdatasync of kv.log "
+                                    "failed: Input/output error") &&
+                        Catch::Contains("cannot create " + dir + "/kv.log.compact: Is a directory; refusing to start") &&
+                        Catch::Contains("removing " + marker + " starts on the log as it is"));
+  CHECK(std::filesystem::exists(marker));
+  std::filesystem::remove(dir + "/kv.log.compact");
+  replayed = 0;
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always}, count);  // (the LOCK was let go)
+    CHECK(replayed == 10);
+    CHECK(log.replayed().rewritten);
+    CHECK_FALSE(std::filesystem::exists(marker));
+    log.close();
+  }
+  // Removing the marker by hand starts on the log as it is.
+  fail_a_log(dir, 3);
+  std::filesystem::remove(marker);
+  const ino_t before = inode_of(dir + "/kv.log");
+  replayed = 0;
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always}, count);
+    CHECK(replayed == 10 + 3);
+    CHECK_FALSE(log.replayed().rewritten);
+    CHECK(inode_of(dir + "/kv.log") == before);
+    log.close();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv log: a marker that cannot be left is told on stderr", "[kv]") {
+  const std::string dir = tmpdir();
+  std::filesystem::create_directories(dir + "/kv.log.sync-failed/x");  // open(O_WRONLY) fails: EISDIR
+  std::string told;
+  {
+    stderr_capture capture;
+    asio::io_context io;
+    // (The start reads the directory as a marker and cannot remove it: refused.)
+    CHECK_THROWS_WITH(durable_log(io, {.dir = dir, .sync = sync_mode::everysec},
+                                  [](record_type, std::string_view, std::span<const std::byte>) {}),
+                      Catch::Contains("cannot remove " + dir + "/kv.log.sync-failed"));
+    told = capture.text();
+  }
+  std::filesystem::remove_all(dir + "/kv.log.sync-failed");
+  std::filesystem::remove(dir + "/kv.log");
+  {
+    stderr_capture capture;
+    // Made a directory once the log is open: the marker cannot be created.
+    g_syncs = 0;
+    g_fail_at = 0;
+    asio::io_context io;
+    store st({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = dir, .sync = sync_mode::everysec, .fdatasync_hook = &failing_fdatasync},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    std::filesystem::create_directories(dir + "/kv.log.sync-failed/x");
+    service svc(st, &log);
+    CHECK_FALSE(durable_put(io, svc, log, "a", "1"));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!log.error() && std::chrono::steady_clock::now() < until) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(20));
+    }
+    REQUIRE(log.error() == std::errc::io_error);
+    log.close();
+    told = capture.text();
+  }
+  CHECK_THAT(told, Catch::Contains("anydoor-kv: cannot leave " + dir + "/kv.log.sync-failed (Is a directory): the next "
+                                   "start will not rewrite the log unless the file is created"));
   std::filesystem::remove_all(dir);
 }
 
