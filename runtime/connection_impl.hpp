@@ -147,6 +147,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     std::uint32_t buffer = 0;
     std::uint32_t length = 0;  // bytes received (header included)
     bool rts = false;
+    std::uint32_t split_total = 0;  // a piece of a split message this long (0: none)
+    bool split_last = false;        // its last piece
   };
   struct fin_entry {
     std::uint32_t cookie = 0;
@@ -199,6 +201,13 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool take_send_buffer(op_node* n, std::uint32_t& buf) noexcept;  // false: wait for the pool
   void wait_for_buffer() noexcept;  // on_buffer_available once the pool has one
   start_result credit_stall(op_node* n) noexcept;
+  // A message above the eager limit (and at most eager_split_limit) as
+  // eager pieces: true when started; false when its credits, send queue
+  // slots or pool buffers are not all there now (it goes by rendezvous).
+  bool start_split(op_node* n, bool post) noexcept;
+  static constexpr std::uint64_t kMaxSplitPieces = 64;
+  // An eager or split send's completion (its bytes are copied).
+  void copied_send_done(op_node* n, bool post) noexcept;
   // Queues up to max_wrs work requests of a put or get from its cursor;
   // true once all of it is queued.
   bool emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept;
@@ -257,6 +266,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // receiving
   void deliver(bool post) noexcept;
+  // The split message at the inbox's head into receive `n`: false (nothing
+  // taken) while its last piece has not arrived.
+  bool deliver_split(op_node* n, bool post) noexcept;
   void deliver_notes(bool post) noexcept;
   // Why nothing more will arrive (closed, failed); empty while open.
   std::error_code receive_ending() const noexcept;
@@ -395,6 +407,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::int64_t peer_view_ = 0;  // the peer's credits as we know them
 
   std::vector<inbox_entry> inbox_;  // ring, capacity = credits
+  std::uint64_t split_left_ = 0;    // bytes of the split message being received still to come
+  std::uint32_t split_total_ = 0;   // ... its length
   std::uint64_t inbox_head_ = 0, inbox_tail_ = 0;
   std::vector<fin_entry> fins_;     // fins waiting for a credit
 

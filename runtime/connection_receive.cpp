@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <new>
+#include <string>
 #include <utility>
 
 namespace anydoor::detail {
@@ -226,8 +228,41 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   }
   switch (h.type) {
     case protocol::msg_type::auth: break;  // above
+    case protocol::msg_type::split: {
+      // Pieces of one message, consecutive: the first says how long it is,
+      // the others must say the same, and the last brings it to that.
+      const std::uint32_t piece = length - static_cast<std::uint32_t>(protocol::kHeaderSize);
+      const bool first = split_left_ == 0;
+      if ((first && (h.aux == 0 || h.aux > opt_.max_message)) || (!first && h.aux != split_total_) ||
+          piece > (first ? h.aux : split_left_)) {
+        log().warn("connection qp {}: a bad piece of a split message ({} bytes of {}, {} still to come)",
+                   qp_->qp_num(), piece, h.aux, split_left_);
+        release_received(buffer);
+        fail(errc::protocol_error);
+        return;
+      }
+      if (first) {
+        split_total_ = h.aux;
+        split_left_ = h.aux;
+      }
+      split_left_ -= piece;
+      if (inbox_tail_ - inbox_head_ >= inbox_.size()) {  // cannot happen with a conforming peer
+        release_received(buffer);
+        fail(errc::protocol_error);
+        return;
+      }
+      inbox_[ring_slot(inbox_tail_++, inbox_.size())] = {buffer, length, false, split_total_, split_left_ == 0};
+      return;
+    }
     case protocol::msg_type::eager:
     case protocol::msg_type::rts: {
+      if (split_left_ != 0) {
+        log().warn("connection qp {}: a message inside a split one ({} of its {} bytes still to come)", qp_->qp_num(),
+                   split_left_, split_total_);
+        release_received(buffer);
+        fail(errc::protocol_error);
+        return;
+      }
       if (h.type == protocol::msg_type::rts) {
         const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
         if (b.length == 0 || b.length > opt_.max_message) {
@@ -583,6 +618,13 @@ void connection_impl::deliver(bool post) noexcept {
     const inbox_entry e = inbox_[ring_slot(inbox_head_, inbox_.size())];
     op_node* n = recv_waiting_.head;
     const std::byte* data = fab_->pool->data(e.buffer);
+    if (e.split_total != 0) {
+      if (!deliver_split(n, post)) {
+        end_receives(recv_waiting_, post);  // (when the connection has ended; else the rest is awaited)
+        return;
+      }
+      continue;
+    }
     if (!e.rts) {
       ++inbox_head_;
       recv_waiting_.remove(n);
@@ -651,6 +693,86 @@ void connection_impl::deliver(bool post) noexcept {
       complete(n, post, errc::registration_failed);
     }
   }
+}
+
+bool connection_impl::deliver_split(op_node* n, bool post) noexcept {
+  const std::size_t cap = inbox_.size();
+  std::uint64_t end = inbox_head_;
+  while (end != inbox_tail_ && !inbox_[ring_slot(end, cap)].split_last) ++end;
+  if (end == inbox_tail_) return false;
+  const std::uint64_t first = inbox_head_;
+  inbox_head_ = ++end;
+  recv_waiting_.remove(n);
+  const std::size_t total = inbox_[ring_slot(first, cap)].split_total;
+  std::error_code ec;
+  std::byte* dst = nullptr;
+  bool to_device = false;
+  std::unique_ptr<std::byte[]> block;  // (declared before its registration: destroyed after it)
+  std::unique_ptr<transport::memory_region> mr;
+  std::unique_ptr<op_node> holder;
+  if (n->kind == op_kind::receive_buffer) {
+    if (total > n->dest.size()) {
+      ec = errc::message_size;
+    } else {
+      dst = static_cast<std::byte*>(n->dest.data());
+      to_device = n->device_mask != 0;
+    }
+  } else {
+    // A block as a rendezvous message's (kept when the message is released,
+    // for either kind): one that was kept, or a new one, registered so that
+    // it can be kept (without, it is freed at the release).
+    if (!fab_->take_block(total, block, mr)) {
+      const std::size_t span = fabric_state::block_size(total);
+      block.reset(new (std::nothrow) std::byte[span]);
+      if (block != nullptr) {
+        try {
+          mr = fab_->pd->register_memory(block.get(), span, transport::access::local_write);
+        } catch (const std::exception&) {
+          mr.reset();
+        }
+      }
+    }
+    if (block == nullptr || (holder = fab_->take_holder()) == nullptr) {
+      log().warn("connection qp {}: no memory to deliver a {}-byte message", qp_->qp_num(), total);
+      ec = std::make_error_code(std::errc::not_enough_memory);
+    }
+    dst = block.get();
+  }
+  std::string why;
+  for (std::uint64_t i = first; i < end; ++i) {
+    const inbox_entry& e = inbox_[ring_slot(i, cap)];
+    const std::size_t len = e.length - protocol::kHeaderSize;
+    if (!ec) {
+      const std::byte* src = fab_->pool->data(e.buffer) + protocol::kHeaderSize;
+      if (to_device) {
+        ec = cuda::detail::copy_to_device(dst, src, len, why);
+        if (ec) log().warn("connection: copying a {}-byte message into GPU memory failed: {}", total, why);
+      } else {
+        std::memcpy(dst, src, len);
+      }
+      dst += len;
+    }
+    repost(e.buffer);
+  }
+  if (ec) {
+    complete(n, post, ec);
+    return true;
+  }
+  ++stats_.messages_received;
+  stats_.bytes_received += total;
+  if (n->kind == op_kind::receive_buffer) {
+    complete(n, post, {}, total);
+    return true;
+  }
+  message m;
+  m.owner_ = shared_from_this();
+  m.large_ = std::move(holder);
+  m.large_->large = std::move(block);
+  m.large_->mr = std::move(mr);
+  m.data_ = m.large_->large.get();
+  m.size_ = total;
+  complete_message(n, post, std::move(m));
+  return true;
 }
 
 }  // namespace anydoor::detail

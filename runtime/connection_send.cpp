@@ -9,6 +9,7 @@
 #include "log.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -92,6 +93,9 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   if (!eager && n->nbufs != 1) {
     send_waiting_.remove(n);
     complete(n, post, errc::invalid_argument);
+    return start_result::started;
+  }
+  if (!eager && n->device_mask == 0 && n->length <= opt_.eager_split_limit && start_split(n, post)) {
     return start_result::started;
   }
   if (credits_ < 2) return credit_stall(n);
@@ -183,23 +187,7 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   if (eager) {
     ++stats_.eager_sends;
     if (inl) ++stats_.inline_sends;
-    ++stats_.messages_sent;
-    stats_.bytes_sent += n->length;
-    if (post && n->handler.runs_on_io()) {
-      n->phase = op_phase::done;
-      if (fab_->in_completion > 0) {
-        // Started by a handler of a completion (a reply): completes right
-        // after its doorbell, at the end of the reactor's pass, with no
-        // handler posted and no io_context round in between.
-        at_doorbell_.push_back(n);
-      } else {
-        ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
-        n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
-        release(n);
-      }
-    } else {
-      complete(n, post, {}, static_cast<std::size_t>(n->length));
-    }
+    copied_send_done(n, post);
   } else {
     ++stats_.rendezvous_sends;
     n->phase = op_phase::posted;
@@ -207,6 +195,61 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   }
   schedule();
   return start_result::started;
+}
+
+bool connection_impl::start_split(op_node* n, bool post) noexcept {
+  // All pieces or none: each needs a credit (one more stays for control
+  // messages), a send queue slot and a pool buffer, now. Else the message
+  // goes by rendezvous, which needs one of each.
+  const std::uint64_t piece = eager_limit_;
+  const std::uint64_t k = (n->length + piece - 1) / piece;
+  if (k > kMaxSplitPieces || credits_ < static_cast<std::int64_t>(k) + 1 || sq_free() < k) return false;
+  std::array<std::uint32_t, kMaxSplitPieces> bufs;
+  for (std::uint64_t i = 0; i < k; ++i) {
+    bufs[i] = fab_->pool->try_get();
+    if (bufs[i] == buffer_pool::npos) {
+      while (i > 0) fab_->put_buffer(bufs[--i]);
+      return false;
+    }
+  }
+  if (n->stalled_buffer && buffer_timer_armed_) buffer_timer_.cancel();
+  const auto* src = static_cast<const std::byte*>(n->bufs[0].data());
+  for (std::uint64_t i = 0, off = 0; i < k; ++i) {
+    const std::uint64_t len = std::min(piece, n->length - off);
+    std::byte* out = stage_send(slot_kind::message, bufs[i], nullptr,
+                                static_cast<std::uint32_t>(protocol::kHeaderSize + len));
+    --credits_;
+    protocol::encode({protocol::msg_type::split, 0, take_owed(), static_cast<std::uint32_t>(n->length)}, out);
+    std::memcpy(out + protocol::kHeaderSize, src + off, static_cast<std::size_t>(len));
+    off += len;
+  }
+  send_waiting_.remove(n);
+  ++stats_.split_sends;
+  stats_.split_pieces += k;
+  copied_send_done(n, post);
+  schedule();
+  return true;
+}
+
+// An eager or split send: its bytes are in the send queue's buffers.
+void connection_impl::copied_send_done(op_node* n, bool post) noexcept {
+  ++stats_.messages_sent;
+  stats_.bytes_sent += n->length;
+  if (post && n->handler.runs_on_io()) {
+    n->phase = op_phase::done;
+    if (fab_->in_completion > 0) {
+      // Started by a handler of a completion (a reply): completes right
+      // after its doorbell, at the end of the reactor's pass, with no
+      // handler posted and no io_context round in between.
+      at_doorbell_.push_back(n);
+    } else {
+      ++fab_->posted_completions;  // see fabric_state::flush_all (only for handlers run on our thread)
+      n->handler.complete_then({fab_, &fab_->posted_completions}, true, {}, static_cast<std::size_t>(n->length));
+      release(n);
+    }
+  } else {
+    complete(n, post, {}, static_cast<std::size_t>(n->length));
+  }
 }
 
 // A message (or notification) waits for the peer's credits; the last one

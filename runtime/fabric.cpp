@@ -53,6 +53,7 @@ const fabric_options& checked(const fabric_options& o) {
           "fabric: connection.rendezvous_memory must be in 4096..2^40");
   require(c.fragment_size == 0 || (c.fragment_size >= 4096 && c.fragment_size <= (1u << 30)),
           "fabric: connection.fragment_size must be 0 or in 4096..2^30");
+  require(c.eager_split_limit <= (1u << 24), "fabric: connection.eager_split_limit must be in 0..16 MiB");
   require(o.cache_max_entries >= 1 && o.cache_max_entries <= (std::size_t{1} << 20),
           "fabric: cache_max_entries must be in 1..2^20");
   require(o.cache_max_bytes >= 4096, "fabric: cache_max_bytes must be at least 4096");

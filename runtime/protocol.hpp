@@ -30,6 +30,14 @@
 // `credits` returns receive buffers the sender has re-posted since its last
 // report. Types:
 //   eager  payload follows the header (byte_len - 8 bytes)
+//   split  one piece of a message sent as several eager ones (a message
+//          above the eager limit and at most connection_options::
+//          eager_split_limit): aux = the whole message's length (u32) in
+//          every piece, payload follows the header (at least 1 byte). The
+//          pieces of a message are consecutive SENDs: no eager, rts or
+//          split of another message comes between them (control messages
+//          may); the message ends with the piece that brings the bytes
+//          received to aux (more is a protocol error).
 //   rts    rendezvous request: body { u64 length, u64 addr, u32 rkey, u32 cookie }:
 //          the receiver RDMA-READs [addr, addr + length) with rkey, then sends fin
 //   fin    rendezvous done: aux = cookie, status = fin_status
@@ -53,8 +61,8 @@ namespace anydoor::protocol {
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
 // 2: fin status 3 is no_memory; 3: challenge-response authentication;
 // 4: keepalive in the hello (48 bytes); 6: max_credits in the hello (50
-// bytes): credits are the initial grant, max_credits the window
-inline constexpr std::uint16_t kVersion = 6;
+// bytes): credits are the initial grant, max_credits the window; 7: split
+inline constexpr std::uint16_t kVersion = 7;
 inline constexpr std::size_t kHelloSize = 50;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;
@@ -108,7 +116,7 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept;
 // accepts).
 decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 
-enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6, auth = 7 };
+enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6, auth = 7, split = 8 };
 enum class auth_status : std::uint8_t { proof = 0, refused = 1, confirmed = 2 };
 // ok; message_size: larger than the receiver's buffer or its rendezvous
 // memory budget; read_failed: the RDMA READ failed; no_memory: the receiver
@@ -132,7 +140,7 @@ struct rts_body {
 void encode(const header& h, std::byte* out) noexcept;           // kHeaderSize bytes
 void encode(const rts_body& b, std::byte* out) noexcept;         // 24 bytes
 // Validates a received message of byte_len bytes: a known type, and a length
-// that fits it (eager >= header, rts and notify == kRtsSize, auth ==
+// that fits it (eager >= header, split > header, rts and notify == kRtsSize, auth ==
 // kAuthSize with a proof and kHeaderSize refused or confirmed, others ==
 // kHeaderSize).
 bool decode(std::span<const std::byte> in, header& h) noexcept;

@@ -166,6 +166,8 @@ struct connection_stats {
   std::uint64_t eager_sends = 0;
   std::uint64_t inline_sends = 0;
   std::uint64_t rendezvous_sends = 0;
+  std::uint64_t split_sends = 0;       // messages sent as eager pieces (connection_options::eager_split_limit)
+  std::uint64_t split_pieces = 0;      // ... and their pieces
   std::uint64_t posts = 0;             // send work requests posted
   std::uint64_t doorbells = 0;         // post_send calls
   std::uint64_t signaled = 0;          // signaled send work requests

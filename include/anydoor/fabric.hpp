@@ -74,6 +74,16 @@ struct connection_options {
   // Largest piece one work request of a put, get or rendezvous read
   // carries; 0: the device's message limit (at most 1 GiB). 0 or 4 KiB..1 GiB.
   std::uint32_t fragment_size = 0;
+  // Messages above the eager limit and at most this many bytes (one
+  // buffer, host memory) are sent as consecutive eager pieces, each in a
+  // receive buffer of the peer's: copied on both sides, with no
+  // registration of the source, no RDMA READ and no fin (one one-way trip
+  // instead of three), completing when handed to the queue pair as eager
+  // sends do. A message is sent so only when the credits, send queue
+  // slots and pool buffers for all its pieces are there at once (it
+  // needs one credit per piece, and one more kept back); else by
+  // rendezvous. 0: never. 0..16 MiB.
+  std::uint32_t eager_split_limit = 64 << 10;
 };
 
 struct fabric_options {

@@ -1,7 +1,7 @@
 // libFuzzer targets that feed a live runtime a hostile peer's messages:
 //   anydoor-fuzz-messages  the connection engine (runtime/protocol.hpp's
-//                          headers: eager, rts, fin, credit, close, notify,
-//                          auth) behind a server that receives, takes
+//                          headers: eager, split, rts, fin, credit, close,
+//                          notify, auth) behind a server that receives, takes
 //                          notifications and sends a rendezvous message;
 //   anydoor-fuzz-rpc       the RPC server's request framing
 //                          (runtime/rpc/wire.hpp) behind an rpc::server
@@ -187,10 +187,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     rr[i] = {.wr_id = 100 + i, .sg_list = {&rsg[i], 1}};
   }
   if (qp->post_recv(rr)) die("post_recv");
-  // The runtime's hello (protocol.hpp, version 6, no authentication).
+  // The runtime's hello (protocol.hpp, version 7, no authentication).
   std::array<std::byte, 50> hello{};  // keepalive 0: no heartbeats asked
   const std::uint32_t magic = 0x31524441, recv_buffer = kRecv, eager = kRecv - 8;
-  const std::uint16_t version = 6, credits = kPeerCredits;
+  const std::uint16_t version = 7, credits = kPeerCredits;
   const std::uint64_t max_message = 1 << 20;
   std::memcpy(hello.data(), &magic, 4);
   std::memcpy(hello.data() + 4, &version, 2);

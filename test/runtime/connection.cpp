@@ -67,7 +67,7 @@ awaitable<void> echo_server(ad::acceptor& acc, int conns, std::vector<ad::error_
 
 }  // namespace
 
-TEST_CASE("echo: eager, inline and rendezvous messages arrive whole and in order", "[runtime]") {
+TEST_CASE("echo: eager, inline, split and rendezvous messages arrive whole and in order", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::fabric client(io, test_options());
@@ -95,7 +95,9 @@ TEST_CASE("echo: eager, inline and rendezvous messages arrive whole and in order
     const ad::connection_stats s = c.stats();
     CHECK(s.messages_sent == sizes.size());
     CHECK(s.messages_received == sizes.size());
-    CHECK(s.rendezvous_sends == 3);
+    CHECK(s.rendezvous_sends == 2);
+    CHECK(s.split_sends == 1);  // eager + 1
+    CHECK(s.split_pieces == 2);
     CHECK(s.inline_sends >= 4);
     CHECK(s.bytes_sent == std::accumulate(sizes.begin(), sizes.end(), std::size_t{0}));
     CHECK(s.rnr_naks == 0);
@@ -1236,7 +1238,7 @@ TEST_CASE("rendezvous memory: a message above the receiver's budget is refused o
   sco.rendezvous_memory = 64 * 1024;
   asio::io_context io;
   ad::fabric server(io, test_options(sco));
-  ad::fabric client(io, test_options());
+  ad::fabric client(io, test_options({.eager_split_limit = 0}));  // 48 KiB by rendezvous, not split
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
   const auto huge = pattern(128 * 1024, 1);

@@ -225,7 +225,7 @@ TEST_CASE("rendezvous messages: a released message's block is taken by the next 
   SECTION("a message released on another thread frees its block") { scenario = 6; }
   asio::io_context io;
   ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
+  ad::fabric client(io, test_options({.eager_split_limit = 0}));  // (not split: test/runtime/split.cpp)
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
   asio::co_spawn(io, [&]() -> awaitable<void> {
@@ -337,7 +337,7 @@ TEST_CASE("rendezvous messages: no memory to deliver one fails that message on b
           "[runtime][oom]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
+  ad::fabric client(io, test_options({.eager_split_limit = 0}));
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
   std::error_code recv_ec, send_ec, after_recv, after_send;
@@ -389,4 +389,65 @@ TEST_CASE("rendezvous messages: no memory to deliver one fails that message on b
   CHECK_FALSE(after_recv);
   CHECK_FALSE(after_send);
   CHECK(after_ok);
+}
+
+TEST_CASE("split messages: no memory for the block or the holder fails that message at the receiver and nothing else",
+          "[runtime][oom]") {
+  std::size_t refuse = 0;
+  SECTION("the block") { refuse = block_of(20000); }
+  SECTION("the holder") { refuse = sizeof(anydoor::detail::op_node); }
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  std::error_code recv_ec, send_ec, after_recv;
+  std::uint64_t refused = 0, splits = 0;
+  bool after_ok = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c;
+    ad::connection s = co_await connect_pair(client, acc, c);
+    const auto small = pattern(64, 1), large = pattern(20000, 2);
+    // Operation nodes for what follows, made before memory runs out.
+    int warm_sends = 0;
+    for (int i = 0; i < 8; ++i) c.async_send(asio::buffer(small), [&](ad::error_code, std::size_t) { ++warm_sends; });
+    for (int i = 0; i < 8; ++i) {
+      auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+      REQUIRE_FALSE(re);
+    }
+    const bool warm = co_await until([&] { return warm_sends == 8; });
+    REQUIRE(warm);
+    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);
+    {
+      anydoor::test::alloc::refused = 0;
+      anydoor::test::alloc::fail_size = refuse;
+      bool sent = false;
+      c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) {
+        send_ec = ec;
+        sent = true;
+      });
+      auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+      recv_ec = re;
+      CHECK(rm.size() == 0);
+      const bool ended = co_await until([&] { return sent; });
+      CHECK(ended);
+      anydoor::test::alloc::fail_size = 0;
+      refused = anydoor::test::alloc::refused;
+    }
+    co_await c.async_send(asio::buffer(large), use_awaitable);
+    auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+    after_recv = re;
+    after_ok = rm.size() == large.size() && std::equal(large.begin(), large.end(), rm.bytes().begin());
+    splits = c.stats().split_sends;
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(30));
+  anydoor::test::alloc::fail_size = 0;
+  f.check();
+  CHECK(refused >= 1);
+  CHECK(recv_ec == kNoMemory);
+  CHECK_FALSE(send_ec);  // (a split send completes once its pieces are handed over, as an eager one)
+  CHECK_FALSE(after_recv);
+  CHECK(after_ok);
+  CHECK(splits == 2);
 }
