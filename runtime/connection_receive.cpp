@@ -226,14 +226,27 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     fail(errc::protocol_error);
     return;
   }
+  // Between the pieces of a split message the peer sends nothing but more
+  // pieces, credits and fins (it stages the pieces all at once).
+  if (split_left_ != 0 && h.type != protocol::msg_type::split && h.type != protocol::msg_type::credit &&
+      h.type != protocol::msg_type::fin) {
+    log().warn("connection qp {}: a message (type {}) inside a split one ({} of its {} bytes still to come)",
+               qp_->qp_num(), static_cast<int>(h.type), split_left_, split_total_);
+    release_received(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
   switch (h.type) {
     case protocol::msg_type::auth: break;  // above
     case protocol::msg_type::split: {
-      // Pieces of one message, consecutive: the first says how long it is,
-      // the others must say the same, and the last brings it to that.
+      // Pieces of one message, consecutive: the first says how long it is
+      // (at most 64 of our receive buffers, as the sender splits), the
+      // others must say the same, and the last brings it to that.
       const std::uint32_t piece = length - static_cast<std::uint32_t>(protocol::kHeaderSize);
       const bool first = split_left_ == 0;
-      if ((first && (h.aux == 0 || h.aux > opt_.max_message)) || (!first && h.aux != split_total_) ||
+      const std::uint64_t most =
+          std::min<std::uint64_t>(opt_.max_message, kMaxSplitPieces * (fab_->recv_buffer - protocol::kHeaderSize));
+      if ((first && (h.aux == 0 || h.aux > most)) || (!first && h.aux != split_total_) ||
           piece > (first ? h.aux : split_left_)) {
         log().warn("connection qp {}: a bad piece of a split message ({} bytes of {}, {} still to come)",
                    qp_->qp_num(), piece, h.aux, split_left_);
@@ -256,13 +269,6 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     }
     case protocol::msg_type::eager:
     case protocol::msg_type::rts: {
-      if (split_left_ != 0) {
-        log().warn("connection qp {}: a message inside a split one ({} of its {} bytes still to come)", qp_->qp_num(),
-                   split_left_, split_total_);
-        release_received(buffer);
-        fail(errc::protocol_error);
-        return;
-      }
       if (h.type == protocol::msg_type::rts) {
         const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
         if (b.length == 0 || b.length > opt_.max_message) {
@@ -717,14 +723,21 @@ bool connection_impl::deliver_split(op_node* n, bool post) noexcept {
       dst = static_cast<std::byte*>(n->dest.data());
       to_device = n->device_mask != 0;
     }
+  } else if (total > opt_.rendezvous_memory) {
+    // (As a rendezvous message's would be: async_receive() allocates no
+    // more for the peer; the sender's send has completed.)
+    log().warn("connection qp {}: a {}-byte message exceeds rendezvous_memory ({} bytes); refused", qp_->qp_num(),
+               total, opt_.rendezvous_memory);
+    ec = errc::message_size;
   } else {
     // A block as a rendezvous message's (kept when the message is released,
     // for either kind): one that was kept, or a new one, registered so that
-    // it can be kept (without, it is freed at the release).
+    // it can be kept (without, or above what is kept, it is freed at the
+    // release; a split block is never the target of an RDMA operation).
     if (!fab_->take_block(total, block, mr)) {
       const std::size_t span = fabric_state::block_size(total);
       block.reset(new (std::nothrow) std::byte[span]);
-      if (block != nullptr) {
+      if (block != nullptr && span <= fabric_state::kKeptBlockMax) {
         try {
           mr = fab_->pd->register_memory(block.get(), span, transport::access::local_write);
         } catch (const std::exception&) {

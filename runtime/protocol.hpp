@@ -34,10 +34,11 @@
 //          above the eager limit and at most connection_options::
 //          eager_split_limit): aux = the whole message's length (u32) in
 //          every piece, payload follows the header (at least 1 byte). The
-//          pieces of a message are consecutive SENDs: no eager, rts or
-//          split of another message comes between them (control messages
-//          may); the message ends with the piece that brings the bytes
-//          received to aux (more is a protocol error).
+//          pieces of a message are consecutive SENDs: nothing but credit
+//          and fin messages comes between them; the message ends with the
+//          piece that brings the bytes received to aux (more is a protocol
+//          error), and aux is at most 64 of the receiver's receive buffers
+//          (payload) and its max_message.
 //   rts    rendezvous request: body { u64 length, u64 addr, u32 rkey, u32 cookie }:
 //          the receiver RDMA-READs [addr, addr + length) with rkey, then sends fin
 //   fin    rendezvous done: aux = cookie, status = fin_status

@@ -301,7 +301,12 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   };
   // A run whose fdatasync failed left the marker (leave_sync_marker): the
   // log is rewritten below. Its first line says what failed.
-  if (const int m = ::open(marker_path_.c_str(), O_RDONLY | O_CLOEXEC); m >= 0) {
+  if (const int m = ::open(marker_path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); m >= 0) {
+    struct stat ms{};
+    if (::fstat(m, &ms) != 0 || !S_ISREG(ms.st_mode)) {
+      ::close(m);
+      fail(marker_path_ + " is not a regular file; refusing to start (remove it)");
+    }
     char text[512];
     const ssize_t n = ::read(m, text, sizeof text);
     ::close(m);
@@ -366,7 +371,9 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
       report_.torn_bytes = size - p.valid_end;
       report_.torn_why = p.why;
       if (::ftruncate(fd_, static_cast<off_t>(p.valid_end)) != 0 || ::fsync(fd_) != 0) {
-        fail(sys_error("cannot cut the torn tail of " + path_));
+        const std::error_code ec(errno, std::generic_category());
+        leave_sync_marker("the fsync of kv.log after cutting its torn tail at start", ec);
+        fail("cannot cut the torn tail of " + path_ + ": " + ec.message());
       }
       size = p.valid_end;
     }
@@ -375,7 +382,13 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     // acknowledged it after the write; a kill -9 left it unsynced): made
     // durable before anything new is acknowledged after it.
     // (With sync no too: once, at start, so that synced_bytes holds.)
-    if (::fdatasync(fd_) != 0) fail(sys_error("fdatasync " + path_));
+    // A failure here is reported once: the next start's fdatasync may
+    // succeed over the lost pages, so it finds the marker and rewrites.
+    if (sync_file(fd_) != 0) {
+      const std::error_code ec(errno, std::generic_category());
+      leave_sync_marker("the fdatasync of kv.log at start", ec);
+      fail("fdatasync " + path_ + ": " + ec.message() + " (" + marker_path_ + " makes the next start rewrite it)");
+    }
     if (salt_ == 0 || !report_.sync_failed_before.empty()) {
       // A log of version 1 (an earlier server's, unsalted) is rewritten as
       // version 2 before anything is appended, as a compaction would.
@@ -401,7 +414,9 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
   }
   if (!report_.sync_failed_before.empty()) {
     // (Should the unlink not survive a crash, the next start rewrites again.)
-    if (::unlink(marker_path_.c_str()) != 0 || ::fsync(dir_fd_) != 0) fail(sys_error("cannot remove " + marker_path_));
+    if ((::unlink(marker_path_.c_str()) != 0 && errno != ENOENT) || ::fsync(dir_fd_) != 0) {
+      fail(sys_error("cannot remove " + marker_path_));
+    }
   }
   report_.bytes = size;
   report_.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

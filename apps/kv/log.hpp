@@ -174,7 +174,7 @@ struct log_options {
   std::uint64_t compact_min = std::uint64_t{64} << 20;  // no compaction below this file size (Redis: auto-aof-rewrite-min-size 64mb)
   // Fault injection for tests: called instead of fdatasync(2) on the log
   // file by the log thread (its fsyncs, and the last one after a failed
-  // write); null: fdatasync. A failed fdatasync cannot be staged on a
+  // write) and by the start (an existing log's); null: fdatasync. A failed fdatasync cannot be staged on a
   // real file system here.
   int (*fdatasync_hook)(int fd) = nullptr;
 };

@@ -147,7 +147,11 @@ std::unique_ptr<kv::durable_log> open_log(const options& o, asio::io_context& io
                 "ahead with --sync always, left by a crash or a kill; or a file extended without its data)\n",
                 static_cast<unsigned long long>(rep.zero_bytes));
   }
-  if (!rep.sync_failed_before.empty()) {
+  if (!rep.sync_failed_before.empty() && !rep.rewritten) {
+    std::printf("anydoor-kv-server: found the marker of a failed fdatasync (%s) beside an empty log: nothing to "
+                "rewrite; removed it\n",
+                rep.sync_failed_before.c_str());
+  } else if (!rep.sync_failed_before.empty()) {
     std::printf("anydoor-kv-server: the last run could not make the log durable (%s): rewrote it into a new file from "
                 "what it read, so that all of it is on the disk now; check what the clients wrote last (what the "
                 "page cache lost is not there)\n",

@@ -18,16 +18,23 @@
 // Sending: a message up to the eager limit is copied (inline into the work
 // request when small, else into a pooled registered buffer) and async_send
 // completes once it is posted; the data is on its way and the caller's buffer
-// is free. A larger message goes by rendezvous: the peer RDMA-READs it straight
-// from the caller's buffer, which must stay untouched until async_send
-// completes (on the peer's fin). A message above the peer's maximum fails with
+// is free. A larger one, up to connection_options::eager_split_limit (64 KiB,
+// host memory), is split into eager pieces when the credits and buffers for
+// all of them are there at once, and completes the same way (a receiver that
+// then refuses it, with message_size or not_enough_memory, does so alone).
+// Otherwise it goes by rendezvous: the peer RDMA-READs it straight from the
+// caller's buffer, which must stay untouched until async_send completes (on
+// the peer's fin; its refusals, message_size and peer_out_of_memory, come
+// back to the sender). A message above the peer's maximum fails with
 // errc::message_size. Sends wait (never fail) for credits; for a pool buffer
 // they wait at most connection_options::buffer_wait (errc::no_buffer_space).
 //
 // Receiving: async_receive() hands out the message in its pooled receive
 // buffer (zero copy); destroying the message re-posts that buffer and returns
 // its credit to the peer. async_receive(buffer) copies an eager message or
-// reads a rendezvous message straight into the buffer; a message larger than
+// reads a rendezvous message straight into the buffer (a split one is copied
+// in piece by piece; async_receive() copies it into memory of its own, as
+// large as the message, bounded by rendezvous_memory); a message larger than
 // the buffer fails with errc::message_size and is dropped (never truncated).
 // Messages are taken in order of arrival; with several receives outstanding a
 // rendezvous message may complete after an eager one that arrived later.

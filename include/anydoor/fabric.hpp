@@ -69,7 +69,9 @@ struct connection_options {
   // Memory the runtime allocates for rendezvous messages being received on
   // one connection (async_receive() without a buffer): a message larger
   // than this fails with message_size on both sides, and reads wait while
-  // earlier ones hold the budget. 16 MiB: 4 GiB for 256 connections.
+  // earlier ones hold the budget. 16 MiB: 4 GiB for 256 connections. A
+  // split message (eager_split_limit) larger than this fails with
+  // message_size at the receiver.
   std::uint64_t rendezvous_memory = std::uint64_t{16} << 20;  // 4 KiB..2^40
   // Largest piece one work request of a put, get or rendezvous read
   // carries; 0: the device's message limit (at most 1 GiB). 0 or 4 KiB..1 GiB.
@@ -81,8 +83,9 @@ struct connection_options {
   // instead of three), completing when handed to the queue pair as eager
   // sends do. A message is sent so only when the credits, send queue
   // slots and pool buffers for all its pieces are there at once (it
-  // needs one credit per piece, and one more kept back); else by
-  // rendezvous. 0: never. 0..16 MiB.
+  // needs one credit per piece, and one more kept back; at most 64 pieces);
+  // else by rendezvous. Its receiver's refusals (message_size, out of
+  // memory) are its own: the send has completed. 0: never. 0..16 MiB.
   std::uint32_t eager_split_limit = 64 << 10;
 };
 

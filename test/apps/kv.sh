@@ -436,6 +436,13 @@ expect_in "$tmp/dur.out" "the last run could not make the log durable \(the fdat
 [ "$(stat -c %i "$d/kv.log")" != "$ino" ] || fail "the marked log was not rewritten into a new file"
 run_cmd 0 "$kv" --connect 127.0.0.1:$PORT get d20
 stop dur TERM
+# Beside an empty data dir: nothing to rewrite, said, removed.
+mkdir "$tmp/marked-empty"
+echo "the fdatasync of kv.log failed: staged" >"$tmp/marked-empty/kv.log.sync-failed"
+start_server dur "$server" --listen 127.0.0.1:0 --provider tcp --data-dir "$tmp/marked-empty"
+expect_in "$tmp/dur.out" "found the marker of a failed fdatasync \(the fdatasync of kv.log failed: staged\) beside an empty log: nothing to rewrite; removed it"
+[ ! -e "$tmp/marked-empty/kv.log.sync-failed" ] || fail "the marker beside an empty log stayed"
+stop dur TERM
 # A bad record with good ones after it is corruption: refused, nothing changed.
 size=$(stat -c %s "$d/kv.log")
 cp "$d/kv.log" "$tmp/kv.log.good"

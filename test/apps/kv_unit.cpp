@@ -1134,7 +1134,9 @@ ino_t inode_of(const std::string& path) {
 void fail_a_log(const std::string& dir, int good) {
   g_syncs = 0;
   g_failed_syncs = 0;
-  g_fail_at = 0;
+  // (An existing log's fdatasync at start passes: what follows fails.)
+  const std::string path = dir + "/kv.log";
+  g_fail_at = std::filesystem::exists(path) ? static_cast<long long>(std::filesystem::file_size(path)) + 1 : 0;
   asio::io_context io;
   stderr_capture capture;
   store st({.max_memory = 1 << 20});
@@ -1237,6 +1239,53 @@ TEST_CASE("kv log: a marked log that cannot be rewritten refuses the start - the
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("kv log: a failed fdatasync at start refuses it and leaves the marker - the next start rewrites the log",
+          "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  {
+    store st({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always}, [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    for (int i = 0; i < 5; ++i) REQUIRE_FALSE(durable_put(io, svc, log, "k" + std::to_string(i), "v"));
+    log.close();
+  }
+  const std::string marker = dir + "/kv.log.sync-failed";
+  g_syncs = 0;
+  g_fail_at = 0;  // the start's fdatasync of the existing log fails
+  int replayed = 0;
+  auto count = [&](record_type, std::string_view, std::span<const std::byte>) { ++replayed; };
+  CHECK_THROWS_WITH(durable_log(io, {.dir = dir, .sync = sync_mode::always, .fdatasync_hook = &failing_fdatasync}, count),
+                    Catch::Contains("fdatasync " + dir + "/kv.log: Input/output error (" + marker +
+                                    " makes the next start rewrite it)"));
+  CHECK(g_syncs == 1);
+  REQUIRE(std::filesystem::exists(marker));
+  CHECK_THAT(file_text(marker), Catch::StartsWith("the fdatasync of kv.log at start failed: Input/output error ("));
+  const ino_t before = inode_of(dir + "/kv.log");
+  replayed = 0;
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always}, count);
+    CHECK(replayed == 5);
+    CHECK(log.replayed().rewritten);
+    CHECK_THAT(log.replayed().sync_failed_before, Catch::StartsWith("the fdatasync of kv.log at start failed"));
+    CHECK(inode_of(dir + "/kv.log") != before);
+    CHECK_FALSE(std::filesystem::exists(marker));
+    log.close();
+  }
+  // A marker beside an empty data dir: nothing to rewrite, removed.
+  const std::string empty = tmpdir();
+  std::ofstream(empty + "/kv.log.sync-failed") << "the fdatasync of kv.log failed: staged\n";
+  {
+    durable_log log(io, {.dir = empty, .sync = sync_mode::always}, count);
+    CHECK_FALSE(log.replayed().rewritten);
+    CHECK(log.replayed().sync_failed_before == "the fdatasync of kv.log failed: staged");
+    CHECK_FALSE(std::filesystem::exists(empty + "/kv.log.sync-failed"));
+    log.close();
+  }
+  std::filesystem::remove_all(empty);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("kv log: a marker that cannot be left is told on stderr", "[kv]") {
   const std::string dir = tmpdir();
   std::filesystem::create_directories(dir + "/kv.log.sync-failed/x");  // open(O_WRONLY) fails: EISDIR
@@ -1244,10 +1293,10 @@ TEST_CASE("kv log: a marker that cannot be left is told on stderr", "[kv]") {
   {
     stderr_capture capture;
     asio::io_context io;
-    // (The start reads the directory as a marker and cannot remove it: refused.)
+    // (A marker that is not a regular file refuses the start.)
     CHECK_THROWS_WITH(durable_log(io, {.dir = dir, .sync = sync_mode::everysec},
                                   [](record_type, std::string_view, std::span<const std::byte>) {}),
-                      Catch::Contains("cannot remove " + dir + "/kv.log.sync-failed"));
+                      Catch::Contains(dir + "/kv.log.sync-failed is not a regular file; refusing to start (remove it)"));
     told = capture.text();
   }
   std::filesystem::remove_all(dir + "/kv.log.sync-failed");

@@ -163,11 +163,13 @@ struct two_staged_connections {
 }  // namespace
 
 TEST_CASE("device memory: sends receives puts and gets move GPU bytes in every direction", "[device_memory]") {
-  // 1 B and 4 KiB go eagerly (copied through pool buffers), 100000 B and
-  // up by rendezvous (the receiver reads registered device memory), 16 MiB
-  // through the provider's bounce in many pieces.
-  const std::size_t size = GENERATE(std::size_t{1}, std::size_t{4096}, std::size_t{100000}, std::size_t{(1 << 20) + 3},
-                                    std::size_t{16 << 20});
+  // 1 B and 4 KiB go eagerly (copied through pool buffers), 20000 B from
+  // host memory split (copied into device memory piece by piece; from
+  // device memory by rendezvous), 100000 B and up by rendezvous (the
+  // receiver reads registered device memory), 16 MiB through the
+  // provider's bounce in many pieces.
+  const std::size_t size = GENERATE(std::size_t{1}, std::size_t{4096}, std::size_t{20000}, std::size_t{100000},
+                                    std::size_t{(1 << 20) + 3}, std::size_t{16 << 20});
   // Direct (the provider's copies), or staging forced: messages through
   // host copies, plain-buffer puts and gets through the pipeline.
   const bool staging = GENERATE(false, true);

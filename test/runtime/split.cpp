@@ -39,6 +39,20 @@ awaitable<void> echo_one(ad::acceptor& acc) {
   }
 }
 
+// As echo_one, but each message is released before its echo goes out, so
+// that the echo returns its receive buffer's credit.
+awaitable<void> echo_released(ad::acceptor& acc) {
+  ad::connection c = co_await acc.async_accept(use_awaitable);
+  for (;;) {
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+    if (ec) co_return;
+    const std::vector<std::byte> copy(m.bytes().begin(), m.bytes().end());
+    m = ad::message();
+    auto [sec, n] = co_await c.async_send(asio::buffer(copy), asio::as_tuple(use_awaitable));
+    if (sec) co_return;
+  }
+}
+
 bool same(const ad::message& m, const std::vector<std::byte>& v) {
   return m.size() == v.size() && std::memcmp(m.data(), v.data(), v.size()) == 0;
 }
@@ -217,11 +231,15 @@ TEST_CASE("split messages: sent by rendezvous when the credits cannot cover ever
     ad::fabric client(io, test_options(rc.client));
     ad::acceptor acc = server.listen(test_host(), 0);
     failure f;
-    asio::co_spawn(io, echo_one(acc), f.handler());
+    asio::co_spawn(io, echo_released(acc), f.handler());
     ad::connection_stats st;
     bool whole = false;
     asio::co_spawn(io, [&]() -> awaitable<void> {
       ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+      // One round trip first: its reply returns every credit the peer owes
+      // (on verbs the connecting side's first message spent one).
+      co_await c.async_send(asio::buffer("hi", 2), use_awaitable);
+      (void)co_await c.async_receive(use_awaitable);
       const auto out = pattern(rc.size, 7);
       co_await c.async_send(asio::buffer(out), use_awaitable);
       st = c.stats();
@@ -261,7 +279,9 @@ TEST_CASE("split messages: pieces that do not make one message fail the connecti
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::acceptor acc = server.listen(test_host(), 0);
-  constexpr std::uint8_t kEager = 1, kRts = 2, kSplit = 8;
+  constexpr std::uint8_t kEager = 1, kRts = 2, kClose = 5, kNotify = 6, kSplit = 8;
+  // The server's receive buffers hold 8248 bytes of payload: 64 of them.
+  constexpr std::uint32_t kMost = 64 * 8248;
   struct bad {
     const char* what;
     std::vector<std::vector<std::byte>> messages;
@@ -270,11 +290,14 @@ TEST_CASE("split messages: pieces that do not make one message fail the connecti
       {"a piece of a message of 0 bytes", {raw_message(kSplit, 0, 1)}},
       {"a piece with no payload", {raw_message(kSplit, 100, 0)}},
       {"a message above max_message", {raw_message(kSplit, (1u << 30) + 1, 16)}},
+      {"a message above 64 receive buffers", {raw_message(kSplit, kMost + 1, 16)}},
       {"a piece longer than its message", {raw_message(kSplit, 4, 8)}},
       {"a later piece beyond the message", {raw_message(kSplit, 100, 60), raw_message(kSplit, 100, 41)}},
       {"a later piece of another length", {raw_message(kSplit, 100, 50), raw_message(kSplit, 101, 50)}},
       {"an eager message inside a split one", {raw_message(kSplit, 100, 50), raw_message(kEager, 0, 10)}},
       {"a rendezvous request inside a split one", {raw_message(kSplit, 100, 50), raw_message(kRts, 0, 24)}},
+      {"a notification inside a split one", {raw_message(kSplit, 100, 50), raw_message(kNotify, 1, 24)}},
+      {"a close inside a split one", {raw_message(kSplit, 100, 50), raw_message(kClose, 0, 0)}},
   };
   std::vector<ad::error_code> got;
   std::vector<std::size_t> sizes;
@@ -394,4 +417,156 @@ TEST_CASE("split messages: a peer gone in the middle of one - the receive fails,
   CHECK(got);
   CHECK(got != ad::errc::protocol_error);
   CHECK(size == 0);
+}
+
+TEST_CASE("split messages: pieces with credits between them, and 64 whole receive buffers' worth, arrive as one message",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::uint8_t kCredit = 4, kSplit = 8;
+  constexpr std::uint32_t kPiece = 8248;  // the server's receive buffer's payload
+  // [0]: 100 bytes in two pieces with a credit message between them;
+  // [1]: 64 full pieces, the most a split message may be.
+  std::vector<std::vector<std::byte>> seq0 = {raw_message(kSplit, 100, 60), raw_message(kCredit, 0, 0),
+                                              raw_message(kSplit, 100, 40)};
+  std::vector<std::vector<std::byte>> seq1;
+  for (int i = 0; i < 64; ++i) seq1.push_back(raw_message(kSplit, 64 * kPiece, kPiece));
+  for (auto* seq : {&seq0, &seq1}) {
+    std::uint32_t k = 0;
+    for (auto& m : *seq) {
+      if (m[0] != std::byte{kSplit}) continue;
+      for (std::size_t i = 8; i < m.size(); ++i) m[i] = static_cast<std::byte>((k++ * 7 + 3) & 0xff);
+    }
+  }
+  std::vector<std::size_t> sizes;
+  std::vector<bool> right;
+  std::atomic<std::size_t> done{0};
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 2; ++i) {
+      ad::connection c = co_await acc.async_accept(use_awaitable);
+      ad::message m = co_await c.async_receive(use_awaitable);
+      sizes.push_back(m.size());
+      bool ok = true;
+      for (std::size_t j = 0; j < m.size(); ++j) ok = ok && m.data()[j] == static_cast<std::byte>((j * 7 + 3) & 0xff);
+      right.push_back(ok);
+      done = sizes.size();
+    }
+  }, f.handler());
+  std::atomic<int> raw_failures{0};
+  std::thread raw([&] {
+    auto dev = open_test_device();
+    auto pd = dev->alloc_pd();
+    auto cq = dev->create_cq(256);
+    std::size_t ci = 0;
+    for (const auto* seq : {&seq0, &seq1}) {
+      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(kWireVersion), std::chrono::seconds(10));
+      std::vector<std::byte> all;
+      for (const auto& m : *seq) all.insert(all.end(), m.begin(), m.end());
+      auto mr = pd->register_memory(all.data(), all.size(), tp::access::local_write);
+      std::vector<tp::sge> sg;
+      std::vector<tp::work_request> wrs;
+      std::size_t off = 0;
+      for (const auto& m : *seq) {
+        sg.push_back(mr->slice(off, static_cast<std::uint32_t>(m.size())));
+        off += m.size();
+      }
+      for (std::size_t i = 0; i < sg.size(); ++i) wrs.push_back(send_wr(i + 1, {&sg[i], 1}));
+      if (res.ec || qp->post_send(wrs)) {
+        ++raw_failures;
+        return;
+      }
+      std::array<tp::completion, 8> wc;
+      std::error_code ec;
+      for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10);) {
+        cq->poll(wc, ec);
+        if (done > ci) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ++ci;
+    }
+  });
+  run_to_completion(io, std::chrono::seconds(30));
+  raw.join();
+  f.check();
+  CHECK(raw_failures == 0);
+  REQUIRE(sizes.size() == 2);
+  CHECK(sizes[0] == 100);
+  CHECK(sizes[1] == 64 * kPiece);
+  CHECK(right[0]);
+  CHECK(right[1]);
+}
+
+TEST_CASE("split messages: async_receive() refuses one above rendezvous_memory with message_size - a caller's buffer "
+          "takes it",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.rendezvous_memory = 16384}));
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  const auto big = pattern(20000, 1), fits = pattern(12000, 2), again = pattern(20000, 3);
+  int steps = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection s = co_await acc.async_accept(use_awaitable);
+    auto [ec, m] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec == ad::errc::message_size);
+    CHECK(m.size() == 0);
+    ad::message m2 = co_await s.async_receive(use_awaitable);
+    CHECK(same(m2, fits));
+    std::vector<std::byte> buf(20000);
+    const std::size_t n = co_await s.async_receive(asio::buffer(buf), use_awaitable);
+    CHECK(n == again.size());
+    CHECK(buf == again);
+    steps = 3;
+    co_await s.async_send(asio::buffer("k", 1), use_awaitable);
+    auto [ec4, m4] = co_await s.async_receive(asio::as_tuple(use_awaitable));
+    CHECK(ec4 == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    for (const auto* v : {&big, &fits, &again}) {
+      auto [ec, n] = co_await c.async_send(asio::buffer(*v), asio::as_tuple(use_awaitable));
+      CHECK_FALSE(ec);  // (split: the receiver's refusal is its own)
+    }
+    (void)co_await c.async_receive(use_awaitable);
+    CHECK(c.stats().split_sends == 3);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(steps == 3);
+}
+
+TEST_CASE("split messages: with shared receive queues on both sides", "[runtime]") {
+  asio::io_context io;
+  ad::fabric_options o = test_options();
+  o.srq_buffers = 512;
+  ad::fabric server(io, o);
+  ad::fabric client(io, o);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_one(acc), f.handler());
+  const std::vector<std::size_t> cycle = {12000, 30000, 65536, 100, 16384};
+  int good = 0;
+  ad::connection_stats st;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    for (std::uint32_t i = 0; i < 100; ++i) {
+      const auto out = pattern(cycle[i % cycle.size()], i);
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      ad::message m = co_await c.async_receive(use_awaitable);
+      good += same(m, out) ? 1 : 0;
+    }
+    st = c.stats();
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(60));
+  f.check();
+  CHECK(good == 100);
+  CHECK(st.split_sends > 0);
+  CHECK(st.split_sends + st.rendezvous_sends == 80);
+  CHECK(st.rnr_naks == 0);
 }
