@@ -1004,59 +1004,15 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
       {"fin for an unknown rendezvous", header(3, 0, 0, 77)},
       {"rendezvous request of the wrong size", header(2, 0, 0, 0)},
   };
-  std::vector<ad::error_code> got;
-  failure f;
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      ad::connection c = co_await acc.async_accept(use_awaitable);
-      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
-      got.push_back(ec);
-      CHECK_FALSE(c.is_open());
-    }
-  }, f.handler());
-  std::atomic<std::size_t> done{0};
-  std::atomic<int> raw_failures{0};  // (Catch2 assertions are for the main thread only)
-  std::thread raw([&] {
-    auto dev = open_test_device();
-    auto pd = dev->alloc_pd();
-    auto cq = dev->create_cq(256);
-    for (std::size_t ci = 0; ci < cases.size(); ++ci) {
-      const bad& b = cases[ci];
-      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(kWireVersion), std::chrono::seconds(10));
-      std::vector<std::byte> out = b.bytes;
-      auto mr = pd->register_memory(out.data(), out.size(), tp::access::local_write);
-      const tp::sge sg = mr->slice(0, static_cast<std::uint32_t>(out.size()));
-      if (res.ec || qp->post_send(std::array{send_wr(1, {&sg, 1})})) {
-        ++raw_failures;
-        return;
-      }
-      // Keep the queue pair until the server has judged the message.
-      std::array<tp::completion, 8> wc;
-      std::error_code ec;
-      for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10);) {
-        cq->poll(wc, ec);
-        if (done > ci) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    }
-  });
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    while (got.size() < cases.size()) {
-      done = got.size();
-      asio::steady_timer t(io, std::chrono::milliseconds(2));
-      co_await t.async_wait(use_awaitable);
-    }
-    done = got.size();
-  }, f.handler());
-  run_to_completion(io);
-  raw.join();
-  f.check();
-  CHECK(raw_failures == 0);
-  REQUIRE(got.size() == cases.size());
+  std::vector<std::vector<std::vector<std::byte>>> sequences;
+  for (const bad& b : cases) sequences.push_back({b.bytes});
+  const raw_judgement r = judge_raw_sequences(io, acc, sequences);
+  CHECK(r.raw_ok);
+  CHECK(r.left_open == 0);
+  REQUIRE(r.ends.size() == cases.size());
   for (std::size_t i = 0; i < cases.size(); ++i) {
     INFO(cases[i].what);
-    CHECK(got[i] == ad::errc::protocol_error);
+    CHECK(r.ends[i] == ad::errc::protocol_error);
   }
 }
 

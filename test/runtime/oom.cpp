@@ -333,82 +333,27 @@ TEST_CASE("rendezvous messages: a released message's block is taken by the next 
 // No memory for the holder a delivered rendezvous message needs: the
 // receive fails with not_enough_memory, the sender hears that the peer ran
 // out of memory, and the connection carries the next message.
-TEST_CASE("rendezvous messages: no memory to deliver one fails that message on both sides and nothing else",
-          "[runtime][oom]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options({.eager_split_limit = 0}));
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+namespace {
+
+// One message of `size` bytes sent from `client` while the receiving side
+// (accepted from `acc`) cannot allocate `refuse` bytes, then another one.
+struct refused_delivery {
   std::error_code recv_ec, send_ec, after_recv, after_send;
   std::uint64_t refused = 0;
   bool after_ok = false;
+  ad::connection_stats sender;
+};
+
+refused_delivery deliver_refusing(asio::io_context& io, ad::fabric& client, ad::acceptor& acc, std::size_t size,
+                                  std::size_t refuse) {
+  refused_delivery r;
+  failure f;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c;
     ad::connection s = co_await connect_pair(client, acc, c);
-    const auto small = pattern(64, 1), large = pattern(50000, 2);
+    const auto small = pattern(64, 1), large = pattern(size, 2);
     // Operation nodes for what follows, made before memory runs out (eight
     // sends in flight at once), and back in the fabric's list.
-    int warm_sends = 0;
-    for (int i = 0; i < 8; ++i) c.async_send(asio::buffer(small), [&](ad::error_code, std::size_t) { ++warm_sends; });
-    for (int i = 0; i < 8; ++i) {
-      auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
-      REQUIRE_FALSE(re);
-    }
-    const bool warm = co_await until([&] { return warm_sends == 8; });
-    REQUIRE(warm);
-    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);
-    {
-      anydoor::test::alloc::refused = 0;
-      anydoor::test::alloc::fail_size = sizeof(anydoor::detail::op_node);
-      bool sent = false;
-      c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) {
-        send_ec = ec;
-        sent = true;
-      });
-      auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
-      recv_ec = re;
-      CHECK(rm.size() == 0);
-      const bool ended = co_await until([&] { return sent; });
-      CHECK(ended);
-      anydoor::test::alloc::fail_size = 0;
-      refused = anydoor::test::alloc::refused;
-    }
-    c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) { after_send = ec; });
-    auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
-    after_recv = re;
-    after_ok = rm.size() == large.size() && std::equal(large.begin(), large.end(), rm.bytes().begin());
-    co_await c.async_close(use_awaitable);
-  }, f.handler());
-  run_to_completion(io, std::chrono::seconds(30));
-  anydoor::test::alloc::fail_size = 0;
-  f.check();
-  CHECK(refused >= 1);
-  CHECK(recv_ec == kNoMemory);
-  CHECK(send_ec == ad::errc::peer_out_of_memory);
-  CHECK_FALSE(after_recv);
-  CHECK_FALSE(after_send);
-  CHECK(after_ok);
-}
-
-TEST_CASE("split messages: no memory for the block or the holder fails that message at the receiver and nothing else",
-          "[runtime][oom]") {
-  std::size_t refuse = 0;
-  SECTION("the block") { refuse = block_of(20000); }
-  SECTION("the holder") { refuse = sizeof(anydoor::detail::op_node); }
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
-  std::error_code recv_ec, send_ec, after_recv;
-  std::uint64_t refused = 0, splits = 0;
-  bool after_ok = false;
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    ad::connection c;
-    ad::connection s = co_await connect_pair(client, acc, c);
-    const auto small = pattern(64, 1), large = pattern(20000, 2);
-    // Operation nodes for what follows, made before memory runs out.
     int warm_sends = 0;
     for (int i = 0; i < 8; ++i) c.async_send(asio::buffer(small), [&](ad::error_code, std::size_t) { ++warm_sends; });
     for (int i = 0; i < 8; ++i) {
@@ -423,31 +368,63 @@ TEST_CASE("split messages: no memory for the block or the holder fails that mess
       anydoor::test::alloc::fail_size = refuse;
       bool sent = false;
       c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) {
-        send_ec = ec;
+        r.send_ec = ec;
         sent = true;
       });
       auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
-      recv_ec = re;
+      r.recv_ec = re;
       CHECK(rm.size() == 0);
       const bool ended = co_await until([&] { return sent; });
       CHECK(ended);
       anydoor::test::alloc::fail_size = 0;
-      refused = anydoor::test::alloc::refused;
+      r.refused = anydoor::test::alloc::refused;
     }
-    co_await c.async_send(asio::buffer(large), use_awaitable);
+    c.async_send(asio::buffer(large), [&](ad::error_code ec, std::size_t) { r.after_send = ec; });
     auto [re, rm] = co_await s.async_receive(asio::as_tuple(use_awaitable));
-    after_recv = re;
-    after_ok = rm.size() == large.size() && std::equal(large.begin(), large.end(), rm.bytes().begin());
-    splits = c.stats().split_sends;
+    r.after_recv = re;
+    r.after_ok = rm.size() == large.size() && std::equal(large.begin(), large.end(), rm.bytes().begin());
+    r.sender = c.stats();
     co_await c.async_close(use_awaitable);
   }, f.handler());
   run_to_completion(io, std::chrono::seconds(30));
   anydoor::test::alloc::fail_size = 0;
   f.check();
-  CHECK(refused >= 1);
-  CHECK(recv_ec == kNoMemory);
-  CHECK_FALSE(send_ec);  // (a split send completes once its pieces are handed over, as an eager one)
-  CHECK_FALSE(after_recv);
-  CHECK(after_ok);
-  CHECK(splits == 2);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("rendezvous messages: no memory to deliver one fails that message on both sides and nothing else",
+          "[runtime][oom]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options({.eager_split_limit = 0}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  const refused_delivery r = deliver_refusing(io, client, acc, 50000, sizeof(anydoor::detail::op_node));
+  CHECK(r.refused >= 1);
+  CHECK(r.recv_ec == kNoMemory);
+  CHECK(r.send_ec == ad::errc::peer_out_of_memory);
+  CHECK_FALSE(r.after_recv);
+  CHECK_FALSE(r.after_send);
+  CHECK(r.after_ok);
+  CHECK(r.sender.rendezvous_sends == 2);
+}
+
+TEST_CASE("split messages: no memory for the block or the holder fails that message at the receiver and nothing else",
+          "[runtime][oom]") {
+  std::size_t refuse = 0;
+  SECTION("the block") { refuse = block_of(20000); }
+  SECTION("the holder") { refuse = sizeof(anydoor::detail::op_node); }
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  const refused_delivery r = deliver_refusing(io, client, acc, 20000, refuse);
+  CHECK(r.refused >= 1);
+  CHECK(r.recv_ec == kNoMemory);
+  CHECK_FALSE(r.send_ec);  // (a split send completes once its pieces are handed over, as an eager one)
+  CHECK_FALSE(r.after_recv);
+  CHECK_FALSE(r.after_send);
+  CHECK(r.after_ok);
+  CHECK(r.sender.split_sends == 2);
 }

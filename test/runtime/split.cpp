@@ -299,69 +299,16 @@ TEST_CASE("split messages: pieces that do not make one message fail the connecti
       {"a notification inside a split one", {raw_message(kSplit, 100, 50), raw_message(kNotify, 1, 24)}},
       {"a close inside a split one", {raw_message(kSplit, 100, 50), raw_message(kClose, 0, 0)}},
   };
-  std::vector<ad::error_code> got;
-  std::vector<std::size_t> sizes;
-  failure f;
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      ad::connection c = co_await acc.async_accept(use_awaitable);
-      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
-      got.push_back(ec);
-      sizes.push_back(m.size());
-      CHECK_FALSE(c.is_open());
-    }
-  }, f.handler());
-  std::atomic<std::size_t> done{0};
-  std::atomic<int> raw_failures{0};  // (Catch2 assertions are for the main thread only)
-  std::thread raw([&] {
-    auto dev = open_test_device();
-    auto pd = dev->alloc_pd();
-    auto cq = dev->create_cq(256);
-    for (std::size_t ci = 0; ci < cases.size(); ++ci) {
-      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(kWireVersion), std::chrono::seconds(10));
-      std::vector<std::byte> all;
-      for (const auto& m : cases[ci].messages) all.insert(all.end(), m.begin(), m.end());
-      auto mr = pd->register_memory(all.data(), all.size(), tp::access::local_write);
-      std::vector<tp::sge> sg;
-      std::vector<tp::work_request> wrs;
-      std::size_t off = 0;
-      for (const auto& m : cases[ci].messages) {
-        sg.push_back(mr->slice(off, static_cast<std::uint32_t>(m.size())));
-        off += m.size();
-      }
-      for (std::size_t i = 0; i < sg.size(); ++i) wrs.push_back(send_wr(i + 1, {&sg[i], 1}));
-      if (res.ec || qp->post_send(wrs)) {
-        ++raw_failures;
-        return;
-      }
-      // Keep the queue pair until the server has judged the messages.
-      std::array<tp::completion, 8> wc;
-      std::error_code ec;
-      for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10);) {
-        cq->poll(wc, ec);
-        if (done > ci) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    }
-  });
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    while (got.size() < cases.size()) {
-      done = got.size();
-      asio::steady_timer t(io, std::chrono::milliseconds(2));
-      co_await t.async_wait(use_awaitable);
-    }
-    done = got.size();
-  }, f.handler());
-  run_to_completion(io);
-  raw.join();
-  f.check();
-  CHECK(raw_failures == 0);
-  REQUIRE(got.size() == cases.size());
+  std::vector<std::vector<std::vector<std::byte>>> sequences;
+  for (const bad& b : cases) sequences.push_back(b.messages);
+  const raw_judgement r = judge_raw_sequences(io, acc, sequences);
+  CHECK(r.raw_ok);
+  CHECK(r.left_open == 0);
+  REQUIRE(r.ends.size() == cases.size());
   for (std::size_t i = 0; i < cases.size(); ++i) {
     INFO(cases[i].what);
-    CHECK(got[i] == ad::errc::protocol_error);
-    CHECK(sizes[i] == 0);
+    CHECK(r.ends[i] == ad::errc::protocol_error);
+    CHECK(r.messages[i].empty());
   }
 }
 
@@ -439,64 +386,18 @@ TEST_CASE("split messages: pieces with credits between them, and 64 whole receiv
       for (std::size_t i = 8; i < m.size(); ++i) m[i] = static_cast<std::byte>((k++ * 7 + 3) & 0xff);
     }
   }
-  std::vector<std::size_t> sizes;
-  std::vector<bool> right;
-  std::atomic<std::size_t> done{0};
-  failure f;
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    for (int i = 0; i < 2; ++i) {
-      ad::connection c = co_await acc.async_accept(use_awaitable);
-      ad::message m = co_await c.async_receive(use_awaitable);
-      sizes.push_back(m.size());
-      bool ok = true;
-      for (std::size_t j = 0; j < m.size(); ++j) ok = ok && m.data()[j] == static_cast<std::byte>((j * 7 + 3) & 0xff);
-      right.push_back(ok);
-      done = sizes.size();
-    }
-  }, f.handler());
-  std::atomic<int> raw_failures{0};
-  std::thread raw([&] {
-    auto dev = open_test_device();
-    auto pd = dev->alloc_pd();
-    auto cq = dev->create_cq(256);
-    std::size_t ci = 0;
-    for (const auto* seq : {&seq0, &seq1}) {
-      auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
-      auto res = dev->connect(*qp, test_host(), acc.port(), raw_hello(kWireVersion), std::chrono::seconds(10));
-      std::vector<std::byte> all;
-      for (const auto& m : *seq) all.insert(all.end(), m.begin(), m.end());
-      auto mr = pd->register_memory(all.data(), all.size(), tp::access::local_write);
-      std::vector<tp::sge> sg;
-      std::vector<tp::work_request> wrs;
-      std::size_t off = 0;
-      for (const auto& m : *seq) {
-        sg.push_back(mr->slice(off, static_cast<std::uint32_t>(m.size())));
-        off += m.size();
-      }
-      for (std::size_t i = 0; i < sg.size(); ++i) wrs.push_back(send_wr(i + 1, {&sg[i], 1}));
-      if (res.ec || qp->post_send(wrs)) {
-        ++raw_failures;
-        return;
-      }
-      std::array<tp::completion, 8> wc;
-      std::error_code ec;
-      for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10);) {
-        cq->poll(wc, ec);
-        if (done > ci) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      ++ci;
-    }
-  });
-  run_to_completion(io, std::chrono::seconds(30));
-  raw.join();
-  f.check();
-  CHECK(raw_failures == 0);
-  REQUIRE(sizes.size() == 2);
-  CHECK(sizes[0] == 100);
-  CHECK(sizes[1] == 64 * kPiece);
-  CHECK(right[0]);
-  CHECK(right[1]);
+  const raw_judgement r = judge_raw_sequences(io, acc, {seq0, seq1});
+  CHECK(r.raw_ok);
+  REQUIRE(r.ends.size() == 2);
+  CHECK_FALSE(r.ends[0]);
+  CHECK_FALSE(r.ends[1]);
+  CHECK(r.messages[0].size() == 100);
+  CHECK(r.messages[1].size() == 64 * kPiece);
+  for (const auto& m : r.messages) {
+    bool right = true;
+    for (std::size_t j = 0; j < m.size(); ++j) right = right && m[j] == static_cast<std::byte>((j * 7 + 3) & 0xff);
+    CHECK(right);
+  }
 }
 
 TEST_CASE("split messages: async_receive() refuses one above rendezvous_memory with message_size - a caller's buffer "

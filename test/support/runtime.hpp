@@ -9,6 +9,7 @@
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
+#include <boost/asio/co_spawn.hpp>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
@@ -22,6 +23,7 @@
 
 #include <array>
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -59,6 +61,42 @@ inline std::array<std::byte, 50> raw_hello(std::uint16_t version, std::uint32_t 
   std::memcpy(h.data() + 20, &max_message, 8);
   std::memcpy(h.data() + 48, &max_credits, 2);
   return h;
+}
+
+// A raw provider-level peer, run on a thread of its own: for each sequence
+// of `sequences`, connects to `port` with raw_hello(), posts the sequence's
+// messages (bytes as on the wire: runtime header and body) in one
+// post_send, and keeps the queue pair until `judged` is past the
+// sequence's index (at most 10 s). False when a connect or post failed.
+inline bool raw_peer_sends(std::uint16_t port, const std::vector<std::vector<std::vector<std::byte>>>& sequences,
+                           const std::atomic<std::size_t>& judged) {
+  auto dev = open_test_device();
+  auto pd = dev->alloc_pd();
+  auto cq = dev->create_cq(256);
+  for (std::size_t ci = 0; ci < sequences.size(); ++ci) {
+    auto qp = pd->create_qp({.send_cq = cq.get(), .recv_cq = cq.get()});
+    auto res = dev->connect(*qp, test_host(), port, raw_hello(kWireVersion), std::chrono::seconds(10));
+    std::vector<std::byte> all;
+    for (const auto& m : sequences[ci]) all.insert(all.end(), m.begin(), m.end());
+    auto mr = pd->register_memory(all.data(), all.size(), tp::access::local_write);
+    std::vector<tp::sge> sg;
+    std::vector<tp::work_request> wrs;
+    std::size_t off = 0;
+    for (const auto& m : sequences[ci]) {
+      sg.push_back(mr->slice(off, static_cast<std::uint32_t>(m.size())));
+      off += m.size();
+    }
+    for (std::size_t i = 0; i < sg.size(); ++i) wrs.push_back(send_wr(i + 1, {&sg[i], 1}));
+    if (res.ec || qp->post_send(wrs)) return false;
+    std::array<tp::completion, 8> wc;
+    std::error_code ec;
+    for (auto t0 = std::chrono::steady_clock::now(); std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10);) {
+      cq->poll(wc, ec);
+      if (judged > ci) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return true;
 }
 
 // In a coroutine: waits in steps of `step` until pred() holds or `limit`
@@ -174,6 +212,39 @@ struct failure {
     if (e) std::rethrow_exception(e);
   }
 };
+
+// What the runtime made of a raw peer's sequences of messages
+// (raw_peer_sends), each on a connection of its own to `acc`, taken by one
+// async_receive() per connection: runs `io` to completion.
+struct raw_judgement {
+  std::vector<ad::error_code> ends;              // each receive's error
+  std::vector<std::vector<std::byte>> messages;  // what each delivered (empty: nothing)
+  std::size_t left_open = 0;                     // connections open after their receive
+  bool raw_ok = false;                           // every connect and post of the peer succeeded
+};
+inline raw_judgement judge_raw_sequences(asio::io_context& io, ad::acceptor& acc,
+                                         const std::vector<std::vector<std::vector<std::byte>>>& sequences) {
+  raw_judgement r;
+  failure f;
+  std::atomic<std::size_t> judged{0};
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    for (std::size_t i = 0; i < sequences.size(); ++i) {
+      ad::connection c = co_await acc.async_accept(asio::use_awaitable);
+      auto [ec, m] = co_await c.async_receive(asio::as_tuple(asio::use_awaitable));
+      r.ends.push_back(ec);
+      r.messages.emplace_back(m.bytes().begin(), m.bytes().end());
+      if (c.is_open()) ++r.left_open;
+      judged = r.ends.size();
+    }
+  }, f.handler());
+  std::atomic<bool> ok{false};
+  std::thread raw([&] { ok = raw_peer_sends(acc.port(), sequences, judged); });
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  r.raw_ok = ok;
+  return r;
+}
 
 
 }  // namespace anydoor::test
