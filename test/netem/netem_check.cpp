@@ -57,7 +57,8 @@ constexpr std::size_t kRegion = std::size_t{1} << 20;
 constexpr std::size_t kHalf = kRegion / 2;
 constexpr std::size_t kCounterAt = kHalf - 8;           // fetch_add's word (end of the put half)
 constexpr std::size_t kChunk = 4096, kPutSlots = 64;    // puts: slot i at i * kChunk
-constexpr std::size_t kEager = 1024, kRendezvous = 64 * 1024;
+// (kRendezvous above connection_options::eager_split_limit, 64 KiB: never split.)
+constexpr std::size_t kEager = 1024, kRendezvous = 96 * 1024;
 constexpr std::uint64_t kEnd = 0xe7de7de7de7de7dull, kQuit = 0x9a179a179a179a1ull;
 
 struct options {
