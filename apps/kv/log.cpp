@@ -313,6 +313,8 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     std::string line(text, n > 0 ? static_cast<std::size_t>(n) : 0);
     line = line.substr(0, line.find('\n'));
     report_.sync_failed_before = line.empty() ? "kv.log.sync-failed is empty" : line;
+  } else if (errno == ELOOP) {
+    fail(marker_path_ + " is not a regular file; refusing to start (remove it)");
   } else if (errno != ENOENT) {
     fail(sys_error("cannot read " + marker_path_));
   }
@@ -370,10 +372,11 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     if (p.result == log_parse::outcome::torn) {
       report_.torn_bytes = size - p.valid_end;
       report_.torn_why = p.why;
-      if (::ftruncate(fd_, static_cast<off_t>(p.valid_end)) != 0 || ::fsync(fd_) != 0) {
+      if (::ftruncate(fd_, static_cast<off_t>(p.valid_end)) != 0) fail(sys_error("cannot cut the torn tail of " + path_));
+      if (::fsync(fd_) != 0) {
         const std::error_code ec(errno, std::generic_category());
         leave_sync_marker("the fsync of kv.log after cutting its torn tail at start", ec);
-        fail("cannot cut the torn tail of " + path_ + ": " + ec.message());
+        fail("fsync " + path_ + " after cutting its torn tail: " + ec.message());
       }
       size = p.valid_end;
     }
@@ -492,7 +495,9 @@ void durable_log::leave_sync_marker(const char* what, std::error_code ec) noexce
   char text[512];
   const int n = std::snprintf(text, sizeof text, "%s failed: %s (%s)\n", what, ec.message().c_str(), when);
   const std::size_t len = n < 0 ? 0 : std::min(static_cast<std::size_t>(n), sizeof text - 1);
-  const int m = ::open(marker_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Appended: a marker already there keeps its first line, the failure
+  // that may have lost acknowledged writes (a start reports that one).
+  const int m = ::open(marker_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
   std::error_code wec = m < 0 ? std::error_code(errno, std::generic_category())
                               : write_all(m, reinterpret_cast<const std::byte*>(text), len);
   // (Its own fsyncs may fail on the same disk: without a reboot the

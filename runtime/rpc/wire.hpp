@@ -4,7 +4,7 @@
 //   u8  flags: request: 1 bulk (a packed remote_region follows the header);
 //              request or reply: 2 payload follows (the payload is the next
 //              message, sent on its own so that a large one can go by
-//              rendezvous, zero copy)
+//              rendezvous, zero copy, or split)
 //   u8  reserved (0)
 //   u32 aux: request: the deadline, in microseconds from when the server
 //            takes the request (0: none); reply: the status (rpc::errc)

@@ -1261,6 +1261,13 @@ TEST_CASE("kv log: a failed fdatasync at start refuses it and leaves the marker 
   CHECK(g_syncs == 1);
   REQUIRE(std::filesystem::exists(marker));
   CHECK_THAT(file_text(marker), Catch::StartsWith("the fdatasync of kv.log at start failed: Input/output error ("));
+  // A second failure appends: the first line, the first cause, stays.
+  const std::string first = file_text(marker);
+  CHECK_THROWS(durable_log(io, {.dir = dir, .sync = sync_mode::always, .fdatasync_hook = &failing_fdatasync}, count));
+  const std::string both = file_text(marker);
+  CHECK(both.size() > first.size());
+  CHECK(both.compare(0, first.size(), first) == 0);
+  CHECK(std::count(both.begin(), both.end(), '\n') == 2);
   const ino_t before = inode_of(dir + "/kv.log");
   replayed = 0;
   {
@@ -1293,10 +1300,19 @@ TEST_CASE("kv log: a marker that cannot be left is told on stderr", "[kv]") {
   {
     stderr_capture capture;
     asio::io_context io;
-    // (A marker that is not a regular file refuses the start.)
+    // (A marker that is not a regular file refuses the start: a directory,
+    // a symbolic link.)
     CHECK_THROWS_WITH(durable_log(io, {.dir = dir, .sync = sync_mode::everysec},
                                   [](record_type, std::string_view, std::span<const std::byte>) {}),
                       Catch::Contains(dir + "/kv.log.sync-failed is not a regular file; refusing to start (remove it)"));
+    std::filesystem::remove_all(dir + "/kv.log.sync-failed");
+    std::ofstream(dir + "/elsewhere") << "x\n";
+    std::filesystem::create_symlink(dir + "/elsewhere", dir + "/kv.log.sync-failed");
+    CHECK_THROWS_WITH(durable_log(io, {.dir = dir, .sync = sync_mode::everysec},
+                                  [](record_type, std::string_view, std::span<const std::byte>) {}),
+                      Catch::Contains(dir + "/kv.log.sync-failed is not a regular file; refusing to start (remove it)"));
+    std::filesystem::remove(dir + "/kv.log.sync-failed");
+    std::filesystem::create_directories(dir + "/kv.log.sync-failed/x");
     told = capture.text();
   }
   std::filesystem::remove_all(dir + "/kv.log.sync-failed");

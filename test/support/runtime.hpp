@@ -239,6 +239,12 @@ inline raw_judgement judge_raw_sequences(asio::io_context& io, ad::acceptor& acc
   }, f.handler());
   std::atomic<bool> ok{false};
   std::thread raw([&] { ok = raw_peer_sends(acc.port(), sequences, judged); });
+  struct joiner {  // (a failed run_to_completion throws: the thread is joined, not left to terminate)
+    std::thread& t;
+    ~joiner() {
+      if (t.joinable()) t.join();
+    }
+  } join_raw{raw};
   run_to_completion(io);
   raw.join();
   f.check();

@@ -8,11 +8,12 @@
 //
 // async_call(method, request, [call_options,] token):
 // The request buffer is free once the call completes. An untyped request
-// above the eager limit is read by the server straight from the caller's
-// memory (zero copy); if such a call ends early (deadline, cancel), it
-// completes when that read is done or the connection fails, so a server
-// that has stopped reading delays it. A typed request is the call's own
-// copy and ends on time.
+// above the eager limit goes split (copied, up to the connection's
+// eager_split_limit, when the credits allow) or is read by the server
+// straight from the caller's memory (rendezvous, zero copy); if a read one
+// ends early (deadline, cancel), it completes when that read is done or the
+// connection fails, so a server that has stopped reading delays it. A typed
+// request is the call's own copy and ends on time.
 //   untyped: method is an id, request a buffer; void(error_code, rpc::reply).
 //            The request buffer must stay valid until the call completes.
 //   typed:   method is an rpc::method<Request, Reply>; the request is encoded
@@ -28,7 +29,9 @@
 // be decoded.
 // A request or reply up to the connection's eager limit travels as one
 // message; a larger one as a header message and the payload as a second
-// message (rendezvous: the peer reads it straight from the sender's memory).
+// message (split into eager pieces up to eager_split_limit when the credits
+// allow, else rendezvous: the peer reads it straight from the sender's
+// memory).
 // Like the connection, a client belongs to its fabric's io_context thread;
 // calls must be made there, and a reply (like a message) must be destroyed
 // there (with use_future, copy what you need on the io thread or use a typed

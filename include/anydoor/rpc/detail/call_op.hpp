@@ -89,8 +89,9 @@ struct call_op : deadline_hook {
   state st = state::free;
   std::uint8_t sends = 0;  // our sends that still read this op's memory
   // A request's payload sent as its own message may be read (rendezvous)
-  // from the caller's memory until that send completes: a call that ends
-  // early (deadline, cancel) completes only then.
+  // from the caller's memory until that send completes (a split or eager
+  // one completes once posted): a call that ends early (deadline, cancel)
+  // completes only then.
   bool payload_pending = false;
   bool deferred = false;
   std::error_code deferred_ec;
