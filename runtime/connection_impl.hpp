@@ -165,6 +165,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     return wc.status == transport::wc_status::fatal && (wc.wr_id & 0xffffffff00000000ull) == reactor::kPersistent;
   }
   void handle_message(std::uint32_t buffer, std::uint32_t length) noexcept;
+  // Queues a received message (or piece) for delivery; with the inbox full
+  // (never with a conforming peer: it holds `credits` entries) releases the
+  // buffer and fails the connection with protocol_error.
+  void push_inbox(const inbox_entry& e) noexcept;
   // authentication
   void handle_auth(const protocol::header& h, std::uint32_t buffer) noexcept;
   bool send_auth(protocol::auth_status status) noexcept;

@@ -188,6 +188,15 @@ void connection_impl::on_receive_failed(const transport::completion& wc) noexcep
   }
 }
 
+void connection_impl::push_inbox(const inbox_entry& e) noexcept {
+  if (inbox_tail_ - inbox_head_ >= inbox_.size()) {
+    release_received(e.buffer);
+    fail(errc::protocol_error);
+    return;
+  }
+  inbox_[ring_slot(inbox_tail_++, inbox_.size())] = e;
+}
+
 void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length) noexcept {
   const std::byte* data = fab_->pool->data(buffer);
   protocol::header h;
@@ -259,12 +268,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         split_left_ = h.aux;
       }
       split_left_ -= piece;
-      if (inbox_tail_ - inbox_head_ >= inbox_.size()) {  // cannot happen with a conforming peer
-        release_received(buffer);
-        fail(errc::protocol_error);
-        return;
-      }
-      inbox_[ring_slot(inbox_tail_++, inbox_.size())] = {buffer, length, false, split_total_, split_left_ == 0};
+      push_inbox({buffer, length, false, split_total_, split_left_ == 0});
       return;
     }
     case protocol::msg_type::eager:
@@ -279,12 +283,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
           return;
         }
       }
-      if (inbox_tail_ - inbox_head_ >= inbox_.size()) {  // cannot happen with a conforming peer
-        release_received(buffer);
-        fail(errc::protocol_error);
-        return;
-      }
-      inbox_[ring_slot(inbox_tail_++, inbox_.size())] = {buffer, length, h.type == protocol::msg_type::rts};
+      push_inbox({buffer, length, h.type == protocol::msg_type::rts});
       return;
     }
     case protocol::msg_type::fin: {

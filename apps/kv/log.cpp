@@ -299,13 +299,14 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     ::close(dir_fd_);
     throw std::runtime_error(why);
   };
+  auto refuse_marker = [&] { fail(marker_path_ + " is not a regular file; refusing to start (remove it)"); };
   // A run whose fdatasync failed left the marker (leave_sync_marker): the
   // log is rewritten below. Its first line says what failed.
   if (const int m = ::open(marker_path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK); m >= 0) {
     struct stat ms{};
     if (::fstat(m, &ms) != 0 || !S_ISREG(ms.st_mode)) {
       ::close(m);
-      fail(marker_path_ + " is not a regular file; refusing to start (remove it)");
+      refuse_marker();
     }
     char text[512];
     const ssize_t n = ::read(m, text, sizeof text);
@@ -314,7 +315,7 @@ durable_log::durable_log(asio::io_context& io, log_options o, const apply_fn& ap
     line = line.substr(0, line.find('\n'));
     report_.sync_failed_before = line.empty() ? "kv.log.sync-failed is empty" : line;
   } else if (errno == ELOOP) {
-    fail(marker_path_ + " is not a regular file; refusing to start (remove it)");
+    refuse_marker();
   } else if (errno != ENOENT) {
     fail(sys_error("cannot read " + marker_path_));
   }

@@ -119,6 +119,16 @@ std::error_code durable_put(asio::io_context& io, service& svc, durable_log& log
   return ec;
 }
 
+// Runs io until the log has failed (its syncing thread found the error),
+// for at most 10 s.
+void wait_for_log_error(asio::io_context& io, const durable_log& l) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!l.error() && std::chrono::steady_clock::now() < until) {
+    io.restart();
+    io.run_for(std::chrono::milliseconds(20));
+  }
+}
+
 // A file size limit for the scope (as ulimit -f), with SIGXFSZ ignored as
 // the server ignores it: a write past the limit writes what fits, the next
 // fails with EFBIG, as on a full disk.
@@ -1089,11 +1099,7 @@ TEST_CASE("kv log: a failed fdatasync fails the log - never tried again, the ope
     service svc(st, &log);
     CHECK_FALSE(durable_put(io, svc, log, "a", "1"));  // everysec: answered once written
     // The thread fsyncs it within about a second: that fails.
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!log.error() && std::chrono::steady_clock::now() < until) {
-      io.restart();
-      io.run_for(std::chrono::milliseconds(20));
-    }
+    wait_for_log_error(io, log);
     REQUIRE(log.error() == std::errc::io_error);
     io.restart();
     io.poll();  // (the failure's post)
@@ -1144,11 +1150,7 @@ void fail_a_log(const std::string& dir, int good) {
                   [](record_type, std::string_view, std::span<const std::byte>) {});
   service svc(st, &log);
   for (int i = 0; i < good; ++i) REQUIRE_FALSE(durable_put(io, svc, log, "k" + std::to_string(i), "v" + std::to_string(i)));
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!log.error() && std::chrono::steady_clock::now() < until) {
-    io.restart();
-    io.run_for(std::chrono::milliseconds(20));
-  }
+  wait_for_log_error(io, log);
   REQUIRE(log.error() == std::errc::io_error);
   log.close();
 }
@@ -1329,11 +1331,7 @@ TEST_CASE("kv log: a marker that cannot be left is told on stderr", "[kv]") {
     std::filesystem::create_directories(dir + "/kv.log.sync-failed/x");
     service svc(st, &log);
     CHECK_FALSE(durable_put(io, svc, log, "a", "1"));
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!log.error() && std::chrono::steady_clock::now() < until) {
-      io.restart();
-      io.run_for(std::chrono::milliseconds(20));
-    }
+    wait_for_log_error(io, log);
     REQUIRE(log.error() == std::errc::io_error);
     log.close();
     told = capture.text();

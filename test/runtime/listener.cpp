@@ -1,0 +1,147 @@
+// A listener that fails: the provider's listening socket (or rdma_cm id)
+// breaking under an acceptor, alone or shared by a reactor group's
+// reactors. The provider cannot be made to fail on demand, so a wrapper
+// around a real listener fails in its place.
+#include "../support/runtime.hpp"
+
+#include "shared_listener.hpp"
+
+#include <anydoor/anydoor.hpp>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+
+using namespace anydoor::test;
+using namespace std::chrono_literals;
+namespace tp = anydoor::transport;
+
+namespace {
+
+// Hands out the inner listener's requests until `broken` is set, then fails
+// every wait with `why`.
+class breaking_listener final : public tp::listener {
+ public:
+  breaking_listener(std::unique_ptr<tp::listener> inner, std::shared_ptr<std::atomic<bool>> broken,
+                    std::error_code why)
+      : inner_(std::move(inner)), broken_(std::move(broken)), why_(why) {}
+  int fd() const noexcept override { return inner_->fd(); }
+  std::uint16_t port() const noexcept override { return inner_->port(); }
+  std::unique_ptr<tp::connection_request> get_request(std::chrono::milliseconds timeout,
+                                                      std::error_code& ec) noexcept override {
+    if (broken_->load()) {
+      ec = why_;
+      return nullptr;
+    }
+    return inner_->get_request(std::min<std::chrono::milliseconds>(timeout, 20ms), ec);  // sees a break soon
+  }
+  std::uint64_t refused() const noexcept override { return inner_->refused(); }
+
+ private:
+  std::unique_ptr<tp::listener> inner_;
+  std::shared_ptr<std::atomic<bool>> broken_;
+  std::error_code why_;
+};
+
+// Runs io until done() holds; fails after `limit` with nothing to run.
+template <class Done>
+void run_until(asio::io_context& io, Done done, std::chrono::seconds limit = 10s) {
+  while (!done()) {
+    if (io.stopped()) io.restart();  // ran out of work before the next wait began
+    REQUIRE(io.run_one_for(limit) > 0);
+  }
+}
+
+// One connection through `acc` from `client`: both ends, or a failed check.
+void connect_one(asio::io_context& io, ad::fabric& client, ad::acceptor& acc, const std::string& where) {
+  std::optional<ad::error_code> accepted, connected;
+  ad::connection a, c;
+  acc.async_accept([&](ad::error_code ec, ad::connection conn) {
+    accepted = ec;
+    a = std::move(conn);
+  });
+  client.async_connect(where, [&](ad::error_code ec, ad::connection conn) {
+    connected = ec;
+    c = std::move(conn);
+  });
+  run_until(io, [&] { return accepted && connected; });
+  CHECK_FALSE(*accepted);
+  CHECK_FALSE(*connected);
+}
+
+// A connect to `where` after its listener is gone: refused at once by the
+// system (connection_refused), not left waiting for its own timeout.
+void check_refused_at_once(asio::io_context& io, ad::fabric& client, const std::string& where) {
+  std::optional<ad::error_code> late;
+  const auto start = std::chrono::steady_clock::now();
+  client.async_connect(where, [&](ad::error_code ec, ad::connection) { late = ec; });
+  run_until(io, [&] { return late.has_value(); }, 20s);
+  CHECK(*late == ad::errc::connection_refused);
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+}
+
+}  // namespace
+
+TEST_CASE("accept: a listener that fails ends the waiting accept with its error - later accepts get it and its socket closes",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  auto broken = std::make_shared<std::atomic<bool>>(false);
+  const auto why = std::make_error_code(std::errc::too_many_files_open);
+  ad::acceptor acc = server.listen(
+      std::make_unique<breaking_listener>(server.device().listen(test_host(), 0, {}), broken, why));
+  const std::string where = addr(acc);
+  connect_one(io, client, acc, where);  // it serves until it fails
+  std::optional<ad::error_code> waiting;
+  acc.async_accept([&](ad::error_code ec, ad::connection) { waiting = ec; });
+  io.poll();
+  CHECK_FALSE(waiting.has_value());
+  broken->store(true);
+  run_until(io, [&] { return waiting.has_value(); });
+  CHECK(*waiting == why);
+  std::optional<ad::error_code> later;
+  acc.async_accept([&](ad::error_code ec, ad::connection) { later = ec; });
+  run_until(io, [&] { return later.has_value(); });
+  CHECK(*later == why);
+  std::this_thread::sleep_for(200ms);  // (the listener's thread lets go of the socket)
+  check_refused_at_once(io, client, where);
+  CHECK(server.stats().refused == 0);
+  CHECK(acc.port() != 0);
+}
+
+TEST_CASE("reactor group: a shared listener that fails ends every reactor's waiting accept with its error - its socket closes",
+          "[runtime]") {
+  // Two fabrics stand for two reactors (one io_context: the test's thread
+  // checks everything); the hub is reactor_group::listen's, made by hand
+  // around a listener that can fail.
+  asio::io_context io;
+  ad::fabric r0(io, test_options());
+  ad::fabric r1(io, test_options());
+  ad::fabric client(io, test_options());
+  auto broken = std::make_shared<std::atomic<bool>>(false);
+  const auto why = std::make_error_code(std::errc::network_down);
+  auto hub = std::make_shared<ad::detail::shared_listener>(
+      std::make_unique<breaking_listener>(r0.device().listen(test_host(), 0, {}), broken, why), 2,
+      ad::placement_hook{}, 16, 4s);
+  ad::acceptor acc0 = r0.listen(ad::detail::shared_listener::routed(hub, 0));
+  ad::acceptor acc1 = r1.listen(ad::detail::shared_listener::routed(hub, 1));
+  const std::string where = test_host() + ":" + std::to_string(hub->port());
+  hub.reset();  // the acceptors' routes hold it, as after reactor_group::listen
+  connect_one(io, client, acc0, where);  // round robin: the first to reactor 0
+  connect_one(io, client, acc1, where);  // the second to reactor 1
+  std::optional<ad::error_code> w0, w1;
+  acc0.async_accept([&](ad::error_code ec, ad::connection) { w0 = ec; });
+  acc1.async_accept([&](ad::error_code ec, ad::connection) { w1 = ec; });
+  io.poll();
+  CHECK_FALSE(w0.has_value());
+  CHECK_FALSE(w1.has_value());
+  broken->store(true);
+  run_until(io, [&] { return w0 && w1; });
+  CHECK(*w0 == why);
+  CHECK(*w1 == why);
+  // Both acceptors' threads let go of their routes, and with the last the
+  // hub and the listening socket go.
+  std::this_thread::sleep_for(300ms);
+  check_refused_at_once(io, client, where);
+}
