@@ -81,6 +81,10 @@ awk -v o="$ours_bw" -v u="$ucx_bw" -v t="$floor_bw" \
   'BEGIN {printf "  ratio anydoor/UCX = %.2f, anydoor/floor = %.2f (above 1: anydoor faster)\n", o/u, o/t}'
 printf '4 MiB write bandwidth (MB/s, median of runs): anydoor %s | TCP floor stream %s\n' "$ours_big" "$floor_big"
 awk -v o="$ours_big" -v t="$floor_big" 'BEGIN {printf "  ratio anydoor/floor = %.2f (above 1: anydoor faster)\n", o/t}'
+r() { round_ratios "${results[$1]}" "${results[$2]}"; }
+printf '  per-round ratios (median of the rounds'"'"' ratios; each round runs every tool back to back):\n'
+printf '    latency anydoor/floor %s, anydoor/UCX %s; 64 KiB anydoor/floor %s; 4 MiB anydoor/floor %s\n' \
+  "$(r ours_lat floor_lat)" "$(r ours_lat ucx_lat)" "$(r ours_bw floor_bw)" "$(r ours_big floor_big)"
 if [[ -n "${JSON:-}" ]]; then
   json_line "$JSON" anydoor lat 64 "t_typical_us=$ours_lat" "runs=$REPS"
   json_line "$JSON" libfabric lat 64 "t_avg_us=$fi_lat" "runs=$REPS"

@@ -27,6 +27,21 @@ pair() {
 # median of the numbers on stdin, one per line
 median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 
+# round_ratios "A1 A2 ..." "B1 B2 ...": the median of the rounds' ratios
+# Ai/Bi, the lists as the scripts build them (one value and a space per
+# round, nothing where a run gave no figure): a round where either figure
+# is missing or not a positive number is left out (nan when none is left);
+# three decimals.
+# Each round runs the tools back to back, so this cancels most of the
+# machine's drift between rounds, which the ratio of the two medians does
+# not.
+round_ratios() {
+  awk -v a="$1" -v b="$2" 'BEGIN {
+    n = split(a, x, / /); split(b, y, / /)
+    for (i = 1; i <= n; i++) if (x[i] ~ /^[0-9.]+$/ && y[i] ~ /^[0-9.]+$/ && x[i] + 0 > 0 && y[i] + 0 > 0) printf "%.4f\n", x[i] / y[i]
+  }' | median | awk '$1 == "nan" {print; next} {printf "%.3f\n", $1}'
+}
+
 # json_line FILE TOOL TEST SIZE KEY=VALUE...: appends one JSON object (the
 # keys of anydoor-perf --json, provider tcp) to FILE, for JSON=FILE; a value
 # that is not a JSON number (nan, inf, nothing) is written as null; negative
