@@ -18,6 +18,10 @@ IP=10.0.2.15
 REPS=${REPS:-5}
 N=${N:-5000}
 port=19000
+# median and round_ratios: bench/lib.sh, which run-tests copies beside this
+# script; its pair() is replaced by the guest's own below.
+# shellcheck source=../../bench/lib.sh
+source "$(dirname "$0")/bench-lib.sh"
 pair() {  # pair SERVER_CMD CLIENT_CMD -> client output
   port=$((port + 1))
   timeout 150 ${1//PORT/$port} > /dev/null 2>&1 &   # a server that never ends must not stall the run
@@ -26,7 +30,6 @@ pair() {  # pair SERVER_CMD CLIENT_CMD -> client output
   timeout 120 ${2//PORT/$port} 2>&1
   wait $spid 2>/dev/null
 }
-median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 ours_lat="" ib_lat="" ours_bw="" ib_bw=""
 for r in $(seq 1 "$REPS"); do
   out=$(pair "bin/anydoor-perf --server --port PORT --provider verbs --test lat -s 64 -n $N" \
@@ -45,7 +48,8 @@ echo "=== rxe comparison ($REPS rounds): anydoor lat [$ours_lat] ib_send_lat [$i
 ol=$(m "$ours_lat"); il=$(m "$ib_lat"); ob=$(m "$ours_bw"); ib=$(m "$ib_bw")
 # Each round runs the two back to back: the median of per-round ratios
 # cancels most of the emulator's drift between rounds.
-ratios() { paste -d' ' <(tr ' ' '\n' <<<"$1" | grep -v '^$') <(tr ' ' '\n' <<<"$2" | grep -v '^$') | awk '{print $1/$2}' | median; }
+# (round_ratios keeps the rounds aligned where a run gave no figure)
+ratios() { round_ratios "$1" "$2"; }
 echo "=== per-round ratio medians: latency $(ratios "$ours_lat" "$ib_lat"), bandwidth $(ratios "$ours_bw" "$ib_bw")"
 echo "=== 64 B send latency (us, median): anydoor $ol | ib_send_lat $il"
 awk -v o="$ol" -v i="$il" 'BEGIN {printf "=== ratio anydoor/ib_send_lat = %.2f (below 1: anydoor faster)\n", o/i}'

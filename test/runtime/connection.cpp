@@ -1521,19 +1521,7 @@ TEST_CASE("accept: an attempt nobody accepts is refused after the handshake time
   CHECK(took < 3s);
   CHECK(server.stats().refused == 1);
   // Accepting again: the next attempt gets through.
-  std::optional<ad::error_code> accepted, connected;
-  ad::connection a, c;
-  acc.async_accept([&](ad::error_code ec, ad::connection conn) {
-    accepted = ec;
-    a = std::move(conn);
-  });
-  client.async_connect(where, [&](ad::error_code ec, ad::connection conn) {
-    connected = ec;
-    c = std::move(conn);
-  });
-  while (!(accepted && connected)) REQUIRE(io.run_one_for(10s) > 0);
-  CHECK_FALSE(*accepted);
-  CHECK_FALSE(*connected);
+  auto [a, c] = connect_through(io, client, acc, where);
   // connection::path(): each side's source is the other's destination
   const std::array<std::uint8_t, 16> zero{};
   CHECK(a.path().sgid != zero);

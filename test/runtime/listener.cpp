@@ -43,32 +43,6 @@ class breaking_listener final : public tp::listener {
   std::error_code why_;
 };
 
-// Runs io until done() holds; fails after `limit` with nothing to run.
-template <class Done>
-void run_until(asio::io_context& io, Done done, std::chrono::seconds limit = 10s) {
-  while (!done()) {
-    if (io.stopped()) io.restart();  // ran out of work before the next wait began
-    REQUIRE(io.run_one_for(limit) > 0);
-  }
-}
-
-// One connection through `acc` from `client`: both ends, or a failed check.
-void connect_one(asio::io_context& io, ad::fabric& client, ad::acceptor& acc, const std::string& where) {
-  std::optional<ad::error_code> accepted, connected;
-  ad::connection a, c;
-  acc.async_accept([&](ad::error_code ec, ad::connection conn) {
-    accepted = ec;
-    a = std::move(conn);
-  });
-  client.async_connect(where, [&](ad::error_code ec, ad::connection conn) {
-    connected = ec;
-    c = std::move(conn);
-  });
-  run_until(io, [&] { return accepted && connected; });
-  CHECK_FALSE(*accepted);
-  CHECK_FALSE(*connected);
-}
-
 // A connect to `where` after its listener is gone: refused at once by the
 // system (connection_refused), not left waiting for its own timeout.
 void check_refused_at_once(asio::io_context& io, ad::fabric& client, const std::string& where) {
@@ -92,7 +66,7 @@ TEST_CASE("accept: a listener that fails ends the waiting accept with its error 
   ad::acceptor acc = server.listen(
       std::make_unique<breaking_listener>(server.device().listen(test_host(), 0, {}), broken, why));
   const std::string where = addr(acc);
-  connect_one(io, client, acc, where);  // it serves until it fails
+  connect_through(io, client, acc, where);  // it serves until it fails
   std::optional<ad::error_code> waiting;
   acc.async_accept([&](ad::error_code ec, ad::connection) { waiting = ec; });
   io.poll();
@@ -128,8 +102,8 @@ TEST_CASE("reactor group: a shared listener that fails ends every reactor's wait
   ad::acceptor acc1 = r1.listen(ad::detail::shared_listener::routed(hub, 1));
   const std::string where = test_host() + ":" + std::to_string(hub->port());
   hub.reset();  // the acceptors' routes hold it, as after reactor_group::listen
-  connect_one(io, client, acc0, where);  // round robin: the first to reactor 0
-  connect_one(io, client, acc1, where);  // the second to reactor 1
+  connect_through(io, client, acc0, where);  // round robin: the first to reactor 0
+  connect_through(io, client, acc1, where);  // the second to reactor 1
   std::optional<ad::error_code> w0, w1;
   acc0.async_accept([&](ad::error_code ec, ad::connection) { w0 = ec; });
   acc1.async_accept([&](ad::error_code ec, ad::connection) { w1 = ec; });

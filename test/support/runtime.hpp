@@ -30,8 +30,10 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace anydoor::test {
@@ -167,6 +169,37 @@ inline void run_to_completion(asio::io_context& io, std::chrono::seconds limit =
   watchdog.join();
   REQUIRE_FALSE(fired);  // run() did not return by itself: something hung or leaked work
   io.restart();
+}
+
+// Runs io one handler at a time until done() holds (restarting it should
+// it run out of work first); fails when nothing runs for `limit`.
+template <class Done>
+void run_until(asio::io_context& io, Done done, std::chrono::seconds limit = std::chrono::seconds(10)) {
+  while (!done()) {
+    if (io.stopped()) io.restart();
+    REQUIRE(io.run_one_for(limit) > 0);
+  }
+}
+
+// One connection through `acc` from `client` to `where`, both ends
+// completing on this thread: the accepted end, then the connecting end
+// (either failing is a failed check).
+inline std::pair<ad::connection, ad::connection> connect_through(asio::io_context& io, ad::fabric& client,
+                                                                 ad::acceptor& acc, const std::string& where) {
+  std::optional<ad::error_code> accepted, connected;
+  ad::connection a, c;
+  acc.async_accept([&](ad::error_code ec, ad::connection conn) {
+    accepted = ec;
+    a = std::move(conn);
+  });
+  client.async_connect(where, [&](ad::error_code ec, ad::connection conn) {
+    connected = ec;
+    c = std::move(conn);
+  });
+  run_until(io, [&] { return accepted && connected; });
+  CHECK_FALSE(*accepted);
+  CHECK_FALSE(*connected);
+  return {std::move(a), std::move(c)};
 }
 
 inline ad::fabric_options test_options(ad::connection_options c = {}) {
