@@ -56,7 +56,8 @@ echo
 printf '64 B one-way latency (us, median of runs): runtime echo %s | raw provider ping-pong %s\n' "$echo_" "$raw"
 awk -v e="$echo_" -v r="$raw" 'BEGIN {printf "  runtime overhead = %.1f %% (target: at most 4 %%)\n", (e/r - 1) * 100}'
 awk -v q="$(round_ratios "${results[echo_lat]}" "${results[raw_lat]}")" \
-  'BEGIN {printf "  per-round overhead (median of the rounds'"'"' ratios, each round runs both back to back) = %.1f %%\n", (q - 1) * 100}'
+  'BEGIN {printf "  per-round overhead (median of the rounds'"'"' ratios, each round runs both back to back) = "
+         if (q == "nan") print "nan"; else printf "%.1f %%\n", (q - 1) * 100}'
 printf '64 B message rate (M msg/s, median of runs): anydoor %s | UCX tcp tag_bw %s\n' "$ours" "$ucx"
 awk -v o="$ours" -v u="$ucx" 'BEGIN {printf "  ratio anydoor/UCX = %.2f (above 1: anydoor faster)\n", o/u}'
 echo "  posts/doorbells per run: ${results[ours_db]}"

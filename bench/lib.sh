@@ -37,8 +37,9 @@ median() { sort -g | awk '{a[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2)
 # not.
 round_ratios() {
   awk -v a="$1" -v b="$2" 'BEGIN {
+    num = "^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$"
     n = split(a, x, / /); split(b, y, / /)
-    for (i = 1; i <= n; i++) if (x[i] ~ /^[0-9.]+$/ && y[i] ~ /^[0-9.]+$/ && x[i] + 0 > 0 && y[i] + 0 > 0) printf "%.4f\n", x[i] / y[i]
+    for (i = 1; i <= n; i++) if (x[i] ~ num && y[i] ~ num && x[i] + 0 > 0 && y[i] + 0 > 0) printf "%.4f\n", x[i] / y[i]
   }' | median | awk '$1 == "nan" {print; next} {printf "%.3f\n", $1}'
 }
 

@@ -27,9 +27,11 @@ is "a round without a figure" "$(round_ratios "2  6 " "1 1 3 ")" 2.000
 is "nan and zero rounds left out" "$(round_ratios "nan 3 0 5 " "1 1 1 2 ")" 2.750
 is "an even count of rounds" "$(round_ratios "1 3 " "1 1 ")" 2.000
 is "no usable round" "$(round_ratios " nan " "1 1 ")" nan
-# The ratio of the medians would say 1.5 here; the rounds, run back to
-# back, each say 1.1 (the machine drifted between rounds).
-is "drift between rounds cancels" "$(round_ratios "1.1 2.2 4.4 " "1 2 4 ")" 1.100
+# Two rounds of three say 1.1: the median of the rounds' ratios is 1.1,
+# where the ratio of the medians (2.2 / 1.5) would say 1.467.
+is "the rounds' ratios, not the medians' ratio" "$(round_ratios "1.1 2.2 3.3 " "1 2 1.5 ")" 1.100
+is "exponents" "$(round_ratios "3e+06 1.5E3 " "1e+06 500 ")" 3.000
+is "inf, a negative and not a number left out" "$(round_ratios "inf -2 1.2.3 4 " "1 1 1 2 ")" 2.000
 
 f=$tmp/r.jsonl
 json_line "$f" anydoor lat 64 "a=1.5" "b=nan" "c=-2" "d=1.5e+06" "e="
