@@ -16,7 +16,10 @@
 //                  write_bw    streamed RDMA WRITEs: bandwidth
 //                  read_bw     streamed RDMA READs: bandwidth
 //                  atomic_lat  one 8-byte fetch_add at a time: its full round trip
-//   -s SIZE        bytes per message or operation, 1..64 MiB (lat 64, msg_rate 8,
+//                  write_lat   RDMA WRITE ping-pong on memory, as ib_write_lat (each
+//                              side waits for the peer's write to land, then writes
+//                              back; inline where it fits): one-way latency
+//   -s SIZE        bytes per message or operation, 1..64 MiB (lat and write_lat 64, msg_rate 8,
 //                  atomic_lat 8 and nothing else, the rest 65536)
 //   --all-sizes    every power of two from 2 B to 8 MiB instead of -s, one result
 //                  each (atomic_lat: 8 B only); sizes above 8 KiB run fewer
@@ -91,7 +94,8 @@ struct options {
 options parse(int argc, char** argv) {
   static const char* usage =
       "anydoor-perf --server [--port P] [--provider auto|tcp|verbs]\n"
-      "       anydoor-perf --connect HOST [--port P] [--test lat|send_bw|msg_rate|write_bw|read_bw|atomic_lat]\n"
+      "       anydoor-perf --connect HOST [--port P]\n"
+      "                    [--test lat|send_bw|msg_rate|write_bw|read_bw|atomic_lat|write_lat]\n"
       "                    [-s SIZE | --all-sizes] [-n ITERS] [--window W] [--slots N] [--provider auto|tcp|verbs]\n"
       "                    [--json]";
   options o;
@@ -110,7 +114,7 @@ options parse(int argc, char** argv) {
   };
   o.cli = anydoor::bench::parse_cli(static_cast<int>(rest.size()), rest.data(), usage,
                                     {.port = 18515, .test = "lat", .window = 0},
-                                    {"lat", "send_bw", "msg_rate", "write_bw", "read_bw", "atomic_lat"});
+                                    {"lat", "send_bw", "msg_rate", "write_bw", "read_bw", "atomic_lat", "write_lat"});
   auto& c = o.cli;
   if (any_port) {
     if (!c.server) fail("--port 0 is the server's (any free port)");
@@ -125,7 +129,7 @@ options parse(int argc, char** argv) {
     fail("--slots applies to write_bw and read_bw");
   }
   if (c.iters > kMaxIters) fail("-n must be at most " + std::to_string(kMaxIters));
-  if (c.size == 0) c.size = c.test == "lat" ? 64 : c.test == "msg_rate" || c.test == "atomic_lat" ? 8 : 65536;
+  if (c.size == 0) c.size = c.test == "lat" || c.test == "write_lat" ? 64 : c.test == "msg_rate" || c.test == "atomic_lat" ? 8 : 65536;
   if (c.iters == 0) c.iters = c.test == "msg_rate" ? 200000 : 10000;
   if (c.window == 0) c.window = c.test == "msg_rate" ? 128 : 32;
   return o;
@@ -217,6 +221,7 @@ result run_client_size(session& s, const plan& p, std::uint32_t size, std::uint3
   switch (p.test) {
     case test_kind::lat: return from_samples(pingpong(s, size, iters, true, warm), size, 0.5);  // one way
     case test_kind::atomic_lat: return from_samples(atomic_roundtrips(s, iters, warm), size, 1.0);
+    case test_kind::write_lat: return from_samples(write_pingpong(s, size, iters, true, warm), size, 0.5);  // one way
     case test_kind::send_bw:
     case test_kind::msg_rate:
       send_stream(s, size, warm, p.window);
@@ -246,6 +251,11 @@ void run_server_plan(session& s, const plan& p) {
     for (const std::uint32_t size : sizes) {
       const std::uint32_t iters = iters_at(p, size);
       pingpong(s, size, iters, false, warmup_for(iters));
+    }
+  } else if (p.test == test_kind::write_lat) {
+    for (const std::uint32_t size : sizes) {
+      const std::uint32_t iters = iters_at(p, size);
+      write_pingpong(s, size, iters, false, warmup_for(iters));
     }
   } else if (p.test == test_kind::send_bw || p.test == test_kind::msg_rate) {
     std::uint64_t total = 0;

@@ -14,8 +14,9 @@
 
 namespace anydoor::bench {
 
-enum class test_kind : std::uint8_t { lat = 1, send_bw, msg_rate, write_bw, read_bw, atomic_lat };
-inline constexpr std::array<std::string_view, 7> kNames{"", "lat", "send_bw", "msg_rate", "write_bw", "read_bw", "atomic_lat"};
+enum class test_kind : std::uint8_t { lat = 1, send_bw, msg_rate, write_bw, read_bw, atomic_lat, write_lat };
+inline constexpr std::array<std::string_view, 8> kNames{"",        "lat",     "send_bw",    "msg_rate",
+                                                        "write_bw", "read_bw", "atomic_lat", "write_lat"};
 
 inline constexpr std::uint32_t kMaxSize = 64u << 20;
 inline constexpr std::uint32_t kMaxWindow = 4096;

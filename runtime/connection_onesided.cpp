@@ -242,6 +242,19 @@ void connection_impl::revoke_windows() noexcept {
   windows_.clear();
 }
 
+// Whether the CPU can read every local piece of a put (inline data is
+// copied by the CPU): not GPU device memory.
+bool connection_impl::cpu_readable(const op_node* n) const noexcept {
+  for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+    if (const memory_region* r = n->regions[i]) {
+      if (r->kind() == memory_kind::cuda_device) return false;
+    } else if (!cuda::detail::cpu_reachable(n->bufs[i].data())) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // A put or get goes out as work requests of at most sge_per_wr_ pieces and
 // fragment_ bytes each, the remote address advancing with them; a transfer
 // larger than the send queue can hold is queued in parts as it drains.
@@ -284,7 +297,13 @@ bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t
     transport::work_request& wr = next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos,
                                           last ? n : nullptr, {take_sges(k), k});
     wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
-    wr.inline_data = false;
+    // A small put in one work request goes inline: its bytes are copied
+    // into the work request when posted, so the device (a NIC, or the tcp
+    // provider's single-sendmsg path) does not fetch them from registered
+    // memory. It still completes when the peer acknowledges it.
+    wr.inline_data = n->kind != op_kind::get && n->issued == 0 && bytes == n->length && bytes > 0 &&
+                     bytes <= fab_->inline_cap && cpu_readable(n);
+    if (wr.inline_data) ++stats_.inline_puts;
     wr.remote_addr = raddr;
     wr.rkey = rkey;
     n->issued += bytes;

@@ -161,6 +161,76 @@ std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters
   return rtt;
 }
 
+std::vector<double> write_pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator,
+                                   std::uint32_t warmup) {
+  const std::size_t half = s.buf.size() / 2;
+  if (size == 0 || size > half || size > s.peer.length / 2) {
+    throw std::invalid_argument("write_pingpong: " + std::to_string(size) + " bytes do not fit half the buffers");
+  }
+  const tp::sge sg = s.mr->slice(0, size);
+  const tp::work_request wr{.wr_id = 4, .op = tp::opcode::write, .sg_list = {&sg, 1}, .signaled = true,
+                            .inline_data = size <= s.qp->attributes().max_inline_data,
+                            .remote_addr = s.peer.addr + s.peer.length / 2, .rkey = s.peer.rkey};
+  volatile std::byte* const depart = s.buf.data() + size - 1;
+  const volatile std::byte* const arrive = s.buf.data() + half + size - 1;
+  const std::uint32_t room = s.qp->attributes().max_send_wr;
+  std::uint32_t outstanding = 0;
+  std::array<tp::completion, 16> done;
+  auto progress = [&] {
+    std::error_code ec;
+    const std::size_t n = s.cq->poll(done, ec);
+    if (ec) throw std::system_error(ec, "poll");
+    for (std::size_t i = 0; i < n; ++i) {
+      if (done[i].status != tp::wc_status::success) {
+        throw std::system_error(done[i].status, "an RDMA WRITE (" + std::string(tp::to_string(done[i].opcode)) + ")");
+      }
+      if (done[i].opcode == tp::wc_opcode::recv) throw std::runtime_error("write_pingpong: a message arrived mid-run");
+      // (A responder's earlier call left its last write unacknowledged:
+      // the initiator's next write carries that ACK, so it completes here.)
+      if (outstanding > 0) --outstanding;
+    }
+  };
+  auto await = [&](std::byte tag) {
+    std::chrono::steady_clock::time_point deadline{};  // (the clock read only every 4096 spins, as in wait())
+    for (std::uint32_t spins = 1; *arrive != tag; ++spins) {
+      progress();
+      if ((spins & 0xfff) == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (deadline == std::chrono::steady_clock::time_point{}) deadline = now + std::chrono::seconds(30);
+        else if (now > deadline) throw std::system_error(anydoor::errc::timed_out, "waiting for the peer's write");
+      }
+    }
+  };
+  auto write = [&](std::byte tag) {
+    while (outstanding + 1 >= room) progress();
+    *depart = tag;
+    s.post(wr);
+    ++outstanding;
+  };
+  std::vector<double> rtt;
+  if (initiator) rtt.reserve(iters);
+  for (std::uint32_t i = 0; i < warmup + iters; ++i) {
+    const auto tag = static_cast<std::byte>(i % 255 + 1);  // never 0, the buffer's first value; each round's differs
+    if (initiator) {
+      const auto t0 = std::chrono::steady_clock::now();
+      write(tag);
+      await(tag);
+      if (i >= warmup) rtt.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+    } else {
+      await(tag);
+      write(tag);
+    }
+  }
+  // The initiator's last write is acknowledged with the peer's last one.
+  // The responder's waits for the initiator's next word (its next write,
+  // or the message that ends the run, which serve_until_message takes):
+  // with the tcp provider a lone ACK is held back until then.
+  if (initiator) {
+    while (outstanding > 0) progress();
+  }
+  return rtt;
+}
+
 namespace {
 
 // Streams `count` requests with `window` in flight. They go out in batches

@@ -62,6 +62,18 @@ inline constexpr std::size_t kMaxExtra = 55 - remote_region::packed_size;
 std::vector<double> pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator,
                              std::uint32_t warmup = 1000);
 
+// RDMA WRITE ping-pong of `size` bytes, as ib_write_lat: each side writes
+// its buffer's first `size` bytes into the second half of the peer's and
+// busy-waits on the last byte of its own second half (a tag that changes
+// every round), polling its completion queue meanwhile (the tcp provider
+// executes the peer's writes in poll). The initiator returns one
+// round-trip time per iteration (ns); it returns once its writes are
+// acknowledged, the responder right after its last write. Throws on a
+// failed completion, a message arriving meanwhile, or a round longer than
+// 30 s.
+std::vector<double> write_pingpong(session& s, std::uint32_t size, std::uint32_t iters, bool initiator,
+                                   std::uint32_t warmup);
+
 // Streams `count` sends of `size` bytes with `window` in flight (batched,
 // the last of each batch signaled, inline when it fits); the peer runs
 // receive_count. Returns the elapsed seconds.

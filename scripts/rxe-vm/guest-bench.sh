@@ -7,7 +7,9 @@
 # operations at 64 B and 64 KiB (RT_SIZES), RT_REPS rounds (default 3) of
 # RT_N iterations (default 2000; emulated rxe is slow), each figure printed
 # as it comes:
-#   put latency (one-way, ping-pong on memory): --test put_lat vs ib_write_lat
+#   put latency (one-way, ping-pong on memory): --test put_lat vs ib_write_lat,
+#     with the raw provider's (anydoor-perf --test write_lat, no runtime) beside
+#     them: the provider's share of the gap and the runtime's
 #   get latency (the whole read):               --test get_lat vs ib_read_lat
 #   put bandwidth (16 in flight):               --test put_bw  vs ib_write_bw
 # Prints the medians and the ratios. Emulated Soft-RoCE makes absolute
@@ -64,11 +66,14 @@ if [ -x bin/anydoor-runtime-perf ]; then
          "env ANYDOOR_POLL=busy bin/anydoor-runtime-perf --connect $IP --port PORT --provider verbs --test $1 -s $2 -n $3"
   }
   for s in ${RT_SIZES:-64 65536}; do
-    pl="" ipl="" gl="" igl="" pb="" ipb=""
+    pl="" ppl="" ipl="" gl="" igl="" pb="" ipb=""
     n=${RT_N:-2000}; [ "$s" -ge 65536 ] && n=$((n / 5))
     for r in $(seq 1 "${RT_REPS:-3}"); do
-      echo "=== one-sided $s B round $r: put_lat [$pl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
+      echo "=== one-sided $s B round $r: put_lat [$pl] provider write_lat [$ppl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
       pl+="$(rt put_lat "$s" "$n" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') "
+      out=$(pair "bin/anydoor-perf --server --port PORT --provider verbs" \
+                 "bin/anydoor-perf --connect $IP --port PORT --provider verbs --test write_lat -s $s -n $n")
+      ppl+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
       out=$(pair "ib_write_lat -d rxe0 -s $s -n $n -p PORT" "ib_write_lat -d rxe0 -s $s -n $n -p PORT $IP")
       ipl+="$(awk -v s="$s" '$1 == s && NF >= 5 {print $5}' <<<"$out") "
       gl+="$(rt get_lat "$s" "$n" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p') "
@@ -78,8 +83,9 @@ if [ -x bin/anydoor-runtime-perf ]; then
       out=$(pair "ib_write_bw -d rxe0 -s $s -n $n -p PORT" "ib_write_bw -d rxe0 -s $s -n $n -p PORT $IP")
       ipb+="$(awk -v s="$s" '$1 == s && NF >= 4 {printf "%.1f", $4 * 1.048576}' <<<"$out") "
     done
-    echo "=== one-sided $s B (${RT_REPS:-3} rounds): put_lat [$pl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
+    echo "=== one-sided $s B (${RT_REPS:-3} rounds): put_lat [$pl] provider write_lat [$ppl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
     echo "=== one-sided $s B medians: put latency us $(m "$pl") vs $(m "$ipl") (ratio $(ratios "$pl" "$ipl")), get latency us $(m "$gl") vs $(m "$igl") (ratio $(ratios "$gl" "$igl")), put MB/s $(m "$pb") vs $(m "$ipb") (ratio $(ratios "$pb" "$ipb"))"
+    echo "=== one-sided $s B put latency, where the gap is: provider write_lat us $(m "$ppl") vs ib_write_lat (ratio $(ratios "$ppl" "$ipl")), runtime put_lat vs provider (ratio $(ratios "$pl" "$ppl"))"
     [ "$(m "$pl")" != nan ] && [ "$(m "$gl")" != nan ] && [ "$(m "$pb")" != nan ] || ok=0
   done
 fi

@@ -50,13 +50,13 @@ for l in lines:
 PY
 }
 
-for t in lat send_bw msg_rate write_bw read_bw atomic_lat; do
+for t in lat send_bw msg_rate write_bw read_bw atomic_lat write_lat; do
   client --test "$t" -n 300 --json
   [ "$(wc -l <"$tmp/last.out")" = 1 ] || fail "$t: one JSON line expected: $(cat "$tmp/last.out")"
   check_json "$tmp/last.out" "$t"
   expect_in "$tmp/last.out" '"iters":300,'
   case $t in
-    lat) expect_in "$tmp/last.out" '"size":64,"iters":300,"t_min_us":[0-9]' ;;
+    lat|write_lat) expect_in "$tmp/last.out" '"size":64,"iters":300,"t_min_us":[0-9]' ;;
     msg_rate|atomic_lat) expect_in "$tmp/last.out" '"size":8,' ;;
     *) expect_in "$tmp/last.out" '"size":65536,"iters":300,"t_min_us":null' ;;
   esac
@@ -99,7 +99,7 @@ run_cmd 2 "$perf" --connect 127.0.0.1 --test write_bw --slots 0; expect_in "$tmp
 pass "--slots"
 
 # --all-sizes: 23 sizes, 2 B to 8 MiB, in order; the server follows without being told.
-for t in lat send_bw read_bw; do
+for t in lat send_bw read_bw write_lat; do
   client --test "$t" --all-sizes -n 20 --json
   check_json "$tmp/last.out" "$t"
   sizes=$(sed -n 's/.*"size":\([0-9]*\),.*/\1/p' "$tmp/last.out" | tr '\n' ' ')

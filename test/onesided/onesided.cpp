@@ -320,6 +320,60 @@ TEST_CASE("put_with_notify: the peer receives the value and the written range, a
   CHECK(got[2].range.length == 0);
 }
 
+TEST_CASE("small puts from host memory go inline - larger ones and gets do not - and every byte arrives",
+          "[onesided]") {
+  onesided_pair p;
+  // The runtime's inline bound: the device's max_inline, at most 256 bytes.
+  const std::size_t cap = std::min<std::size_t>(p.fa.device().caps().max_inline, 256);
+  if (cap < 16) {
+    WARN("this device carries no inline data (max_inline " << cap << "): nothing to test");
+    return;
+  }
+  std::vector<std::byte> target(8192);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+  std::vector<std::byte> local(8192);
+  ad::memory_region lr = p.fa.register_memory(local, ad::access::local_write);
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    std::uint32_t seed = 0;
+    for (const std::size_t n : {std::size_t{1}, std::size_t{8}, cap - 1, cap, cap + 1, std::size_t{4096}}) {
+      for (const bool region : {true, false}) {
+        INFO(n << " bytes from " << (region ? "a region" : "a plain buffer"));
+        const auto data = pattern(n, ++seed);
+        std::memcpy(local.data() + 3, data.data(), n);
+        const std::uint64_t before = c.stats().inline_puts;
+        const ad::remote_region dst = tr.remote().at(5, n);
+        const auto put = region ? co_await c.async_put(lr.at(3, n), dst, use_awaitable)
+                                : co_await c.async_put(asio::const_buffer(local.data() + 3, n), dst, use_awaitable);
+        CHECK(put == n);
+        CHECK(std::memcmp(target.data() + 5, data.data(), n) == 0);
+        CHECK(c.stats().inline_puts - before == (n <= cap ? 1u : 0u));
+      }
+    }
+    // A gather whose pieces fit goes inline as one work request.
+    const auto x = pattern(5, 41), y = pattern(11, 42);
+    const std::array<ad::local_range, 2> pieces{asio::buffer(x), asio::buffer(y)};
+    std::uint64_t before = c.stats().inline_puts;
+    const auto gathered = co_await c.async_put(std::span<const ad::local_range>(pieces), tr.remote().at(100, 16), use_awaitable);
+    CHECK(gathered == 16);
+    CHECK(std::memcmp(target.data() + 100, x.data(), 5) == 0);
+    CHECK(std::memcmp(target.data() + 105, y.data(), 11) == 0);
+    CHECK(c.stats().inline_puts - before == 1);
+    // A get never goes inline; a small put_with_notify's data does.
+    before = c.stats().inline_puts;
+    std::vector<std::byte> back(16);
+    const auto got = co_await c.async_get(asio::buffer(back), tr.remote().at(100, 16), use_awaitable);
+    CHECK(got == 16);
+    CHECK(std::memcmp(back.data(), x.data(), 5) == 0);
+    CHECK(c.stats().inline_puts == before);
+    const auto note = pattern(12, 43);
+    const auto notified = co_await c.async_put_with_notify(asio::buffer(note), tr.remote().at(200, 12), 9, use_awaitable);
+    CHECK(notified == 12);
+    CHECK(c.stats().inline_puts - before == 1);
+  });
+  CHECK(std::memcmp(target.data() + 200, pattern(12, 43).data(), 12) == 0);
+  CHECK(p.a.is_open());
+}
+
 TEST_CASE("flush completes once every earlier operation is complete at the peer", "[onesided]") {
   onesided_pair p;
   std::vector<std::byte> target(1 << 20);

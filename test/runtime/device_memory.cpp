@@ -645,6 +645,59 @@ TEST_CASE("device memory: the staging options are checked, the bounce threshold 
   CHECK(std::memcmp(host.data(), dev.view(), 4096) == 0);
 }
 
+TEST_CASE("device memory: a small put from GPU memory is never posted inline - the CPU does not read it",
+          "[device_memory]") {
+  if (skipped_off_tcp()) return;
+  fake_device_memory dev(8192);  // (PROT_NONE: a CPU copy of it for an inline put would crash)
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  std::vector<std::byte> host(4096), source(64);
+  asio::io_context io;
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_bounce_threshold = 0;  // small transfers of plain GPU buffers go direct too, not staged
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, opt);
+  ad::memory_region target = server.register_memory(std::span(host), ad::access::local_write | ad::access::remote_write);
+  ad::memory_region gpu = client.register_memory({dev.dev(), 4096}, ad::access::local_write);
+  REQUIRE(gpu.kind() == memory_kind::cuda_device);
+  REQUIRE(client.device().caps().max_inline >= 64);
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  std::uint64_t gpu_inline = 99, host_inline = 99;
+  bool done = false;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+    (void)m;
+    CHECK(e == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    fill(dev.view(), 4096, 31);
+    const std::size_t n1 = co_await c.async_put(gpu.at(0, 40), target.remote().at(0, 40), asio::use_awaitable);
+    CHECK(n1 == 40);
+    const std::size_t n2 =
+        co_await c.async_put(asio::const_buffer(dev.dev() + 100, 24), target.remote().at(100, 24), asio::use_awaitable);
+    CHECK(n2 == 24);
+    gpu_inline = c.stats().inline_puts;
+    fill(source.data(), source.size(), 32);
+    const std::size_t n3 = co_await c.async_put(asio::buffer(source), target.remote().at(200, 64), asio::use_awaitable);
+    CHECK(n3 == 64);
+    host_inline = c.stats().inline_puts;
+    co_await c.async_close(asio::use_awaitable);
+    done = true;
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  REQUIRE(done);
+  CHECK(gpu_inline == 0);
+  CHECK(host_inline == 1);  // (the counter counts: host memory of the same size goes inline)
+  CHECK(std::memcmp(host.data(), dev.view(), 40) == 0);
+  CHECK(std::memcmp(host.data() + 100, dev.view() + 100, 24) == 0);
+  CHECK(std::memcmp(host.data() + 200, source.data(), 64) == 0);
+  CHECK_FALSE(backend.the_copier().bad_range);
+}
+
 TEST_CASE("device memory: what follows a staged put waits for it: a later put, a flush and a message see its bytes "
           "in place, and a held operation can be cancelled",
           "[device_memory]") {
