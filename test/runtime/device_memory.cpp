@@ -77,6 +77,15 @@ void fill(std::byte* p, std::size_t n, unsigned seed) {
 
 // The fake is reachable by copies only: the tcp provider's way. A verbs
 // device (rxe, siw) has no way into GPU memory at all.
+// The server of a test whose client only puts: it accepts, then waits
+// for the client's close.
+asio::awaitable<void> accept_until_closed(ad::acceptor& acc) {
+  ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+  auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+  (void)m;
+  CHECK(e == ad::errc::connection_closed);
+}
+
 bool skipped_off_tcp() {
   if (anydoor::test::provider_under_test() == "tcp") return false;
   WARN("skipped: GPU memory stand-in needs the tcp provider's copies; " << anydoor::test::provider_under_test()
@@ -610,12 +619,7 @@ TEST_CASE("device memory: the staging options are checked, the bounce threshold 
   bool done = false;
   int small_registrations = -1, large_registrations = -1;
   boost::system::error_code last_put;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
-    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
-    (void)m;
-    CHECK(e == ad::errc::connection_closed);
-  }, f.handler());
+  asio::co_spawn(io, accept_until_closed(acc), f.handler());
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
     ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
     fill(dev.view(), kSize, 21);
@@ -665,12 +669,7 @@ TEST_CASE("device memory: a small put from GPU memory is never posted inline - t
   anydoor::test::failure f;
   std::uint64_t gpu_inline = 99, host_inline = 99;
   bool done = false;
-  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
-    auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
-    (void)m;
-    CHECK(e == ad::errc::connection_closed);
-  }, f.handler());
+  asio::co_spawn(io, accept_until_closed(acc), f.handler());
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
     ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
     fill(dev.view(), 4096, 31);
