@@ -315,6 +315,7 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->split_mask = 0;
   n->read_only = false;
   n->device_mask = 0;
+  n->inline_len = 0;
   n->cur_buf = 0;
   n->cur_off = 0;
   n->issued = 0;

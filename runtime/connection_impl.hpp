@@ -215,7 +215,6 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Queues up to max_wrs work requests of a put or get from its cursor;
   // true once all of it is queued.
   bool emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept;
-  bool cpu_readable(const op_node* n) const noexcept;  // a put's pieces may go inline
   void on_onesided_done(op_node* n, transport::wc_status status, std::size_t slot, bool post) noexcept;
   void complete_flushes(std::uint64_t done) noexcept;  // flushes whose target <= done
   void park(op_node* n) noexcept;      // ended early: completes when its posted parts are back

@@ -13,6 +13,7 @@
 #include "staging.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 namespace anydoor::detail {
@@ -167,6 +168,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
     n->split[i] = s->table();
     n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
   };
+  bool host = true;  // every local piece host memory: a small put may go inline
   for (std::uint8_t i = 0; i < n->nbufs; ++i) {
     const asio::const_buffer b = n->bufs[i];
     if (const memory_region* r = n->regions[i]) {
@@ -178,6 +180,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
       n->lkeys[i] = r->lkey();
       hold_pieces(i, r->split());
+      host = host && r->kind() == memory_kind::host;
       continue;
     }
     try {
@@ -186,6 +189,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
       hold_pieces(i, e.split);
+      host = host && !e.device;
     } catch (const std::system_error& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());
@@ -195,6 +199,23 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
                  e.what());
       return errc::registration_failed;
     }
+  }
+  // A small put of host memory in one work request: its bytes are copied
+  // now, while its memory is known valid (a region checked above, a buffer
+  // its caller keeps), and posted inline from the operation, so the device
+  // does not fetch them (no DMA read on a NIC; the tcp provider's single
+  // sendmsg). A region destroyed after the start cannot be read through
+  // it then. GPU memory is never copied by the CPU.
+  const bool one_wr = n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length;
+  if ((n->kind == op_kind::put || n->kind == op_kind::put_notify) && host && n->length > 0 && n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) &&
+      n->nbufs <= sge_per_wr_ && one_wr) {
+    std::size_t at = 0;
+    for (std::uint8_t i = 0; i < n->nbufs; ++i) {
+      if (n->bufs[i].size() == 0) continue;
+      std::memcpy(n->inline_bytes.data() + at, n->bufs[i].data(), n->bufs[i].size());
+      at += n->bufs[i].size();
+    }
+    n->inline_len = static_cast<std::uint8_t>(at);
   }
   return {};
 }
@@ -242,19 +263,6 @@ void connection_impl::revoke_windows() noexcept {
   windows_.clear();
 }
 
-// Whether the CPU can read every local piece of a put (inline data is
-// copied by the CPU): not GPU device memory.
-bool connection_impl::cpu_readable(const op_node* n) const noexcept {
-  for (std::uint8_t i = 0; i < n->nbufs; ++i) {
-    if (const memory_region* r = n->regions[i]) {
-      if (r->kind() == memory_kind::cuda_device) return false;
-    } else if (!cuda::detail::cpu_reachable(n->bufs[i].data())) {
-      return false;
-    }
-  }
-  return true;
-}
-
 // A put or get goes out as work requests of at most sge_per_wr_ pieces and
 // fragment_ bytes each, the remote address advancing with them; a transfer
 // larger than the send queue can hold is queued in parts as it drains.
@@ -263,6 +271,23 @@ bool connection_impl::cpu_readable(const op_node* n) const noexcept {
 // its own (one lkey each).
 bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t max_wrs) noexcept {
   const bool remote_pieces = !n->remote.pieces.empty();
+  if (n->inline_len != 0 && n->issued == 0 && max_wrs > 0 && sq_free() > 0) {
+    // Its bytes, copied when it started (prepare_onesided), in one inline
+    // work request; it still completes when the peer acknowledges it.
+    transport::sge* sg = take_sges(1);
+    *sg = {reinterpret_cast<std::uint64_t>(n->inline_bytes.data()), n->inline_len, 0};
+    transport::work_request& wr = next_wr(last_completes ? slot_kind::onesided_last : slot_kind::none,
+                                          buffer_pool::npos, last_completes ? n : nullptr, {sg, 1});
+    wr.op = transport::opcode::write;
+    wr.inline_data = true;
+    wr.remote_addr = n->remote.addr;
+    wr.rkey = remote_pieces ? n->remote.pieces.key_at(n->remote.addr) : n->remote.rkey;
+    n->issued = n->length;
+    n->cur_buf = n->nbufs;
+    n->cur_off = 0;
+    ++stats_.inline_puts;
+    return true;
+  }
   for (std::size_t wrs = 0; n->cur_buf < n->nbufs && wrs < max_wrs && sq_free() > 0; ++wrs) {
     transport::sge* sg = take_sges(0);  // filled first, then taken: k entries
     const std::uint32_t max_k = std::min(sge_per_wr_, sge_room());
@@ -297,13 +322,7 @@ bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t
     transport::work_request& wr = next_wr(last ? slot_kind::onesided_last : slot_kind::none, buffer_pool::npos,
                                           last ? n : nullptr, {take_sges(k), k});
     wr.op = n->kind == op_kind::get ? transport::opcode::read : transport::opcode::write;
-    // A small put in one work request goes inline: its bytes are copied
-    // into the work request when posted, so the device (a NIC, or the tcp
-    // provider's single-sendmsg path) does not fetch them from registered
-    // memory. It still completes when the peer acknowledges it.
-    wr.inline_data = n->kind != op_kind::get && n->issued == 0 && bytes == n->length && bytes > 0 &&
-                     bytes <= fab_->inline_cap && cpu_readable(n);
-    if (wr.inline_data) ++stats_.inline_puts;
+    wr.inline_data = false;
     wr.remote_addr = raddr;
     wr.rkey = rkey;
     n->issued += bytes;

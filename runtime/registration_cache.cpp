@@ -102,6 +102,7 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
   e.acc = merged;
   e.mr = std::move(mr);
   e.split = as_split(e.mr.get());
+  e.device = device;
   e.pins = 1;
   index_.emplace(begin, std::move(fresh));
   lru_front(&e);

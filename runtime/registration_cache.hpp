@@ -34,6 +34,7 @@ class registration_cache {
     std::unique_ptr<transport::memory_region> mr;
     const split_region* split = nullptr;  // mr itself when it is in pieces
     std::uint32_t pins = 0;
+    bool device = false;   // GPU device memory (the CPU cannot read it)
     bool retired = false;  // out of the index; deregistered at the last unpin
     entry* lru_prev = nullptr;  // valid entries, most recent first
     entry* lru_next = nullptr;

@@ -190,7 +190,7 @@ struct connection_stats {
   std::uint64_t flushes = 0;
   std::uint64_t bytes_put = 0;
   std::uint64_t bytes_got = 0;
-  std::uint64_t inline_puts = 0;       // puts whose bytes went in their work request (small, host memory)
+  std::uint64_t inline_puts = 0;       // puts whose bytes went in their work request (<= 64 B, host memory)
   std::uint64_t notifications_sent = 0;
   std::uint64_t notifications_received = 0;
   std::uint64_t heartbeats = 0;        // sent while idle (connection_options::keepalive)

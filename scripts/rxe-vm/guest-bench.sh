@@ -86,7 +86,7 @@ if [ -x bin/anydoor-runtime-perf ]; then
     echo "=== one-sided $s B (${RT_REPS:-3} rounds): put_lat [$pl] provider write_lat [$ppl] ib_write_lat [$ipl] get_lat [$gl] ib_read_lat [$igl] put_bw [$pb] ib_write_bw [$ipb]"
     echo "=== one-sided $s B medians: put latency us $(m "$pl") vs $(m "$ipl") (ratio $(ratios "$pl" "$ipl")), get latency us $(m "$gl") vs $(m "$igl") (ratio $(ratios "$gl" "$igl")), put MB/s $(m "$pb") vs $(m "$ipb") (ratio $(ratios "$pb" "$ipb"))"
     echo "=== one-sided $s B put latency, where the gap is: provider write_lat us $(m "$ppl") vs ib_write_lat (ratio $(ratios "$ppl" "$ipl")), runtime put_lat vs provider (ratio $(ratios "$pl" "$ppl"))"
-    [ "$(m "$pl")" != nan ] && [ "$(m "$gl")" != nan ] && [ "$(m "$pb")" != nan ] || ok=0
+    [ "$(m "$pl")" != nan ] && [ "$(m "$ppl")" != nan ] && [ "$(m "$gl")" != nan ] && [ "$(m "$pb")" != nan ] || ok=0
   done
 fi
 [ $ok = 1 ]

@@ -323,8 +323,8 @@ TEST_CASE("put_with_notify: the peer receives the value and the written range, a
 TEST_CASE("small puts from host memory go inline - larger ones and gets do not - and every byte arrives",
           "[onesided]") {
   onesided_pair p;
-  // The runtime's inline bound: the device's max_inline, at most 256 bytes.
-  const std::size_t cap = std::min<std::size_t>(p.fa.device().caps().max_inline, 256);
+  // The runtime's inline bound for puts: the device's max_inline, at most 64 bytes.
+  const std::size_t cap = std::min<std::size_t>(p.fa.device().caps().max_inline, 64);
   if (cap < 16) {
     WARN("this device carries no inline data (max_inline " << cap << "): nothing to test");
     return;
@@ -372,6 +372,56 @@ TEST_CASE("small puts from host memory go inline - larger ones and gets do not -
   });
   CHECK(std::memcmp(target.data() + 200, pattern(12, 43).data(), 12) == 0);
   CHECK(p.a.is_open());
+}
+
+TEST_CASE("a small put takes its bytes when it starts - a region reset and memory overwritten while it waits in the "
+          "queue change nothing",
+          "[onesided]") {
+  onesided_pair p;
+  if (p.fa.device().caps().max_inline < 40) {
+    WARN("this device carries no 40-byte inline data: nothing to test");
+    return;
+  }
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  std::vector<std::byte> local(4096);
+  ad::memory_region lr = p.fa.register_memory(local, ad::access::local_write);
+  const auto data = pattern(40, 77);
+  std::memcpy(local.data(), data.data(), data.size());
+  constexpr int kSends = 300;  // beyond the peer's credits: the put waits behind them
+  int sent = 0, received = 0;
+  boost::system::error_code put_ec = asio::error::would_block;
+  std::size_t put_n = 0;
+  bool waited = false;
+  failure f;
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    for (; received < kSends; ++received) (void)co_await p.b.async_receive(use_awaitable);
+    auto [ec, m] = co_await p.b.async_receive(asio::as_tuple(use_awaitable));  // the close
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+  asio::co_spawn(p.io, [&]() -> awaitable<void> {
+    const std::array<std::byte, 8> msg{};
+    for (int i = 0; i < kSends; ++i) {
+      p.a.async_send(asio::buffer(msg), [&](ad::error_code ec, std::size_t) { sent += ec ? 0 : 1; });
+    }
+    p.a.async_put(lr.at(0, 40), tr.remote().at(8, 40), [&](ad::error_code ec, std::size_t n) {
+      put_ec = ec;
+      put_n = n;
+    });
+    waited = sent < kSends;  // (the sends ahead of it still wait for credits)
+    std::memset(local.data(), 0, local.size());
+    lr.reset();  // deregistered: a put that read it now would fail at the device
+    co_await p.a.async_flush(use_awaitable);
+    co_await p.a.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(p.io);
+  f.check();
+  CHECK(waited);
+  CHECK(sent == kSends);
+  CHECK(received == kSends);
+  CHECK_FALSE(put_ec);
+  CHECK(put_n == 40);
+  CHECK(std::memcmp(target.data() + 8, data.data(), data.size()) == 0);
 }
 
 TEST_CASE("flush completes once every earlier operation is complete at the peer", "[onesided]") {

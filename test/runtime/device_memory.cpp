@@ -75,8 +75,6 @@ void fill(std::byte* p, std::size_t n, unsigned seed) {
   for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>((i * 151 + seed) >> 2);
 }
 
-// The fake is reachable by copies only: the tcp provider's way. A verbs
-// device (rxe, siw) has no way into GPU memory at all.
 // The server of a test whose client only puts: it accepts, then waits
 // for the client's close.
 asio::awaitable<void> accept_until_closed(ad::acceptor& acc) {
@@ -86,6 +84,8 @@ asio::awaitable<void> accept_until_closed(ad::acceptor& acc) {
   CHECK(e == ad::errc::connection_closed);
 }
 
+// The fake is reachable by copies only: the tcp provider's way. A verbs
+// device (rxe, siw) has no way into GPU memory at all.
 bool skipped_off_tcp() {
   if (anydoor::test::provider_under_test() == "tcp") return false;
   WARN("skipped: GPU memory stand-in needs the tcp provider's copies; " << anydoor::test::provider_under_test()

@@ -47,6 +47,7 @@ enum class op_phase : std::uint8_t {
 };
 
 inline constexpr std::size_t kMaxGather = 16;  // buffers in one async_send
+inline constexpr std::size_t kInlinePut = 64;  // the largest put copied when it starts and posted inline
 
 // What every operation touches comes first (a few cache lines), the rarer
 // and larger parts after the handler.
@@ -84,6 +85,10 @@ struct op_node {
   bool read_only = false;  // a piece came from a const buffer
   // GPU device memory: send, bit i: bufs[i] is; receive_buffer, bit 0: dest is.
   std::uint16_t device_mask = 0;
+  // A small put of host memory: its bytes, copied when it started (while
+  // its region was checked valid), posted inline from here.
+  std::uint8_t inline_len = 0;
+  std::array<std::byte, kInlinePut> inline_bytes;
   // Large transfers start in pieces as the send queue drains: the next
   // local piece (bufs[cur_buf] at cur_off) and the bytes already issued.
   std::uint8_t cur_buf = 0;
