@@ -180,7 +180,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
       n->lkeys[i] = r->lkey();
       hold_pieces(i, r->split());
-      host = host && r->kind() == memory_kind::host;
+      host = host && r->kind() != memory_kind::cuda_device;  // (managed memory is never registered)
       continue;
     }
     try {
@@ -204,16 +204,19 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
   // now, while its memory is known valid (a region checked above, a buffer
   // its caller keeps), and posted inline from the operation, so the device
   // does not fetch them (no DMA read on a NIC; the tcp provider's single
-  // sendmsg). A region destroyed after the start cannot be read through
-  // it then. GPU memory is never copied by the CPU.
-  const bool one_wr = n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length;
-  if ((n->kind == op_kind::put || n->kind == op_kind::put_notify) && host && n->length > 0 && n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) &&
-      n->nbufs <= sge_per_wr_ && one_wr) {
+  // sendmsg). Its region is not read after this point. GPU memory is
+  // never copied by the CPU.
+  static_assert(kInlinePut <= 255, "inline_len is 8 bits");
+  const bool one_wr =
+      n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length;
+  if ((n->kind == op_kind::put || n->kind == op_kind::put_notify) && host && n->length > 0 &&
+      n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) && one_wr) {
     std::size_t at = 0;
     for (std::uint8_t i = 0; i < n->nbufs; ++i) {
-      if (n->bufs[i].size() == 0) continue;
-      std::memcpy(n->inline_bytes.data() + at, n->bufs[i].data(), n->bufs[i].size());
-      at += n->bufs[i].size();
+      const std::size_t len = n->bufs[i].size();
+      if (at + len > kInlinePut) return {};  // (length is their sum: never; not inline then)
+      if (len != 0) std::memcpy(n->inline_bytes.data() + at, n->bufs[i].data(), len);
+      at += len;
     }
     n->inline_len = static_cast<std::uint8_t>(at);
   }

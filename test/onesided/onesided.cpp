@@ -392,7 +392,7 @@ TEST_CASE("a small put takes its bytes when it starts - a region reset and memor
   int sent = 0, received = 0;
   boost::system::error_code put_ec = asio::error::would_block;
   std::size_t put_n = 0;
-  bool waited = false;
+  std::uint64_t inline_at_start = 99, inline_at_end = 99;
   failure f;
   asio::co_spawn(p.io, [&]() -> awaitable<void> {
     for (; received < kSends; ++received) (void)co_await p.b.async_receive(use_awaitable);
@@ -408,15 +408,17 @@ TEST_CASE("a small put takes its bytes when it starts - a region reset and memor
       put_ec = ec;
       put_n = n;
     });
-    waited = sent < kSends;  // (the sends ahead of it still wait for credits)
+    inline_at_start = p.a.stats().inline_puts;  // 0: queued behind the sends, not posted yet
     std::memset(local.data(), 0, local.size());
     lr.reset();  // deregistered: a put that read it now would fail at the device
     co_await p.a.async_flush(use_awaitable);
+    inline_at_end = p.a.stats().inline_puts;
     co_await p.a.async_close(use_awaitable);
   }, f.handler());
   run_to_completion(p.io);
   f.check();
-  CHECK(waited);
+  CHECK(inline_at_start == 0);
+  CHECK(inline_at_end == 1);
   CHECK(sent == kSends);
   CHECK(received == kSends);
   CHECK_FALSE(put_ec);
