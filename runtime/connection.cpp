@@ -314,6 +314,7 @@ op_node* connection_impl::acquire(op_kind kind) {
   n->npins = 0;
   n->split_mask = 0;
   n->read_only = false;
+  n->prepared = false;
   n->device_mask = 0;
   n->inline_len = 0;
   n->cur_buf = 0;

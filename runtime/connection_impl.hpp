@@ -328,7 +328,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Sends and one-sided operations issued while staged_ != 0 wait here, in
   // order (cancellable), so that nothing overtakes a staged transfer: its
   // chunks reach the send queue only as their copies finish, and what is
-  // queued after them is ordered after them (RC), a flush included.
+  // queued after them is ordered after them (RC), a flush included. A
+  // one-sided operation that does not stage itself is prepared before it
+  // waits (op_node::prepared): released, it is only queued.
   op_list behind_staged_;
   std::vector<std::weak_ptr<staged_transfer>> staging_now_;  // staged_ of them, for cancel()
   peer_parameters peer_;

@@ -31,7 +31,19 @@ void connection_impl::start_onesided(op_node* n) {
     return;
   }
   if (staged_ != 0) {
-    behind_staged_.push_back(n);  // after the staged transfers (release_held)
+    // Held after the staged transfers (release_held). Its local memory is
+    // checked and keyed now, while the caller's regions are known to be
+    // alive (a small put's bytes copied): released, it is only queued. A
+    // transfer that stages itself keeps its plain buffer, which is checked
+    // when it starts.
+    if (!stages(n)) {
+      if (const std::error_code ec = prepare_onesided(n)) {
+        complete(n, true, ec);
+        return;
+      }
+      n->prepared = true;
+    }
+    behind_staged_.push_back(n);
     return;
   }
   dispatch_onesided(n);
@@ -68,7 +80,7 @@ void connection_impl::release_held() noexcept {
       complete(n, true, ec);
       continue;
     }
-    if (n->kind == op_kind::send) {
+    if (n->kind == op_kind::send || n->prepared) {
       queue_send(n);
     } else {
       dispatch_onesided(n);
@@ -168,9 +180,22 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
     n->split[i] = s->table();
     n->split_mask = static_cast<std::uint16_t>(n->split_mask | (1u << i));
   };
-  bool host = true;  // every local piece host memory: a small put may go inline
+  // A small put of host memory in one work request goes inline: its bytes
+  // are copied now, while its memory is known valid (a region checked
+  // below, a buffer its caller keeps), and posted from the operation, so
+  // the device does not fetch them (no DMA read on a NIC; the tcp
+  // provider's single sendmsg). Its region is not read after this point,
+  // and a plain buffer is not registered at all. GPU memory is never
+  // copied by the CPU; managed memory takes the cache's refusal.
+  static_assert(kInlinePut <= 255, "inline_len is 8 bits");
+  bool copy = (n->kind == op_kind::put || n->kind == op_kind::put_notify) && n->length > 0 &&
+              n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) &&
+              (n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length);
+  const bool gpu_here = copy && cuda::detail::any_gpu_memory();
+  std::size_t total = 0;  // (the copy is bounded by this, whatever length says)
   for (std::uint8_t i = 0; i < n->nbufs; ++i) {
     const asio::const_buffer b = n->bufs[i];
+    total += b.size();
     if (const memory_region* r = n->regions[i]) {
       // A range of a region that has since been moved or reset is refused.
       const auto* p = static_cast<const std::byte*>(b.data());
@@ -180,16 +205,22 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       if (into_local && !has(r->access(), access::local_write)) return errc::invalid_argument;
       n->lkeys[i] = r->lkey();
       hold_pieces(i, r->split());
-      host = host && r->kind() != memory_kind::cuda_device;  // (managed memory is never registered)
-      continue;
+      copy = copy && r->kind() != memory_kind::cuda_device;  // (managed memory is never registered)
+    } else if (gpu_here) {
+      const memory_kind k = cuda::detail::kind_here(b.data());
+      copy = copy && (k == memory_kind::host || k == memory_kind::cuda_host);
     }
+  }
+  copy = copy && total == n->length;
+  for (std::uint8_t i = 0; i < n->nbufs && !copy; ++i) {
+    const asio::const_buffer b = n->bufs[i];
+    if (n->regions[i] != nullptr) continue;
     try {
       registration_cache::entry& e =
           fab_->cache->pin(b.data(), b.size(), into_local ? access::local_write : access::none);
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
       hold_pieces(i, e.split);
-      host = host && !e.device;
     } catch (const std::system_error& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());
@@ -200,21 +231,10 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       return errc::registration_failed;
     }
   }
-  // A small put of host memory in one work request: its bytes are copied
-  // now, while its memory is known valid (a region checked above, a buffer
-  // its caller keeps), and posted inline from the operation, so the device
-  // does not fetch them (no DMA read on a NIC; the tcp provider's single
-  // sendmsg). Its region is not read after this point. GPU memory is
-  // never copied by the CPU.
-  static_assert(kInlinePut <= 255, "inline_len is 8 bits");
-  const bool one_wr =
-      n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length;
-  if ((n->kind == op_kind::put || n->kind == op_kind::put_notify) && host && n->length > 0 &&
-      n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) && one_wr) {
+  if (copy) {
     std::size_t at = 0;
     for (std::uint8_t i = 0; i < n->nbufs; ++i) {
       const std::size_t len = n->bufs[i].size();
-      if (at + len > kInlinePut) return {};  // (length is their sum: never; not inline then)
       if (len != 0) std::memcpy(n->inline_bytes.data() + at, n->bufs[i].data(), len);
       at += len;
     }

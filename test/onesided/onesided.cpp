@@ -426,6 +426,45 @@ TEST_CASE("a small put takes its bytes when it starts - a region reset and memor
   CHECK(std::memcmp(target.data() + 8, data.data(), data.size()) == 0);
 }
 
+TEST_CASE("a small put from a plain buffer is copied and never registered - the registration cache is not touched",
+          "[onesided]") {
+  onesided_pair p;
+  if (p.fa.device().caps().max_inline < 40) {
+    WARN("this device carries no 40-byte inline data: nothing to test");
+    return;
+  }
+  std::vector<std::byte> target(8192);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  const auto small = pattern(40, 3);
+  const auto first = pattern(24, 4);
+  const auto large = pattern(4096, 5);
+  ad::registration_cache_stats after_small{}, after_large{};
+  std::uint64_t inline_puts = 0;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    for (int i = 0; i < 5; ++i) {
+      co_await c.async_put(asio::buffer(small), tr.remote().at(64 * static_cast<std::size_t>(i), small.size()),
+                           use_awaitable);
+    }
+    // Two pieces in one put, 40 + 24 = 64 bytes: inline too.
+    const std::array<ad::local_range, 2> two{asio::buffer(small), asio::buffer(first)};
+    co_await c.async_put(std::span<const ad::local_range>(two), tr.remote().at(512, 64), use_awaitable);
+    after_small = p.fa.stats().cache;
+    co_await c.async_put(asio::buffer(large), tr.remote().at(4096, large.size()), use_awaitable);
+    after_large = p.fa.stats().cache;
+    inline_puts = c.stats().inline_puts;
+  });
+  CHECK(inline_puts == 6);
+  CHECK(after_small.hits == 0);
+  CHECK(after_small.misses == 0);
+  CHECK(after_small.registrations == 0);
+  CHECK(after_large.misses == 1);  // a large one is registered as before
+  CHECK(after_large.registrations == 1);
+  for (std::size_t i = 0; i < 5; ++i) CHECK(std::memcmp(target.data() + 64 * i, small.data(), small.size()) == 0);
+  CHECK(std::memcmp(target.data() + 512, small.data(), small.size()) == 0);
+  CHECK(std::memcmp(target.data() + 552, first.data(), first.size()) == 0);
+  CHECK(std::memcmp(target.data() + 4096, large.data(), large.size()) == 0);
+}
+
 TEST_CASE("flush completes once every earlier operation is complete at the peer", "[onesided]") {
   onesided_pair p;
   std::vector<std::byte> target(1 << 20);
@@ -471,8 +510,8 @@ TEST_CASE("registration cache: a buffer is registered once and reused: forget_me
     CHECK(s.misses == 1);
     CHECK(s.hits == 9);
     CHECK(s.entries == 1);
-    // a part of a cached page: still a hit
-    co_await c.async_put(asio::buffer(page_aligned(0) + 100, 50), tr.remote(), use_awaitable);
+    // a part of a cached page: still a hit (larger than an inline put, which is copied, not registered)
+    co_await c.async_put(asio::buffer(page_aligned(0) + 100, 200), tr.remote(), use_awaitable);
     CHECK(p.fa.stats().cache.hits == 10);
     // forget: the next use registers again
     CHECK(p.fa.forget_memory(page_aligned(0), 4096) == 1);

@@ -828,6 +828,85 @@ TEST_CASE("device memory: operations held behind a staged put end with the conne
   CHECK(e_staged);  // its chunks could not all go
 }
 
+TEST_CASE("device memory: a put held behind a staged put is checked and copied when issued - its region reset or "
+          "destroyed while it waits does not matter and a bad one fails at once",
+          "[device_memory]") {
+  if (skipped_off_tcp()) return;
+  constexpr std::size_t kChunk = 4096;
+  constexpr std::size_t kSize = 16 * kChunk;
+  constexpr std::size_t kSmall = 32;  // inline: copied when issued
+  fake_device_memory dev(kSize);
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  fill(dev.view(), kSize, 5);
+  fake_copier& copier = backend.the_copier();
+  staged_pair sp(kChunk, kSize);
+  std::vector<std::byte> a(kSmall), b(kSmall), c(kSmall), a0(kSmall), b0(kSmall);
+  fill(a.data(), kSmall, 90);
+  fill(b.data(), kSmall, 91);
+  a0 = a;
+  b0 = b;
+  ad::memory_region ra = sp.client.register_memory(std::span(a), ad::access::local_write);
+  auto rb = std::make_unique<ad::memory_region>(sp.client.register_memory(std::span(b), ad::access::local_write));
+  ad::memory_region rc = sp.client.register_memory(std::span(c), ad::access::local_write);
+  const ad::local_range bad = rc;
+  rc = ad::memory_region{};  // reset before its put is issued
+  boost::system::error_code e_staged, ea, eb, ec_bad;
+  int ended = 0;
+  bool bad_while_held = false;  // the bad put ended while the staged put was still under way
+  ad::connection_stats stats{};
+  asio::co_spawn(sp.io, [&]() -> asio::awaitable<void> {
+    ad::connection conn = co_await sp.client.async_connect(anydoor::test::addr(sp.acc), asio::use_awaitable);
+    copier.hold = true;  // the staged put stays under way: what follows is held
+    conn.async_put(asio::const_buffer(dev.dev(), kSize), sp.remote, [&](boost::system::error_code e, std::size_t) {
+      e_staged = e;
+      ++ended;
+    });
+    conn.async_put(ra, sp.remote.at(0, kSmall), [&](boost::system::error_code e, std::size_t) {
+      ea = e;
+      ++ended;
+    });
+    conn.async_put(*rb, sp.remote.at(kSmall, kSmall), [&](boost::system::error_code e, std::size_t) {
+      eb = e;
+      ++ended;
+    });
+    conn.async_put(bad, sp.remote.at(2 * kSmall, kSmall), [&](boost::system::error_code e, std::size_t) {
+      ec_bad = e;
+      bad_while_held = copier.hold.load();
+      ++ended;
+    });
+    const bool copying = co_await anydoor::test::until([&] { return copier.holding.load() > 0; });
+    CHECK(copying);
+    // While they wait: one region reset, the other destroyed, their memory
+    // overwritten. They were copied when issued.
+    ra = ad::memory_region{};
+    rb.reset();
+    std::fill(a.begin(), a.end(), std::byte{0xee});
+    std::fill(b.begin(), b.end(), std::byte{0xee});
+    const bool bad_ended = co_await anydoor::test::until([&] { return ended == 1; }, std::chrono::seconds(2));
+    CHECK(bad_ended);
+    copier.hold = false;
+    while (ended < 4) co_await asio::post(sp.io, asio::use_awaitable);
+    stats = conn.stats();
+    co_await conn.async_close(asio::use_awaitable);
+  }, sp.f.handler());
+  anydoor::test::run_to_completion(sp.io);
+  copier.hold = false;
+  sp.f.check();
+  CHECK(ended == 4);
+  CHECK(!e_staged);
+  CHECK(!ea);
+  CHECK(!eb);
+  CHECK(ec_bad == ad::errc::invalid_argument);
+  CHECK(bad_while_held);  // refused when issued, not when released
+  CHECK(stats.inline_puts == 2);
+  // In order: the staged bytes, then the two small puts' bytes as issued
+  // over the first 64; nothing of the bad one.
+  CHECK(std::memcmp(sp.host.data(), a0.data(), kSmall) == 0);
+  CHECK(std::memcmp(sp.host.data() + kSmall, b0.data(), kSmall) == 0);
+  CHECK(std::memcmp(sp.host.data() + 2 * kSmall, dev.view() + 2 * kSmall, kSize - 2 * kSmall) == 0);
+}
+
 TEST_CASE("device memory: a staged put waiting for a staging buffer can be cancelled, and one under way cannot",
           "[device_memory]") {
   constexpr std::size_t kChunk = 4096;

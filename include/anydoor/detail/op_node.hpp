@@ -83,6 +83,10 @@ struct op_node {
   std::uint16_t split_mask = 0;
   std::uint8_t npins = 0;
   bool read_only = false;  // a piece came from a const buffer
+  // A one-sided operation held behind a staged transfer, checked and keyed
+  // when it was issued (prepare_onesided): its local memory is not looked
+  // at again when it is released.
+  bool prepared = false;
   // GPU device memory: send, bit i: bufs[i] is; receive_buffer, bit 0: dest is.
   std::uint16_t device_mask = 0;
   // A small put of host memory: its bytes, copied when it started (while
