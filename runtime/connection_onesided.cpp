@@ -191,7 +191,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
   bool copy = (n->kind == op_kind::put || n->kind == op_kind::put_notify) && n->length > 0 &&
               n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) &&
               (n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length);
-  const bool gpu_here = copy && cuda::detail::any_gpu_memory();
+  int gpu_here = -1;  // whether any pointer may be GPU memory: asked at the first plain buffer
   std::size_t total = 0;  // (the copy is bounded by this, whatever length says)
   for (std::uint8_t i = 0; i < n->nbufs; ++i) {
     const asio::const_buffer b = n->bufs[i];
@@ -206,9 +206,12 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       n->lkeys[i] = r->lkey();
       hold_pieces(i, r->split());
       copy = copy && r->kind() != memory_kind::cuda_device;  // (managed memory is never registered)
-    } else if (gpu_here) {
-      const memory_kind k = cuda::detail::kind_here(b.data());
-      copy = copy && (k == memory_kind::host || k == memory_kind::cuda_host);
+    } else if (copy) {
+      if (gpu_here < 0) gpu_here = cuda::detail::any_gpu_memory() ? 1 : 0;
+      if (gpu_here != 0) {
+        const memory_kind k = cuda::detail::kind_here(b.data());
+        copy = k == memory_kind::host || k == memory_kind::cuda_host;
+      }
     }
   }
   copy = copy && total == n->length;

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdint>
 #include <array>
+#include <chrono>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -16,6 +18,30 @@
 
 namespace anydoor::examples {
 namespace {
+
+// A busy wait's time limit, cheap per spin: the clock is read only every
+// 4096 fruitless spins (not per completion: two clock reads a message were
+// 2 % of a ping-pong's instructions), the limit counting from the first
+// read, so it is noticed a few milliseconds late at most.
+class spin_deadline {
+ public:
+  explicit spin_deadline(std::chrono::milliseconds limit) noexcept : limit_(limit) {}
+  // Once per fruitless spin: whether the limit has passed.
+  bool expired() noexcept {
+    if ((++spins_ & 0xfff) != 0) return false;
+    const auto now = std::chrono::steady_clock::now();
+    if (deadline_ == std::chrono::steady_clock::time_point{}) {
+      deadline_ = now + limit_;
+      return false;
+    }
+    return now > deadline_;
+  }
+
+ private:
+  std::chrono::milliseconds limit_;
+  std::chrono::steady_clock::time_point deadline_{};
+  std::uint32_t spins_ = 0;
+};
 
 // The device is opened first (a listener needs it); the rest follows.
 void equip(session& s, const session_options& opt) {
@@ -60,19 +86,11 @@ std::vector<std::byte> describe(const session& s, std::span<const std::byte> ext
 tp::completion session::wait(std::chrono::milliseconds timeout) {
   tp::completion c;
   std::error_code ec;
-  // The clock is read only once the first 4096 polls found nothing (not
-  // per completion: two clock reads a message were 2 % of a ping-pong's
-  // instructions); the timeout counts from there, and is looked at every
-  // 4096 polls (a few milliseconds late at most).
-  std::chrono::steady_clock::time_point deadline{};
-  for (std::uint32_t spins = 1;; ++spins) {
+  spin_deadline limit(timeout);
+  for (;;) {
     if (cq->poll({&c, 1}, ec) == 1) break;
     if (ec) throw std::system_error(ec, "poll");
-    if ((spins & 0xfff) == 0) {
-      const auto now = std::chrono::steady_clock::now();
-      if (deadline == std::chrono::steady_clock::time_point{}) deadline = now + timeout;
-      else if (now > deadline) throw std::system_error(anydoor::errc::timed_out, "waiting for a completion");
-    }
+    if (limit.expired()) throw std::system_error(anydoor::errc::timed_out, "waiting for a completion");
   }
   if (c.status != tp::wc_status::success) {
     throw std::system_error(c.status, "work request " + std::to_string(c.wr_id) + " (" +
@@ -191,14 +209,10 @@ std::vector<double> write_pingpong(session& s, std::uint32_t size, std::uint32_t
     }
   };
   auto await = [&](std::byte tag) {
-    std::chrono::steady_clock::time_point deadline{};  // (the clock read only every 4096 spins, as in wait())
-    for (std::uint32_t spins = 1; *arrive != tag; ++spins) {
+    spin_deadline limit(std::chrono::seconds(30));
+    while (*arrive != tag) {
       progress();
-      if ((spins & 0xfff) == 0) {
-        const auto now = std::chrono::steady_clock::now();
-        if (deadline == std::chrono::steady_clock::time_point{}) deadline = now + std::chrono::seconds(30);
-        else if (now > deadline) throw std::system_error(anydoor::errc::timed_out, "waiting for the peer's write");
-      }
+      if (limit.expired()) throw std::system_error(anydoor::errc::timed_out, "waiting for the peer's write");
     }
   };
   auto write = [&](std::byte tag) {

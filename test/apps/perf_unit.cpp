@@ -4,14 +4,18 @@
 #include "common/session.hpp"
 #include "perf_plan.hpp"
 
+#include <anydoor/error.hpp>
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -103,6 +107,57 @@ TEST_CASE("perf plan: --all-sizes runs every power of two from 2 B to 8 MiB, few
   CHECK(warmup_for(1'000'000) == 1000u);
 }
 
+namespace {
+
+using anydoor::transport::completion;
+
+// The passive side of a session test, on a thread: accepts one session
+// and polls its completion queue (the tcp provider executes the peer's
+// writes while this side polls) until stopped, then keeps its buffer.
+// Stopped and joined however the test leaves the scope.
+class polling_peer {
+ public:
+  explicit polling_peer(const anydoor::examples::session_options& opt)
+      : thread_([this, opt] {
+          try {
+            anydoor::examples::session s = anydoor::examples::accept_one(
+                "127.0.0.1", 0, opt,
+                [](std::uint16_t p, void* ctx) { static_cast<std::atomic<std::uint16_t>*>(ctx)->store(p); }, &port_);
+            completion c[16];
+            std::error_code ec;
+            while (!stop_.load() && !ec) (void)s.cq->poll(c, ec);
+            served_ = s.buf;
+          } catch (const std::exception& e) {
+            error_ = e.what();  // written before failed_, read after it or after the join
+            failed_ = true;
+          }
+        }) {}
+  ~polling_peer() { join(); }
+  polling_peer(const polling_peer&) = delete;
+  polling_peer& operator=(const polling_peer&) = delete;
+
+  // Its port once it listens (0: it failed first).
+  std::uint16_t port() const {
+    while (port_.load() == 0 && !failed_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return port_.load();
+  }
+  void join() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  const std::string& error() const noexcept { return error_; }  // after join()
+  const std::vector<std::byte>& served() const noexcept { return served_; }
+
+ private:
+  std::atomic<std::uint16_t> port_{0};
+  std::atomic<bool> stop_{false}, failed_{false};
+  std::vector<std::byte> served_;
+  std::string error_;
+  std::thread thread_;  // last: started once the rest is constructed
+};
+
+}  // namespace
+
 // The stream behind write_bw and read_bw (apps/common/session.cpp): with
 // `slots`, the writes land in that many places of the peer's buffer and
 // nowhere else; by default they spread over as many as half of it holds.
@@ -112,46 +167,19 @@ TEST_CASE("perf stream: writes cycle through the places --slots gives, and by de
   constexpr std::uint32_t kSize = 4096;
   for (const std::uint64_t slots : {std::uint64_t{2}, std::uint64_t{0}}) {
     const session_options opt{.provider = "tcp", .buffer_size = 1 << 20, .queue_depth = 64};
-    std::atomic<std::uint16_t> port{0};
-    std::atomic<bool> stop{false}, failed{false};
-    std::vector<std::byte> served;
-    std::string server_error;  // written before `failed`, read after it or after the join
-    std::thread server([&] {
-      try {
-        session s = accept_one("127.0.0.1", 0, opt,
-                               [](std::uint16_t p, void* ctx) { static_cast<std::atomic<std::uint16_t>*>(ctx)->store(p); },
-                               &port);
-        // The tcp provider executes the peer's writes while this side polls.
-        tp::completion c[16];
-        std::error_code ec;
-        while (!stop.load() && !ec) (void)s.cq->poll(c, ec);
-        served = s.buf;
-      } catch (const std::exception& e) {
-        server_error = e.what();
-        failed = true;
-      }
-    });
-    // The server thread ends (and is joined) however this test leaves the scope.
-    struct joiner {
-      std::atomic<bool>& stop;
-      std::thread& t;
-      ~joiner() {
-        stop = true;
-        if (t.joinable()) t.join();
-      }
-    } join_server{stop, server};
-    while (port.load() == 0 && !failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    REQUIRE_FALSE(failed.load());
+    polling_peer server(opt);
+    const std::uint16_t port = server.port();
+    REQUIRE(port != 0);
     {
-      session s = connect_to("127.0.0.1", port.load(), opt);
+      session s = connect_to("127.0.0.1", port, opt);
       std::fill(s.buf.begin(), s.buf.end(), std::byte{0x7e});
-      (void)stream(s, tp::opcode::write, kSize, 100, 8, slots);
-      CHECK_THROWS_AS(stream(s, tp::opcode::write, kSize, 1, 8, (opt.buffer_size / 2) / kSize + 1),
+      (void)stream(s, anydoor::transport::opcode::write, kSize, 100, 8, slots);
+      CHECK_THROWS_AS(stream(s, anydoor::transport::opcode::write, kSize, 1, 8, (opt.buffer_size / 2) / kSize + 1),
                       std::invalid_argument);
     }
-    stop = true;
     server.join();
-    REQUIRE(server_error.empty());
+    REQUIRE(server.error().empty());
+    const std::vector<std::byte>& served = server.served();
     REQUIRE(served.size() == opt.buffer_size);
     // written: [0, places * kSize); untouched after it
     const std::size_t places = slots != 0 ? slots : 100;
@@ -162,4 +190,26 @@ TEST_CASE("perf stream: writes cycle through the places --slots gives, and by de
     CHECK(std::all_of(served.begin() + static_cast<std::ptrdiff_t>(first_zero), served.end(),
                       [](std::byte b) { return b == std::byte{0}; }));
   }
+}
+
+// session::wait's limit (apps/common/session.cpp: the clock read every
+// 4096 empty polls): nothing arrives, so it ends with timed_out once the
+// limit has passed, not before and not long after.
+TEST_CASE("perf session: a wait for a completion that never comes ends with timed_out at its limit", "[perf]") {
+  using namespace anydoor::examples;
+  const session_options opt{.provider = "tcp", .buffer_size = 1 << 16, .queue_depth = 16};
+  polling_peer server(opt);
+  const std::uint16_t port = server.port();
+  REQUIRE(port != 0);
+  session s = connect_to("127.0.0.1", port, opt);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    (void)s.wait(std::chrono::milliseconds(200));
+    FAIL("a wait with nothing posted returned");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == anydoor::errc::timed_out);
+  }
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  CHECK(waited >= std::chrono::milliseconds(200));
+  CHECK(waited < std::chrono::seconds(10));
 }
