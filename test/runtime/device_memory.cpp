@@ -23,6 +23,7 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -694,6 +695,58 @@ TEST_CASE("device memory: a small put from GPU memory is never posted inline - t
   CHECK(std::memcmp(host.data(), dev.view(), 40) == 0);
   CHECK(std::memcmp(host.data() + 100, dev.view() + 100, 24) == 0);
   CHECK(std::memcmp(host.data() + 200, source.data(), 64) == 0);
+  CHECK_FALSE(backend.the_copier().bad_range);
+}
+
+TEST_CASE("device memory: a small put from a GPU region reset while it waits in the queue is never copied by the CPU",
+          "[device_memory]") {
+  if (skipped_off_tcp()) return;
+  fake_device_memory dev(8192);  // (PROT_NONE: a CPU copy of it would crash the test)
+  std::vector<std::byte> managed(4096);
+  fake_backend backend(dev, managed);
+  std::vector<std::byte> host(4096);
+  asio::io_context io;
+  ad::fabric_options opt = anydoor::test::test_options();
+  opt.gpu_bounce_threshold = 0;  // a small put of GPU memory goes direct, not staged
+  ad::fabric server(io, anydoor::test::test_options());
+  ad::fabric client(io, opt);
+  ad::memory_region target = server.register_memory(std::span(host), ad::access::local_write | ad::access::remote_write);
+  ad::memory_region gpu = client.register_memory({dev.dev(), 4096}, ad::access::local_write);
+  REQUIRE(gpu.kind() == memory_kind::cuda_device);
+  ad::acceptor acc = server.listen(anydoor::test::test_host(), 0);
+  anydoor::test::failure f;
+  constexpr int kSends = 300;  // beyond the server's credits: the put waits behind them
+  int received = 0;
+  bool put_ended = false;
+  std::uint64_t inline_puts = 99;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection s = co_await acc.async_accept(asio::use_awaitable);
+    for (;;) {  // the sends, then the end (the reset region's put may fail the connection)
+      auto [e, m] = co_await s.async_receive(asio::as_tuple(asio::use_awaitable));
+      (void)m;
+      if (e) break;
+      ++received;
+    }
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    ad::connection c = co_await client.async_connect(anydoor::test::addr(acc), asio::use_awaitable);
+    fill(dev.view(), 4096, 41);
+    const std::array<std::byte, 8> msg{};
+    for (int i = 0; i < kSends; ++i) c.async_send(asio::buffer(msg), [](boost::system::error_code, std::size_t) {});
+    c.async_put(gpu.at(0, 40), target.remote().at(0, 40), [&](boost::system::error_code, std::size_t) {
+      put_ended = true;
+    });
+    gpu = ad::memory_region{};  // reset while the put waits: its kind reads as host memory now
+    const bool ended = co_await anydoor::test::until([&] { return put_ended; });
+    CHECK(ended);  // (with or without an error: its registration is gone; what matters is no CPU read)
+    inline_puts = c.stats().inline_puts;
+    if (c.is_open()) c.abort();
+  }, f.handler());
+  anydoor::test::run_to_completion(io);
+  f.check();
+  CHECK(put_ended);
+  CHECK(inline_puts == 0);
+  CHECK(received > 0);  // the sends before it went
   CHECK_FALSE(backend.the_copier().bad_range);
 }
 
