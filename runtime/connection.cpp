@@ -717,10 +717,13 @@ void set_local(op_node& n, std::span<const local_range> ranges) noexcept {
       n.nbufs = 0xff;
       return;
     }
+    if (r.size() > ~std::uintptr_t{0} - reinterpret_cast<std::uintptr_t>(r.data()) || !add_length(n.length, r.size())) {
+      n.nbufs = 0xff;
+      return;
+    }
     n.bufs[i] = asio::const_buffer(r.data(), r.size());
     n.regions[i] = r.region();
     n.read_only = n.read_only || r.read_only();
-    n.length += r.size();
     ++i;
   }
   n.nbufs = static_cast<std::uint8_t>(i);

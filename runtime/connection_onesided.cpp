@@ -184,18 +184,24 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
   // are copied now, while its memory is known valid (a region checked
   // below, a buffer its caller keeps), and posted from the operation, so
   // the device does not fetch them (no DMA read on a NIC; the tcp
-  // provider's single sendmsg). Its region is not read after this point,
-  // and a plain buffer is not registered at all. GPU memory is never
-  // copied by the CPU; managed memory takes the cache's refusal.
+  // provider's single sendmsg). Its region is not read after this point.
+  // GPU memory is never copied by the CPU; managed memory takes the
+  // cache's refusal.
   static_assert(kInlinePut <= 255, "inline_len is 8 bits");
   bool copy = (n->kind == op_kind::put || n->kind == op_kind::put_notify) && n->length > 0 &&
               n->length <= std::min<std::size_t>(fab_->inline_cap, kInlinePut) &&
               (n->remote.pieces.empty() || n->remote.pieces.piece_end(n->remote.addr) - n->remote.addr >= n->length);
-  int gpu_here = -1;  // whether any pointer may be GPU memory: asked at the first plain buffer
-  std::size_t total = 0;  // (the copy is bounded by this, whatever length says)
+  // Plain buffers are registered (pinned in the cache) unless the put is
+  // copied in a process where no pointer can be GPU memory: where one can,
+  // the cache's entry knows the memory's kind (no driver call on a hit)
+  // and refuses managed memory.
+  bool pin = !copy;
+  bool asked = false;     // any_gpu_memory(), at the first plain buffer
+  std::size_t total = 0;  // (with each piece at most kInlinePut: the copy's bound, whatever length says)
   for (std::uint8_t i = 0; i < n->nbufs; ++i) {
     const asio::const_buffer b = n->bufs[i];
     total += b.size();
+    copy = copy && b.size() <= kInlinePut;
     if (const memory_region* r = n->regions[i]) {
       // A range of a region that has since been moved or reset is refused.
       const auto* p = static_cast<const std::byte*>(b.data());
@@ -206,16 +212,14 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       n->lkeys[i] = r->lkey();
       hold_pieces(i, r->split());
       copy = copy && r->kind() != memory_kind::cuda_device;  // (managed memory is never registered)
-    } else if (copy) {
-      if (gpu_here < 0) gpu_here = cuda::detail::any_gpu_memory() ? 1 : 0;
-      if (gpu_here != 0) {
-        const memory_kind k = cuda::detail::kind_here(b.data());
-        copy = k == memory_kind::host || k == memory_kind::cuda_host;
-      }
+    } else if (!asked && !pin) {
+      asked = true;
+      pin = cuda::detail::any_gpu_memory();
     }
   }
   copy = copy && total == n->length;
-  for (std::uint8_t i = 0; i < n->nbufs && !copy; ++i) {
+  pin = pin || !copy;
+  for (std::uint8_t i = 0; i < n->nbufs && pin; ++i) {
     const asio::const_buffer b = n->bufs[i];
     if (n->regions[i] != nullptr) continue;
     try {
@@ -224,6 +228,7 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
       n->pins[n->npins++] = &e;
       n->lkeys[i] = e.mr->lkey();
       hold_pieces(i, e.split);
+      copy = copy && !e.device;
     } catch (const std::system_error& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());

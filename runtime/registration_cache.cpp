@@ -31,6 +31,9 @@ registration_cache::~registration_cache() {
 
 registration_cache::entry& registration_cache::pin(const void* p, std::size_t n, access acc) {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  if (n > ~std::uintptr_t{0} - addr) {  // (set_local refuses such ranges first)
+    throw std::system_error(anydoor::errc::invalid_argument, "a range past the end of the address space");
+  }
   const std::uintptr_t last = addr + n;
   // Valid entries do not overlap: only the one starting at or before addr
   // can hold it.

@@ -77,7 +77,8 @@
 // the transfer is split at the device's message limit. Errors on the
 // operation itself: errc::out_of_range (local data larger than the remote
 // range; a remote region in pieces whose addr or length were changed so
-// that its pieces no longer cover the range), errc::invalid_argument (more than 16 ranges, a const buffer as a
+// that its pieces no longer cover the range), errc::invalid_argument (more than 16 ranges, a range past the
+// end of the address space or sizes that add up past 2^64, a const buffer as a
 // get's destination, a region without local_write as one, an atomic target
 // that is not 8 bytes aligned and long), errc::not_supported (atomics on a
 // device without them), errc::registration_failed (also: a buffer the
@@ -217,7 +218,8 @@ class connection {
   bool is_open() const noexcept;
   explicit operator bool() const noexcept { return impl_ != nullptr; }
 
-  // Sends one message made of the buffers of `buffers` (at most 16 buffers;
+  // Sends one message made of the buffers of `buffers` (at most 16 buffers,
+  // their sizes adding up to at most 2^64 - 1, else errc::invalid_argument;
   // a rendezvous message must be a single buffer). void(error_code, std::size_t).
   // Buffers may be GPU device memory (README "GPU memory"): a failed copy
   // out of it ends the send with errc::device_copy_failed, having sent
@@ -233,12 +235,11 @@ class connection {
           for (auto it = asio::buffer_sequence_begin(bufs); it != asio::buffer_sequence_end(bufs); ++it) {
             const asio::const_buffer b(*it);
             if (b.size() == 0) continue;
-            if (i == n->bufs.size()) {
-              too_many = true;
+            if (i == n->bufs.size() || !detail::add_length(n->length, b.size())) {
+              too_many = true;  // (or sizes past 2^64)
               break;
             }
             n->bufs[i++] = b;
-            n->length += b.size();
           }
           n->nbufs = static_cast<std::uint8_t>(i);
           if (too_many) n->nbufs = 0xff;

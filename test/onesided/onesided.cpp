@@ -15,6 +15,9 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstring>
 
 using namespace anydoor::test;
@@ -429,8 +432,8 @@ TEST_CASE("a small put takes its bytes when it starts - a region reset and memor
 TEST_CASE("a small put from a plain buffer is copied and never registered - the registration cache is not touched",
           "[onesided]") {
   onesided_pair p;
-  if (p.fa.device().caps().max_inline < 40) {
-    WARN("this device carries no 40-byte inline data: nothing to test");
+  if (p.fa.device().caps().max_inline < 64) {
+    WARN("this device carries no 64-byte inline data: nothing to test");
     return;
   }
   std::vector<std::byte> target(8192);
@@ -463,6 +466,42 @@ TEST_CASE("a small put from a plain buffer is copied and never registered - the 
   CHECK(std::memcmp(target.data() + 512, small.data(), small.size()) == 0);
   CHECK(std::memcmp(target.data() + 552, first.data(), first.size()) == 0);
   CHECK(std::memcmp(target.data() + 4096, large.data(), large.size()) == 0);
+}
+
+TEST_CASE("ranges past the end of the address space or whose sizes add up past 2^64 are refused - sends too",
+          "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  std::vector<std::byte> src(64, std::byte{7});
+  ad::error_code wrapped, past_end, send_wrapped, after;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    // SIZE_MAX + 33 wraps to 32: a "32-byte" put whose first piece is huge.
+    const std::array<ad::local_range, 2> pieces{asio::const_buffer(src.data(), SIZE_MAX),
+                                                asio::const_buffer(src.data(), 33)};
+    auto [e1, n1] = co_await c.async_put(std::span<const ad::local_range>(pieces), tr.remote(),
+                                         asio::as_tuple(use_awaitable));
+    (void)n1;
+    wrapped = e1;
+    const std::uintptr_t near_end = ~std::uintptr_t{0} - 15;
+    auto [e2, n2] = co_await c.async_put(asio::const_buffer(reinterpret_cast<const void*>(near_end), 32), tr.remote(),
+                                         asio::as_tuple(use_awaitable));
+    (void)n2;
+    past_end = e2;
+    const std::array<asio::const_buffer, 2> message{asio::const_buffer(src.data(), SIZE_MAX),
+                                                    asio::const_buffer(src.data(), 33)};
+    auto [e3, n3] = co_await c.async_send(message, asio::as_tuple(use_awaitable));
+    (void)n3;
+    send_wrapped = e3;
+    auto [e4, n4] = co_await c.async_put(asio::buffer(src), tr.remote(), asio::as_tuple(use_awaitable));
+    (void)n4;
+    after = e4;
+  });
+  CHECK(wrapped == ad::errc::invalid_argument);
+  CHECK(past_end == ad::errc::invalid_argument);
+  CHECK(send_wrapped == ad::errc::invalid_argument);
+  CHECK_FALSE(after);  // the connection goes on
+  CHECK(std::all_of(target.begin(), target.begin() + 64, [](std::byte b) { return b == std::byte{7}; }));
 }
 
 TEST_CASE("flush completes once every earlier operation is complete at the peer", "[onesided]") {

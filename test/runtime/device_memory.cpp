@@ -706,10 +706,8 @@ TEST_CASE("device memory: a small put from a GPU region reset while it waits in 
   fake_backend backend(dev, managed);
   std::vector<std::byte> host(4096);
   asio::io_context io;
-  ad::fabric_options opt = anydoor::test::test_options();
-  opt.gpu_bounce_threshold = 0;  // a small put of GPU memory goes direct, not staged
   ad::fabric server(io, anydoor::test::test_options());
-  ad::fabric client(io, opt);
+  ad::fabric client(io, anydoor::test::test_options());  // (a region's put never stages: it goes direct)
   ad::memory_region target = server.register_memory(std::span(host), ad::access::local_write | ad::access::remote_write);
   ad::memory_region gpu = client.register_memory({dev.dev(), 4096}, ad::access::local_write);
   REQUIRE(gpu.kind() == memory_kind::cuda_device);

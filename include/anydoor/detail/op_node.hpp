@@ -107,8 +107,18 @@ struct op_node {
   notification note{};         // receive_notification
 };
 
+// Adds a piece's size to an operation's length: false when the sum would
+// wrap around (pieces that cannot all exist; the operation is then
+// refused with invalid_argument, never sized by the wrapped sum).
+inline bool add_length(std::uint64_t& length, std::size_t size) noexcept {
+  if (size > ~std::uint64_t{0} - length) return false;
+  length += size;
+  return true;
+}
+
 // Fills a one-sided operation's local pieces (empty ones are skipped);
-// more than kMaxGather marks it invalid (nbufs = 0xff).
+// more than kMaxGather, a piece past the end of the address space, or
+// sizes that add up past 2^64 mark it invalid (nbufs = 0xff).
 void set_local(op_node& n, std::span<const local_range> ranges) noexcept;
 
 }  // namespace anydoor::detail
