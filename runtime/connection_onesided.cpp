@@ -232,7 +232,9 @@ std::error_code connection_impl::prepare_onesided(op_node* n) noexcept {
     } catch (const std::system_error& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());
-      return e.code() == errc::not_supported ? e.code() : make_error_code(errc::registration_failed);
+      return e.code() == errc::not_supported || e.code() == errc::invalid_argument
+                 ? e.code()
+                 : make_error_code(errc::registration_failed);
     } catch (const std::exception& e) {
       log().warn("connection: registering {} bytes at {} for a one-sided operation failed: {}", b.size(), b.data(),
                  e.what());

@@ -32,7 +32,7 @@ registration_cache::~registration_cache() {
 registration_cache::entry& registration_cache::pin(const void* p, std::size_t n, access acc) {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
   if (n > ~std::uintptr_t{0} - addr) {  // (set_local refuses such ranges first)
-    throw std::system_error(anydoor::errc::invalid_argument, "a range past the end of the address space");
+    throw std::system_error(anydoor::errc::invalid_argument, "a range reaching the end of the address space");
   }
   const std::uintptr_t last = addr + n;
   // Valid entries do not overlap: only the one starting at or before addr
@@ -62,6 +62,9 @@ registration_cache::entry& registration_cache::pin(const void* p, std::size_t n,
     throw std::system_error(anydoor::errc::not_supported, "GPU memory passed to a registration cache without a device");
   }
   const std::uintptr_t page = device ? 1 : page_size();
+  if (last > ~std::uintptr_t{0} - (page - 1)) {  // (its end, rounded up to a page, would wrap to 0)
+    throw std::system_error(anydoor::errc::invalid_argument, "a range in the last page of the address space");
+  }
   std::uintptr_t begin = addr & ~(page - 1);
   std::uintptr_t end = (last + page - 1) & ~(page - 1);
   access merged = acc;

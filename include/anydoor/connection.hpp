@@ -77,8 +77,8 @@
 // the transfer is split at the device's message limit. Errors on the
 // operation itself: errc::out_of_range (local data larger than the remote
 // range; a remote region in pieces whose addr or length were changed so
-// that its pieces no longer cover the range), errc::invalid_argument (more than 16 ranges, a range past the
-// end of the address space or sizes that add up past 2^64, a const buffer as a
+// that its pieces no longer cover the range), errc::invalid_argument (more than 16 ranges, a range reaching
+// the end of the address space or sizes that add up past 2^64, a const buffer as a
 // get's destination, a region without local_write as one, an atomic target
 // that is not 8 bytes aligned and long), errc::not_supported (atomics on a
 // device without them), errc::registration_failed (also: a buffer the

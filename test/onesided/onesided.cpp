@@ -468,17 +468,19 @@ TEST_CASE("a small put from a plain buffer is copied and never registered - the 
   CHECK(std::memcmp(target.data() + 4096, large.data(), large.size()) == 0);
 }
 
-TEST_CASE("ranges past the end of the address space or whose sizes add up past 2^64 are refused - sends too",
+TEST_CASE("ranges reaching the end of the address space or whose sizes add up past 2^64 are refused - sends too",
           "[onesided]") {
   onesided_pair p;
   std::vector<std::byte> target(4096);
   ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
   std::vector<std::byte> src(64, std::byte{7});
-  ad::error_code wrapped, past_end, send_wrapped, after;
+  ad::error_code wrapped, past_end, in_last_page, send_wrapped, after;
   p.run([&](ad::connection& c) -> awaitable<void> {
-    // SIZE_MAX + 33 wraps to 32: a "32-byte" put whose first piece is huge.
-    const std::array<ad::local_range, 2> pieces{asio::const_buffer(src.data(), SIZE_MAX),
-                                                asio::const_buffer(src.data(), 33)};
+    // 2 x (2^63 + 16) wraps to 32: a "32-byte" put of two huge pieces,
+    // each within the address space.
+    constexpr std::size_t kHalf = (std::size_t{1} << 63) + 16;
+    const std::array<ad::local_range, 2> pieces{asio::const_buffer(src.data(), kHalf),
+                                                asio::const_buffer(src.data(), kHalf)};
     auto [e1, n1] = co_await c.async_put(std::span<const ad::local_range>(pieces), tr.remote(),
                                          asio::as_tuple(use_awaitable));
     (void)n1;
@@ -488,8 +490,15 @@ TEST_CASE("ranges past the end of the address space or whose sizes add up past 2
                                          asio::as_tuple(use_awaitable));
     (void)n2;
     past_end = e2;
-    const std::array<asio::const_buffer, 2> message{asio::const_buffer(src.data(), SIZE_MAX),
-                                                    asio::const_buffer(src.data(), 33)};
+    // In the last page, not reaching the end: 100 bytes (not inline: the
+    // cache would round its end up past 2^64).
+    const std::uintptr_t last_page = ~std::uintptr_t{0} - 200;
+    auto [e5, n5] = co_await c.async_put(asio::const_buffer(reinterpret_cast<const void*>(last_page), 100), tr.remote(),
+                                         asio::as_tuple(use_awaitable));
+    (void)n5;
+    in_last_page = e5;
+    const std::array<asio::const_buffer, 2> message{asio::const_buffer(src.data(), kHalf),
+                                                    asio::const_buffer(src.data(), kHalf)};
     auto [e3, n3] = co_await c.async_send(message, asio::as_tuple(use_awaitable));
     (void)n3;
     send_wrapped = e3;
@@ -499,6 +508,7 @@ TEST_CASE("ranges past the end of the address space or whose sizes add up past 2
   });
   CHECK(wrapped == ad::errc::invalid_argument);
   CHECK(past_end == ad::errc::invalid_argument);
+  CHECK(in_last_page == ad::errc::invalid_argument);  // (the registration cache's refusal)
   CHECK(send_wrapped == ad::errc::invalid_argument);
   CHECK_FALSE(after);  // the connection goes on
   CHECK(std::all_of(target.begin(), target.begin() + 64, [](std::byte b) { return b == std::byte{7}; }));

@@ -117,7 +117,7 @@ inline bool add_length(std::uint64_t& length, std::size_t size) noexcept {
 }
 
 // Fills a one-sided operation's local pieces (empty ones are skipped);
-// more than kMaxGather, a piece past the end of the address space, or
+// more than kMaxGather, a piece reaching the end of the address space, or
 // sizes that add up past 2^64 mark it invalid (nbufs = 0xff).
 void set_local(op_node& n, std::span<const local_range> ranges) noexcept;
 
