@@ -37,7 +37,7 @@
 //   RESULT test=msg_rate size=64 iters=.. window=64 Mmsgs=.. MBps=..
 //   RESULT test=echo_rate size=64 iters=.. window=32 Mmsgs=.. (round trips per second)
 //   RESULT test=put_lat|get_lat size=.. iters=.. median_us=.. p99_us=.. mean_us=..
-//   RESULT test=put_bw size=.. iters=.. window=.. MBps=.. (10^6 bytes per second)
+//   RESULT test=put_bw size=.. iters=.. window=.. MBps=.. (10^6 bytes per second) doorbells=.. posts=..
 #include <anydoor/anydoor.hpp>
 
 #include "cli.hpp"
@@ -184,8 +184,10 @@ awaitable<void> onesided_side(ad::fabric& fab, ad::connection& c, const options&
     const auto t0 = clk::now();
     co_await stream(o.iters);
     const double secs = std::chrono::duration<double>(clk::now() - t0).count();
-    std::printf("RESULT test=put_bw size=%u iters=%u window=%u MBps=%.1f\n", o.size, o.iters, o.window,
-                static_cast<double>(o.size) * o.iters / secs / 1e6);
+    const ad::connection_stats s = c.stats();
+    std::printf("RESULT test=put_bw size=%u iters=%u window=%u MBps=%.1f doorbells=%llu posts=%llu\n", o.size, o.iters,
+                o.window, static_cast<double>(o.size) * o.iters / secs / 1e6,
+                static_cast<unsigned long long>(s.doorbells), static_cast<unsigned long long>(s.posts));
   }
   co_await c.async_send(asio::buffer("done", 4), use_awaitable);
   auto ex = co_await asio::this_coro::executor;

@@ -704,10 +704,10 @@ void cancel_node(void* node, asio::cancellation_type type) {
   auto* n = static_cast<op_node*>(node);
   n->owner->cancel(n, type);
 }
-void start_send(connection_impl& c, op_node* n) { c.start_send(n); }
+void start_send(connection_impl& c, op_node* n) { c.issue(n, &connection_impl::start_send); }
 void start_receive(connection_impl& c, op_node* n) { c.start_receive(n); }
 void start_close(connection_impl& c, op_node* n) { c.start_close(n); }
-void start_onesided(connection_impl& c, op_node* n) { c.start_onesided(n); }
+void start_onesided(connection_impl& c, op_node* n) { c.issue(n, &connection_impl::start_onesided); }
 
 void set_local(op_node& n, std::span<const local_range> ranges) noexcept {
   std::size_t i = 0;

@@ -85,6 +85,16 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_receive(op_node* n);
   void start_close(op_node* n);
   void start_onesided(op_node* n);
+  // The application's entry for a send or one-sided operation: starts it
+  // with `start`. Where it is the first the application gives this
+  // connection in a turn (fabric_state::turns), outside every completion's
+  // handler (none of a send's posted still to run), and the connection's
+  // last turn with work had one operation (a ping-pong, not bursts), its
+  // doorbell rings at once: a lone request does not wait for the turn's
+  // end, behind an io_context round (Asio's epoll_wait, other handlers).
+  // Whatever else is issued in the turn is batched, one doorbell at its
+  // end, as is everything issued by completions' handlers (flush_all).
+  void issue(op_node* n, void (connection_impl::*start)(op_node*));
   // A chunk of a staged transfer: queued at once (never held, see behind_staged_).
   void start_chunk(op_node* n);
   // A put or get that went through the staging pipeline (staging.hpp) ends;
@@ -108,6 +118,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void flush_now() noexcept;
   std::size_t queued_sends() const noexcept { return batch_ == nullptr ? 0 : batch_->wrs.size(); }
   bool dirty = false;
+  bool ringing = false;  // inside issue(): schedule() leaves the flush to it
+  bool lone = true;      // the last turn that queued work queued one operation's (issue())
+  std::uint32_t issued = 1;  // operations that queued work requests in turn issue_turn
+  std::uint64_t issue_turn = ~std::uint64_t{0};
   bool urgent = false;  // queued from a completion handler: flushed after the reactor's pass
   bool waiting_buffer = false;
   void on_buffer_available() noexcept;

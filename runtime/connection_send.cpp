@@ -387,7 +387,32 @@ void connection_impl::schedule() noexcept {
   if (fab_->in_completion > 0) urgent = true;
   if (dirty) return;
   dirty = true;
-  fab_->schedule_flush(this);
+  if (!ringing) fab_->schedule_flush(this);
+}
+
+void connection_impl::issue(op_node* n, void (connection_impl::*start)(op_node*)) {
+  if (issue_turn != fab_->turns) {
+    if (issued != 0) lone = issued == 1;
+    issue_turn = fab_->turns;
+    issued = 0;
+  }
+  const bool first = lone && issued == 0 && !dirty && fab_->in_completion == 0 && fab_->in_handlers == 0 &&
+                     fab_->posted_completions == 0 && at_doorbell_.empty();
+  const std::uint64_t queued = sq_queued_;
+  ringing = first;
+  try {
+    (this->*start)(n);
+  } catch (...) {
+    ringing = false;
+    if (dirty) fab_->schedule_flush(this);
+    throw;
+  }
+  // Only what queued work requests counts (not a flush, nor a send that
+  // waits for credits).
+  if (sq_queued_ != queued) ++issued;
+  if (!ringing) return;
+  ringing = false;
+  if (dirty) flush();
 }
 
 void connection_impl::flush() noexcept {
@@ -400,7 +425,10 @@ void connection_impl::flush() noexcept {
   // What the handlers queue starts a new flush; one that aborts the
   // connection does not turn the others' posted sends into failures.
   op_list posted = std::exchange(at_doorbell_, op_list{});
+  if (posted.empty()) return;
+  ++fab_->in_handlers;
   while (op_node* n = posted.pop_front()) complete(n, false, {}, static_cast<std::size_t>(n->length));
+  --fab_->in_handlers;
 }
 
 void connection_impl::flush_now() noexcept {

@@ -455,15 +455,18 @@ bool fabric_state::has_queued_handlers(const void* self) noexcept {
 
 void fabric_state::flush_after_dispatch(void* self) noexcept {
   auto* s = static_cast<fabric_state*>(self);
+  ++s->turns;
   if (!s->dirty_.empty()) s->flush_all(false);
 }
 
 void fabric_state::flush_before_poll(void* self) noexcept {
   auto* s = static_cast<fabric_state*>(self);
+  ++s->turns;
   if (!s->dirty_.empty()) s->flush_all(true);
 }
 
 void fabric_state::flush_all(bool defer) noexcept {
+  ++turns;
   flushing_.swap(dirty_);
   for (std::size_t i = 0; i < flushing_.size(); ++i) {
     connection_impl* c = flushing_[i];

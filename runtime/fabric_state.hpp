@@ -176,6 +176,15 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // (a reply, a credit, a fin) is flushed at the end of the reactor's pass
   // (the reactor's after-dispatch hook), without a posted flush.
   std::uint32_t in_completion = 0;
+  // Turns so far: a turn ends at each flush pass and each of the
+  // reactor's flush hooks (before a poll, after a pass of completions).
+  // What the application issues within one turn is one burst
+  // (connection_impl::issue).
+  std::uint64_t turns = 0;
+  // Nonzero while a flush completes its connection's sends with their
+  // handlers run in place (connection_impl::flush): what they issue then
+  // is a completion handler's, batched (connection_impl::issue).
+  std::uint32_t in_handlers = 0;
   static constexpr std::size_t kEarlyFlush = 32;
 
   std::uint64_t open_connections = 0;

@@ -540,6 +540,69 @@ TEST_CASE("flush completes once every earlier operation is complete at the peer"
   CHECK(order.back() == 100);
 }
 
+TEST_CASE("a lone operation issued outside any handler rings at once - a burst shares one doorbell at its turn's end",
+          "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(4096);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write |
+                                                          ad::access::remote_read);
+  const auto data = pattern(4096, 21);
+  std::vector<std::byte> back(64);
+  struct step {
+    std::uint64_t at_once = 0, total = 0, posts = 0;
+  };
+  step lone, burst, after_burst, lone_again, get;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    auto ex = co_await asio::this_coro::executor;
+    int done = 0;
+    auto put = [&](std::size_t i) {
+      c.async_put(asio::buffer(data.data() + 64 * i, 64), tr.remote().at(64 * i, 64), [&](ad::error_code ec, std::size_t) {
+        CHECK_FALSE(ec);
+        ++done;
+      });
+    };
+    // Each step starts in a turn of its own, outside any completion.
+    auto measure = [&](step& s, auto issue) -> awaitable<void> {
+      co_await asio::post(ex, use_awaitable);
+      const ad::connection_stats before = c.stats();
+      issue();
+      s.at_once = c.stats().doorbells - before.doorbells;  // before any io_context round
+      co_await c.async_flush(use_awaitable);
+      s.total = c.stats().doorbells - before.doorbells;
+      s.posts = c.stats().posts - before.posts;
+    };
+    co_await measure(lone, [&] { put(0); });
+    co_await measure(burst, [&] {
+      for (std::size_t i = 1; i <= 8; ++i) put(i);
+    });
+    co_await measure(after_burst, [&] { put(9); });
+    co_await measure(lone_again, [&] { put(10); });
+    co_await measure(get, [&] {
+      c.async_get(asio::buffer(back), tr.remote().at(0, 64), [&](ad::error_code ec, std::size_t) {
+        CHECK_FALSE(ec);
+        ++done;
+      });
+    });
+    CHECK(done == 12);
+  });
+  // A lone put is posted by async_put itself.
+  CHECK(lone.at_once == 1);
+  CHECK(lone.total == 1);
+  // A burst: its first rings at once, the other seven share one doorbell.
+  CHECK(burst.at_once == 1);
+  CHECK(burst.total == 2);
+  CHECK(burst.posts == 8);
+  // After a burst the connection batches: a single put waits for the turn's end...
+  CHECK(after_burst.at_once == 0);
+  CHECK(after_burst.total == 1);
+  // ...and that turn had one: the next rings at once again, a get too.
+  CHECK(lone_again.at_once == 1);
+  CHECK(get.at_once == 1);
+  CHECK(get.total == 1);
+  CHECK(std::memcmp(target.data(), data.data(), 11 * 64) == 0);
+  CHECK(std::memcmp(back.data(), data.data(), 64) == 0);
+}
+
 TEST_CASE("registration cache: a buffer is registered once and reused: forget_memory and eviction drop entries",
           "[onesided]") {
   ad::fabric_options o = test_options();

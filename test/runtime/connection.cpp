@@ -642,6 +642,41 @@ TEST_CASE("batching: sends issued in one turn share a doorbell: only some are si
   CHECK(s.signaled < s.posts / 4);
 }
 
+TEST_CASE("batching: a lone send issued outside any handler rings at once - what a send's handler issues waits",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  std::uint64_t at_once = 99, from_handler_at_once = 99, from_handler_total = 0;
+  int echoes = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    std::array<std::byte, 32> out{};
+    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);  // a turn of its own
+    std::uint64_t d0 = c.stats().doorbells, d1 = 0;
+    c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) {
+      CHECK_FALSE(ec);
+      // A send's handler likely sends again: what it issues is batched.
+      d1 = c.stats().doorbells;
+      c.async_send(asio::buffer(out), [](ad::error_code e, std::size_t) { CHECK_FALSE(e); });
+      from_handler_at_once = c.stats().doorbells - d1;
+    });
+    at_once = c.stats().doorbells - d0;  // before any io_context round
+    for (; echoes < 2; ++echoes) co_await c.async_receive(use_awaitable);
+    from_handler_total = c.stats().doorbells - d1;
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(echoes == 2);
+  CHECK(at_once == 1);
+  CHECK(from_handler_at_once == 0);
+  CHECK(from_handler_total >= 1);  // (credits may share it or follow)
+}
+
 TEST_CASE("batching: a burst beyond the batch's inline staging goes on in pool buffers, whole and in order",
           "[runtime]") {
   // 40 sends of 200 bytes (216 on the wire, inline-sized) in one turn: a

@@ -75,6 +75,13 @@ class pending_handler {
     }
   };
 
+  // Runs the hook as the handler returns, or throws (an exception that
+  // leaves io_context::run() must not leave the count up for good).
+  struct run_after {
+    after_hook& hook;
+    ~run_after() { hook(); }
+  };
+
   // Completes with (ec, args...): Args must be those given to store(). With
   // post, the handler runs later even when called on its executor's thread.
   template <class... Args>
@@ -155,8 +162,8 @@ class pending_handler {
       auto* h = static_cast<Holder*>(self.obj_);
       typename Holder::handler_type handler(std::move(h->handler));
       destroy<Holder>(self);  // (clears the cancellation slot)
+      const run_after guard{after};
       std::apply(std::move(handler), std::move(*static_cast<std::tuple<boost::system::error_code, Args...>*>(args)));
-      after();
       return;
     }
     call_later<Holder, Args...>(self, args, post, after);
@@ -171,8 +178,8 @@ class pending_handler {
     asio::io_context* io = self.io_;
     auto& t = *static_cast<std::tuple<boost::system::error_code, Args...>*>(args);
     auto fn = [handler = std::move(h->handler), t = std::move(t), after = std::move(after)]() mutable {
+      const run_after guard{after};
       std::apply(std::move(handler), std::move(t));
-      after();
     };
     if (io != nullptr) {
       // The handler's executor is this io_context's (possibly type-erased,
