@@ -86,14 +86,16 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_close(op_node* n);
   void start_onesided(op_node* n);
   // The application's entry for a send or one-sided operation: starts it
-  // with `start`. Where it is the first the application gives this
-  // connection in a turn (fabric_state::turns), outside every completion's
-  // handler (none of a send's posted still to run), and the connection's
-  // last turn with work had one operation (a ping-pong, not bursts), its
-  // doorbell rings at once: a lone request does not wait for the turn's
-  // end, behind an io_context round (Asio's epoll_wait, other handlers).
-  // Whatever else is issued in the turn is batched, one doorbell at its
-  // end, as is everything issued by completions' handlers (flush_all).
+  // with `start`, and rings its doorbell inside the call where the
+  // connection is in a ping-pong: its last kLoneTurns turns with work
+  // (fabric_state::turns) each queued one operation's work requests
+  // (operations issued together in turns, as coroutines that each await
+  // their own, are never rung apart), this is the turn's first,
+  // and it is issued neither inside the reactor's pass, nor by a handler a
+  // flush runs, nor while a send's handler the fabric posted is still to
+  // run (those likely issue more). A lone request then does not wait for
+  // the turn's end, behind an io_context round (Asio's epoll_wait, other
+  // handlers). Everything else is batched as before, one doorbell per turn.
   void issue(op_node* n, void (connection_impl::*start)(op_node*));
   // A chunk of a staged transfer: queued at once (never held, see behind_staged_).
   void start_chunk(op_node* n);
@@ -119,8 +121,12 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::size_t queued_sends() const noexcept { return batch_ == nullptr ? 0 : batch_->wrs.size(); }
   bool dirty = false;
   bool ringing = false;  // inside issue(): schedule() leaves the flush to it
-  bool lone = true;      // the last turn that queued work queued one operation's (issue())
-  std::uint32_t issued = 1;  // operations that queued work requests in turn issue_turn
+  // issue(): turns in a row, up to kLoneTurns, in which the application
+  // queued work requests of one operation on this connection; those of
+  // turn issue_turn so far.
+  static constexpr std::uint32_t kLoneTurns = 2;
+  std::uint32_t lone_turns = 0;
+  std::uint32_t issued = 0;
   std::uint64_t issue_turn = ~std::uint64_t{0};
   bool urgent = false;  // queued from a completion handler: flushed after the reactor's pass
   bool waiting_buffer = false;

@@ -392,25 +392,27 @@ void connection_impl::schedule() noexcept {
 
 void connection_impl::issue(op_node* n, void (connection_impl::*start)(op_node*)) {
   if (issue_turn != fab_->turns) {
-    if (issued != 0) lone = issued == 1;
+    // The turn that last queued work is over: one operation extends the
+    // streak of lone ones, more end it.
+    if (issued != 0) lone_turns = issued == 1 ? std::min(lone_turns + 1, kLoneTurns) : 0;
     issue_turn = fab_->turns;
     issued = 0;
   }
-  const bool first = lone && issued == 0 && !dirty && fab_->in_completion == 0 && fab_->in_handlers == 0 &&
-                     fab_->posted_completions == 0 && at_doorbell_.empty();
+  const bool first = lone_turns == kLoneTurns && issued == 0 && !dirty && fab_->in_completion == 0 &&
+                     fab_->in_handlers == 0 && fab_->posted_completions == 0 && at_doorbell_.empty();
   const std::uint64_t queued = sq_queued_;
   ringing = first;
   try {
     (this->*start)(n);
   } catch (...) {
     ringing = false;
-    if (dirty) fab_->schedule_flush(this);
+    if (first && dirty) fab_->schedule_flush(this);
     throw;
   }
   // Only what queued work requests counts (not a flush, nor a send that
   // waits for credits).
   if (sq_queued_ != queued) ++issued;
-  if (!ringing) return;
+  if (!first) return;
   ringing = false;
   if (dirty) flush();
 }
@@ -426,9 +428,10 @@ void connection_impl::flush() noexcept {
   // connection does not turn the others' posted sends into failures.
   op_list posted = std::exchange(at_doorbell_, op_list{});
   if (posted.empty()) return;
-  ++fab_->in_handlers;
+  fabric_state& f = *fab_;  // (read before the handlers run)
+  ++f.in_handlers;
   while (op_node* n = posted.pop_front()) complete(n, false, {}, static_cast<std::size_t>(n->length));
-  --fab_->in_handlers;
+  --f.in_handlers;
 }
 
 void connection_impl::flush_now() noexcept {

@@ -12,6 +12,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
@@ -540,7 +541,7 @@ TEST_CASE("flush completes once every earlier operation is complete at the peer"
   CHECK(order.back() == 100);
 }
 
-TEST_CASE("a lone operation issued outside any handler rings at once - a burst shares one doorbell at its turn's end",
+TEST_CASE("in a ping-pong a lone operation rings inside its call - a burst shares one doorbell at its turn's end",
           "[onesided]") {
   onesided_pair p;
   std::vector<std::byte> target(4096);
@@ -549,19 +550,22 @@ TEST_CASE("a lone operation issued outside any handler rings at once - a burst s
   const auto data = pattern(4096, 21);
   std::vector<std::byte> back(64);
   struct step {
-    std::uint64_t at_once = 0, total = 0, posts = 0;
+    std::uint64_t at_once = 99, total = 0, posts = 0;
   };
-  step lone, burst, after_burst, lone_again, get;
+  std::array<step, 7> st{};
   p.run([&](ad::connection& c) -> awaitable<void> {
     auto ex = co_await asio::this_coro::executor;
     int done = 0;
-    auto put = [&](std::size_t i) {
+    std::size_t next = 0;
+    auto put = [&] {
+      const std::size_t i = next++;
       c.async_put(asio::buffer(data.data() + 64 * i, 64), tr.remote().at(64 * i, 64), [&](ad::error_code ec, std::size_t) {
         CHECK_FALSE(ec);
         ++done;
       });
     };
-    // Each step starts in a turn of its own, outside any completion.
+    // Each step in a turn of its own, outside any completion, after the
+    // last one's operations completed.
     auto measure = [&](step& s, auto issue) -> awaitable<void> {
       co_await asio::post(ex, use_awaitable);
       const ad::connection_stats before = c.stats();
@@ -571,36 +575,111 @@ TEST_CASE("a lone operation issued outside any handler rings at once - a burst s
       s.total = c.stats().doorbells - before.doorbells;
       s.posts = c.stats().posts - before.posts;
     };
-    co_await measure(lone, [&] { put(0); });
-    co_await measure(burst, [&] {
-      for (std::size_t i = 1; i <= 8; ++i) put(i);
+    co_await measure(st[0], put);
+    co_await measure(st[1], put);
+    co_await measure(st[2], put);
+    co_await measure(st[3], [&] {
+      for (int i = 0; i < 8; ++i) put();
     });
-    co_await measure(after_burst, [&] { put(9); });
-    co_await measure(lone_again, [&] { put(10); });
-    co_await measure(get, [&] {
+    co_await measure(st[4], put);
+    co_await measure(st[5], put);
+    co_await measure(st[6], [&] {
       c.async_get(asio::buffer(back), tr.remote().at(0, 64), [&](ad::error_code ec, std::size_t) {
         CHECK_FALSE(ec);
         ++done;
       });
     });
-    CHECK(done == 12);
+    CHECK(done == 14);
   });
-  // A lone put is posted by async_put itself.
-  CHECK(lone.at_once == 1);
-  CHECK(lone.total == 1);
+  // Two turns of one operation each make a ping-pong: the third rings in its call.
+  CHECK(st[0].at_once == 0);
+  CHECK(st[1].at_once == 0);
+  CHECK(st[2].at_once == 1);
+  for (std::size_t i : {0u, 1u, 2u, 4u, 5u, 6u}) {
+    INFO("step " << i);
+    CHECK(st[i].total == 1);
+    CHECK(st[i].posts == 1);
+  }
   // A burst: its first rings at once, the other seven share one doorbell.
-  CHECK(burst.at_once == 1);
-  CHECK(burst.total == 2);
-  CHECK(burst.posts == 8);
-  // After a burst the connection batches: a single put waits for the turn's end...
-  CHECK(after_burst.at_once == 0);
-  CHECK(after_burst.total == 1);
-  // ...and that turn had one: the next rings at once again, a get too.
-  CHECK(lone_again.at_once == 1);
-  CHECK(get.at_once == 1);
-  CHECK(get.total == 1);
-  CHECK(std::memcmp(target.data(), data.data(), 11 * 64) == 0);
+  CHECK(st[3].at_once == 1);
+  CHECK(st[3].total == 2);
+  CHECK(st[3].posts == 8);
+  // It ended the ping-pong: two lone turns again before one rings at once (a get).
+  CHECK(st[4].at_once == 0);
+  CHECK(st[5].at_once == 0);
+  CHECK(st[6].at_once == 1);
+  CHECK(std::memcmp(target.data(), data.data(), 13 * 64) == 0);
   CHECK(std::memcmp(back.data(), data.data(), 64) == 0);
+}
+
+TEST_CASE("in a ping-pong a send issued inside the reactor's pass or by a handler a flush runs is batched - never run "
+          "inline",
+          "[onesided]") {
+  onesided_pair p;
+  std::vector<std::byte> target(64);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  const auto data = pattern(64, 23);
+  constexpr std::uint64_t kUnset = 99;
+  std::uint64_t in_pass = kUnset, from_flush_handler = kUnset;
+  bool ran_in_call = true, handler_ran = false;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);
+    // Lone puts, each awaited: a ping-pong. Each resumes this coroutine
+    // inside the reactor's pass that completed it.
+    for (int i = 0; i < 3; ++i) co_await c.async_put(asio::buffer(data), tr.remote().at(0, 64), use_awaitable);
+    const std::uint64_t d = c.stats().doorbells;
+    bool ran = false;
+    c.async_send(asio::buffer("x", 1), [&](ad::error_code ec, std::size_t) {
+      CHECK_FALSE(ec);
+      ran = true;
+      handler_ran = true;
+      // Run by the flush at the pass's end, right after its doorbell.
+      const std::uint64_t d1 = c.stats().doorbells;
+      c.async_put(asio::buffer(data), tr.remote().at(0, 64), [](ad::error_code e, std::size_t) { CHECK_FALSE(e); });
+      from_flush_handler = c.stats().doorbells - d1;
+    });
+    ran_in_call = ran;
+    in_pass = c.stats().doorbells - d;
+    co_await c.async_flush(use_awaitable);
+  });
+  CHECK(in_pass == 0);
+  CHECK_FALSE(ran_in_call);
+  CHECK(handler_ran);
+  CHECK(from_flush_handler == 0);
+  CHECK(target == data);
+}
+
+TEST_CASE("coroutines that each await a put on one connection keep sharing a doorbell per turn", "[onesided]") {
+  onesided_pair p;
+  constexpr std::size_t kCoroutines = 8, kRounds = 50;
+  std::vector<std::byte> target(64 * kCoroutines);
+  ad::memory_region tr = p.fb.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  const auto data = pattern(64 * kCoroutines, 22);
+  std::uint64_t doorbells = 0, posts = 0;
+  p.run([&](ad::connection& c) -> awaitable<void> {
+    auto ex = co_await asio::this_coro::executor;
+    const ad::connection_stats before = c.stats();
+    std::size_t finished = 0;
+    for (std::size_t k = 0; k < kCoroutines; ++k) {
+      asio::co_spawn(ex, [&, k]() -> awaitable<void> {
+        for (std::size_t r = 0; r < kRounds; ++r) {
+          co_await c.async_put(asio::buffer(data.data() + 64 * k, 64), tr.remote().at(64 * k, 64), use_awaitable);
+          co_await asio::post(ex, use_awaitable);
+        }
+        ++finished;
+      }, asio::detached);
+    }
+    while (finished < kCoroutines) co_await asio::post(ex, use_awaitable);
+    doorbells = c.stats().doorbells - before.doorbells;
+    posts = c.stats().posts - before.posts;
+  });
+  CHECK(posts == kCoroutines * kRounds);
+  // One doorbell per round of the eight, give or take the start: never one
+  // put rung apart from the others, which would then complete apart and
+  // split every round after.
+  INFO(doorbells << " doorbells for " << posts << " puts");
+  CHECK(doorbells <= kRounds + kRounds / 5);
+  CHECK(target == data);
 }
 
 TEST_CASE("registration cache: a buffer is registered once and reused: forget_memory and eviction drop entries",

@@ -642,7 +642,7 @@ TEST_CASE("batching: sends issued in one turn share a doorbell: only some are si
   CHECK(s.signaled < s.posts / 4);
 }
 
-TEST_CASE("batching: a lone send issued outside any handler rings at once - what a send's handler issues waits",
+TEST_CASE("batching: a lone send rings in its call - sends from a pass or from handlers never do nor run inline",
           "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options());
@@ -650,31 +650,60 @@ TEST_CASE("batching: a lone send issued outside any handler rings at once - what
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
   asio::co_spawn(io, echo_server(acc, 1), f.handler());
-  std::uint64_t at_once = 99, from_handler_at_once = 99, from_handler_total = 0;
+  constexpr std::uint64_t kUnset = 99;
+  std::uint64_t lone = kUnset, from_posted_handler = kUnset, in_pass = kUnset, from_flush_handler = kUnset;
+  bool ran_in_call = true, flush_handler_ran = false;
   int echoes = 0;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    auto ex = co_await asio::this_coro::executor;
     std::array<std::byte, 32> out{};
-    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);  // a turn of its own
-    std::uint64_t d0 = c.stats().doorbells, d1 = 0;
+    auto noop = [](ad::error_code ec, std::size_t) { CHECK_FALSE(ec); };
+    // Two turns of one send each: a ping-pong.
+    for (int i = 0; i < 2; ++i) {
+      co_await asio::post(ex, use_awaitable);
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      co_await c.async_receive(use_awaitable);
+      ++echoes;
+    }
+    co_await asio::post(ex, use_awaitable);  // outside any completion
+    std::uint64_t d = c.stats().doorbells;
     c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) {
       CHECK_FALSE(ec);
-      // A send's handler likely sends again: what it issues is batched.
-      d1 = c.stats().doorbells;
-      c.async_send(asio::buffer(out), [](ad::error_code e, std::size_t) { CHECK_FALSE(e); });
-      from_handler_at_once = c.stats().doorbells - d1;
+      // A send's handler, posted: what it issues is batched.
+      const std::uint64_t d1 = c.stats().doorbells;
+      c.async_send(asio::buffer(out), noop);
+      from_posted_handler = c.stats().doorbells - d1;
     });
-    at_once = c.stats().doorbells - d0;  // before any io_context round
-    for (; echoes < 2; ++echoes) co_await c.async_receive(use_awaitable);
-    from_handler_total = c.stats().doorbells - d1;
+    lone = c.stats().doorbells - d;  // before any io_context round
+    for (int i = 0; i < 2; ++i, ++echoes) co_await c.async_receive(use_awaitable);
+    // Resumed inside the reactor's pass by the last echo: a send issued
+    // here goes at the pass's end, its handler right after its doorbell.
+    d = c.stats().doorbells;
+    bool ran = false;
+    c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) {
+      CHECK_FALSE(ec);
+      ran = true;
+      flush_handler_ran = true;
+      // Run by that flush: what it issues is batched too.
+      const std::uint64_t d1 = c.stats().doorbells;
+      c.async_send(asio::buffer(out), noop);
+      from_flush_handler = c.stats().doorbells - d1;
+    });
+    ran_in_call = ran;
+    in_pass = c.stats().doorbells - d;
+    for (int i = 0; i < 2; ++i, ++echoes) co_await c.async_receive(use_awaitable);
     co_await c.async_close(use_awaitable);
   }, f.handler());
   run_to_completion(io);
   f.check();
-  CHECK(echoes == 2);
-  CHECK(at_once == 1);
-  CHECK(from_handler_at_once == 0);
-  CHECK(from_handler_total >= 1);  // (credits may share it or follow)
+  CHECK(echoes == 6);
+  CHECK(lone == 1);
+  CHECK(from_posted_handler == 0);
+  CHECK(in_pass == 0);
+  CHECK_FALSE(ran_in_call);
+  CHECK(flush_handler_ran);
+  CHECK(from_flush_handler == 0);
 }
 
 TEST_CASE("batching: a burst beyond the batch's inline staging goes on in pool buffers, whole and in order",
