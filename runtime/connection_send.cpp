@@ -398,15 +398,20 @@ void connection_impl::issue(op_node* n, void (connection_impl::*start)(op_node*)
     issue_turn = fab_->turns;
     issued = 0;
   }
+  // (Nothing else queued, !dirty: also no reply waiting at a doorbell,
+  // at_doorbell_, which is always dirty.)
   const bool first = lone_turns == kLoneTurns && issued == 0 && !dirty && fab_->in_completion == 0 &&
-                     fab_->in_handlers == 0 && fab_->posted_completions == 0 && at_doorbell_.empty();
+                     fab_->in_handlers == 0 && fab_->posted_completions == 0;
   const std::uint64_t queued = sq_queued_;
   ringing = first;
   try {
     (this->*start)(n);
   } catch (...) {
     ringing = false;
-    if (first && dirty) fab_->schedule_flush(this);
+    if (first && dirty) {
+      dirty = false;
+      schedule();  // the flush the start left to this call
+    }
     throw;
   }
   // Only what queued work requests counts (not a flush, nor a send that

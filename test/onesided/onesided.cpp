@@ -650,6 +650,13 @@ TEST_CASE("in a ping-pong a send issued inside the reactor's pass or by a handle
 }
 
 TEST_CASE("coroutines that each await a put on one connection keep sharing a doorbell per turn", "[onesided]") {
+  // (On a device whose completions of one doorbell may arrive across
+  // polls, the coroutines drift apart whatever rings: the bound is the
+  // tcp provider's, which completes them in one pass.)
+  if (!testing_tcp()) {
+    WARN("the doorbell bound holds for the tcp provider only: nothing to test on " << provider_under_test());
+    return;
+  }
   onesided_pair p;
   constexpr std::size_t kCoroutines = 8, kRounds = 50;
   std::vector<std::byte> target(64 * kCoroutines);
