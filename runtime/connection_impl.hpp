@@ -90,7 +90,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // connection is in a ping-pong: its last kLoneTurns turns with work
   // (fabric_state::turns) each queued one operation's work requests
   // (operations issued together in turns, as coroutines that each await
-  // their own, are never rung apart), this is the turn's first,
+  // their own, are rung apart at most once: the turn that ends a
+  // ping-pong may take one doorbell more), this is the turn's first,
   // and it is issued neither inside the reactor's pass, nor by a handler a
   // flush runs, nor while a send's handler the fabric posted is still to
   // run (those likely issue more). A lone request then does not wait for

@@ -455,14 +455,20 @@ bool fabric_state::has_queued_handlers(const void* self) noexcept {
 
 void fabric_state::flush_after_dispatch(void* self) noexcept {
   auto* s = static_cast<fabric_state*>(self);
-  ++s->turns;
-  if (!s->dirty_.empty()) s->flush_all(false);
+  if (!s->dirty_.empty()) {
+    s->flush_all(false);  // ends the turn
+  } else {
+    ++s->turns;
+  }
 }
 
 void fabric_state::flush_before_poll(void* self) noexcept {
   auto* s = static_cast<fabric_state*>(self);
-  ++s->turns;
-  if (!s->dirty_.empty()) s->flush_all(true);
+  if (!s->dirty_.empty()) {
+    s->flush_all(true);  // ends the turn
+  } else {
+    ++s->turns;
+  }
 }
 
 void fabric_state::flush_all(bool defer) noexcept {
