@@ -114,12 +114,8 @@ TEST_CASE("echo: eager, inline, split and rendezvous messages arrive whole and i
   CHECK(fs.pool.gets > 0);
 }
 
-TEST_CASE("receive into a caller's buffer: a larger message is message_size, never truncated", "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair,
+                 "receive into a caller's buffer: a larger message is message_size, never truncated", "[runtime]") {
   int steps = 0;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
@@ -169,12 +165,7 @@ TEST_CASE("receive into a caller's buffer: a larger message is message_size, nev
 }
 
 // A client connected to an echo server, both on one io_context.
-struct echo_pair {
-  asio::io_context io;
-  ad::fabric server{io, test_options()};
-  ad::fabric client{io, test_options()};
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+struct echo_pair : fabric_pair {
   ad::connection c;
   const std::string text = "hello";
   echo_pair() {
@@ -339,13 +330,9 @@ TEST_CASE("completion token: a callback passed as an lvalue is copied - the call
   p.finish();
 }
 
-TEST_CASE("cancellation: a cancelled receive completes with operation_canceled: the connection stays usable",
+TEST_CASE_METHOD(fabric_pair,
+                 "cancellation: a cancelled receive completes with operation_canceled: the connection stays usable",
           "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
   asio::cancellation_signal sig;
   ad::error_code cancelled_ec;
   bool cancelled = false;
@@ -642,13 +629,9 @@ TEST_CASE("batching: sends issued in one turn share a doorbell: only some are si
   CHECK(s.signaled < s.posts / 4);
 }
 
-TEST_CASE("batching: a lone send rings in its call - sends from a pass or from handlers never do nor run inline",
+TEST_CASE_METHOD(fabric_pair,
+                 "batching: a lone send rings in its call - sends from a pass or from handlers never do nor run inline",
           "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
   asio::co_spawn(io, echo_server(acc, 1), f.handler());
   constexpr std::uint64_t kUnset = 99;
   std::uint64_t lone = kUnset, from_posted_handler = kUnset, in_pass = kUnset, from_flush_handler = kUnset;
@@ -706,16 +689,12 @@ TEST_CASE("batching: a lone send rings in its call - sends from a pass or from h
   CHECK(from_flush_handler == 0);
 }
 
-TEST_CASE("batching: a burst beyond the batch's inline staging goes on in pool buffers, whole and in order",
+TEST_CASE_METHOD(fabric_pair,
+                 "batching: a burst beyond the batch's inline staging goes on in pool buffers, whole and in order",
           "[runtime]") {
   // 40 sends of 200 bytes (216 on the wire, inline-sized) in one turn: a
   // batch stages at most 4 KiB of inline bytes, so about 18 go inline and
   // the rest in pool buffers, in the same doorbell when the queue allows.
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
   asio::co_spawn(io, echo_server(acc, 1), f.handler());
   ad::connection_stats s;
   constexpr int kBurst = 40;
@@ -866,12 +845,7 @@ TEST_CASE("busy polling: a coroutine ping-pong needs about one io_context handle
   CHECK(closed);
 }
 
-TEST_CASE("close: both sides closing at once both complete, and run() returns", "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair, "close: both sides closing at once both complete, and run() returns", "[runtime]") {
   int closed = 0;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
@@ -893,12 +867,8 @@ TEST_CASE("close: both sides closing at once both complete, and run() returns", 
   CHECK(closed == 2);
 }
 
-TEST_CASE("gather: a buffer sequence is one message: more than 16 buffers is invalid_argument", "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair,
+                 "gather: a buffer sequence is one message: more than 16 buffers is invalid_argument", "[runtime]") {
   asio::co_spawn(io, echo_server(acc, 1), f.handler());
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
@@ -945,12 +915,8 @@ TEST_CASE("a message above the peer's maximum fails with message_size at the sen
   f.check();
 }
 
-TEST_CASE("peer death: pending operations fail exactly once, other connections carry on", "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair,
+                 "peer death: pending operations fail exactly once, other connections carry on", "[runtime]") {
   std::vector<ad::error_code> endings;
   asio::co_spawn(io, echo_server(acc, 2, &endings), f.handler());
   int victim_failures = 0;

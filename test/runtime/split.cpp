@@ -59,14 +59,10 @@ bool same(const ad::message& m, const std::vector<std::byte>& v) {
 
 }  // namespace
 
-TEST_CASE("split messages: above the eager limit and up to eager_split_limit they go as eager pieces - whole and in "
-          "order",
-          "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair,
+                 "split messages: above the eager limit and up to eager_split_limit they go as eager pieces - whole and in "
+                 "order",
+                 "[runtime]") {
   asio::co_spawn(io, echo_one(acc), f.handler());
   // 8192: eager; 65536: the default split limit; 65537: rendezvous.
   const std::vector<std::size_t> sizes = {8193, 12000, 16384, 40000, 65535, 65536, 65537, 100, 20000, 8192};
@@ -105,14 +101,10 @@ TEST_CASE("split messages: above the eager limit and up to eager_split_limit the
   CHECK(echoed == static_cast<int>(sizes.size()));
 }
 
-TEST_CASE("split messages: into a caller's buffer - a larger one is message_size, never truncated, and the next "
-          "arrives",
-          "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair,
+                 "split messages: into a caller's buffer - a larger one is message_size, never truncated, and the next "
+                 "arrives",
+                 "[runtime]") {
   const auto a = pattern(20000, 1), b = pattern(20000, 2), c3 = pattern(12000, 3);
   int steps = 0;
   asio::co_spawn(io, [&]() -> awaitable<void> {
@@ -149,12 +141,8 @@ TEST_CASE("split messages: into a caller's buffer - a larger one is message_size
   CHECK(steps == 3);
 }
 
-TEST_CASE("split messages: many in flight, between eager and rendezvous ones, keep their order", "[runtime]") {
-  asio::io_context io;
-  ad::fabric server(io, test_options());
-  ad::fabric client(io, test_options());
-  ad::acceptor acc = server.listen(test_host(), 0);
-  failure f;
+TEST_CASE_METHOD(fabric_pair,
+                 "split messages: many in flight, between eager and rendezvous ones, keep their order", "[runtime]") {
   const std::vector<std::size_t> cycle = {100, 9000, 70000, 30000, 8192, 65536, 16385};
   constexpr int kCount = 280;
   int good = 0;

@@ -250,6 +250,18 @@ struct failure {
   }
 };
 
+// Two fabrics on one io_context, the server listening on an ephemeral
+// port, and a failure for the coroutines a test spawns: the common start
+// of a runtime test (TEST_CASE_METHOD(fabric_pair, ...)). Members go in
+// the reverse order, as a test's own locals would.
+struct fabric_pair {
+  asio::io_context io;
+  ad::fabric server{io, test_options()};
+  ad::fabric client{io, test_options()};
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+};
+
 // What the runtime made of a raw peer's sequences of messages
 // (raw_peer_sends), each on a connection of its own to `acc`, taken by one
 // async_receive() per connection: runs `io` to completion.
