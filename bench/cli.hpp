@@ -39,6 +39,7 @@ inline cli_options parse_cli(int argc, char** argv, const char* usage, cli_optio
     return static_cast<std::uint32_t>(v);
   };
   cli_options o = std::move(defaults);
+  bool port_zero = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -47,7 +48,16 @@ inline cli_options parse_cli(int argc, char** argv, const char* usage, cli_optio
     };
     if (a == "--server") o.server = true;
     else if (a == "--connect") o.host = next();
-    else if (a == "--port") o.port = static_cast<std::uint16_t>(number(next()));
+    else if (a == "--port") {
+      // 0..65535 (0: the server's, any free port, printed); a wider value
+      // was once taken modulo 65536.
+      const char* v = next();
+      char* end = nullptr;
+      const unsigned long p = std::strtoul(v, &end, 10);
+      if (end == v || *end != '\0' || v[0] == '-' || p > 65535) fail(std::string("--port must be 0..65535: ") + v);
+      o.port = static_cast<std::uint16_t>(p);
+      port_zero = p == 0;
+    }
     else if (a == "--test") o.test = next();
     else if (a == "-s") o.size = number(next());
     else if (a == "-n") o.iters = number(next());
@@ -57,6 +67,7 @@ inline cli_options parse_cli(int argc, char** argv, const char* usage, cli_optio
     else fail("unknown option " + a);
   }
   if (o.server == !o.host.empty()) fail("give exactly one of --server and --connect");
+  if (port_zero && !o.server) fail("--port 0 is the server's (any free port)");
   bool known = false;
   for (std::string_view t : tests) known |= o.test == t;
   if (!known) fail("unknown --test " + o.test);

@@ -99,13 +99,11 @@ options parse(int argc, char** argv) {
       "                    [-s SIZE | --all-sizes] [-n ITERS] [--window W] [--slots N] [--provider auto|tcp|verbs]\n"
       "                    [--json]";
   options o;
-  bool any_port = false;  // --port 0 (cli.hpp takes positive numbers only)
   std::vector<char*> rest{argv[0]};
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     if (a == "--json") o.json = true;
     else if (a == "--all-sizes") o.all_sizes = true;
-    else if (a == "--port" && i + 1 < argc && std::string_view(argv[i + 1]) == "0") any_port = ++i > 0;
     else rest.push_back(argv[i]);
   }
   auto fail = [&](const std::string& why) {
@@ -116,10 +114,6 @@ options parse(int argc, char** argv) {
                                     {.port = 18515, .test = "lat", .window = 0},
                                     {"lat", "send_bw", "msg_rate", "write_bw", "read_bw", "atomic_lat", "write_lat"});
   auto& c = o.cli;
-  if (any_port) {
-    if (!c.server) fail("--port 0 is the server's (any free port)");
-    c.port = 0;
-  }
   if (c.server && (o.json || o.all_sizes)) fail("--json and --all-sizes are the client's (the server follows its plan)");
   if (o.all_sizes && c.size != 0) fail("give -s or --all-sizes, not both");
   if (c.test == "atomic_lat" && c.size != 0 && c.size != 8) fail("atomic_lat operates on 8 bytes: -s 8 or none");

@@ -2,7 +2,7 @@
 // side-by-side comparison with the connection's own echo
 // (anydoor-runtime-perf) and gRPC (bench/compare-rpc.sh).
 //
-//   anydoor-rpc-perf --server [--port P] [options]
+//   anydoor-rpc-perf --server [--port P] [options]   (prints "anydoor-rpc-perf: listening on 0.0.0.0:PORT")
 //   anydoor-rpc-perf --connect HOST [--port P] [options]
 // options:
 //   --test lat|rate
@@ -65,6 +65,8 @@ ad::bench::cli_options parse(int argc, char** argv) {
 
 awaitable<void> serve(ad::fabric& fab, rpc::server& srv, const ad::bench::cli_options& o) {
   ad::acceptor acc = fab.listen("0.0.0.0", o.port);
+  std::printf("anydoor-rpc-perf: listening on 0.0.0.0:%u\n", static_cast<unsigned>(acc.port()));  // (--port 0: the one picked)
+  std::fflush(stdout);
   ad::connection c = co_await acc.async_accept(use_awaitable);
   acc.close();
   srv.add(kEcho, [](rpc::server_call& call) -> rpc::status {

@@ -2,7 +2,7 @@
 // load, for side-by-side comparison with the raw provider (anydoor-perf) and
 // peers (bench/compare-runtime.sh).
 //
-//   anydoor-runtime-perf --server [--port P] [options]
+//   anydoor-runtime-perf --server [--port P] [options]   (prints "anydoor-runtime-perf: listening on 0.0.0.0:PORT")
 //   anydoor-runtime-perf --connect HOST [--port P] [options]
 // options (the server must be given the same --test and -s):
 //   --test echo|echo_rate|msg_rate|put_lat|get_lat|put_bw
@@ -235,6 +235,8 @@ awaitable<void> echo_client(ad::connection& c, const options& o, const std::vect
 
 awaitable<void> serve(ad::fabric& fab, const options& o) {
   ad::acceptor acc = fab.listen("0.0.0.0", o.port);
+  std::printf("anydoor-runtime-perf: listening on 0.0.0.0:%u\n", static_cast<unsigned>(acc.port()));  // (--port 0: the one picked)
+  std::fflush(stdout);
   ad::connection c = co_await acc.async_accept(use_awaitable);
   if (onesided(o)) {
     co_await onesided_side(fab, c, o, true);

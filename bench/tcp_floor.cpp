@@ -4,6 +4,7 @@
 // anydoor-perf, fi_pingpong and UCX.
 //
 //   anydoor-tcp-floor --server [--port P] [--test lat|stream] [-s SIZE] [-n ITERS] [--slots N]
+//     (prints "anydoor-tcp-floor: listening on 0.0.0.0:PORT"; --port 0: any free port)
 //   anydoor-tcp-floor --connect HOST [--port P] [--test lat|stream] [-s SIZE] [-n ITERS] [--slots N]
 //
 //   lat     ping-pong of SIZE-byte messages (default 64); the client prints
@@ -64,6 +65,10 @@ int accept_one(std::uint16_t port) {
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   if (::bind(ls, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) die("bind port " + std::to_string(port));
   if (::listen(ls, 1) != 0) die("listen");
+  socklen_t len = sizeof a;
+  if (::getsockname(ls, reinterpret_cast<sockaddr*>(&a), &len) != 0) die("getsockname");
+  std::printf("anydoor-tcp-floor: listening on 0.0.0.0:%u\n", static_cast<unsigned>(ntohs(a.sin_port)));  // (--port 0: the one picked)
+  std::fflush(stdout);
   const int fd = ::accept4(ls, nullptr, nullptr, SOCK_NONBLOCK);
   if (fd < 0) die("accept");
   ::close(ls);

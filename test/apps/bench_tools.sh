@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The runtime's benchmark programs on the tcp provider, briefly: every test
+# of anydoor-runtime-perf and anydoor-rpc-perf gives its RESULT line with
+# positive figures and both sides exit 0; servers on --port 0 print the
+# port they took (as does anydoor-tcp-floor's); the shared command line's
+# port errors (exit 2). The compare-*.sh scripts parse these lines.
+#   test/apps/bench_tools.sh BIN_DIR
+bin=${1:?usage: bench_tools.sh BIN_DIR}
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
+export ANYDOOR_PROVIDER=tcp
+num='[0-9]*[1-9][0-9]*\.?[0-9]*|0\.[0-9]*[1-9][0-9]*'  # a positive number
+
+# wait_exit NAME: the server exits by itself, with 0, within 30 s of its client
+wait_exit() {
+  local pid_var="PID_$1" i
+  local pid=${!pid_var:-}
+  [ -n "$pid" ] || fail "no server named $1"
+  for i in $(seq 1 300); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -0 "$pid" 2>/dev/null && fail "$1 did not exit within 30 s of its client"
+  wait "$pid" || fail "$1 exited with $?: $(tail -3 "$tmp/$1.err")"
+}
+
+# run TOOL TEST PATTERN ARGS...: a server on --port 0 and a client, both
+# with --test TEST and ARGS; the client's RESULT line must match PATTERN.
+run() {
+  local tool=$1 test=$2 pattern=$3
+  shift 3
+  start_server server "$bin/$tool" --server --port 0 --provider tcp --test "$test" "$@"
+  expect_in "$tmp/server.out" "^$tool: listening on 0\.0\.0\.0:$PORT\$"
+  run_cmd 0 "$bin/$tool" --connect 127.0.0.1 --port "$PORT" --provider tcp --test "$test" "$@"
+  wait_exit server
+  expect_in "$tmp/last.out" "^RESULT test=$test $pattern"
+}
+
+rp=anydoor-runtime-perf
+lat="median_us=($num) p99_us=($num) mean_us=($num)\$"
+run $rp echo "size=64 iters=300 $lat" -n 300
+run $rp echo_deferred "size=64 iters=300 $lat" -n 300
+run $rp echo_rate "size=64 iters=300 window=32 Mmsgs=($num)\$" -n 300
+run $rp msg_rate "size=64 iters=300 window=64 Mmsgs=($num) MBps=($num) doorbells=($num) posts=300 signaled=($num) credit_stalls=[0-9]+\$" -n 300
+run $rp put_lat "size=64 iters=300 $lat" -n 300
+run $rp put_lat "size=65536 iters=50 $lat" -n 50 -s 65536
+run $rp get_lat "size=64 iters=300 $lat" -n 300
+run $rp put_bw "size=4096 iters=300 window=16 MBps=($num) doorbells=($num) posts=300\$" -n 300 -s 4096
+pass "anydoor-runtime-perf: every test"
+
+run anydoor-rpc-perf lat "size=64 iters=300 $lat" -n 300
+run anydoor-rpc-perf rate "size=64 iters=300 window=32 Mcalls=($num)\$" -n 300
+pass "anydoor-rpc-perf: both tests"
+
+# The floor's server prints the port it took.
+start_server floor "$bin/anydoor-tcp-floor" --server --port 0 --test lat -n 100
+expect_in "$tmp/floor.out" "^anydoor-tcp-floor: listening on 0\.0\.0\.0:$PORT\$"
+run_cmd 0 "$bin/anydoor-tcp-floor" --connect 127.0.0.1 --port "$PORT" --test lat -n 100
+wait_exit floor
+expect_in "$tmp/last.out" "^RESULT test=lat size=64 iters=100 $lat"
+pass "anydoor-tcp-floor --port 0"
+
+# The shared command line: a port is 0..65535, and 0 is a server's.
+for tool in $rp anydoor-rpc-perf anydoor-tcp-floor anydoor-perf; do
+  for p in 65536 70000 -1 x ''; do
+    run_cmd 2 "$bin/$tool" --connect 127.0.0.1 --port "$p"
+    expect_in "$tmp/last.err" "--port must be 0\.\.65535: $p\$"
+  done
+  run_cmd 2 "$bin/$tool" --connect 127.0.0.1 --port 0
+  expect_in "$tmp/last.err" "--port 0 is the server's \(any free port\)"
+done
+pass "--port errors"
