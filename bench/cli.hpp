@@ -52,9 +52,11 @@ inline cli_options parse_cli(int argc, char** argv, const char* usage, cli_optio
       // 0..65535 (0: the server's, any free port, printed); a wider value
       // was once taken modulo 65536.
       const char* v = next();
-      char* end = nullptr;
-      const unsigned long p = std::strtoul(v, &end, 10);
-      if (end == v || *end != '\0' || v[0] == '-' || p > 65535) fail(std::string("--port must be 0..65535: ") + v);
+      const std::string_view digits(v);
+      const bool ok = !digits.empty() && digits.size() <= 5 &&
+                      digits.find_first_not_of("0123456789") == std::string_view::npos;
+      const unsigned long p = ok ? std::strtoul(v, nullptr, 10) : 0;
+      if (!ok || p > 65535) fail(std::string("--port must be 0..65535: ") + v);
       o.port = static_cast<std::uint16_t>(p);
       port_zero = p == 0;
     }

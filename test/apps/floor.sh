@@ -7,23 +7,12 @@ bin=${1:?usage: floor.sh BIN_DIR}
 source "$(dirname "$0")/lib.sh"
 floor=$bin/anydoor-tcp-floor
 
-# pair ARGS...: a server on a free port and a client with the same ARGS; the
-# client's output in $tmp/last.out. The floor has no --port 0: a port that
-# turns out taken (the server exits at once) is tried again with another.
+# pair ARGS...: a server on --port 0 (it prints the port it took) and a
+# client with the same ARGS; the client's output in $tmp/last.out.
 pair() {
-  local attempt port
-  for attempt in 1 2 3 4 5; do
-    port=$((20000 + RANDOM % 30000))
-    "$floor" --server --port "$port" "$@" >"$tmp/server.out" 2>"$tmp/server.err" &
-    local spid=$!
-    _pids+=("$spid")
-    sleep 0.2
-    kill -0 "$spid" 2>/dev/null || { wait "$spid"; continue; }
-    run_cmd 0 "$floor" --connect 127.0.0.1 --port "$port" "$@"
-    wait "$spid" || fail "the server exited with $?: $*"
-    return 0
-  done
-  fail "no free port in 5 tries: $(cat "$tmp/server.err")"
+  start_server floor "$floor" --server --port 0 "$@"
+  run_cmd 0 "$floor" --connect 127.0.0.1 --port "$PORT" "$@"
+  wait "$PID_floor" || fail "the server exited with $?: $*"
 }
 
 pair --test lat -n 200
