@@ -126,7 +126,8 @@ void resume_coroutines(benchmark::State& state, Await await_next) {
   // A batch larger than n: the pass ends after the n completions (a full
   // batch would make the reactor poll again, and the resumed coroutines
   // have queued n more).
-  ad::reactor r(io, cq, {.mode = ad::poll_mode::busy, .batch = 2 * kBatch, .spin_polls = passes});
+  constexpr std::uint32_t kResumeBatch = 2 * kBatch;
+  ad::reactor r(io, cq, {.mode = ad::poll_mode::busy, .batch = kResumeBatch, .spin_polls = passes});
   std::deque<awaited_op> ops(n);
   bool stop = false;
   for (awaited_op& op : ops) {
@@ -149,7 +150,7 @@ void resume_coroutines(benchmark::State& state, Await await_next) {
   for (const awaited_op& op : ops) after += op.resumed;
   // Each step makes P passes, or fewer where its completions reach the
   // batch first (reactor::spin_step): every pass resumes all n.
-  const std::uint64_t per_step = n * std::min<std::uint64_t>(passes, (2 * kBatch + n - 1) / n);
+  const std::uint64_t per_step = n * std::min<std::uint64_t>(passes, (kResumeBatch + n - 1) / n);
   if (after - before + n < static_cast<std::uint64_t>(state.iterations()) * per_step) {
     state.SkipWithError("coroutines not resumed");
   }

@@ -453,21 +453,15 @@ bool fabric_state::has_queued_handlers(const void* self) noexcept {
   return s->posted_completions > 0 || s->flush_posted_;
 }
 
-void fabric_state::flush_after_dispatch(void* self) noexcept {
-  auto* s = static_cast<fabric_state*>(self);
-  if (!s->dirty_.empty()) {
-    s->flush_all(false);  // ends the turn
-  } else {
-    ++s->turns;
-  }
-}
+void fabric_state::flush_after_dispatch(void* self) noexcept { static_cast<fabric_state*>(self)->end_turn(false); }
 
-void fabric_state::flush_before_poll(void* self) noexcept {
-  auto* s = static_cast<fabric_state*>(self);
-  if (!s->dirty_.empty()) {
-    s->flush_all(true);  // ends the turn
+void fabric_state::flush_before_poll(void* self) noexcept { static_cast<fabric_state*>(self)->end_turn(true); }
+
+void fabric_state::end_turn(bool defer) noexcept {
+  if (!dirty_.empty()) {
+    flush_all(defer);  // (counts the turn)
   } else {
-    ++s->turns;
+    ++turns;
   }
 }
 

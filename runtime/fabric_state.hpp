@@ -228,6 +228,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   void free_block(op_node& h) noexcept;  // unpoisoned, deregistered, freed (the holder stays)
   void drop_kept() noexcept;             // frees every kept block
   void flush_all(bool defer) noexcept;
+  void end_turn(bool defer) noexcept;  // the hooks: flush_all where anything is dirty, else only count the turn
   void post_flush();  // one posted flush_all(true) at a time
   std::size_t active_ = 0;
   bool stop_check_posted_ = false;

@@ -11,19 +11,6 @@ source "$(dirname "$0")/lib.sh"
 export ANYDOOR_PROVIDER=tcp
 num='[0-9]*[1-9][0-9]*\.?[0-9]*|0\.[0-9]*[1-9][0-9]*'  # a positive number
 
-# wait_exit NAME: the server exits by itself, with 0, within 30 s of its client
-wait_exit() {
-  local pid_var="PID_$1" i
-  local pid=${!pid_var:-}
-  [ -n "$pid" ] || fail "no server named $1"
-  for i in $(seq 1 300); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  kill -0 "$pid" 2>/dev/null && fail "$1 did not exit within 30 s of its client"
-  wait "$pid" || fail "$1 exited with $?: $(tail -3 "$tmp/$1.err")"
-}
-
 # run TOOL TEST PATTERN ARGS...: a server on --port 0 and a client, both
 # with --test TEST and ARGS; the client's RESULT line must match PATTERN.
 run() {
@@ -32,7 +19,7 @@ run() {
   start_server server "$bin/$tool" --server --port 0 --provider tcp --test "$test" "$@"
   [ "$(head -1 "$tmp/server.out")" = "$tool: listening on 0.0.0.0:$PORT" ] || fail "$tool's first line is not its port"
   run_cmd 0 "$bin/$tool" --connect 127.0.0.1 --port "$PORT" --provider tcp --test "$test" "$@"
-  wait_exit server
+  wait_exit server "$tool --test $test $*"
   expect_in "$tmp/last.out" "^RESULT test=$test $pattern"
 }
 

@@ -12,7 +12,7 @@ floor=$bin/anydoor-tcp-floor
 pair() {
   start_server floor "$floor" --server --port 0 "$@"
   run_cmd 0 "$floor" --connect 127.0.0.1 --port "$PORT" "$@"
-  wait "$PID_floor" || fail "the server exited with $?: $*"
+  wait_exit floor "$*"
 }
 
 pair --test lat -n 200

@@ -5,6 +5,9 @@
 #                              on HOST:PORT" line; sets PORT and PID_NAME
 #   run_cmd WANT_RC CMD...     runs CMD (60 s limit), output in $tmp/last.out/.err
 #   expect_in FILE REGEX       FILE has a line matching REGEX
+#   wait_exit NAME [WHAT]      the server start_server NAME started exits by
+#                              itself, with 0, within 30 s (WHAT: for the
+#                              failure's message)
 #   when_line FILE REGEX CMD... in the background: once FILE has a line
 #                              matching REGEX (at most 30 s), runs CMD; a
 #                              loaded machine cannot make CMD come too early
@@ -41,6 +44,18 @@ start_server() {
     sleep 0.05
   done
   fail "$name did not say 'listening on' within 10 s: $*"
+}
+
+wait_exit() {
+  local pid_var="PID_$1" i
+  local pid=${!pid_var:-}
+  [ -n "$pid" ] || fail "no server named $1"
+  for i in $(seq 1 300); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -0 "$pid" 2>/dev/null && fail "$1 did not exit within 30 s of its client: ${2:-}"
+  wait "$pid" || fail "$1 exited with $? after: ${2:-}"
 }
 
 run_cmd() {

@@ -9,22 +9,11 @@ source "$(dirname "$0")/lib.sh"
 export ANYDOOR_PROVIDER=tcp
 perf=$bin/anydoor-perf
 
-# wait_server: the server exits by itself, with 0, within 30 s of its client
-wait_server() {
-  local i
-  for i in $(seq 1 300); do
-    kill -0 "$PID_perf" 2>/dev/null || break
-    sleep 0.1
-  done
-  kill -0 "$PID_perf" 2>/dev/null && fail "the server did not exit within 30 s of its client: $*"
-  wait "$PID_perf" || fail "the server exited with $? after: $*"
-}
-
 # client ARGS...: one server (any port) and one client; the client's output in $tmp/last.out
 client() {
   start_server perf "$perf" --server --port 0
   run_cmd 0 "$perf" --connect 127.0.0.1 --port "$PORT" "$@"
-  wait_server "$@"
+  wait_exit perf "$*"
 }
 
 # check_json FILE TEST: every line one JSON object with exactly the
@@ -115,7 +104,7 @@ pass "atomic_lat --all-sizes: 8 B only"
 # A server's own --test is the client's to decide.
 start_server perf "$perf" --server --port 0 --test write_bw
 run_cmd 0 "$perf" --connect 127.0.0.1 --port "$PORT" --test lat -n 200
-wait_server "the server did not follow the client's plan"
+wait_exit perf "the server did not follow the client's plan"
 expect_in "$tmp/last.out" '^RESULT test=lat '
 pass "the server follows the client's plan"
 
