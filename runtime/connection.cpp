@@ -683,6 +683,37 @@ void connection_impl::begin_drain() noexcept {
   fab_->busy();
 }
 
+void connection_impl::abandon() noexcept {
+  if (self_ == nullptr || state_ == state::setup) return;  // (setup: the helper's ending releases it)
+  auto keep = shared_from_this();
+  fail(errc::connection_closed);  // (nothing when failed or closed already)
+  // The queue pair goes first: the device lets go of every buffer posted.
+  qp_.reset();
+  const std::error_code ec = error_ ? error_ : std::error_code(errc::connection_closed);
+  while (sq_retired_ < sq_posted_) {
+    const sq_slot s = std::exchange(sq_[ring_slot(sq_retired_, sq_.size())], {});
+    ++sq_retired_;
+    if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
+    if (s.signaled) fab_->idle();
+    if (s.op == nullptr) continue;
+    if (s.kind == slot_kind::read_last) {
+      active_.remove(s.op);
+      if (s.op->kind == op_kind::receive_message) rendezvous_held_ -= s.op->length;
+      complete(s.op, true, ec);
+    } else if (s.kind == slot_kind::onesided_last) {
+      complete(s.op, true, ec);
+    }
+  }
+  complete_parked(true);
+  for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
+  rq_done_ = rq_posted_;
+  srq_release();
+  if (send_base_ != 0) fab_->reactor->untrack(send_base_);
+  if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
+  send_base_ = recv_base_ = 0;
+  maybe_release_self();
+}
+
 void connection_impl::maybe_release_self() noexcept {
   if (self_ == nullptr) return;
   if (sq_retired_ != sq_posted_ || rq_done_ != rq_posted_) return;

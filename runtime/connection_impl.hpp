@@ -107,6 +107,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void cancel(op_node* n, asio::cancellation_type type);
   void abort() noexcept;
   void on_handle_released() noexcept;
+  // ~fabric: nothing will poll the completion queue again, so the flushes
+  // this connection waits for (self_) will never come: it gives up what it
+  // posted as flushed and lets itself go (handlers are posted, not run).
+  void abandon() noexcept;
 
   // Liveness (fabric_state's tick): fails the connection when the peer has
   // been silent for keepalive, sends a heartbeat when we have been; returns

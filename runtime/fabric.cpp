@@ -258,6 +258,14 @@ void fabric_state::count_failure(std::error_code ec) noexcept {
 
 void fabric_state::remove(connection_impl* c) noexcept { std::erase(conns_, c); }
 
+// Backwards: a connection that goes in abandon() leaves conns_, moving only
+// those after it, already seen.
+void fabric_state::abandon_connections() noexcept {
+  for (std::size_t i = conns_.size(); i-- > 0;) {
+    if (i < conns_.size()) conns_[i]->abandon();
+  }
+}
+
 void fabric_state::trim_free_lists() noexcept {
   nodes_.trim();
   batches_.trim();
@@ -573,6 +581,11 @@ fabric::~fabric() {
   state_->stop_liveness();
   state_->helpers.stop_all();
   state_->stop_copies();
+  // A connection whose handle is gone waits for its flushes to let itself
+  // go, and it holds the fabric's state: if the io_context stopped before
+  // they were polled (a server's shutdown often stops it), both would stay
+  // for ever, the device's descriptors and threads included.
+  state_->abandon_connections();
 }
 
 std::string_view fabric::provider() const noexcept { return state_->device->provider(); }

@@ -207,6 +207,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   const std::vector<connection_impl*>& connections() const noexcept { return conns_; }
   void add(connection_impl* c);        // prepare()
   void remove(connection_impl* c) noexcept;  // ~connection_impl
+  void abandon_connections() noexcept;       // ~fabric (connection_impl::abandon)
   static constexpr std::chrono::milliseconds kMinTick{20};
   static constexpr std::chrono::milliseconds kMaxTick{1000};
 

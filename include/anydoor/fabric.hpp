@@ -15,7 +15,10 @@
 // short-lived helper thread; its result is delivered on the io_context.
 // A fabric, its connections and their messages belong to one thread; the
 // fabric must outlive them (and its acceptors), and the io_context must
-// outlive the fabric.
+// outlive the fabric. A connection whose handle is gone lets itself go once
+// the device has flushed what it posted; the fabric's destructor ends that
+// wait when the io_context no longer runs (their queue pairs destroyed,
+// their pending handlers posted with connection_closed, never run there).
 #pragma once
 
 #include <anydoor/buffer_pool.hpp>

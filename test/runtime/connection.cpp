@@ -3,6 +3,7 @@
 // tokens, cancellation, close and peer death. Every test drives io.run()
 // to its natural end under a watchdog: run() must return once the work is
 // done, so a hang (or work left behind) fails the test.
+#include "../support/process.hpp"
 #include "../support/runtime.hpp"
 
 #include <anydoor/anydoor.hpp>
@@ -1526,6 +1527,44 @@ TEST_CASE("a fabric destroyed while a connect waits for its peer ends the attemp
     io2.reset();  // the handler (operation_canceled, posted) is destroyed unrun
     std::this_thread::sleep_for(600ms);  // past connect_timeout: an unstopped helper would post now
     CHECK(calls == 0);
+  }
+}
+
+TEST_CASE("a fabric destroyed before its connections' flushes are polled keeps nothing: connections and the fabric go",
+          "[runtime]") {
+  // A connection whose handle is released moves its queue pair to error
+  // and waits for the flushes of what it had posted before it lets itself
+  // go. When nothing polls again (io stopped, as a server's shutdown often
+  // does) the fabric's destructor must end that wait, or every connection
+  // holds the fabric (its device, pool and descriptors) for ever. Counted
+  // by file descriptors: a kept fabric keeps its device's.
+  const std::size_t before = open_fds();
+  for (const int variant : {0, 1, 2}) {
+    const bool in_flight = variant != 0, srq = variant == 2;
+    INFO("a send in flight: " << in_flight << ", a shared receive queue: " << srq);
+    {
+      const std::vector<std::byte> big(256 * 1024, std::byte{7});  // (outlives the fabrics)
+      int sends = 0;
+      asio::io_context io;
+      ad::fabric_options o = test_options();
+      if (srq) o.srq_buffers = 64;
+      ad::fabric server(io, o);
+      ad::fabric client(io, o);
+      ad::acceptor acc = server.listen(test_host(), 0);
+      auto [a, c] = connect_through(io, client, acc, addr(acc));
+      if (in_flight) {
+        // A rendezvous send (its read never served) and an eager one.
+        c.async_send(asio::buffer(big), [&](ad::error_code, std::size_t) { ++sends; });
+        c.async_send(asio::buffer(big.data(), 64), [&](ad::error_code, std::size_t) { ++sends; });
+        io.poll();
+      }
+      CHECK(open_fds() > before);  // (the count sees a fabric's descriptors)
+      // Both handles go with no poll after: their flushes stay unpolled.
+      a = {};
+      c = {};
+      acc = {};
+    }
+    CHECK(open_fds() == before);
   }
 }
 

@@ -1,6 +1,7 @@
 // Ring indexing without a division (ring_slot) and the rings that use it:
-// queues of any size wrap in order, and a completion queue whose ring is
-// rounded up to a power of two still overflows at the depth it was given.
+// queues of any size wrap in order; the tcp provider's completion ring has
+// exactly its depth of slots (wrapped indices, not rounded up), overflows
+// at that depth and hands out a run across its end in order.
 #include "../support/harness.hpp"
 #include "ring_slot.hpp"
 
@@ -37,7 +38,7 @@ TEST_CASE("ring_slot is i % n for every ring size, powers of two or not", "[unit
 TEST_CASE("queues of sizes that are not powers of two wrap in order", "[unit][tcp]") {
   // 5 sends and 3 receives outstanding: the send and receive rings wrap
   // many times over 300 messages, through the division path; completion
-  // queues of 7 get rings of 8 slots (the mask path) and wrap too.
+  // queues of 7 (rings of 7 slots) wrap too.
   connected_pair p({.max_send_wr = 5, .max_recv_wr = 3}, 7, 7);
   constexpr std::uint32_t kCount = 300;
   std::vector<std::uint32_t> src(kCount), dst(3);
@@ -108,18 +109,64 @@ std::error_code eight_into(std::uint32_t depth, std::size_t& taken) {
 
 }  // namespace
 
-TEST_CASE("tcp provider: a completion queue overflows at its depth, not at its ring's rounded-up size",
-          "[unit][tcp]") {
+TEST_CASE("tcp provider: a completion queue overflows at its depth, neither before nor after", "[unit][tcp]") {
   if (!testing_tcp()) {
     // A verbs device may round a completion queue's depth up (ibv_create_cq).
     WARN("not run on " << provider_under_test() << ": checks the tcp provider's completion ring");
     return;
   }
   std::size_t taken = 0;
-  // A depth of 5 has a ring of 8 slots: the sixth completion must still overflow it.
+  // Eight into five: the sixth completion overflows it.
   CHECK(eight_into(5, taken) == anydoor::errc::cq_overflow);
   CHECK(taken == 0);
   // The control: a depth of 8 takes all eight.
   CHECK_FALSE(eight_into(8, taken));
   CHECK(taken == 8);
+}
+
+TEST_CASE("tcp provider: one poll takes completions that run across the ring's end - in order", "[unit][tcp]") {
+  if (!testing_tcp()) {
+    WARN("not run on " << provider_under_test() << ": checks the tcp provider's completion ring");
+    return;
+  }
+  // b's completion queue holds 7 and takes only receive completions: the
+  // k-th lands in slot k % 7. Rounds of 5 messages, each sent with one
+  // doorbell and polled with room for 8, start at slots 0, 5, 3, 1, 6, 4, 2:
+  // most rounds' completions continue from the ring's end at its start.
+  connected_pair p({.max_send_wr = 8, .max_recv_wr = 8}, 4096, 7);
+  std::vector<char> src(8, 'w'), dst(5 * 8);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), tp::access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), tp::access::local_write);
+  const tp::sge ssg = smr->slice(0, 8);
+  std::uint64_t next = 0;   // the next receive's wr_id, in the order b must hand them out
+  std::size_t spanning = 0;  // polls that took a run across the ring's end
+  for (int round = 0; round < 14; ++round) {
+    std::vector<tp::sge> rsg;
+    std::vector<tp::recv_request> rr;
+    std::vector<tp::work_request> wrs;
+    for (std::size_t i = 0; i < 5; ++i) rsg.push_back(dmr->slice(i * 8, 8));
+    for (std::size_t i = 0; i < 5; ++i) rr.push_back({.wr_id = next + i, .sg_list = {&rsg[i], 1}});
+    for (std::uint64_t i = 0; i < 5; ++i) wrs.push_back(send_wr(next + i, {&ssg, 1}));
+    REQUIRE_FALSE(p.b.qp->post_recv(rr));
+    REQUIRE_FALSE(p.a.qp->post_send(wrs));
+    std::this_thread::sleep_for(20ms);  // (the five in b's socket: its next pass takes them at once)
+    const std::uint64_t end = next + 5;
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (next < end && std::chrono::steady_clock::now() < deadline) {
+      tp::completion c[8];
+      std::error_code ec;
+      const std::size_t n = p.b.cq->poll(c, ec);
+      REQUIRE_FALSE(ec);
+      if (n >= 2 && next % 7 + n > 7) ++spanning;
+      for (std::size_t k = 0; k < n; ++k) {
+        INFO("round " << round << ", completion " << k << " of " << n);
+        REQUIRE(c[k].status == tp::wc_status::success);
+        REQUIRE(c[k].wr_id == next);
+        ++next;
+      }
+    }
+    REQUIRE(next == end);
+    for (int i = 0; i < 5; ++i) CHECK(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  }
+  CHECK(spanning > 0);
 }

@@ -16,7 +16,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -313,9 +312,8 @@ int check_fd(int fd, const char* what) {
 }
 }  // namespace
 
-// The ring has a power of two of slots (indices without a division);
 // depth_, which create_cq caps at max_cqe (2^20), is where it overflows.
-tcp_cq::tcp_cq(std::uint32_t depth) : depth_(depth), ring_(std::bit_ceil(depth)) {
+tcp_cq::tcp_cq(std::uint32_t depth) : depth_(depth), ring_(depth) {
   epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
   evfd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
   timerfd_ = check_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC), "timerfd_create");
@@ -379,7 +377,7 @@ void tcp_cq::signal() noexcept {
 
 void tcp_cq::push(const completion& c) noexcept {
   if (overflow_) return;
-  if (ring_tail_ - ring_head_ == depth_) {
+  if (ring_used_ == depth_) {
     overflow_ = true;
     log().error("completion queue overflow (depth {}): completion of wr_id {} lost; "
                 "queue pairs on it move to error", depth_, c.wr_id);
@@ -387,7 +385,9 @@ void tcp_cq::push(const completion& c) noexcept {
     signal();
     return;
   }
-  ring_[ring_slot(ring_tail_++, ring_.size())] = c;
+  ring_[ring_tail_] = c;
+  ring_tail_ = ring_tail_ + 1 == depth_ ? 0 : ring_tail_ + 1;
+  ++ring_used_;
   if (armed_) {
     armed_ = false;
     signal();
@@ -442,13 +442,19 @@ void tcp_cq::progress() noexcept {
 
 std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {
   ++counters_.polls;
-  if (!overflow_ && ring_head_ == ring_tail_) progress();
+  if (!overflow_ && ring_used_ == 0) progress();
   if (overflow_) {
     ec = errc::cq_overflow;
     return 0;
   }
-  std::size_t n = 0;
-  while (n < out.size() && ring_head_ != ring_tail_) out[n++] = ring_[ring_slot(ring_head_++, ring_.size())];
+  // At most two runs: to the ring's end, then from its start.
+  const std::uint32_t n = static_cast<std::uint32_t>(std::min<std::size_t>(out.size(), ring_used_));
+  const std::uint32_t first = std::min(n, depth_ - ring_head_);
+  std::copy_n(ring_.begin() + ring_head_, first, out.begin());
+  std::copy_n(ring_.begin(), n - first, out.begin() + first);
+  ring_head_ = n - first != 0 ? n - first : ring_head_ + first;
+  if (ring_head_ == depth_) ring_head_ = 0;
+  ring_used_ -= n;
   if (n == 0) ++counters_.empty_polls;
   counters_.completions += n;
   ec.clear();
@@ -464,7 +470,7 @@ std::error_code tcp_cq::arm() noexcept {
   // Stricter than verbs: completions already queued notify at once, and so
   // does input already read but not processed (a pass takes at most 256
   // frames; the socket is empty, so epoll would not wake the sleeper).
-  bool wake = ring_head_ != ring_tail_;
+  bool wake = ring_used_ != 0;
   for (std::size_t i = 0; i < pending_.size() && !wake; ++i) wake = pending_[i]->has_pending_work();
   if (wake) {
     armed_ = false;

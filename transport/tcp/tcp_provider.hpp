@@ -393,10 +393,14 @@ class tcp_cq final : public completion_queue {
   std::shared_ptr<free_stash<rx_staging>> staging_ = std::make_shared<free_stash<rx_staging>>();
   std::shared_ptr<free_stash<tx_batch>> batches_ = std::make_shared<free_stash<tx_batch>>();
 
+  // depth_ slots, not rounded up to a power of two: that would double the
+  // ring (a fabric asks for max_connections * send_queue + receives) for
+  // the division it saves, which the wrapped indices here save as well.
   std::uint32_t depth_;
   std::vector<completion> ring_;
-  std::uint64_t ring_head_ = 0;
-  std::uint64_t ring_tail_ = 0;
+  std::uint32_t ring_head_ = 0;  // slot of the oldest
+  std::uint32_t ring_tail_ = 0;  // slot of the next
+  std::uint32_t ring_used_ = 0;
   bool armed_ = false;
   bool overflow_ = false;
   int epfd_ = -1;
