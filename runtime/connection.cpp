@@ -74,11 +74,9 @@ connection_impl::~connection_impl() {
     fab_->idle();
     auth_->waiter->done(errc::connection_closed, nullptr);
   }
-  // Normally empty: flush() or fail() completes them within the pass.
-  while (op_node* n = at_doorbell_.pop_front()) complete(n, true, errc::connection_closed);
-  while (op_node* n = parked_.pop_front()) complete(n, true, errc::connection_closed);
-  while (op_node* n = behind_staged_.pop_front()) complete(n, true, errc::connection_closed);
-  if (op_node* n = std::exchange(close_waiting_, nullptr)) complete(n, true, errc::connection_closed);  // (transfers dropped)
+  // Normally empty: flush() or fail() completes them within the pass. (No
+  // work request is outstanding: self_ held the connection until then.)
+  end_all_waiting(errc::connection_closed);  // (a close_waiting_'s transfers dropped)
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   fab_->forget(this);
@@ -686,9 +684,13 @@ void connection_impl::begin_drain() noexcept {
 void connection_impl::abandon() noexcept {
   if (self_ == nullptr || state_ == state::setup) return;  // (setup: the helper's ending releases it)
   auto keep = shared_from_this();
-  fail(errc::connection_closed);  // (nothing when failed or closed already)
-  // The queue pair goes first: the device lets go of every buffer posted.
+  // The queue pair goes before any operation ends: the device lets go of
+  // every buffer posted. (The verbs provider keeps one that shares a
+  // receive queue, in error, until the shared queue goes with the fabric's
+  // state: in error it places no more data.)
   qp_.reset();
+  fail(errc::connection_closed);  // (nothing when failed or closed already)
+  drop_unposted();                // (a closed connection's; fail() dropped a failed one's)
   const std::error_code ec = error_ ? error_ : std::error_code(errc::connection_closed);
   while (sq_retired_ < sq_posted_) {
     const sq_slot s = std::exchange(sq_[ring_slot(sq_retired_, sq_.size())], {});
@@ -705,6 +707,7 @@ void connection_impl::abandon() noexcept {
     }
   }
   complete_parked(true);
+  end_all_waiting(ec);  // (a closed connection's flush waiting for a target that will never retire)
   for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
   rq_done_ = rq_posted_;
   srq_release();
@@ -712,6 +715,15 @@ void connection_impl::abandon() noexcept {
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   send_base_ = recv_base_ = 0;
   maybe_release_self();
+}
+
+// Whatever still waits ends with ec, posted: nothing is left to complete it.
+void connection_impl::end_all_waiting(std::error_code ec) noexcept {
+  for (op_list* l : {&send_waiting_, &behind_staged_, &at_doorbell_, &recv_waiting_, &note_waiting_, &active_,
+                     &flushes_, &parked_}) {
+    while (op_node* n = l->pop_front()) complete(n, true, ec);
+  }
+  if (op_node* n = std::exchange(close_waiting_, nullptr)) complete(n, true, ec);
 }
 
 void connection_impl::maybe_release_self() noexcept {

@@ -336,6 +336,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void complete(op_node* n, bool post, std::error_code ec, std::size_t size = 0) noexcept;
   void complete_message(op_node* n, bool post, message m) noexcept;
   void maybe_release_self() noexcept;
+  void end_all_waiting(std::error_code ec) noexcept;  // abandon, ~connection_impl
   void begin_drain() noexcept;  // keeps the reactor polling until every flush is back
 
   std::shared_ptr<fabric_state> fab_;

@@ -682,8 +682,10 @@ struct connect_waiter final : detail::setup_waiter {
       handler->complete(false, ec, connection{});
       return;
     }
+    // (One that ended since, its queue pair gone if ~fabric abandoned it, is
+    // still delivered, as from an accept: its first operation reports why.)
     ++f.connected;
-    log().info("fabric: connected to {}:{} (qp {}, authenticated)", host, port, conn->qp().qp_num());
+    log().info("fabric: connected to {}:{} (qp {}, authenticated)", host, port, conn->qp_num());
     handler->complete(false, std::error_code{}, connection(conn));
   }
 };
@@ -764,7 +766,7 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
   impl->on_connected(peer);
   if (f.device->caps().established_by_message) impl->speak_first();
   ++f.connected;
-  log().info("fabric: connected to {}:{} (qp {})", host, port, impl->qp().qp_num());
+  log().info("fabric: connected to {}:{} (qp {})", host, port, impl->qp_num());
   h->complete(false, std::error_code{}, connection(std::move(impl)));
 }
 
@@ -1131,7 +1133,7 @@ void acceptor::state::deliver(std::shared_ptr<detail::connection_impl> conn) {
   detail::pending_handler* h = std::exchange(pending, nullptr);
   fab->idle();
   ++fab->accepted;
-  log().info("fabric: accepted a connection (qp {}{})", conn->qp().qp_num(), fab->auth ? ", authenticated" : "");
+  log().info("fabric: accepted a connection (qp {}{})", conn->qp_num(), fab->auth ? ", authenticated" : "");
   h->complete(false, std::error_code{}, connection(std::move(conn)));
   delete h;
 }
@@ -1212,7 +1214,7 @@ void acceptor::start_accept(const std::shared_ptr<state>& sp, detail::pending_ha
       continue;
     }
     ++s.fab->accepted;
-    log().info("fabric: accepted a connection (qp {}, authenticated)", conn->qp().qp_num());
+    log().info("fabric: accepted a connection (qp {}, authenticated)", conn->qp_num());
     h->complete(true, std::error_code{}, connection(std::move(conn)));
     delete h;
     return;

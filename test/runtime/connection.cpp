@@ -1536,35 +1536,79 @@ TEST_CASE("a fabric destroyed before its connections' flushes are polled keeps n
   // and waits for the flushes of what it had posted before it lets itself
   // go. When nothing polls again (io stopped, as a server's shutdown often
   // does) the fabric's destructor must end that wait, or every connection
-  // holds the fabric (its device, pool and descriptors) for ever. Counted
-  // by file descriptors: a kept fabric keeps its device's.
+  // holds the fabric (its device, pool and descriptors) for ever: counted
+  // by file descriptors, a kept fabric keeps its device's. Each operation
+  // left must end once, posted (run by a poll after the fabrics went). The
+  // server has an io_context of its own, not polled while the client's
+  // operations go out: with the tcp provider nothing of them is answered.
+  {
+    asio::io_context warm;  // (a provider's lazily opened, process-wide descriptors are counted before)
+    ad::fabric f(warm, test_options());
+  }
   const std::size_t before = open_fds();
   for (const int variant : {0, 1, 2}) {
     const bool in_flight = variant != 0, srq = variant == 2;
-    INFO("a send in flight: " << in_flight << ", a shared receive queue: " << srq);
+    INFO("operations in flight: " << in_flight << ", a shared receive queue: " << srq);
+    std::vector<std::byte> big(256 * 1024, std::byte{7}), target(4096), src(4096, std::byte{1});
+    // Each operation's ends, by the order below (outlive the fabrics, as a caller's must).
+    std::array<std::vector<ad::error_code>, 6> ends;
+    auto end = [&ends](std::size_t i) { return [&ends, i](ad::error_code ec, auto&&...) { ends[i].push_back(ec); }; };
     {
-      const std::vector<std::byte> big(256 * 1024, std::byte{7});  // (outlives the fabrics)
-      int sends = 0;
-      asio::io_context io;
-      ad::fabric_options o = test_options();
-      if (srq) o.srq_buffers = 64;
-      ad::fabric server(io, o);
-      ad::fabric client(io, o);
-      ad::acceptor acc = server.listen(test_host(), 0);
-      auto [a, c] = connect_through(io, client, acc, addr(acc));
-      if (in_flight) {
-        // A rendezvous send (its read never served) and an eager one.
-        c.async_send(asio::buffer(big), [&](ad::error_code, std::size_t) { ++sends; });
-        c.async_send(asio::buffer(big.data(), 64), [&](ad::error_code, std::size_t) { ++sends; });
-        io.poll();
+      asio::io_context io_s, io_c;
+      {
+        ad::fabric_options o = test_options();
+        if (srq) o.srq_buffers = 64;
+        ad::fabric server(io_s, o);
+        ad::fabric client(io_c, o);
+        ad::memory_region dst = server.register_memory(target, ad::access::local_write | ad::access::remote_write);
+        ad::memory_region from = client.register_memory(src, ad::access::local_write);
+        {
+          ad::acceptor acc = server.listen(test_host(), 0);
+          ad::connection a, c;
+          acc.async_accept([&](ad::error_code ec, ad::connection conn) {
+            CHECK_FALSE(ec);
+            a = std::move(conn);
+          });
+          client.async_connect(addr(acc), [&](ad::error_code ec, ad::connection conn) {
+            CHECK_FALSE(ec);
+            c = std::move(conn);
+          });
+          const auto deadline = std::chrono::steady_clock::now() + 10s;
+          while ((!a || !c) && std::chrono::steady_clock::now() < deadline) {
+            io_s.poll();
+            io_c.poll();
+          }
+          REQUIRE(a);
+          REQUIRE(c);
+          if (in_flight) {
+            // A rendezvous send, an eager one, a put and a flush behind
+            // them, and a receive on each end; the client's io runs a while
+            // (its doorbells rung), the server's not: nothing is answered.
+            c.async_send(asio::buffer(big), end(0));
+            c.async_send(asio::buffer(big.data(), 64), end(1));
+            c.async_put(from, dst.remote(), end(2));
+            c.async_flush(end(3));
+            c.async_receive(end(4));
+            a.async_receive(end(5));
+            io_c.restart();  // (its poll() ran out of work: stopped)
+            io_c.run_for(50ms);
+            CHECK(ends[2].empty());  // (still posted)
+          }
+          CHECK(open_fds() > before);  // (the count sees a fabric's descriptors)
+        }  // the handles go, with no poll after: their flushes stay unpolled
       }
-      CHECK(open_fds() > before);  // (the count sees a fabric's descriptors)
-      // Both handles go with no poll after: their flushes stay unpolled.
-      a = {};
-      c = {};
-      acc = {};
+      for (auto* io : {&io_s, &io_c}) {
+        io->restart();
+        io->poll();  // what the destructors posted
+      }
     }
     CHECK(open_fds() == before);
+    for (std::size_t i = 0; i < ends.size(); ++i) {
+      INFO("operation " << i);
+      REQUIRE(ends[i].size() == (in_flight ? 1u : 0u));
+      // An eager send is complete once its copy is posted: that one may have succeeded.
+      if (in_flight && !(i == 1 && !ends[i][0])) CHECK(ends[i][0] == ad::errc::connection_closed);
+    }
   }
 }
 
