@@ -206,6 +206,31 @@ inline std::pair<ad::connection, ad::connection> connect_through(asio::io_contex
   return {std::move(a), std::move(c)};
 }
 
+// The same with the server's fabric on io_context `sio` and the client's
+// on `cio`, both polled here in turn until both ends completed (at most 10
+// s). (poll() stops an io_context that runs out of work: restart() it
+// before running it again, or keep a work guard.)
+inline std::pair<ad::connection, ad::connection> connect_across(asio::io_context& sio, asio::io_context& cio,
+                                                                ad::fabric& client, ad::acceptor& acc) {
+  ad::connection a, c;
+  acc.async_accept([&](ad::error_code ec, ad::connection conn) {
+    CHECK_FALSE(ec);
+    a = std::move(conn);
+  });
+  client.async_connect(test_host() + ":" + std::to_string(acc.port()), [&](ad::error_code ec, ad::connection conn) {
+    CHECK_FALSE(ec);
+    c = std::move(conn);
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while ((!a || !c) && std::chrono::steady_clock::now() < deadline) {
+    sio.poll();
+    cio.poll();
+  }
+  REQUIRE(a);
+  REQUIRE(c);
+  return {std::move(a), std::move(c)};
+}
+
 inline ad::fabric_options test_options(ad::connection_options c = {}) {
   ad::fabric_options o;
   o.device.provider = provider_under_test();
