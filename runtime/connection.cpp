@@ -76,6 +76,7 @@ connection_impl::~connection_impl() {
   }
   // Normally empty: flush() or fail() completes them within the pass. (No
   // work request is outstanding: self_ held the connection until then.)
+  drop_unposted();  // (parks what only an unposted slot refers to: a put, get, atomic or bind)
   end_all_waiting(errc::connection_closed);  // (a close_waiting_'s transfers dropped)
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
@@ -145,7 +146,7 @@ void connection_impl::prepare() {
     throw std::system_error(errc::too_many_connections, "connection: the reactor has no operation slot left");
   }
   if (srq_) {
-    srq_qpn_ = qp_->qp_num();
+    srq_qpn_ = qp_num();
     f.srq_attach(srq_qpn_, this);
     srq_attached_ = true;
     promised_ = std::min<std::int64_t>(opt_.credits, fabric_state::kSrqMinCredits);  // the hello's credits
@@ -228,20 +229,20 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   // setup thread to let go of the queue pair.
   if (!recv_batch_.empty() || queued_sends() != 0 || batch_failed_) schedule();  // (batch_failed_: flush_now fails it)
   if (credits_ > static_cast<std::int64_t>(peer.max_credits)) {  // returned before the handshake completed here
-    log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_->qp_num(),
+    log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_num(),
                credits_, peer.max_credits);
     fail(errc::protocol_error);
     return;
   }
   if (auth_ == nullptr && early_auth_ != buffer_pool::npos) {
     log().warn("connection qp {}: the peer sent an auth message to a connection without authentication",
-               qp_->qp_num());
+               qp_num());
     fail(errc::protocol_error);
     return;
   }
   if (auth_ != nullptr) {
     if (inbox_tail_ != inbox_head_ || notes_tail_ != notes_head_ || peer_closed_) {
-      log().warn("connection qp {}: the peer sent messages before authenticating", qp_->qp_num());
+      log().warn("connection qp {}: the peer sent messages before authenticating", qp_num());
       fail(errc::protocol_error);
       return;
     }
@@ -254,7 +255,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
         return;
       }
       log().warn("connection qp {}: the peer did not authenticate within the handshake timeout ({} ms)",
-                 self->qp_ != nullptr ? self->qp_->qp_num() : 0, self->opt_.handshake_timeout.count());
+                 self->qp_ != nullptr ? self->qp_num() : 0, self->opt_.handshake_timeout.count());
       self->fail(errc::timed_out);
     });
     if (auth_->exchange.local == auth::role::client && !send_auth(protocol::auth_status::proof)) {
@@ -268,7 +269,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
     }
   }
   log().debug("connection qp {}: open (peer credits {}, receive buffer {}, eager limit {}, max message {})",
-              qp_->qp_num(), peer.credits, peer.recv_buffer, eager_limit_, peer.max_message);
+              qp_num(), peer.credits, peer.recv_buffer, eager_limit_, peer.max_message);
 }
 
 void connection_impl::speak_first() noexcept {
@@ -575,7 +576,7 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
   const auto keepalive = opt_.keepalive;
   if (keepalive.count() > 0 && now - last_rx_ >= keepalive * 7 / 8) {
     log().warn("connection qp {}: the peer has been silent for {} ms (keepalive {} ms): failing the connection",
-               qp_->qp_num(), std::chrono::duration_cast<std::chrono::milliseconds>(now - last_rx_).count(),
+               qp_num(), std::chrono::duration_cast<std::chrono::milliseconds>(now - last_rx_).count(),
                keepalive.count());
     auto keep = shared_from_this();
     fail(errc::timed_out);
@@ -608,9 +609,9 @@ void connection_impl::fail(std::error_code ec) noexcept {
   if (error_ != errc::connection_closed) fab_->count_failure(error_);
   revoke_windows();
   if (ec == errc::connection_closed) {
-    log().debug("connection qp {}: aborted", qp_ ? qp_->qp_num() : 0);
+    log().debug("connection qp {}: aborted", qp_num());
   } else {
-    log().warn("connection qp {}: failed in state {}: {}", qp_ ? qp_->qp_num() : 0, static_cast<int>(was),
+    log().warn("connection qp {}: failed in state {}: {}", qp_num(), static_cast<int>(was),
                ec.message());
   }
   // During setup the connect/accept thread owns the queue pair (provider
@@ -638,7 +639,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
 bool connection_impl::fail_unless_ending(const transport::completion& wc, std::string_view queue) noexcept {
   const bool expected = state_ == state::failed || state_ == state::closed || peer_closed_;
   if (!expected) {
-    log().warn("connection qp {}: {} completion {}: failing the connection", qp_ ? qp_->qp_num() : 0, queue,
+    log().warn("connection qp {}: {} completion {}: failing the connection", qp_num(), queue,
                transport::to_string(wc.status));
     fail(make_error_code(wc.status));
   }
@@ -688,6 +689,7 @@ void connection_impl::abandon() noexcept {
   // every buffer posted. (The verbs provider keeps one that shares a
   // receive queue, in error, until the shared queue goes with the fabric's
   // state: in error it places no more data.)
+  log().debug("connection qp {}: abandoned by its fabric's destructor (its flushes will not be polled)", qp_num());
   qp_.reset();
   fail(errc::connection_closed);  // (nothing when failed or closed already)
   drop_unposted();                // (a closed connection's; fail() dropped a failed one's)

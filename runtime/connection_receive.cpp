@@ -201,7 +201,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   const std::byte* data = fab_->pool->data(buffer);
   protocol::header h;
   if (length > fab_->recv_buffer || !protocol::decode({data, length}, h)) {
-    log().warn("connection qp {}: malformed message ({} bytes, type {}) from the peer", qp_->qp_num(), length,
+    log().warn("connection qp {}: malformed message ({} bytes, type {}) from the peer", qp_num(), length,
                length > 0 ? std::to_integer<int>(data[0]) : -1);
     release_received(buffer);
     fail(errc::protocol_error);
@@ -210,7 +210,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   credits_ += h.credits;
   --peer_view_;
   if (state_ != state::setup && credits_ > static_cast<std::int64_t>(peer_.max_credits)) {
-    log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_->qp_num(),
+    log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_num(),
                credits_, peer_.max_credits);
     release_received(buffer);
     fail(errc::protocol_error);
@@ -229,7 +229,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   // during setup (on_connected has not run yet) the fabric says whether it
   // will have to.
   if (auth_ != nullptr || (state_ == state::setup && fab_->auth)) {
-    log().warn("connection qp {}: a message (type {}) before authentication", qp_->qp_num(),
+    log().warn("connection qp {}: a message (type {}) before authentication", qp_num(),
                static_cast<int>(h.type));
     release_received(buffer);
     fail(errc::protocol_error);
@@ -240,7 +240,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   if (split_left_ != 0 && h.type != protocol::msg_type::split && h.type != protocol::msg_type::credit &&
       h.type != protocol::msg_type::fin) {
     log().warn("connection qp {}: a message (type {}) inside a split one ({} of its {} bytes still to come)",
-               qp_->qp_num(), static_cast<int>(h.type), split_left_, split_total_);
+               qp_num(), static_cast<int>(h.type), split_left_, split_total_);
     release_received(buffer);
     fail(errc::protocol_error);
     return;
@@ -258,7 +258,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       if ((first && (h.aux == 0 || h.aux > most)) || (!first && h.aux != split_total_) ||
           piece > (first ? h.aux : split_left_)) {
         log().warn("connection qp {}: a bad piece of a split message ({} bytes of {}, {} still to come)",
-                   qp_->qp_num(), piece, h.aux, split_left_);
+                   qp_num(), piece, h.aux, split_left_);
         release_received(buffer);
         fail(errc::protocol_error);
         return;
@@ -276,7 +276,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       if (h.type == protocol::msg_type::rts) {
         const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
         if (b.length == 0 || b.length > opt_.max_message) {
-          log().warn("connection qp {}: rendezvous request of {} bytes (maximum {})", qp_->qp_num(), b.length,
+          log().warn("connection qp {}: rendezvous request of {} bytes (maximum {})", qp_num(), b.length,
                      opt_.max_message);
           release_received(buffer);
           fail(errc::protocol_error);
@@ -291,7 +291,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       while (n != nullptr && !(n->kind == op_kind::send && n->cookie == h.aux)) n = n->next;
       repost(buffer);
       if (n == nullptr) {
-        log().warn("connection qp {}: fin for unknown rendezvous {}", qp_->qp_num(), h.aux);
+        log().warn("connection qp {}: fin for unknown rendezvous {}", qp_num(), h.aux);
         fail(errc::protocol_error);
         return;
       }
@@ -304,7 +304,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         case protocol::fin_status::no_memory: ec = errc::peer_out_of_memory; break;
         case protocol::fin_status::read_failed: ec = errc::protocol_error; break;
         default:
-          log().warn("connection qp {}: fin with unknown status {}", qp_->qp_num(), h.status);
+          log().warn("connection qp {}: fin with unknown status {}", qp_num(), h.status);
           n->mr.reset();
           complete(n, false, errc::protocol_error);
           fail(errc::protocol_error);
@@ -341,7 +341,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
 
 void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffer) noexcept {
   if (auth_ == nullptr || auth_->waiter == nullptr) {
-    log().warn("connection qp {}: an auth message {}", qp_->qp_num(),
+    log().warn("connection qp {}: an auth message {}", qp_num(),
                auth_ == nullptr ? "after authentication (or without it)" : "after refusing the peer");
     release_received(buffer);
     fail(errc::protocol_error);
@@ -350,14 +350,14 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
   const bool client = auth_->exchange.local == auth::role::client;
   if (h.status == static_cast<std::uint8_t>(protocol::auth_status::refused)) {
     release_received(buffer);
-    log().warn("connection qp {}: the peer refused our proof of the auth token", qp_->qp_num());
+    log().warn("connection qp {}: the peer refused our proof of the auth token", qp_num());
     fail(errc::authentication_failed);
     return;
   }
   if (h.status == static_cast<std::uint8_t>(protocol::auth_status::confirmed)) {
     repost(buffer);
     if (client || !auth_->answered) {
-      log().warn("connection qp {}: an auth confirmation out of turn", qp_->qp_num());
+      log().warn("connection qp {}: an auth confirmation out of turn", qp_num());
       fail(errc::protocol_error);
       return;
     }
@@ -366,7 +366,7 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
   }
   if (!client && auth_->answered) {
     repost(buffer);
-    log().warn("connection qp {}: a second proof of the auth token", qp_->qp_num());
+    log().warn("connection qp {}: a second proof of the auth token", qp_num());
     fail(errc::protocol_error);
     return;
   }
@@ -374,7 +374,7 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
                               auth_->exchange.expect);
   repost(buffer);
   if (!ok) {
-    log().warn("connection qp {}: the peer's proof of the auth token is wrong", qp_->qp_num());
+    log().warn("connection qp {}: the peer's proof of the auth token is wrong", qp_num());
     if (client || !send_auth(protocol::auth_status::refused)) {
       fail(errc::authentication_failed);
       return;
@@ -393,13 +393,13 @@ void connection_impl::handle_auth(const protocol::header& h, std::uint32_t buffe
     // The peer's one-sided request before we opened (refused by the queue
     // pair) failed it: the peer broke the protocol.
     log().warn("connection qp {}: the queue pair failed before authentication completed "
-               "(the peer used one-sided operations too early?)", qp_->qp_num());
+               "(the peer used one-sided operations too early?)", qp_num());
     fail(errc::protocol_error);
     return;
   }
   if (auto ec = qp_->set_remote_access(transport::access::remote_write | transport::access::remote_read |
                                        transport::access::remote_atomic)) {
-    log().warn("connection qp {}: opening the queue pair to the authenticated peer: {}", qp_->qp_num(), ec.message());
+    log().warn("connection qp {}: opening the queue pair to the authenticated peer: {}", qp_num(), ec.message());
     fail(ec);
     return;
   }
@@ -443,14 +443,14 @@ void connection_impl::end_auth(std::error_code ec) noexcept {
   asio::post(fab_->io, [w = std::move(auth_->waiter), ec, self = shared_from_this()] { w->done(ec, self); });
   if (!ec) {
     auth_.reset();
-    log().debug("connection qp {}: the peer is authenticated", qp_ != nullptr ? qp_->qp_num() : 0);
+    log().debug("connection qp {}: the peer is authenticated", qp_num());
     start_liveness();  // again: the peer's silence counts from now
   }
 }
 
 void connection_impl::on_peer_close() noexcept {
   peer_closed_ = true;
-  log().debug("connection qp {}: the peer closed", qp_->qp_num());
+  log().debug("connection qp {}: the peer closed", qp_num());
   end_waiting_sends(errc::connection_closed);
   end_waiting_staged(errc::connection_closed);  // (those under way end as their chunks are refused)
   complete_parked(true);
@@ -580,7 +580,7 @@ void connection_impl::on_read_done(op_node* n, transport::wc_status status) noex
   }
   std::unique_ptr<op_node> holder;  // what the delivered message keeps (async_receive)
   if (n->kind == op_kind::receive_message && (holder = fab_->take_holder()) == nullptr) {
-    log().warn("connection qp {}: no memory to deliver a {}-byte message", qp_->qp_num(), n->length);
+    log().warn("connection qp {}: no memory to deliver a {}-byte message", qp_num(), n->length);
     fins_.push_back({n->cookie, protocol::fin_status::no_memory});
     schedule();
     complete(n, false, std::make_error_code(std::errc::not_enough_memory));
@@ -678,7 +678,7 @@ void connection_impl::deliver(bool post) noexcept {
         (n->kind == op_kind::receive_message && b.length > opt_.rendezvous_memory)) {
       if (n->kind == op_kind::receive_message) {
         log().warn("connection qp {}: a {}-byte message exceeds rendezvous_memory ({} bytes); refused",
-                   qp_->qp_num(), b.length, opt_.rendezvous_memory);
+                   qp_num(), b.length, opt_.rendezvous_memory);
       }
       ++inbox_head_;
       recv_waiting_.remove(n);
@@ -725,7 +725,7 @@ bool connection_impl::deliver_split(op_node* n, bool post) noexcept {
   } else if (total > opt_.rendezvous_memory) {
     // (As a rendezvous message's would be: async_receive() allocates no
     // more for the peer; the sender's send has completed.)
-    log().warn("connection qp {}: a {}-byte message exceeds rendezvous_memory ({} bytes); refused", qp_->qp_num(),
+    log().warn("connection qp {}: a {}-byte message exceeds rendezvous_memory ({} bytes); refused", qp_num(),
                total, opt_.rendezvous_memory);
     ec = errc::message_size;
   } else {
@@ -745,7 +745,7 @@ bool connection_impl::deliver_split(op_node* n, bool post) noexcept {
       }
     }
     if (block == nullptr || (holder = fab_->take_holder()) == nullptr) {
-      log().warn("connection qp {}: no memory to deliver a {}-byte message", qp_->qp_num(), total);
+      log().warn("connection qp {}: no memory to deliver a {}-byte message", qp_num(), total);
       ec = std::make_error_code(std::errc::not_enough_memory);
     }
     dst = block.get();

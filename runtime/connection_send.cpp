@@ -450,7 +450,7 @@ void connection_impl::flush_now() noexcept {
   if (!recv_batch_.empty()) {
     std::size_t bad = 0;
     if (auto ec = qp_->post_recv(recv_batch_, &bad)) {
-      log().error("connection qp {}: post_recv failed: {}", qp_->qp_num(), ec.message());
+      log().error("connection qp {}: post_recv failed: {}", qp_num(), ec.message());
       fail(ec);
       return;
     }
@@ -484,7 +484,7 @@ void connection_impl::flush_now() noexcept {
   }
   std::size_t bad = 0;
   if (auto ec = qp_->post_send(batch, &bad)) {
-    log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_->qp_num(), batch.size(), bad,
+    log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_num(), batch.size(), bad,
                 ec.message());
     fail(ec);
     return;

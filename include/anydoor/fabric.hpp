@@ -18,7 +18,7 @@
 // outlive the fabric. A connection whose handle is gone lets itself go once
 // the device has flushed what it posted; the fabric's destructor ends that
 // wait when the io_context no longer runs (their queue pairs destroyed,
-// their pending handlers posted with connection_closed, never run there).
+// their pending handlers posted with their error, never run there).
 #pragma once
 
 #include <anydoor/buffer_pool.hpp>

@@ -213,16 +213,19 @@ inline std::pair<ad::connection, ad::connection> connect_through(asio::io_contex
 inline std::pair<ad::connection, ad::connection> connect_across(asio::io_context& sio, asio::io_context& cio,
                                                                 ad::fabric& client, ad::acceptor& acc) {
   ad::connection a, c;
+  bool failed = false;
   acc.async_accept([&](ad::error_code ec, ad::connection conn) {
     CHECK_FALSE(ec);
+    failed |= static_cast<bool>(ec);
     a = std::move(conn);
   });
   client.async_connect(test_host() + ":" + std::to_string(acc.port()), [&](ad::error_code ec, ad::connection conn) {
     CHECK_FALSE(ec);
+    failed |= static_cast<bool>(ec);
     c = std::move(conn);
   });
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while ((!a || !c) && std::chrono::steady_clock::now() < deadline) {
+  while ((!a || !c) && !failed && std::chrono::steady_clock::now() < deadline) {
     sio.poll();
     cio.poll();
   }
