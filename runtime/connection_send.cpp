@@ -557,8 +557,15 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     fail(errc::authentication_failed);  // our refusal of the peer's proof is out
   }
   // A flush covers the work requests before its target: those before a
-  // failed one succeeded.
+  // failed one succeeded; the others cover it and end with its error. (A
+  // failing connection ended them in fail(); one that is ending, closed or
+  // closed by its peer, does not fail, and nothing else would end them.)
   complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(seq, sq_retired_));
+  if (status != transport::wc_status::success && !flushes_.empty()) {
+    std::error_code ec = error_;
+    if (!ec) ec = status == transport::wc_status::work_request_flushed ? errc::connection_closed : make_error_code(status);
+    while (op_node* n = flushes_.pop_front()) complete(n, false, ec);
+  }
   complete_parked(false);
 }
 

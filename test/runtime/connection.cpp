@@ -1515,6 +1515,41 @@ TEST_CASE("a fabric destroyed while a connect waits for its peer ends the attemp
   }
 }
 
+TEST_CASE("a flush behind a put that fails after the peer's close ends with an error - not never", "[runtime]") {
+  // The peer closes; before our side sees it, a put to a key the peer
+  // never gave out goes, and a flush behind it. The close arrives first,
+  // so our side is ending (the failed put does not fail the connection);
+  // the flush covers the failed put: it must end, with an error.
+  asio::io_context io_s, io_c;
+  ad::fabric server(io_s, test_options());
+  ad::fabric client(io_c, test_options());
+  std::vector<std::byte> target(4096), src(4096, std::byte{1});
+  ad::memory_region dst = server.register_memory(target, ad::access::local_write | ad::access::remote_write);
+  ad::memory_region from = client.register_memory(src, ad::access::local_write);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  auto [a, c] = connect_across(io_s, io_c, client, acc);
+  std::optional<ad::error_code> closed, put, flushed;
+  a.async_close([&](ad::error_code ec) { closed = ec; });
+  io_s.restart();
+  io_s.poll();  // the server's close goes out
+  ad::remote_region bad = dst.remote();
+  bad.rkey ^= 0x5a5a00u;
+  c.async_put(from, bad, [&](ad::error_code ec, std::size_t) { put = ec; });
+  c.async_flush([&](ad::error_code ec) { flushed = ec; });
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (!(put && flushed) && std::chrono::steady_clock::now() < deadline) {
+    io_c.restart();
+    io_c.poll();
+    io_s.restart();
+    io_s.poll();
+  }
+  INFO("put ended: " << put.has_value() << " flush ended: " << flushed.has_value());
+  REQUIRE(put.has_value());
+  CHECK(*put);
+  REQUIRE(flushed.has_value());
+  CHECK(*flushed);
+}
+
 TEST_CASE("a fabric destroyed before its connections' flushes are polled keeps nothing: connections and the fabric go",
           "[runtime]") {
   // A connection whose handle is released moves its queue pair to error
