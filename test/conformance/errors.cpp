@@ -6,8 +6,8 @@
 //   pair; verbs exposes no per-QP RNR counters, so verbs skips those checks.
 // - A queue pair moved to error by its owner: the tcp provider closes the
 //   connection, so the peer's queue pair fails at once; on RDMA hardware the
-//   peer notices only when it next sends (transport retries), so that check
-//   is tcp-only.
+//   peer notices only when it next sends (transport retries run out:
+//   retry_exceeded), so the at-once check is tcp-only.
 // - Peer death: the tcp provider sees the connection close and fails the
 //   oldest request with retry_exceeded; the verbs provider acts on rdma_cm's
 //   DISCONNECTED event and flushes everything. (rxe on Linux 6.1 never times
@@ -336,6 +336,43 @@ TEST_CASE("entering error flushes every outstanding request exactly once", "[con
     p.drv.settle(p.b.cq.get(), 50ms);
     CHECK(p.b.qp->state() == tp::qp_state::error);
   }
+}
+
+TEST_CASE("a request towards a peer whose queue pair went to error fails in bounded time, never hangs",
+          "[conformance]") {
+  // The peer's queue pair goes to error with no disconnect (its owner moved
+  // it; no rdma_cm event reaches us). The tcp provider closes the stream,
+  // so ours is in error already and the request is flushed; an RDMA NIC
+  // gets no answer and must give up after its transport retries
+  // (retry_exceeded). rxe reads a retry count of 7 as "for ever": with it,
+  // this write never ended.
+  connected_pair p;
+  std::vector<char> src(64, 's'), dst(64);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::local_write);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write | access::remote_write);
+  tp::sge sg = smr->slice(0, 16);
+  tp::work_request ok{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                      .remote_addr = reinterpret_cast<std::uint64_t>(dst.data()), .rkey = dmr->rkey()};
+  REQUIRE_FALSE(p.a.qp->post_send({&ok, 1}));
+  REQUIRE(p.drv.wait_one(p.a.cq.get()).status == tp::wc_status::success);  // (the path works)
+  REQUIRE_FALSE(p.b.qp->modify(tp::qp_state::error));
+  p.drv.settle(p.a.cq.get(), 20ms);
+  tp::work_request late = ok;
+  late.wr_id = 2;
+  late.remote_addr += 32;  // (must not land: dst[16..] stays zero)
+  const auto t0 = std::chrono::steady_clock::now();
+  REQUIRE_FALSE(p.a.qp->post_send({&late, 1}));
+  const tp::completion c = p.drv.wait_one(p.a.cq.get(), 20s);
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  INFO("status " << tp::to_string(c.status) << " after " << took.count() << " ms on " << p.a.dev->name());
+  CHECK(c.wr_id == 2);
+  CHECK(c.status != tp::wc_status::success);
+  if (p.a.dev->name().starts_with("rxe")) {
+    CHECK(c.status == tp::wc_status::retry_exceeded);
+    CHECK(took < 10s);  // 7 tries 67 ms apart; an emulated CPU stretches them
+  }
+  CHECK(p.a.qp->state() == tp::qp_state::error);
+  CHECK(std::all_of(dst.begin() + 16, dst.end(), [](char b) { return b == 0; }));
 }
 
 TEST_CASE("receives posted right after the move to error complete flushed with those before", "[conformance]") {

@@ -1520,14 +1520,9 @@ TEST_CASE("a flush behind a put that fails after the peer's close ends with an e
   // never gave out goes, and a flush behind it. The close arrives first,
   // so our side is ending (the failed put does not fail the connection);
   // the flush covers the failed put: it must end, with an error.
-  if (!testing_tcp()) {
-    // In the rxe VM (CI, 2026-12-06) neither the put nor the flush had
-    // ended after 5 s: not understood yet (see the issue note), so this
-    // runs on tcp only until it is.
-    WARN("not run on " << provider_under_test() << ": the put to a refused key after the peer's close did not end "
-                                                     "in the rxe VM, under investigation");
-    return;
-  }
+  // (On an RDMA NIC the peer's queue pair is in error by then and drops the
+  // put unanswered: it ends when the transport retries run out, about half
+  // a second. rxe took a retry count of 7 as "for ever": it never ended.)
   asio::io_context io_s, io_c;
   ad::fabric server(io_s, test_options());
   ad::fabric client(io_c, test_options());
@@ -1544,7 +1539,7 @@ TEST_CASE("a flush behind a put that fails after the peer's close ends with an e
   bad.rkey ^= 0x5a5a00u;
   c.async_put(from, bad, [&](ad::error_code ec, std::size_t) { put = ec; });
   c.async_flush([&](ad::error_code ec) { flushed = ec; });
-  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (!(put && flushed) && std::chrono::steady_clock::now() < deadline) {
     io_c.restart();
     io_c.poll();

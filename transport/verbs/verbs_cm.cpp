@@ -67,7 +67,7 @@ rdma_conn_param conn_param(const verbs_qp& qp, const std::array<std::byte, kConn
   p.private_data_len = static_cast<std::uint8_t>(pdata.size());
   p.responder_resources = static_cast<std::uint8_t>(std::min(attr.max_qp_rd_atom, 16));
   p.initiator_depth = static_cast<std::uint8_t>(std::min(attr.max_qp_init_rd_atom, 16));
-  p.retry_count = 7;
+  p.retry_count = kRetryCount;
   p.rnr_retry_count = qp.attributes().rnr_retry;
   p.qp_num = qp.qp_num();
   p.srq = qp.attributes().srq != nullptr ? 1 : 0;  // the CM's SRQ bit (our QP is not the id's)
