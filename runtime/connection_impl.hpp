@@ -199,7 +199,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   bool send_auth(protocol::auth_status status) noexcept;
   void end_auth(std::error_code ec) noexcept;  // reports to the waiter (once)
   bool authenticating() const noexcept { return auth_ != nullptr; }
-  void retire_through(std::uint64_t seq, transport::wc_status status) noexcept;
+  // Retires the send queue's slots through seq: seq's with status, those
+  // before it succeeded (a completion covers the unsignaled requests before
+  // it), unless every_one (nothing came back for any of them: all fail).
+  void retire_through(std::uint64_t seq, transport::wc_status status, bool every_one = false) noexcept;
   std::uint64_t full_seq(std::uint32_t tag, std::uint64_t base) const noexcept;
   // The bits of a queue position that travel in a persistent wr_id's tag.
   static constexpr std::uint32_t kTagMask = 0x7fffffffu;

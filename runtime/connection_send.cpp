@@ -535,7 +535,8 @@ std::uint64_t connection_impl::full_seq(std::uint32_t tag, std::uint64_t base) c
   return seq;
 }
 
-void connection_impl::retire_through(std::uint64_t seq, transport::wc_status status) noexcept {
+void connection_impl::retire_through(std::uint64_t seq, transport::wc_status status, bool every_one) noexcept {
+  const std::uint64_t first_failed = every_one ? sq_retired_ : seq;
   while (sq_retired_ <= seq && sq_retired_ < sq_posted_) {
     const std::uint64_t i = sq_retired_;
     const std::size_t slot = ring_slot(i, sq_.size());
@@ -543,7 +544,7 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     ++sq_retired_;
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
-    const transport::wc_status st = i == seq ? status : transport::wc_status::success;
+    const transport::wc_status st = i == seq || every_one ? status : transport::wc_status::success;
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
     if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, slot, false);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
@@ -560,7 +561,7 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
   // failed one succeeded; the others cover it and end with its error. (A
   // failing connection ended them in fail(); one that is ending, closed or
   // closed by its peer, does not fail, and nothing else would end them.)
-  complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(seq, sq_retired_));
+  complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(first_failed, sq_retired_));
   if (status != transport::wc_status::success && !flushes_.empty()) {
     std::error_code ec = error_;
     if (!ec) ec = status == transport::wc_status::work_request_flushed ? errc::connection_closed : make_error_code(status);
@@ -615,9 +616,11 @@ void connection_impl::on_send_completion(const transport::completion& wc) noexce
 void connection_impl::on_send_completion_body(const transport::completion& wc) noexcept {
   const std::uint64_t seq = full_seq(reactor::tag_of(wc.wr_id), sq_retired_);
   if (reactor_gave_up(wc)) {
-    // The reactor gave up on the completion queue: everything outstanding is lost.
+    // The reactor gave up on the completion queue: everything outstanding
+    // is lost, none known to have succeeded (a put may have landed, an
+    // atomic's old value never came back).
     fail(make_error_code(wc.status));
-    retire_through(sq_posted_ - 1, transport::wc_status::work_request_flushed);
+    retire_through(sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
     maybe_release_self();
     return;
   }

@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 
 using namespace anydoor::test;
 namespace asio = boost::asio;
@@ -490,4 +491,77 @@ TEST_CASE("faults: a malformed ANYDOOR_TCP_FAULTS stops the device from opening,
     CHECK(e.code() == ad::errc::invalid_argument);
     CHECK(std::string(e.what()).find("cut=ten") != std::string::npos);
   }
+}
+
+TEST_CASE("faults: a completion queue that overflows ends every operation on it once, none reported done",
+          "[runtime][faults]") {
+  // The client's completion queue holds 8 completions (cq_depth=8). While
+  // the client does not poll, the server answers its puts, an atomic and a
+  // flush, and sends it more messages than that: the queue overflows and
+  // the client's reactor gives up on it. Nothing came back, so nothing may
+  // be reported done: a put that landed but whose completion was lost ends
+  // with an error, as do the atomic (its old value never came back), the
+  // flush and the receive.
+  asio::io_context io_s, io_c;
+  ad::fabric server(io_s, test_options());
+  std::unique_ptr<ad::fabric> client = faulty_fabric(io_c, "cq_depth=8");
+  std::vector<std::byte> target(4096), src(4096, std::byte{3});
+  ad::memory_region dst =
+      server.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_atomic);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  auto [a, c] = connect_across(io_s, io_c, *client, acc);
+  constexpr std::size_t kPuts = 16, kMessages = 16;
+  std::vector<std::vector<ad::error_code>> puts(kPuts);
+  std::vector<ad::error_code> atomic, flushed, received;
+  for (std::size_t i = 0; i < kPuts; ++i) {
+    c.async_put(asio::buffer(src.data() + i * 64, 64), dst.remote().at(i * 64, 64),
+                [&puts, i](ad::error_code ec, std::size_t) { puts[i].push_back(ec); });
+  }
+  c.async_fetch_add(dst.remote().at(4088, 8), 1, [&](ad::error_code ec, std::uint64_t) { atomic.push_back(ec); });
+  c.async_flush([&](ad::error_code ec) { flushed.push_back(ec); });
+  c.async_receive([&](ad::error_code ec, ad::message) { received.push_back(ec); });
+  io_c.restart();
+  io_c.poll();  // the doorbell: all of them go out
+  REQUIRE(c.stats().posts >= 1);
+  const std::uint32_t word = 7;
+  int sent = 0;
+  for (std::size_t i = 0; i < kMessages; ++i) {
+    a.async_send(asio::buffer(&word, 4), [&](ad::error_code ec, std::size_t) { sent += ec ? 0 : 1; });
+  }
+  // The server answers and sends; the client's socket holds it all.
+  const auto answered = std::chrono::steady_clock::now() + ms(300);
+  while (std::chrono::steady_clock::now() < answered) {
+    io_s.restart();
+    io_s.poll();
+  }
+  CHECK(sent > 8);  // (more than the client's queue holds)
+  auto all_ended = [&] {
+    for (const auto& p : puts) {
+      if (p.empty()) return false;
+    }
+    return !atomic.empty() && !flushed.empty() && !received.empty();
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!all_ended() && std::chrono::steady_clock::now() < deadline) {
+    io_c.restart();
+    io_c.poll();
+    io_s.restart();
+    io_s.poll();
+  }
+  std::this_thread::sleep_for(ms(50));
+  io_c.restart();
+  io_c.poll();  // (nothing ends twice)
+  REQUIRE(all_ended());
+  for (std::size_t i = 0; i < kPuts; ++i) {
+    INFO("put " << i);
+    REQUIRE(puts[i].size() == 1);
+    CHECK(puts[i][0]);  // not done: its completion was lost
+  }
+  REQUIRE(atomic.size() == 1);
+  CHECK(atomic[0]);
+  REQUIRE(flushed.size() == 1);
+  CHECK(flushed[0]);
+  REQUIRE(received.size() == 1);
+  CHECK(received[0]);
+  CHECK_FALSE(c.is_open());
 }

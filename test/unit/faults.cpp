@@ -52,6 +52,15 @@ TEST_CASE("fault plan: every key parses and an empty plan is inactive", "[unit][
   CHECK(every.applies_to(1));
   CHECK(every.applies_to(99));
   CHECK(to_string(every) == "delay=1");
+
+  // The device's fault: no queue pair's.
+  const fault_plan small = parse_faults("cq_depth=4");
+  CHECK(small.cq_depth == 4);
+  CHECK_FALSE(small.active());
+  CHECK(small.any());
+  CHECK_FALSE(small.applies_to(1));
+  CHECK(to_string(small) == "cq_depth=4");
+  CHECK_FALSE(none.any());
 }
 
 TEST_CASE("fault plan: malformed specifications are refused, naming the item", "[unit][faults]") {
@@ -73,5 +82,9 @@ TEST_CASE("fault plan: malformed specifications are refused, naming the item", "
   CHECK(refusal("drop=5").find("unknown key") != std::string::npos);
   CHECK(refusal("stall=100").find("stall needs stop_reading") != std::string::npos);
   CHECK(refusal("qp=1").find("none is given") != std::string::npos);
+  CHECK(refusal("qp=1,cq_depth=4").find("none is given") != std::string::npos);
+  CHECK(refusal("cq_depth=0").find("must be in 1..1048576") != std::string::npos);
+  CHECK(refusal("cq_depth=1048577").find("must be in 1..1048576") != std::string::npos);
+  CHECK(refusal("cq_depth=4,cq_depth=8").find("given twice") != std::string::npos);
   CHECK(refusal("cut=1,drop=5").find("ANYDOOR_TCP_FAULTS") != std::string::npos);
 }

@@ -27,7 +27,7 @@ std::uint64_t number(std::string_view item, std::string_view text, std::uint64_t
 
 fault_plan parse_faults(std::string_view spec) {
   fault_plan plan;
-  bool seen_qp = false, seen_delay = false, seen_stall = false;
+  bool seen_qp = false, seen_delay = false, seen_stall = false, seen_cq_depth = false;
   constexpr std::uint64_t kMaxCount = 1ull << 62;
   constexpr std::uint64_t kMaxMs = 3'600'000;
   for (bool more = !spec.empty(); more;) {
@@ -64,8 +64,12 @@ fault_plan parse_faults(std::string_view spec) {
       once(seen_stall);
       seen_stall = true;
       plan.stall_ms = static_cast<std::uint32_t>(number(item, value, 1, kMaxMs));
+    } else if (key == "cq_depth") {
+      once(seen_cq_depth);
+      seen_cq_depth = true;
+      plan.cq_depth = static_cast<std::uint32_t>(number(item, value, 1, 1u << 20));
     } else {
-      fail(item, "unknown key (known: qp, cut, delay, corrupt, stop_reading, stall)");
+      fail(item, "unknown key (known: qp, cut, delay, corrupt, stop_reading, stall, cq_depth)");
     }
   }
   if (seen_stall && !plan.stop_reading_after) fail("stall", "stall needs stop_reading");
@@ -92,6 +96,7 @@ std::string to_string(const fault_plan& plan) {
   if (plan.corrupt) add("corrupt", *plan.corrupt);
   if (plan.stop_reading_after) add("stop_reading", *plan.stop_reading_after);
   if (plan.stall_ms != 0) add("stall", plan.stall_ms);
+  if (plan.cq_depth != 0) add("cq_depth", plan.cq_depth);
   if (plan.qp != 0) add("qp", plan.qp);
   return s;
 }

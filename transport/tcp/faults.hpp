@@ -14,6 +14,10 @@
 //     stop_reading=N  after receiving N frames, the socket is not read...
 //     stall=MS        ...for MS ms, then reading resumes (without stall:
 //                     until the connection ends)
+//     cq_depth=N      the device's completion queues hold N completions,
+//                     whatever depth was asked: a queue too small for its
+//                     queue pairs, which overflows (cq_overflow) as a
+//                     NIC's would; not per queue pair (qp=K does not apply)
 // Frames are counted per queue pair: requests, responses, ACKs and read
 // fragments alike. The variable applies to every tcp device the process
 // opens while it is set (the fabrics of a test set and unset it around
@@ -37,10 +41,14 @@ struct fault_plan {
   std::optional<std::uint64_t> corrupt;
   std::optional<std::uint64_t> stop_reading_after;
   std::uint32_t stall_ms = 0;  // 0: for good
+  std::uint32_t cq_depth = 0;  // 0: as asked
 
+  // A fault of the queue pairs'.
   bool active() const noexcept {
     return cut_after || delay_ms != 0 || corrupt || stop_reading_after;
   }
+  // Any fault at all (the device's included).
+  bool any() const noexcept { return active() || cq_depth != 0; }
   bool applies_to(std::uint32_t ordinal) const noexcept { return active() && (qp == 0 || qp == ordinal); }
 };
 

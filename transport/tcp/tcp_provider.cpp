@@ -490,7 +490,7 @@ std::size_t tcp_cq::ack_events() noexcept {
 
 tcp_device::tcp_device(std::string name, fault_plan faults) : name_(std::move(name)), caps_(make_caps()) {
   shared_->faults = faults;
-  if (faults.active()) {
+  if (faults.any()) {
     log().warn("tcp provider: fault injection is on ({}={})", kFaultsVariable, to_string(faults));
   }
 }
@@ -528,6 +528,11 @@ device_counters tcp_device::counters() const {
 std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth) {
   if (depth == 0 || depth > caps_.max_cqe) {
     throw std::system_error(errc::invalid_argument, "create_cq: depth must be in 1.." + std::to_string(caps_.max_cqe));
+  }
+  const std::uint32_t cap = shared_->faults.cq_depth;
+  if (cap != 0 && cap < depth) {
+    log().warn("tcp provider: a completion queue of depth {} holds {} (fault injection: cq_depth)", depth, cap);
+    depth = cap;
   }
   return std::make_unique<tcp_cq>(depth);
 }
