@@ -255,7 +255,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
         return;
       }
       log().warn("connection qp {}: the peer did not authenticate within the handshake timeout ({} ms)",
-                 self->qp_ != nullptr ? self->qp_num() : 0, self->opt_.handshake_timeout.count());
+                 self->qp_num(), self->opt_.handshake_timeout.count());
       self->fail(errc::timed_out);
     });
     if (auth_->exchange.local == auth::role::client && !send_auth(protocol::auth_status::proof)) {
