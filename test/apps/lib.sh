@@ -32,6 +32,11 @@ pass() { echo "ok: $*"; }
 
 start_server() {
   local name=$1; shift
+  # Emptied here, not only by the background job's redirection: a server
+  # of the same name before left its "listening on" line in the file, and
+  # the loop below could read that port before the new job truncates it.
+  : >"$tmp/$name.out"
+  : >"$tmp/$name.err"
   "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
   local pid=$!
   _pids+=("$pid")
