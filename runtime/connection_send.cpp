@@ -544,7 +544,7 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     ++sq_retired_;
     if (s.buffer != buffer_pool::npos) fab_->put_buffer(s.buffer);
     if (s.signaled) fab_->idle();
-    const transport::wc_status st = i == seq || every_one ? status : transport::wc_status::success;
+    const transport::wc_status st = (i == seq || every_one) ? status : transport::wc_status::success;
     if (s.kind == slot_kind::read_last && s.op != nullptr) on_read_done(s.op, st);
     if (s.kind == slot_kind::onesided_last && s.op != nullptr) on_onesided_done(s.op, st, slot, false);
     if (s.kind == slot_kind::control && s.op != nullptr && s.op == close_op_) {
@@ -560,7 +560,9 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
   // A flush covers the work requests before its target: those before a
   // failed one succeeded; the others cover it and end with its error. (A
   // failing connection ended them in fail(); one that is ending, closed or
-  // closed by its peer, does not fail, and nothing else would end them.)
+  // closed by its peer, does not fail, and nothing else would end them.
+  // With every_one none before the first retired here succeeded: that
+  // matters to a closed connection's flushes, as fail() ended a live one's.)
   complete_flushes(status == transport::wc_status::success ? sq_retired_ : std::min(first_failed, sq_retired_));
   if (status != transport::wc_status::success && !flushes_.empty()) {
     std::error_code ec = error_;

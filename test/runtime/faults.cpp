@@ -496,12 +496,12 @@ TEST_CASE("faults: a malformed ANYDOOR_TCP_FAULTS stops the device from opening,
 TEST_CASE("faults: a completion queue that overflows ends every operation on it once, none reported done",
           "[runtime][faults]") {
   // The client's completion queue holds 8 completions (cq_depth=8). While
-  // the client does not poll, the server answers its puts, an atomic and a
-  // flush, and sends it more messages than that: the queue overflows and
-  // the client's reactor gives up on it. Nothing came back, so nothing may
-  // be reported done: a put that landed but whose completion was lost ends
+  // the client does not poll, the server executes its puts and an atomic
+  // and sends it more messages than that: the queue overflows and the
+  // client's reactor gives up on it. Nothing came back, so nothing may be
+  // reported done: a put that landed but whose completion was lost ends
   // with an error, as do the atomic (its old value never came back), the
-  // flush and the receive.
+  // flush behind them and the receive.
   asio::io_context io_s, io_c;
   ad::fabric server(io_s, test_options());
   std::unique_ptr<ad::fabric> client = faulty_fabric(io_c, "cq_depth=8");
@@ -513,6 +513,7 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   constexpr std::size_t kPuts = 16, kMessages = 16;
   std::vector<std::vector<ad::error_code>> puts(kPuts);
   std::vector<ad::error_code> atomic, flushed, received;
+  const std::uint64_t posts_before = c.stats().posts, server_posts_before = a.stats().posts;
   for (std::size_t i = 0; i < kPuts; ++i) {
     c.async_put(asio::buffer(src.data() + i * 64, 64), dst.remote().at(i * 64, 64),
                 [&puts, i](ad::error_code ec, std::size_t) { puts[i].push_back(ec); });
@@ -522,19 +523,31 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   c.async_receive([&](ad::error_code ec, ad::message) { received.push_back(ec); });
   io_c.restart();
   io_c.poll();  // the doorbell: all of them go out
-  REQUIRE(c.stats().posts >= 1);
+  REQUIRE(c.stats().posts - posts_before >= kPuts + 1);  // (the puts' and the atomic's)
   const std::uint32_t word = 7;
-  int sent = 0;
-  for (std::size_t i = 0; i < kMessages; ++i) {
-    a.async_send(asio::buffer(&word, 4), [&](ad::error_code ec, std::size_t) { sent += ec ? 0 : 1; });
-  }
-  // The server answers and sends; the client's socket holds it all.
-  const auto answered = std::chrono::steady_clock::now() + ms(300);
-  while (std::chrono::steady_clock::now() < answered) {
+  for (std::size_t i = 0; i < kMessages; ++i) a.async_send(asio::buffer(&word, 4), [](ad::error_code, std::size_t) {});
+  // The server executes the puts and the atomic and posts its messages;
+  // the client's socket holds their answers (a while more: acknowledgements
+  // the server holds back go when it next waits).
+  auto executed = [&] {
+    for (std::size_t i = 0; i < kPuts * 64; ++i) {
+      if (target[i] != src[i]) return false;
+    }
+    std::uint64_t counter = 0;
+    std::memcpy(&counter, target.data() + 4088, 8);
+    return counter == 1 && a.stats().posts - server_posts_before >= kMessages;
+  };
+  const auto answer_by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!executed() && std::chrono::steady_clock::now() < answer_by) {
     io_s.restart();
     io_s.poll();
   }
-  CHECK(sent > 8);  // (more than the client's queue holds)
+  REQUIRE(executed());  // (the puts landed: their completions are what the client loses)
+  const auto settle = std::chrono::steady_clock::now() + ms(100);
+  while (std::chrono::steady_clock::now() < settle) {
+    io_s.restart();
+    io_s.poll();
+  }
   auto all_ended = [&] {
     for (const auto& p : puts) {
       if (p.empty()) return false;
@@ -564,4 +577,6 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   REQUIRE(received.size() == 1);
   CHECK(received[0]);
   CHECK_FALSE(c.is_open());
+  CHECK(c.stats().puts == 0);  // (none counted as done either)
+  CHECK(c.stats().atomics == 0);
 }

@@ -82,7 +82,7 @@ TEST_CASE("fault plan: malformed specifications are refused, naming the item", "
   CHECK(refusal("drop=5").find("unknown key") != std::string::npos);
   CHECK(refusal("stall=100").find("stall needs stop_reading") != std::string::npos);
   CHECK(refusal("qp=1").find("none is given") != std::string::npos);
-  CHECK(refusal("qp=1,cq_depth=4").find("none is given") != std::string::npos);
+  CHECK(refusal("qp=1,cq_depth=4").find("cq_depth is the device's") != std::string::npos);
   CHECK(refusal("cq_depth=0").find("must be in 1..1048576") != std::string::npos);
   CHECK(refusal("cq_depth=1048577").find("must be in 1..1048576") != std::string::npos);
   CHECK(refusal("cq_depth=4,cq_depth=8").find("given twice") != std::string::npos);

@@ -73,7 +73,11 @@ fault_plan parse_faults(std::string_view spec) {
     }
   }
   if (seen_stall && !plan.stop_reading_after) fail("stall", "stall needs stop_reading");
-  if (seen_qp && !plan.active()) fail("qp", "qp selects a queue pair for a fault, and none is given");
+  if (seen_qp && !plan.active()) {
+    fail("qp", plan.cq_depth != 0 ? "qp selects a queue pair for cut, delay, corrupt or stop_reading, and none is "
+                                    "given (cq_depth is the device's, for every queue pair)"
+                                  : "qp selects a queue pair for a fault, and none is given");
+  }
   return plan;
 }
 

@@ -14,10 +14,11 @@
 //     stop_reading=N  after receiving N frames, the socket is not read...
 //     stall=MS        ...for MS ms, then reading resumes (without stall:
 //                     until the connection ends)
-//     cq_depth=N      the device's completion queues hold N completions,
-//                     whatever depth was asked: a queue too small for its
-//                     queue pairs, which overflows (cq_overflow) as a
-//                     NIC's would; not per queue pair (qp=K does not apply)
+//     cq_depth=N      the device's completion queues hold at most N
+//                     completions, whatever depth was asked: a queue too
+//                     small for its queue pairs, which overflows
+//                     (cq_overflow) as a NIC's would; the device's, so qp=K
+//                     with it alone is refused
 // Frames are counted per queue pair: requests, responses, ACKs and read
 // fragments alike. The variable applies to every tcp device the process
 // opens while it is set (the fabrics of a test set and unset it around

@@ -20,9 +20,10 @@ constexpr std::uint32_t kSlotMask = 0x7fffffffu;
 // Local ACK timeout: 4.096 us * 2^14 = 67 ms per transport retry, and 6
 // retries: a silent peer is reported (retry_exceeded) in about half a
 // second. Not 7: rxe reads a transport retry count of 7 as "retry for
-// ever", as the IB spec reads 7 only for the RNR retry count (rxe_comp.c
-// decrements retry_cnt only while it is not 7), so a request towards a peer
-// whose queue pair went to error without a disconnect never ended there.
+// ever" (rxe_comp.c decrements retry_cnt only while it is not 7), unlike
+// the IB spec, which gives 7 that meaning only for the RNR retry count; a
+// request towards a peer whose queue pair went to error without a
+// disconnect never ended there.
 constexpr std::uint8_t kAckTimeout = 14;
 constexpr std::uint8_t kRetryCount = 6;
 // One length byte precedes the caller's private data (rdma_cm delivers the
