@@ -338,7 +338,7 @@ TEST_CASE("entering error flushes every outstanding request exactly once", "[con
   }
 }
 
-TEST_CASE("a request towards a peer whose queue pair went to error fails in bounded time, never hangs",
+TEST_CASE("a request towards a peer whose queue pair went to error fails in bounded time and never hangs",
           "[conformance]") {
   // The peer's queue pair goes to error with no disconnect (its owner moved
   // it; no rdma_cm event reaches us). The tcp provider closes the stream,
