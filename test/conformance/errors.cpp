@@ -344,9 +344,14 @@ TEST_CASE("a request towards a peer whose queue pair went to error fails in boun
   // it; no rdma_cm event reaches us). The tcp provider closes the stream,
   // so ours is in error already and the request is flushed; an RDMA NIC
   // gets no answer and must give up after its transport retries
-  // (retry_exceeded). rxe reads a retry count of 7 as "for ever": with it,
-  // this write never ended.
+  // (retry_exceeded). rxe reads the provider's retry count of 7 as "for
+  // ever" (transport/verbs/verbs_util.hpp says why it stays 7): there the
+  // write never ends, so the case does not apply.
   connected_pair p;
+  if (p.a.dev->name().starts_with("rxe")) {
+    WARN("not run on " << p.a.dev->name() << ": rxe retries for ever with a retry count of 7 (verbs_util.hpp)");
+    return;
+  }
   std::vector<char> src(64, 's'), dst(64);
   auto smr = p.a.pd->register_memory(src.data(), src.size(), access::local_write);
   auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write | access::remote_write);
@@ -368,7 +373,7 @@ TEST_CASE("a request towards a peer whose queue pair went to error fails in boun
   CHECK(c.wr_id == 2);
   CHECK(c.status != tp::wc_status::success);
   if (!testing_tcp()) CHECK(took < 10s);  // 7 tries 67 ms apart; an emulated CPU stretches them
-  if (p.a.dev->name().starts_with("rxe")) CHECK(c.status == tp::wc_status::retry_exceeded);
+  if (!testing_tcp()) CHECK(c.status == tp::wc_status::retry_exceeded);
   CHECK(p.a.qp->state() == tp::qp_state::error);
   CHECK(std::all_of(dst.begin() + 16, dst.end(), [](char b) { return b == 0; }));
 }

@@ -252,8 +252,8 @@ std::error_code verbs_qp::cm_transition(rdma_cm_id* id, ibv_qp_state target) noe
     log().debug("qp {}: rdma_cm suggests ack timeout {}, retry count {}", qp_num(), a.timeout, a.retry_cnt);
     a.rnr_retry = attr_.rnr_retry;
     // A dead peer must surface as retry_exceeded, never as a hang: an ack
-    // timeout of 0 means "wait forever" to some drivers (rxe among them),
-    // and so does a retry count of 7 to rxe (kRetryCount).
+    // timeout of 0 means "wait forever" to some drivers (rxe among them).
+    // (rxe also reads a retry count of 7 as for ever: see kRetryCount.)
     a.timeout = kAckTimeout;
     a.retry_cnt = kRetryCount;
     mask |= IBV_QP_RNR_RETRY | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT;
