@@ -554,6 +554,23 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
     on_receive_failed({.wr_id = 0, .status = transport::wc_status::work_request_flushed, .qp_num = srq_qpn_});
     return idle;
   }
+  // The peer closed and our work requests are still unanswered: once the
+  // grace runs out nothing will answer them (its queue pair is in error), so
+  // the connection closes as when our close is acknowledged: the queue pair
+  // goes to error and they come back flushed. (Posted: the handlers that
+  // ends run outside this tick's walk over the connections.)
+  if (peer_closed_ && qp_ != nullptr && (state_ == state::open || state_ == state::closing) &&
+      !flushed_after_peer_close_ && sq_retired_ != sq_posted_) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - peer_closed_at_);
+    if (waited < kPeerCloseGrace) return std::max(fabric_state::kMinTick, kPeerCloseGrace - waited);
+    log().info("connection qp {}: {} work requests still unanswered {} ms after the peer's close: flushing them",
+               qp_num(), sq_posted_ - sq_retired_, waited.count());
+    flushed_after_peer_close_ = true;
+    asio::post(fab_->io, [self = shared_from_this()] {
+      if (self->state_ == state::open || self->state_ == state::closing) self->on_close_acked();
+    });
+    return idle;
+  }
   // Setup and authentication have their own deadlines; an ended connection
   // has nothing to watch.
   if ((state_ != state::open && state_ != state::closing) || auth_ != nullptr || qp_ == nullptr || peer_closed_) {

@@ -119,6 +119,12 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void start_liveness() noexcept;
   static constexpr std::uint64_t kMinKeepalive = 200;      // ms (connection_options::keepalive)
   static constexpr std::uint64_t kMaxKeepalive = 3600000;  // ms
+  // The peer's queue pair goes to error once its close is acknowledged, so
+  // our work requests still unanswered this long after its close arrived
+  // will never be answered: the tick moves our queue pair to error, and
+  // they come back flushed. (A NIC reports retry_exceeded first, in about
+  // half a second; rxe retries for ever: transport/verbs/verbs_util.hpp.)
+  static constexpr std::chrono::milliseconds kPeerCloseGrace{1000};
 
   // Flushing (fabric_state).
   void flush() noexcept;
@@ -476,6 +482,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::uint64_t rx_count_ = 0, rx_mark_ = 0;
   std::uint64_t tx_count_ = 0, tx_mark_ = 0;
   std::chrono::steady_clock::time_point last_rx_{}, last_tx_{};
+  std::chrono::steady_clock::time_point peer_closed_at_{};  // when the peer's close arrived
+  bool flushed_after_peer_close_ = false;  // kPeerCloseGrace ran out with work requests unanswered
   std::chrono::milliseconds heartbeat_{0};  // 0: none
   bool registered_ = false;                 // in fabric_state's list
 

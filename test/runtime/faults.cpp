@@ -481,6 +481,53 @@ TEST_CASE("faults: a reader stopped for good still learns that its peer left, an
   CHECK(ended - aborted < ms(1000));
 }
 
+TEST_CASE("faults: a put the peer never answers ends about a second after the peer's close - not never",
+          "[runtime][faults]") {
+  // The server's device reads nothing after the handshake, so nothing the
+  // client posts is answered (a receive waits there, so that its reactor
+  // watches: README, "Progress with the tcp provider"); then the server
+  // closes. A peer that closed
+  // puts its queue pair in error once its close is acknowledged and
+  // answers nothing more (on a NIC, on rxe), so the client's put, and a
+  // flush behind it, must end once connection_impl::kPeerCloseGrace (1 s)
+  // has passed with them unanswered: flushed, as the connection closes. No
+  // keepalive: nothing else would end them.
+  ad::connection_options co;
+  co.keepalive = ms(0);
+  asio::io_context io;
+  std::optional<ad::error_code> put, flushed, closed;
+  std::vector<std::byte> mem(4096), src(4096, std::byte{1});
+  auto server = faulty_fabric(io, "stop_reading=0,qp=1", test_options(co));
+  ad::fabric client(io, test_options(co));
+  ad::memory_region dst = server->register_memory(mem, ad::access::local_write | ad::access::remote_write);
+  ad::memory_region from = client.register_memory(src, ad::access::local_write);
+  ad::acceptor acc = server->listen(test_host(), 0);
+  auto [a, c] = connect_through(io, client, acc, addr(acc));
+  a.async_receive([](ad::error_code, ad::message) {});
+  c.async_put(from, dst.remote(), [&](ad::error_code ec, std::size_t) { put = ec; });
+  c.async_flush([&](ad::error_code ec) { flushed = ec; });
+  const auto quiet = std::chrono::steady_clock::now() + ms(300);
+  run_until(io, [&] { return put.has_value() || std::chrono::steady_clock::now() >= quiet; });
+  REQUIRE_FALSE(put.has_value());  // the premise: unanswered
+  REQUIRE_FALSE(flushed.has_value());
+  const auto closing = std::chrono::steady_clock::now();
+  a.async_close([&](ad::error_code ec) { closed = ec; });
+  clock_point put_ended{};
+  run_until(io, [&] {
+    if (put && put_ended == clock_point{}) put_ended = std::chrono::steady_clock::now();
+    return put && flushed;
+  });
+  const auto after = (put_ended - closing) / ms(1);
+  INFO("the put ended " << after << " ms after the peer's close, with: " << put->message());
+  CHECK(*put == ad::errc::connection_closed);
+  CHECK(*flushed == ad::errc::connection_closed);
+  CHECK(after >= 900);   // not before the grace
+  CHECK(after < 5000);   // the grace, a tick, and a loaded machine (about 1,000 ms seen)
+  CHECK_FALSE(c.is_open());
+  CHECK(client.failure_counts().empty());  // the peer closed: the client's side did not fail
+  CHECK_FALSE(closed.has_value());  // (the server's close is never acknowledged: it reads nothing)
+}
+
 TEST_CASE("faults: a malformed ANYDOOR_TCP_FAULTS stops the device from opening, naming the item",
           "[runtime][faults]") {
   asio::io_context io;
