@@ -25,6 +25,10 @@
 #include <stop_token>
 #include <thread>
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 namespace anydoor {
 
 namespace detail {
@@ -205,27 +209,58 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
 
 void fabric_state::start_liveness() {
   // A thread, not an Asio timer: a timer would keep io_context::run() from
-  // returning while connections are open. The thread only posts ticks; one
-  // at a time.
+  // returning while connections are open (so would a wait on the notify
+  // fd). The thread only posts: ticks, one at a time, and with watch_cq_
+  // idle_progress(), one at a time.
   // It never holds the fabric (the destructor stops and joins it before
-  // anything it reads goes away); the ticks it posts hold a weak reference.
-  liveness_ = std::jthread([this, w = weak_from_this()](std::stop_token stop) {
-    std::unique_lock lock(tick_m_);
+  // anything it reads goes away: the completion queue's fd too); what it
+  // posts holds a weak reference.
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw std::system_error(errno, std::system_category(), "fabric: eventfd");
+  watch_cq_ = cq->progress_in_poll();
+  const int cq_fd = watch_cq_ ? cq->notify_fd() : -1;
+  liveness_ = std::jthread([this, w = weak_from_this(), cq_fd](std::stop_token stop) {
+    const std::stop_callback on_stop(stop, [this] { wake_liveness(); });
+    using clock = std::chrono::steady_clock;
+    auto next_tick = clock::now() + std::chrono::milliseconds(tick_ms_.load(std::memory_order_relaxed));
     while (!stop.stop_requested()) {
-      const std::chrono::milliseconds period(tick_ms_.load(std::memory_order_relaxed));
-      // Woken early by want_tick (a new connection wants ticks sooner).
-      tick_cv_.wait_for(lock, stop, period, [this] { return std::exchange(tick_wanted_, false); });
+      const bool watch = cq_fd >= 0 && reactor_idle_.load(std::memory_order_acquire) &&
+                         !progress_posted_.load(std::memory_order_acquire);
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(next_tick - clock::now());
+      std::array<pollfd, 2> fds{{{wake_fd_, POLLIN, 0}, {cq_fd, POLLIN, 0}}};
+      const int n = ::poll(fds.data(), watch ? 2 : 1, static_cast<int>(std::max<std::int64_t>(left.count(), 0)));
       if (stop.stop_requested()) return;
-      if (tick_posted_.exchange(true)) continue;
-      asio::post(io, [w] {
-        if (auto f = w.lock()) f->liveness_tick();
-      });
+      if (n > 0 && (fds[0].revents & POLLIN) != 0) {
+        std::uint64_t count = 0;
+        [[maybe_unused]] const auto r = ::read(wake_fd_, &count, sizeof count);
+      }
+      if (watch && n > 0 && (fds[1].revents & POLLIN) != 0 && !progress_posted_.exchange(true)) {
+        asio::post(io, [w] {
+          if (auto f = w.lock()) f->idle_progress();
+        });
+      }
+      // Woken early by want_tick (a new connection wants ticks sooner): a
+      // tick now, the next after the new period.
+      const auto now = clock::now();
+      if (tick_wanted_.exchange(false) || now >= next_tick) {
+        next_tick = now + std::chrono::milliseconds(tick_ms_.load(std::memory_order_relaxed));
+        if (!tick_posted_.exchange(true)) {
+          asio::post(io, [w] {
+            if (auto f = w.lock()) f->liveness_tick();
+          });
+        }
+      }
     }
   });
 }
 
+void fabric_state::wake_liveness() noexcept {
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const auto r = ::write(wake_fd_, &one, sizeof one);
+}
+
 void fabric_state::stop_liveness() noexcept {
-  liveness_.request_stop();
+  liveness_.request_stop();  // (its stop callback wakes the thread)
   if (liveness_.joinable()) liveness_.join();
 }
 
@@ -233,11 +268,15 @@ void fabric_state::want_tick(std::chrono::milliseconds within) {
   const std::int64_t ms = std::max(within, kMinTick).count();
   if (ms >= tick_ms_.load(std::memory_order_relaxed)) return;
   tick_ms_.store(ms, std::memory_order_relaxed);
-  {
-    std::lock_guard lock(tick_m_);
-    tick_wanted_ = true;
-  }
-  tick_cv_.notify_one();
+  tick_wanted_.store(true);
+  wake_liveness();
+}
+
+void fabric_state::idle_progress() noexcept {
+  // (A reactor started meanwhile polls by itself.)
+  if (active_ == 0) reactor->poll_stopped();
+  progress_posted_.store(false, std::memory_order_release);
+  wake_liveness();  // watch again
 }
 
 void fabric_state::add(connection_impl* c) { conns_.push_back(c); }
@@ -302,6 +341,7 @@ void fabric_state::liveness_tick() noexcept {
 
 fabric_state::~fabric_state() {
   stop_liveness();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
   helpers.stop_all();
   srq.reset();  // its queue pairs are gone (connections hold the fabric); before the pool's memory
   reactor.reset();
@@ -423,7 +463,10 @@ void fabric_state::stop_copies() noexcept {
 }
 
 void fabric_state::busy() noexcept {
-  if (active_++ == 0) reactor->start();
+  if (active_++ == 0) {
+    reactor->start();
+    reactor_idle_.store(false, std::memory_order_relaxed);  // (the idle watch stops at its next look)
+  }
 }
 
 void fabric_state::idle() noexcept {
@@ -433,7 +476,13 @@ void fabric_state::idle() noexcept {
     auto s = w.lock();
     if (!s) return;
     s->stop_check_posted_ = false;
-    if (s->active_ == 0) s->reactor->stop();
+    if (s->active_ == 0) {
+      s->reactor->stop();
+      if (s->watch_cq_ && !s->reactor->running()) {
+        s->reactor_idle_.store(true, std::memory_order_release);
+        s->wake_liveness();  // the idle watch begins
+      }
+    }
   });
 }
 

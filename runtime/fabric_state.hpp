@@ -18,7 +18,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -201,6 +200,13 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   void stop_liveness() noexcept;  // joins the thread (~fabric, ~fabric_state)
   void liveness_tick() noexcept;
   void want_tick(std::chrono::milliseconds within);  // the next tick within this (a new connection)
+  // With a provider whose poll() serves the peers' one-sided operations
+  // (completion_queue::progress_in_poll: tcp), the same thread watches the
+  // completion queue's notify fd while the reactor is stopped (nothing of
+  // ours pending) and posts idle_progress() when it becomes readable: a
+  // put towards this side is then answered within a wake-up, not at the
+  // next tick (up to a second later).
+  void idle_progress() noexcept;
   // A connection failed with ec (connection_impl::fail): counted by error.
   void count_failure(std::error_code ec) noexcept;
   std::vector<failure_count> failures;  // a handful of distinct errors
@@ -248,9 +254,15 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::unordered_map<std::uint32_t, connection_impl*> srq_conns_;
   std::atomic<std::int64_t> tick_ms_{kMaxTick.count()};
   std::atomic<bool> tick_posted_{false};
-  std::mutex tick_m_;
-  std::condition_variable_any tick_cv_;
-  bool tick_wanted_ = false;  // under tick_m_
+  std::atomic<bool> tick_wanted_{false};  // want_tick: a tick now, then every tick_ms_
+  // The liveness thread waits on this eventfd (and, with watch_cq_, on the
+  // completion queue's notify fd while reactor_idle_ and no idle_progress
+  // is queued).
+  int wake_fd_ = -1;
+  bool watch_cq_ = false;
+  std::atomic<bool> reactor_idle_{true};      // the reactor is stopped (set on the io thread)
+  std::atomic<bool> progress_posted_{false};  // an idle_progress() is queued
+  void wake_liveness() noexcept;
   std::jthread liveness_;  // last: stopped first
   std::unique_ptr<staging_area> staging_;
   std::unique_ptr<copy_thread> copies_;

@@ -242,6 +242,12 @@ std::size_t reactor::poll_now() {
   return n;
 }
 
+std::size_t reactor::poll_stopped() {
+  if (running_ || failed_) return 0;
+  cq_.ack_events();
+  return poll_now();
+}
+
 void reactor::start() {
   if (running_ || failed_) return;
   running_ = true;

@@ -138,6 +138,13 @@ class reactor {
   // idle side count. Not from inside a completion's handler. Returns the
   // completions dispatched.
   std::size_t poll_now();
+  // poll_now() for a stopped reactor whose provider makes progress in poll
+  // (completion_queue::progress_in_poll) and whose notify fd became
+  // readable: the notifications are consumed first, so that the fd goes
+  // quiet once nothing is left to do. Nothing while running (the reactor
+  // polls itself then).
+  std::size_t poll_stopped();
+  bool running() const noexcept { return running_; }
 
   poll_mode mode() const noexcept { return mode_; }
   // Whether the notify fd is in the io_context's descriptor set (event mode

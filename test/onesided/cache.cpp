@@ -15,7 +15,9 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 
 using namespace anydoor::test;
 using asio::awaitable;
@@ -78,14 +80,26 @@ TEST_CASE("registration cache: an entry in use is deregistered neither by forget
           "[onesided]") {
   ad::fabric_options o = test_options();
   o.cache_max_entries = 2;
-  onesided_pair p(o);
+  // With tcp the target answers the get at once (its fabric watches for
+  // requests while idle): every batch of frames waits 150 ms before it is
+  // sent (fault injection, both sides), so the get stays in flight while
+  // this side's io_context runs.
+  if (testing_tcp()) REQUIRE(::setenv("ANYDOOR_TCP_FAULTS", "delay=150", 1) == 0);
+  std::optional<onesided_pair> pair;
+  try {
+    pair.emplace(o);
+  } catch (...) {
+    ::unsetenv("ANYDOOR_TCP_FAULTS");
+    throw;
+  }
+  ::unsetenv("ANYDOOR_TCP_FAULTS");
+  onesided_pair& p = *pair;
   std::vector<std::byte> target = pattern(4 * kPage, 7);
   ad::memory_region tr =
       p.fb.register_memory(target, ad::access::local_write | ad::access::remote_read | ad::access::remote_write);
   pages local(10);  // buffers at pages 0 (two pages), 2, 4, 6 and 8: separate entries
   failure f;
-  // With tcp, b serves one-sided work only while it has an operation
-  // pending: it waits in a receive only once this runs.
+  // b waits in a receive for the final "done".
   auto target_side = [&]() -> awaitable<void> {
     auto [ec, m] = co_await p.b.async_receive(asio::as_tuple(use_awaitable));
     CHECK_FALSE(ec);
@@ -112,7 +126,7 @@ TEST_CASE("registration cache: an entry in use is deregistered neither by forget
     CHECK(s.deregistrations == 0);  // still in use: kept until the get completes
     CHECK(s.entries == 1);
     if (testing_tcp()) {
-      // The target makes no progress yet: the get stays in flight a while.
+      // The frames wait: the get stays in flight a while.
       t.expires_after(std::chrono::milliseconds(50));
       co_await t.async_wait(use_awaitable);
       CHECK_FALSE(done);

@@ -528,6 +528,43 @@ TEST_CASE("faults: a put the peer never answers ends about a second after the pe
   CHECK_FALSE(closed.has_value());  // (the server's close is never acknowledged: it reads nothing)
 }
 
+TEST_CASE("faults: an idle target whose socket is not read does not spin its fabric's watch of the queue",
+          "[runtime][faults]") {
+  // The server has nothing pending (its reactor is stopped), so its
+  // fabric's liveness thread watches the completion queue's notify fd for
+  // the peers' one-sided requests. Its device reads nothing: the client's
+  // put waits in the socket, unread for good. The watch must not wake over
+  // and over for input the queue will not take.
+  asio::io_context io;
+  std::optional<ad::error_code> put;
+  std::vector<std::byte> mem(4096), src(4096, std::byte{1});
+  auto server = faulty_fabric(io, "stop_reading=0,qp=1");
+  ad::fabric client(io, test_options());
+  ad::memory_region dst = server->register_memory(mem, ad::access::local_write | ad::access::remote_write);
+  ad::memory_region from = client.register_memory(src, ad::access::local_write);
+  ad::acceptor acc = server->listen(test_host(), 0);
+  auto [a, c] = connect_through(io, client, acc, addr(acc));
+  c.async_put(from, dst.remote(), [&](ad::error_code ec, std::size_t) { put = ec; });
+  auto cpu = [] {
+    rusage r{};
+    ::getrusage(RUSAGE_SELF, &r);
+    auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
+    return secs(r.ru_utime) + secs(r.ru_stime);
+  };
+  // The client's reactor spins a while after the put (adaptive), then sleeps.
+  asio::steady_timer settle(io, ms(200)), quiet(io, ms(1200));
+  bool settled = false, fired = false;
+  settle.async_wait([&](const boost::system::error_code&) { settled = true; });
+  quiet.async_wait([&](const boost::system::error_code&) { fired = true; });
+  run_until(io, [&] { return settled; });
+  const double cpu0 = cpu();
+  run_until(io, [&] { return fired; });
+  const double used = cpu() - cpu0;
+  INFO("CPU over 1 s with the put unread: " << used << " s");
+  CHECK_FALSE(put.has_value());  // the premise: unread, unanswered
+  CHECK(used < 0.3);
+}
+
 TEST_CASE("faults: a malformed ANYDOOR_TCP_FAULTS stops the device from opening, naming the item",
           "[runtime][faults]") {
   asio::io_context io;

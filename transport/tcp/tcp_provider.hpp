@@ -361,6 +361,7 @@ class tcp_cq final : public completion_queue {
   std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
   std::error_code arm() noexcept override;
   int notify_fd() const noexcept override { return epfd_; }
+  bool progress_in_poll() const noexcept override { return true; }
   std::size_t ack_events() noexcept override;
   std::uint32_t depth() const noexcept override { return depth_; }
   cq_counters counters() const noexcept override { return counters_; }

@@ -135,6 +135,14 @@ class completion_queue {
 
   virtual std::uint32_t depth() const noexcept = 0;
   virtual cq_counters counters() const noexcept = 0;
+
+  // True where poll() is also what executes the peers' one-sided operations
+  // on this side's memory and answers them (tcp: the software NIC runs in
+  // the target's process): its owner must poll when notify_fd() becomes
+  // readable even with nothing of its own pending. notify_fd() is then
+  // readable, armed or not, while there is progress to make. False for a
+  // NIC, which needs nothing from the target.
+  virtual bool progress_in_poll() const noexcept { return false; }
 };
 
 // A shared receive queue (ibv_srq): receives that every queue pair created with it (qp_attributes::srq)
