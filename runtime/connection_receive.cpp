@@ -452,8 +452,8 @@ void connection_impl::on_peer_close() noexcept {
   peer_closed_ = true;
   peer_closed_at_ = std::chrono::steady_clock::now();
   log().debug("connection qp {}: the peer closed", qp_num());
-  // What is still unanswered when the grace runs out is flushed (liveness).
-  if (sq_retired_ != sq_posted_) fab_->want_tick(kPeerCloseGrace);
+  // What is still unanswered when the grace runs out is flushed (liveness:
+  // a tick comes within kMaxTick, which asks for the rest of the grace).
   end_waiting_sends(errc::connection_closed);
   end_waiting_staged(errc::connection_closed);  // (those under way end as their chunks are refused)
   complete_parked(true);

@@ -273,6 +273,10 @@ void fabric_state::want_tick(std::chrono::milliseconds within) {
 }
 
 void fabric_state::idle_progress() noexcept {
+  // A failed reactor polls no more: nothing would take what makes the fd
+  // readable (an overflowed queue's eventfd), so the watch ends here, for
+  // good, instead of waking over and over.
+  if (reactor->failed()) return;
   // (A reactor started meanwhile polls by itself.)
   if (active_ == 0) reactor->poll_stopped();
   progress_posted_.store(false, std::memory_order_release);
@@ -341,7 +345,7 @@ void fabric_state::liveness_tick() noexcept {
 
 fabric_state::~fabric_state() {
   stop_liveness();
-  if (wake_fd_ >= 0) ::close(wake_fd_);
+  if (wake_fd_ >= 0) ::close(std::exchange(wake_fd_, -1));
   helpers.stop_all();
   srq.reset();  // its queue pairs are gone (connections hold the fabric); before the pool's memory
   reactor.reset();
@@ -465,7 +469,13 @@ void fabric_state::stop_copies() noexcept {
 void fabric_state::busy() noexcept {
   if (active_++ == 0) {
     reactor->start();
-    reactor_idle_.store(false, std::memory_order_relaxed);  // (the idle watch stops at its next look)
+    // Only where the reactor had stopped (not on every first operation
+    // after a completion: the stop check finds those busy again): the
+    // watch ends now rather than at its next wake-up.
+    if (reactor_idle_.load(std::memory_order_relaxed)) {
+      reactor_idle_.store(false, std::memory_order_relaxed);
+      if (watch_cq_) wake_liveness();
+    }
   }
 }
 
@@ -478,7 +488,7 @@ void fabric_state::idle() noexcept {
     s->stop_check_posted_ = false;
     if (s->active_ == 0) {
       s->reactor->stop();
-      if (s->watch_cq_ && !s->reactor->running()) {
+      if (s->watch_cq_ && !s->reactor->running() && !s->reactor->failed()) {
         s->reactor_idle_.store(true, std::memory_order_release);
         s->wake_liveness();  // the idle watch begins
       }

@@ -145,6 +145,9 @@ class reactor {
   // polls itself then).
   std::size_t poll_stopped();
   bool running() const noexcept { return running_; }
+  // It gave up on the completion queue (an overflow, a failed arm or wait):
+  // it polls no more, and every operation it tracked has failed.
+  bool failed() const noexcept { return failed_; }
 
   poll_mode mode() const noexcept { return mode_; }
   // Whether the notify fd is in the io_context's descriptor set (event mode

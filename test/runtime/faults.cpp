@@ -663,4 +663,21 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   CHECK_FALSE(c.is_open());
   CHECK(c.stats().puts == 0);  // (none counted as done either)
   CHECK(c.stats().atomics == 0);
+  // The reactor gave up; its queue stays signalled (the overflow's
+  // eventfd) and nothing polls it: the fabric's idle watch of the queue
+  // must not wake for it over and over while the io_context runs.
+  auto cpu = [] {
+    rusage r{};
+    ::getrusage(RUSAGE_SELF, &r);
+    auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
+    return secs(r.ru_utime) + secs(r.ru_stime);
+  };
+  asio::steady_timer quiet(io_c, ms(1000));
+  bool fired = false;
+  quiet.async_wait([&](const boost::system::error_code&) { fired = true; });
+  const double cpu0 = cpu();
+  run_until(io_c, [&] { return fired; });
+  const double used = cpu() - cpu0;
+  INFO("CPU over 1 s after the overflow: " << used << " s");
+  CHECK(used < 0.3);
 }
