@@ -21,7 +21,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1517,15 +1516,6 @@ TEST_CASE("a fabric destroyed while a connect waits for its peer ends the attemp
   }
 }
 
-namespace {
-double cpu_seconds() {
-  rusage r{};
-  ::getrusage(RUSAGE_SELF, &r);
-  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
-  return secs(r.ru_utime) + secs(r.ru_stime);
-}
-}  // namespace
-
 TEST_CASE("tcp: one-sided operations towards a target with nothing pending are answered at once - not at its next tick",
           "[runtime]") {
   // With the tcp provider the target's process executes puts and gets (its
@@ -1570,12 +1560,12 @@ TEST_CASE("tcp: one-sided operations towards a target with nothing pending are a
   CHECK(sorted[sorted.size() / 2] < 50);  // (about 0.05 ms seen; 1,000 ms without the watch)
   CHECK(sorted.back() < 500);
   // Idle (the io_context waits for a timer): the watch sleeps.
-  const double cpu0 = cpu_seconds();
+  const double cpu0 = process_cpu_seconds();
   asio::steady_timer quiet(io, std::chrono::milliseconds(1000));
   bool fired = false;
   quiet.async_wait([&](const boost::system::error_code&) { fired = true; });
   run_until(io, [&] { return fired; });
-  const double cpu = cpu_seconds() - cpu0;
+  const double cpu = process_cpu_seconds() - cpu0;
   INFO("CPU over 1 s idle: " << cpu << " s");
   CHECK(cpu < 0.2);
 }

@@ -15,7 +15,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
-#include <sys/resource.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -464,12 +463,9 @@ TEST_CASE("faults: a reader stopped for good still learns that its peer left, an
     co_await sleep_for(ms(100));
     // Our send now meets a closed socket: the peer resets the connection.
     s.targets[a]->conn.async_send(asio::buffer(x), [](ad::error_code, std::size_t) {});
-    rusage r0{}, r1{};
-    ::getrusage(RUSAGE_SELF, &r0);
+    const double cpu0 = process_cpu_seconds();
     co_await sleep_for(ms(1000));
-    ::getrusage(RUSAGE_SELF, &r1);
-    auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
-    cpu_s = secs(r1.ru_utime) + secs(r1.ru_stime) - secs(r0.ru_utime) - secs(r0.ru_stime);
+    cpu_s = process_cpu_seconds() - cpu0;
     s.targets[a]->conn = {};
   }, f.handler());
   run_to_completion(s.io, std::chrono::seconds(20));
@@ -545,21 +541,15 @@ TEST_CASE("faults: an idle target whose socket is not read does not spin its fab
   ad::acceptor acc = server->listen(test_host(), 0);
   auto [a, c] = connect_through(io, client, acc, addr(acc));
   c.async_put(from, dst.remote(), [&](ad::error_code ec, std::size_t) { put = ec; });
-  auto cpu = [] {
-    rusage r{};
-    ::getrusage(RUSAGE_SELF, &r);
-    auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
-    return secs(r.ru_utime) + secs(r.ru_stime);
-  };
   // The client's reactor spins a while after the put (adaptive), then sleeps.
   asio::steady_timer settle(io, ms(200)), quiet(io, ms(1200));
   bool settled = false, fired = false;
   settle.async_wait([&](const boost::system::error_code&) { settled = true; });
   quiet.async_wait([&](const boost::system::error_code&) { fired = true; });
   run_until(io, [&] { return settled; });
-  const double cpu0 = cpu();
+  const double cpu0 = process_cpu_seconds();
   run_until(io, [&] { return fired; });
-  const double used = cpu() - cpu0;
+  const double used = process_cpu_seconds() - cpu0;
   INFO("CPU over 1 s with the put unread: " << used << " s");
   CHECK_FALSE(put.has_value());  // the premise: unread, unanswered
   CHECK(used < 0.3);
@@ -666,18 +656,12 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   // The reactor gave up; its queue stays signalled (the overflow's
   // eventfd) and nothing polls it: the fabric's idle watch of the queue
   // must not wake for it over and over while the io_context runs.
-  auto cpu = [] {
-    rusage r{};
-    ::getrusage(RUSAGE_SELF, &r);
-    auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
-    return secs(r.ru_utime) + secs(r.ru_stime);
-  };
   asio::steady_timer quiet(io_c, ms(1000));
   bool fired = false;
   quiet.async_wait([&](const boost::system::error_code&) { fired = true; });
-  const double cpu0 = cpu();
+  const double cpu0 = process_cpu_seconds();
   run_until(io_c, [&] { return fired; });
-  const double used = cpu() - cpu0;
+  const double used = process_cpu_seconds() - cpu0;
   INFO("CPU over 1 s after the overflow: " << used << " s");
   CHECK(used < 0.3);
 }

@@ -1,8 +1,10 @@
-// Test support: what this process holds now (Linux /proc), for the checks
-// that memory and file descriptors stay flat (fault injection, soak).
+// Test support: what this process holds and uses now (Linux /proc, getrusage),
+// for the checks that memory and file descriptors stay flat (fault injection,
+// soak) and that idle sides do not spin.
 #pragma once
 
 #include <dirent.h>
+#include <sys/resource.h>
 
 #include <cstddef>
 #include <fstream>
@@ -33,6 +35,15 @@ inline std::size_t open_fds() {
     ::closedir(d);
   }
   return n - 1;  // the directory itself
+}
+
+// CPU time this process has used so far (user plus system), in seconds:
+// the checks that an idle or stalled side does not spin.
+inline double process_cpu_seconds() {
+  rusage r{};
+  ::getrusage(RUSAGE_SELF, &r);
+  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
+  return secs(r.ru_utime) + secs(r.ru_stime);
 }
 
 }  // namespace anydoor::test
