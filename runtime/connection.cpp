@@ -83,7 +83,9 @@ connection_impl::~connection_impl() {
   fab_->forget(this);
   if (registered_) fab_->remove(this);
   // Buffers still posted when the queue pair goes away (it never connected,
-  // or the peer tore it down with nothing flushed) return to the pool.
+  // or the peer tore it down with nothing flushed) return to the pool, once
+  // the device has let go of them.
+  qp_.reset();
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
   for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) release_received(inbox_[ring_slot(i, inbox_.size())].buffer);
   for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[ring_slot(i, notes_.size())]);
@@ -95,7 +97,6 @@ connection_impl::~connection_impl() {
     batch_->wrs.clear();
     return_batch();
   }
-  qp_.reset();
   srq_release();
   if (counted_) --fab_->open_connections;
 }
@@ -103,14 +104,37 @@ connection_impl::~connection_impl() {
 void connection_impl::srq_release() noexcept {
   if (!srq_attached_ || qp_ != nullptr) return;
   // The queue pair is gone: nothing of the peer's can take a receive now.
-  fab_->srq_detach(srq_qpn_);
+  fab_->srq_detach(qpn_);
   srq_attached_ = false;
   fab_->srq_promised -= static_cast<std::uint64_t>(std::max<std::int64_t>(promised_, 0));
   promised_ = 0;
 }
 
+void connection_impl::on_cq_lost(std::error_code ec) noexcept {
+  const bool in_setup = state_ == state::setup;
+  if (!in_setup && qp_ != nullptr) {
+    log().debug("connection qp {}: its completion queue is lost: the queue pair goes", qp_num());
+    qp_.reset();
+  }
+  fail(ec);
+  if (!in_setup) return_posted_receives();
+}
+
+void connection_impl::return_posted_receives() noexcept {
+  for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->put_buffer(rq_[ring_slot(i, rq_.size())]);
+  rq_done_ = rq_posted_;
+  srq_release();
+}
+
 void connection_impl::prepare() {
   fabric_state& f = *fab_;
+  if (f.reactor->failed()) {
+    // Nothing polls its completion queue now: no operation of a new
+    // connection would ever end.
+    throw std::system_error(errc::invalid_state,
+                            "fabric: its completion queue was lost (the reactor gave up on it); "
+                            "no connection can be made on this fabric");
+  }
   if (f.open_connections >= f.options.max_connections) {
     throw std::system_error(errc::too_many_connections,
                             "fabric: " + std::to_string(f.options.max_connections) + " connections already");
@@ -139,6 +163,7 @@ void connection_impl::prepare() {
   // token: handle_auth opens the queue pair then.
   if (f.auth) a.remote_access = transport::access::none;
   qp_ = f.pd->create_qp(a);
+  qpn_ = qp_->qp_num();
   if (auto ec = qp_->modify(transport::qp_state::init)) throw std::system_error(ec, "connection: queue pair to init");
   send_base_ = f.reactor->track_persistent(send_op_);
   recv_base_ = f.reactor->track_persistent(recv_op_);
@@ -146,8 +171,7 @@ void connection_impl::prepare() {
     throw std::system_error(errc::too_many_connections, "connection: the reactor has no operation slot left");
   }
   if (srq_) {
-    srq_qpn_ = qp_num();
-    f.srq_attach(srq_qpn_, this);
+    f.srq_attach(qpn_, this);
     srq_attached_ = true;
     promised_ = std::min<std::int64_t>(opt_.credits, fabric_state::kSrqMinCredits);  // the hello's credits
     f.srq_promised += static_cast<std::uint64_t>(promised_);
@@ -220,8 +244,16 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   if (state_ == state::failed) {
     // It failed while the setup thread still held the queue pair (a
     // malformed early message): the queue pair goes to error only now.
-    if (qp_ != nullptr) (void)qp_->modify(transport::qp_state::error);
+    // (Or the reactor gave up meanwhile: nothing will poll the flushes, so
+    // the queue pair goes.)
+    if (fab_->reactor->failed()) {
+      qp_.reset();
+      return_posted_receives();
+    } else if (qp_ != nullptr) {
+      (void)qp_->modify(transport::qp_state::error);
+    }
     end_auth(error_);
+    maybe_release_self();
     return;
   }
   if (state_ == state::setup) state_ = state::open;
@@ -285,11 +317,12 @@ void connection_impl::on_setup_failed() noexcept {
   error_ = errc::not_connected;
   revoke_windows();
   // The queue pair never carried anything: no completion will come for its
-  // receives. Destroying it returns them (see the destructor).
+  // receives. They return to the pool once it is gone (the device lets go
+  // of them then).
+  qp_.reset();
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
   rq_done_ = rq_posted_ = rq_queued_;
   recv_batch_.clear();
-  qp_.reset();
   srq_release();
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
@@ -551,7 +584,7 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
       now - srq_state_checked_ >= std::chrono::seconds(1) &&
       (srq_state_checked_ = now, qp_->state() == transport::qp_state::error)) {
     auto keep = shared_from_this();
-    on_receive_failed({.wr_id = 0, .status = transport::wc_status::work_request_flushed, .qp_num = srq_qpn_});
+    on_receive_failed({.wr_id = 0, .status = transport::wc_status::work_request_flushed, .qp_num = qpn_});
     return idle;
   }
   // The peer closed and our work requests are still unanswered: once the

@@ -63,7 +63,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void prepare();
   transport::queue_pair& qp() noexcept { return *qp_; }
   transport::path_info path() const noexcept { return qp_ != nullptr ? qp_->path() : transport::path_info{}; }
-  std::uint32_t qp_num() const noexcept { return qp_ != nullptr ? qp_->qp_num() : 0; }
+  // (Kept after the queue pair is gone: the logs and the fabric's listing
+  // still name the connection.)
+  std::uint32_t qp_num() const noexcept { return qpn_; }
   // The path as on_connected found it (empty before: during setup another
   // thread may still be writing it), for monitoring without a device query.
   const transport::path_info& connected_path() const noexcept { return connected_path_; }
@@ -326,6 +328,14 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // fabric once the queue pair is gone.
   std::uint32_t grant() noexcept;
   void srq_release() noexcept;
+  // The reactor gave up on the completion queue: no completion will come
+  // for anything posted. The queue pair goes first (the device lets go of
+  // every buffer its work requests name: a get's target, a posted receive),
+  // then the connection fails and the receive buffers return to the pool.
+  // During setup the setup thread holds the queue pair: the connection only
+  // fails, and on_connected or on_setup_failed lets the queue pair go.
+  void on_cq_lost(std::error_code ec) noexcept;
+  void return_posted_receives() noexcept;  // (the queue pair gone)
   // A receive failed (its queue pair is in error): the connection fails,
   // or closes when the peer tore it down after its close.
   void on_receive_failed(const transport::completion& wc) noexcept;
@@ -428,7 +438,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
 
   // credits
   bool srq_ = false;            // receives come from the fabric's shared queue
-  std::uint32_t srq_qpn_ = 0;   // our queue pair's number (srq_)
+  std::uint32_t qpn_ = 0;       // our queue pair's number (0 before prepare())
   // srq_: credits granted to the peer and not yet used by a message that
   // arrived (= peer_view_ + owed_ + withheld_ once connected), counted in
   // the fabric's srq_promised.
@@ -437,7 +447,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // given back (in the inbox, with the application, being read from): with
   // promised_, never more than the window, or the inbox would overflow.
   std::int64_t held_ = 0;
-  bool srq_attached_ = false;   // in the fabric's table under srq_qpn_
+  bool srq_attached_ = false;   // in the fabric's table under qpn_
   std::chrono::steady_clock::time_point srq_state_checked_{};
   std::int64_t credits_ = 0;    // the peer's receives we may use
   std::uint32_t owed_ = 0;      // our receives re-posted, not yet reported

@@ -107,7 +107,7 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
       on_receive_failed(wc);
     } else {
       log().debug("connection qp {}: a failed receive of an earlier queue pair with this number ({}); ignored",
-                  srq_qpn_, transport::to_string(wc.status));
+                  qpn_, transport::to_string(wc.status));
     }
   } else if (promised_ <= 0) {
     // More messages than credits granted: they took receives granted to
@@ -115,7 +115,7 @@ void connection_impl::on_srq_completion(const transport::completion& wc, std::ui
     // (Once: a burst behind the first one arrives after the connection
     // failed, and a hostile peer must not flood the log.)
     if (state_ != state::failed && state_ != state::closed) {
-      log().warn("connection qp {}: the peer sent more messages than it had credits", srq_qpn_);
+      log().warn("connection qp {}: the peer sent more messages than it had credits", qpn_);
     }
     fab_->srq_repost(buffer);
     fail(errc::protocol_error);
@@ -151,9 +151,7 @@ void connection_impl::on_recv_completion(const transport::completion& wc) noexce
 
 void connection_impl::on_recv_completion_body(const transport::completion& wc) noexcept {
   if (reactor_gave_up(wc)) {
-    fail(make_error_code(wc.status));
-    for (std::uint64_t i = rq_done_; i < rq_posted_; ++i) fab_->put_buffer(rq_[ring_slot(i, rq_.size())]);
-    rq_done_ = rq_posted_;
+    on_cq_lost(make_error_code(wc.status));
     maybe_release_self();
     return;
   }

@@ -620,8 +620,10 @@ void connection_impl::on_send_completion_body(const transport::completion& wc) n
   if (reactor_gave_up(wc)) {
     // The reactor gave up on the completion queue: everything outstanding
     // is lost, none known to have succeeded (a put may have landed, an
-    // atomic's old value never came back).
-    fail(make_error_code(wc.status));
+    // atomic's old value never came back). The queue pair goes first: the
+    // device lets go of every buffer its work requests name (a get's or
+    // atomic's target among them) before the operations end.
+    on_cq_lost(make_error_code(wc.status));
     retire_through(sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
     maybe_release_self();
     return;

@@ -98,7 +98,11 @@ std::error_code reason_error(protocol::refuse_reason r) {
 protocol::refuse_reason refuse_for(std::error_code ec) {
   if (ec == errc::version_mismatch) return protocol::refuse_reason::version;
   if (ec == errc::authentication_failed) return protocol::refuse_reason::authentication;
-  if (ec == errc::too_many_connections || ec == errc::no_buffer_space) return protocol::refuse_reason::resources;
+  // (invalid_state: the fabric can take no connection, its completion queue
+  // lost; the peer is not at fault.)
+  if (ec == errc::too_many_connections || ec == errc::no_buffer_space || ec == errc::invalid_state) {
+    return protocol::refuse_reason::resources;
+  }
   return protocol::refuse_reason::malformed;
 }
 
@@ -965,6 +969,10 @@ acceptor fabric::listen(const std::string& host, std::uint16_t port) {
 
 acceptor fabric::listen(std::unique_ptr<transport::listener> listener) {
   if (listener == nullptr) throw std::system_error(errc::invalid_argument, "fabric: listen: no listener");
+  if (state_->reactor->failed()) {
+    throw std::system_error(errc::invalid_state, "fabric: listen: its completion queue was lost (the reactor gave up "
+                                                 "on it); no connection can be made on this fabric");
+  }
   auto s = std::make_shared<acceptor::state>();
   s->fab = state_;
   s->listener = std::move(listener);
@@ -1112,6 +1120,13 @@ void acceptor::state::offer_candidate() {
     log().warn("fabric: accept: cannot take another connection: {}", e.what());
     ec = e.code();
     cand.reset();
+    if (fab->reactor->failed()) {
+      // For good: the accept waiting (and every later one) ends with the
+      // error rather than waiting on a fabric that can serve nobody.
+      asio::post(fab->io, [weak = weak_from_this(), ec] {
+        if (auto s = weak.lock()) s->on_failed(ec);
+      });
+    }
   }
   {
     std::lock_guard lock(m);
@@ -1256,6 +1271,7 @@ void acceptor::start_accept(const std::shared_ptr<state>& sp, detail::pending_ha
   if (s.closed) ec = std::make_error_code(std::errc::operation_canceled);
   else if (s.failed) ec = s.failed;
   else if (s.pending != nullptr) ec = errc::invalid_state;
+  else if (s.fab->reactor->failed()) ec = errc::invalid_state;  // (its completion queue was lost: prepare())
   if (ec) {
     h->complete(true, ec, connection{});
     delete h;

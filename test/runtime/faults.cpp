@@ -576,14 +576,28 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   // reported done: a put that landed but whose completion was lost ends
   // with an error, as do the atomic (its old value never came back), the
   // flush behind them and the receive.
+  // (Also with a shared receive queue: the connection's receives are the
+  // fabric's then.)
+  const bool srq = GENERATE(false, true);
+  INFO((srq ? "with" : "without") << " a shared receive queue");
   asio::io_context io_s, io_c;
   ad::fabric server(io_s, test_options());
-  std::unique_ptr<ad::fabric> client = faulty_fabric(io_c, "cq_depth=8");
+  ad::fabric_options client_options = test_options();
+  if (srq) client_options.srq_buffers = 64;
+  std::unique_ptr<ad::fabric> client = faulty_fabric(io_c, "cq_depth=8", client_options);
   std::vector<std::byte> target(4096), src(4096, std::byte{3});
   ad::memory_region dst =
       server.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_atomic);
   ad::acceptor acc = server.listen(test_host(), 0);
   auto [a, c] = connect_across(io_s, io_c, *client, acc);
+  REQUIRE(client->connection_reports().size() == 1);
+  const std::uint32_t qpn = client->connection_reports()[0].qp_num;
+  CHECK(qpn != 0);
+  // An accept on the client's fabric waits through the overflow.
+  ad::acceptor back = client->listen(test_host(), 0);
+  std::optional<ad::error_code> accept_waiting;
+  back.async_accept([&](ad::error_code ec, ad::connection) { accept_waiting = ec; });
+  ad::acceptor idle_acceptor = client->listen(test_host(), 0);  // (no accept waiting)
   constexpr std::size_t kPuts = 16, kMessages = 16;
   std::vector<std::vector<ad::error_code>> puts(kPuts);
   std::vector<ad::error_code> atomic, flushed, received;
@@ -609,7 +623,9 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
     }
     std::uint64_t counter = 0;
     std::memcpy(&counter, target.data() + 4088, 8);
-    return counter == 1 && a.stats().posts - server_posts_before >= kMessages;
+    // (With a shared receive queue the client grants a few credits at first:
+    // the server sends what they allow.)
+    return counter == 1 && a.stats().posts - server_posts_before >= (srq ? 3 : kMessages);
   };
   const auto answer_by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (!executed() && std::chrono::steady_clock::now() < answer_by) {
@@ -664,4 +680,49 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   const double used = process_cpu_seconds() - cpu0;
   INFO("CPU over 1 s after the overflow: " << used << " s");
   CHECK(used < 0.3);
+  // The queue pair went before the operations ended (the device let go of
+  // their memory); the fabric's listing still names the connection.
+  const auto reports = client->connection_reports();
+  REQUIRE(reports.size() == 1);
+  CHECK(reports[0].qp_num == qpn);
+  CHECK_FALSE(reports[0].open);
+  // A new connection on this fabric would never see an operation end:
+  // refused at once, saying why.
+  std::optional<ad::error_code> refused;
+  client->async_connect(addr(acc), [&](ad::error_code ec, ad::connection) { refused = ec; });
+  run_until(io_c, [&] { return refused.has_value(); });
+  REQUIRE(refused.has_value());
+  CHECK(*refused == ad::errc::invalid_state);
+  CHECK(client->connection_reports().size() == 1);
+  // The accept that waited ends with that error once a peer comes (the
+  // peer is refused), and a later one at once: not an accept loop waiting
+  // for ever on a fabric that can serve nobody.
+  std::optional<ad::error_code> peer;
+  server.async_connect(addr(back), [&](ad::error_code ec, ad::connection) { peer = ec; });
+  const auto accept_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!(peer.has_value() && accept_waiting.has_value()) && std::chrono::steady_clock::now() < accept_by) {
+    io_c.restart();
+    io_c.poll();
+    io_s.restart();
+    io_s.poll();
+  }
+  REQUIRE(accept_waiting.has_value());
+  CHECK(*accept_waiting == ad::errc::invalid_state);
+  REQUIRE(peer.has_value());
+  CHECK(*peer == ad::errc::too_many_connections);  // (refused for want of resources: not the peer's fault)
+  for (ad::acceptor* l : {&back, &idle_acceptor}) {
+    std::optional<ad::error_code> later;
+    l->async_accept([&](ad::error_code ec, ad::connection) { later = ec; });
+    run_until(io_c, [&] { return later.has_value(); });
+    REQUIRE(later.has_value());
+    CHECK(*later == ad::errc::invalid_state);
+  }
+  CHECK(client->connection_reports().size() == 1);
+  try {
+    client->listen(test_host(), 0);
+    FAIL("listening on a fabric whose completion queue was lost");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == ad::errc::invalid_state);
+    CHECK(std::string(e.what()).find("completion queue was lost") != std::string::npos);
+  }
 }
