@@ -111,13 +111,22 @@ void connection_impl::srq_release() noexcept {
 }
 
 void connection_impl::on_cq_lost(std::error_code ec) noexcept {
-  const bool in_setup = state_ == state::setup;
-  if (!in_setup && qp_ != nullptr) {
-    log().debug("connection qp {}: its completion queue is lost: the queue pair goes", qp_num());
-    qp_.reset();
+  if (setup_holds_qp_) {
+    fail(ec);  // (on_connected or on_setup_failed lets the queue pair go)
+    return;
   }
+  if (qp_ != nullptr) log().debug("connection qp {}: its completion queue is lost: the queue pair goes", qp_num());
+  drop_queue_pair();
   fail(ec);
-  if (!in_setup) return_posted_receives();
+  drop_unposted();  // (a closed connection's: fail() did a failed one's)
+  return_posted_receives();
+}
+
+void connection_impl::drop_queue_pair() noexcept {
+  if (qp_ == nullptr) return;
+  const transport::qp_counters c = qp_->counters();
+  stats_.rnr_naks = c.rnr_naks_sent + c.rnr_naks_received;
+  qp_.reset();
 }
 
 void connection_impl::return_posted_receives() noexcept {
@@ -211,10 +220,12 @@ void connection_impl::prepare() {
   stats_.recv_posts += recv_batch_.size();
   recv_batch_.clear();
   rq_posted_ = rq_queued_;
+  setup_holds_qp_ = true;  // (the caller hands the queue pair to the connect or accept thread now)
   self_ = shared_from_this();
 }
 
 void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<auth_setup> auth) {
+  setup_holds_qp_ = false;
   peer_ = {peer.credits, peer.max_credits, peer.recv_buffer, peer.eager_limit, peer.max_message};
   if (qp_ != nullptr) connected_path_ = qp_->path();
   // What we granted in our hello (fabric_state::local_hello).
@@ -247,7 +258,7 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
     // (Or the reactor gave up meanwhile: nothing will poll the flushes, so
     // the queue pair goes.)
     if (fab_->reactor->failed()) {
-      qp_.reset();
+      drop_queue_pair();
       return_posted_receives();
     } else if (qp_ != nullptr) {
       (void)qp_->modify(transport::qp_state::error);
@@ -313,6 +324,7 @@ void connection_impl::speak_first() noexcept {
 
 void connection_impl::on_setup_failed() noexcept {
   auto keep = shared_from_this();
+  setup_holds_qp_ = false;
   state_ = state::failed;
   error_ = errc::not_connected;
   revoke_windows();
@@ -733,14 +745,14 @@ void connection_impl::begin_drain() noexcept {
 }
 
 void connection_impl::abandon() noexcept {
-  if (self_ == nullptr || state_ == state::setup) return;  // (setup: the helper's ending releases it)
+  if (self_ == nullptr || setup_holds_qp_) return;  // (setup: the helper's ending releases it)
   auto keep = shared_from_this();
   // The queue pair goes before any operation ends: the device lets go of
   // every buffer posted. (The verbs provider keeps one that shares a
   // receive queue, in error, until the shared queue goes with the fabric's
   // state: in error it places no more data.)
   log().debug("connection qp {}: abandoned by its fabric's destructor (its flushes will not be polled)", qp_num());
-  qp_.reset();
+  drop_queue_pair();
   fail(errc::connection_closed);  // (nothing when failed or closed already)
   drop_unposted();                // (a closed connection's; fail() dropped a failed one's)
   const std::error_code ec = error_ ? error_ : std::error_code(errc::connection_closed);

@@ -66,6 +66,8 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // (Kept after the queue pair is gone: the logs and the fabric's listing
   // still name the connection.)
   std::uint32_t qp_num() const noexcept { return qpn_; }
+  // Whether the device's queue pair is still allocated (for monitoring).
+  bool holds_queue_pair() const noexcept { return qp_ != nullptr; }
   // The path as on_connected found it (empty before: during setup another
   // thread may still be writing it), for monitoring without a device query.
   const transport::path_info& connected_path() const noexcept { return connected_path_; }
@@ -336,6 +338,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // fails, and on_connected or on_setup_failed lets the queue pair go.
   void on_cq_lost(std::error_code ec) noexcept;
   void return_posted_receives() noexcept;  // (the queue pair gone)
+  void drop_queue_pair() noexcept;  // keeps its counters' last word (stats())
   // A receive failed (its queue pair is in error): the connection fails,
   // or closes when the peer tore it down after its close.
   void on_receive_failed(const transport::completion& wc) noexcept;
@@ -364,6 +367,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   state state_ = state::setup;
   std::error_code error_;
   bool counted_ = false;  // in fabric_state::open_connections
+  // From prepare() until on_connected or on_setup_failed: the connect or
+  // accept thread uses the queue pair (provider contract), whatever the
+  // state says (a connection can fail during setup): nothing may destroy it.
+  bool setup_holds_qp_ = false;
   bool draining_ = false;  // holds the fabric busy while flushed work requests come back
   bool peer_closed_ = false;   // the peer's close message arrived
   bool close_sent_ = false;

@@ -157,7 +157,9 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
   }
   const std::uint64_t seq = full_seq(reactor::tag_of(wc.wr_id), rq_done_);
   if (seq != rq_done_ || rq_done_ >= rq_posted_) {
-    log().error("connection: receive completion out of order (#{} expected #{}); dropped", seq, rq_done_);
+    ++stats_.stray_completions;
+    log().error("connection qp {}: receive completion out of order (#{} expected #{}, {} posted); dropped",
+                qp_num(), seq, rq_done_, rq_posted_);
     return;
   }
   const std::uint32_t buffer = rq_[ring_slot(seq, rq_.size())];

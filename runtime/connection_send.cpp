@@ -486,6 +486,17 @@ void connection_impl::flush_now() noexcept {
   if (auto ec = qp_->post_send(batch, &bad)) {
     log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_num(), batch.size(), bad,
                 ec.message());
+    // A device's error past the provider's checks (a system error code,
+    // not one of ours) leaves the requests before *bad posted, as
+    // ibv_post_send does (provider contract): they are the device's until
+    // their completions (flushed: fail() moves the queue pair to error)
+    // come back, so they count as posted; what uses their memory waits
+    // for them (drop_unposted parks it) and only the rest is dropped.
+    if (ec.category() != error_category() && bad > 0 && bad <= batch.size()) {
+      stats_.posts += bad;
+      ++stats_.doorbells;
+      sq_posted_ += bad;
+    }
     fail(ec);
     return;
   }
@@ -626,6 +637,15 @@ void connection_impl::on_send_completion_body(const transport::completion& wc) n
     on_cq_lost(make_error_code(wc.status));
     retire_through(sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
     maybe_release_self();
+    return;
+  }
+  if (seq >= sq_posted_) {
+    // Not one of ours outstanding (one retired already, or never counted
+    // as posted): retiring through it would end operations the device may
+    // still hold.
+    ++stats_.stray_completions;
+    log().error("connection qp {}: send completion #{} ({}) names no work request outstanding (#{} to #{}); dropped",
+                qp_num(), seq, transport::to_string(wc.status), sq_retired_, sq_posted_);
     return;
   }
   if (wc.status != transport::wc_status::success) {

@@ -524,7 +524,12 @@ bool fabric_state::has_queued_handlers(const void* self) noexcept {
   return s->posted_completions > 0 || s->flush_posted_;
 }
 
-void fabric_state::flush_after_dispatch(void* self) noexcept { static_cast<fabric_state*>(self)->end_turn(false); }
+void fabric_state::flush_after_dispatch(void* self) noexcept {
+  auto* f = static_cast<fabric_state*>(self);
+  // (reactor::fail_all ends here too.)
+  if (f->reactor->failed()) f->cq_lost.store(true, std::memory_order_release);
+  f->end_turn(false);
+}
 
 void fabric_state::flush_before_poll(void* self) noexcept { static_cast<fabric_state*>(self)->end_turn(true); }
 
@@ -699,7 +704,7 @@ std::vector<connection_report> fabric::connection_reports() const {
   std::vector<connection_report> out;
   out.reserve(state_->connections().size());
   for (const detail::connection_impl* c : state_->connections()) {
-    out.push_back({c->qp_num(), c->connected_path(), c->is_open(), c->stats()});
+    out.push_back({c->qp_num(), c->connected_path(), c->is_open(), c->stats(), c->holds_queue_pair()});
   }
   return out;
 }
@@ -789,6 +794,9 @@ void finish_connect(detail::connection_impl& conn, std::unique_ptr<detail::pendi
       ec = errc::protocol_error;
     } else {
       ec = f.check_peer(peer);
+      // The completion queue was lost during the handshake: the connection
+      // can serve nothing (on_connected below lets its queue pair go).
+      if (!ec && f.reactor->failed()) ec = errc::invalid_state;
       if (!ec && f.auth && f.own_nonces.contains(peer.nonce)) {
         log().warn("fabric: connect to {}:{}: the welcome carries a nonce of our own handshakes (a reflection)",
                    host, port);
@@ -960,7 +968,18 @@ struct acceptor::state : std::enable_shared_from_this<state> {
   void count_listener_refusals();
 };
 
+namespace {
+// A fabric whose completion queue was lost can serve no connection.
+void refuse_if_cq_lost(const detail::fabric_state& f, const char* what) {
+  if (!f.reactor->failed()) return;
+  throw std::system_error(errc::invalid_state, std::string("fabric: ") + what +
+                                                   ": its completion queue was lost (the reactor gave up on it); "
+                                                   "no connection can be made on this fabric");
+}
+}  // namespace
+
 acceptor fabric::listen(const std::string& host, std::uint16_t port) {
+  refuse_if_cq_lost(*state_, "listen");
   const connection_options& c = state_->options.connection;
   auto l = state_->device->listen(host, port, {.handshake_timeout = c.handshake_timeout});
   log().info("fabric: listening on {}:{}", host, l->port());
@@ -969,10 +988,7 @@ acceptor fabric::listen(const std::string& host, std::uint16_t port) {
 
 acceptor fabric::listen(std::unique_ptr<transport::listener> listener) {
   if (listener == nullptr) throw std::system_error(errc::invalid_argument, "fabric: listen: no listener");
-  if (state_->reactor->failed()) {
-    throw std::system_error(errc::invalid_state, "fabric: listen: its completion queue was lost (the reactor gave up "
-                                                 "on it); no connection can be made on this fabric");
-  }
+  refuse_if_cq_lost(*state_, "listen");
   auto s = std::make_shared<acceptor::state>();
   s->fab = state_;
   s->listener = std::move(listener);
@@ -1000,6 +1016,15 @@ void acceptor::state::serve(const std::stop_token& stop) {
   asio::io_context& io = fab->io;
   std::weak_ptr<state> weak = weak_from_this();
   while (!stop.stop_requested()) {
+    if (fab->cq_lost.load(std::memory_order_acquire)) {
+      // The fabric can serve nobody now: the listener closes (run()), and
+      // the accept waiting, and every later one, ends with the error.
+      log().warn("fabric: accept: the fabric's completion queue was lost: no longer listening on port {}", port);
+      asio::post(io, [weak] {
+        if (auto s = weak.lock()) s->on_failed(errc::invalid_state);
+      });
+      return;
+    }
     std::error_code ec;
     auto req = listener->get_request(std::chrono::milliseconds(100), ec);
     count_listener_refusals();
@@ -1170,6 +1195,13 @@ void acceptor::state::finish(std::error_code ec, const protocol::hello& peer, co
     offer_candidate();
     return;
   }
+  if (fab->reactor->failed()) {
+    // Its completion queue was lost during the handshake: the connection
+    // can serve nothing (on_connected lets its queue pair go).
+    cand->on_connected(peer);
+    on_failed(errc::invalid_state);
+    return;
+  }
   cand->on_connected(peer);
   deliver(std::move(cand));
 }
@@ -1183,6 +1215,7 @@ void acceptor::state::waiter::done(std::error_code ec,
   }
   std::erase_if(s->authenticating, [&](const auto& w) { return w.expired() || w.lock() == conn; });
   if (ec && s->closed) return;  // aborted by close(): not a refusal
+  if (ec && s->fab->reactor->failed()) return;  // (the completion queue was lost: not the peer's doing)
   if (ec) {
     s->fab->refused.fetch_add(1, std::memory_order_relaxed);
     log().warn("fabric: accept: a peer did not authenticate: {}", ec.message());

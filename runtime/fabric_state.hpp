@@ -190,6 +190,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::uint64_t accepted = 0;
   std::uint64_t connected = 0;
   std::atomic<std::uint64_t> refused{0};  // also counted by acceptors' listener threads
+  // The reactor gave up on the completion queue (set on the io thread when
+  // it does): the acceptors' listener threads take no more peers.
+  std::atomic<bool> cq_lost{false};
   // The connect helpers (fabric::~fabric stops them).
   setup_helpers helpers{io};
 

@@ -185,6 +185,7 @@ struct connection_stats {
   std::uint64_t credit_messages = 0;   // explicit credit updates sent
   std::uint64_t rendezvous_waits = 0;  // rendezvous reads that waited for rendezvous_memory to free
   std::uint64_t rnr_naks = 0;          // from the provider: RNR NAKs sent + received (should stay 0)
+  std::uint64_t stray_completions = 0; // completions naming no work request outstanding, dropped (should stay 0)
   std::uint64_t puts = 0;              // one-sided operations completed successfully
   std::uint64_t gets = 0;
   std::uint64_t atomics = 0;

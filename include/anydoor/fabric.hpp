@@ -176,6 +176,10 @@ struct connection_report {
   transport::path_info path;  // where its traffic goes (tcp: the socket's addresses); empty during setup
   bool open = false;          // false: failed or closed, its handle not yet dropped
   connection_stats stats;
+  // Its queue pair (a device resource) is still allocated: until the
+  // connection object goes (its handle dropped and its work requests back),
+  // or at once when the fabric's completion queue is lost.
+  bool holds_queue_pair = false;
 };
 
 // How many connections of a fabric failed with each error (a local abort,

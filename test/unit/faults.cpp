@@ -53,6 +53,14 @@ TEST_CASE("fault plan: every key parses and an empty plan is inactive", "[unit][
   CHECK(every.applies_to(99));
   CHECK(to_string(every) == "delay=1");
 
+  const fault_plan post = parse_faults("post_fail=3,qp=1");
+  REQUIRE(post.post_fail);
+  CHECK(*post.post_fail == 3);
+  CHECK(post.active());
+  CHECK(post.applies_to(1));
+  CHECK_FALSE(post.applies_to(2));
+  CHECK(to_string(post) == "post_fail=3,qp=1");
+
   // The device's fault: no queue pair's.
   const fault_plan small = parse_faults("cq_depth=4");
   CHECK(small.cq_depth == 4);
@@ -86,5 +94,7 @@ TEST_CASE("fault plan: malformed specifications are refused, naming the item", "
   CHECK(refusal("cq_depth=0").find("must be in 1..1048576") != std::string::npos);
   CHECK(refusal("cq_depth=1048577").find("must be in 1..1048576") != std::string::npos);
   CHECK(refusal("cq_depth=4,cq_depth=8").find("given twice") != std::string::npos);
+  CHECK(refusal("post_fail=0").find("must be in 1..") != std::string::npos);
+  CHECK(refusal("post_fail=1,post_fail=2").find("given twice") != std::string::npos);
   CHECK(refusal("cut=1,drop=5").find("ANYDOOR_TCP_FAULTS") != std::string::npos);
 }

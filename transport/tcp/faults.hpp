@@ -14,6 +14,12 @@
 //     stop_reading=N  after receiving N frames, the socket is not read...
 //     stall=MS        ...for MS ms, then reading resumes (without stall:
 //                     until the connection ends)
+//     post_fail=N     the N-th post_send of the queue pair (counted from
+//                     its connection) fails past the provider's checks with
+//                     a device error (ENOMEM, a system error code) after
+//                     posting every request but the last (*bad names it),
+//                     as ibv_post_send can leave a batch; a single request
+//                     fails whole
 //     cq_depth=N      the device's completion queues hold at most N
 //                     completions, whatever depth was asked: a queue too
 //                     small for its queue pairs, which overflows
@@ -43,10 +49,11 @@ struct fault_plan {
   std::optional<std::uint64_t> stop_reading_after;
   std::uint32_t stall_ms = 0;  // 0: for good
   std::uint32_t cq_depth = 0;  // 0: as asked
+  std::optional<std::uint64_t> post_fail;
 
   // A fault of the queue pairs'.
   bool active() const noexcept {
-    return cut_after || delay_ms != 0 || corrupt || stop_reading_after;
+    return cut_after || delay_ms != 0 || corrupt || stop_reading_after || post_fail;
   }
   // Any fault at all (the device's included).
   bool any() const noexcept { return active() || cq_depth != 0; }

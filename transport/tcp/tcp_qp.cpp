@@ -200,7 +200,7 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
   want_read_ = true;
   const std::uint32_t ordinal = shared_->connected.fetch_add(1, std::memory_order_relaxed) + 1;
   faults_ = shared_->faults.applies_to(ordinal) ? &shared_->faults : nullptr;
-  frames_sent_ = frames_received_ = 0;
+  frames_sent_ = frames_received_ = post_calls_ = 0;
   cut_pending_ = rx_stalled_ = rx_stall_done_ = false;
   tx_hold_until_ = rx_stall_until_ = {};
   if (faults_ != nullptr) {
@@ -383,6 +383,16 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
       if (bad != nullptr) *bad = i;
       return errc::invalid_argument;
     }
+  }
+  if (faults_ != nullptr && faults_->post_fail && !wrs.empty() && ++post_calls_ == *faults_->post_fail) {
+    // Fault injection: a device error past the checks, the requests before
+    // the last posted (what ibv_post_send can leave behind).
+    const std::size_t posted = wrs.size() - 1;
+    log().warn("qp {}: fault injection: post_send #{} fails after posting {} of its {} requests", qpn_,
+               post_calls_, posted, wrs.size());
+    if (posted > 0) (void)post_send(wrs.first(posted), nullptr);
+    if (bad != nullptr) *bad = posted;
+    return std::make_error_code(std::errc::not_enough_memory);
   }
   counters_.send_wrs += wrs.size();
   if (state_ == qp_state::error) {
