@@ -339,6 +339,10 @@ void connection_impl::on_setup_failed() noexcept {
   if (recv_base_ != 0) fab_->reactor->untrack(recv_base_);
   if (send_base_ != 0) fab_->reactor->untrack(send_base_);
   recv_base_ = send_base_ = 0;
+  if (draining_) {  // (a fail() during setup began a drain)
+    draining_ = false;
+    fab_->idle();
+  }
   self_.reset();
 }
 

@@ -339,6 +339,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void on_cq_lost(std::error_code ec) noexcept;
   void return_posted_receives() noexcept;  // (the queue pair gone)
   void drop_queue_pair() noexcept;  // keeps its counters' last word (stats())
+  // A post_send or post_recv failed; partial: the device took the requests
+  // before *bad (took_part), counted as posted by the caller.
+  static bool took_part(std::error_code ec, std::size_t bad, std::size_t size) noexcept;
+  void on_post_failed(std::error_code ec, bool partial) noexcept;
   // A receive failed (its queue pair is in error): the connection fails,
   // or closes when the peer tore it down after its close.
   void on_receive_failed(const transport::completion& wc) noexcept;

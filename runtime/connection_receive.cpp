@@ -155,6 +155,7 @@ void connection_impl::on_recv_completion_body(const transport::completion& wc) n
     maybe_release_self();
     return;
   }
+  if (qp_ == nullptr) return;  // left in the queue by a queue pair that is gone (on_post_failed)
   const std::uint64_t seq = full_seq(reactor::tag_of(wc.wr_id), rq_done_);
   if (seq != rq_done_ || rq_done_ >= rq_posted_) {
     ++stats_.stray_completions;

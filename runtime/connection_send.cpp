@@ -450,8 +450,14 @@ void connection_impl::flush_now() noexcept {
   if (!recv_batch_.empty()) {
     std::size_t bad = 0;
     if (auto ec = qp_->post_recv(recv_batch_, &bad)) {
-      log().error("connection qp {}: post_recv failed: {}", qp_num(), ec.message());
-      fail(ec);
+      log().error("connection qp {}: post_recv of {} receives failed at {}: {}", qp_num(), recv_batch_.size(), bad,
+                  ec.message());
+      const bool partial = took_part(ec, bad, recv_batch_.size());
+      if (partial) {
+        stats_.recv_posts += bad;
+        rq_posted_ += bad;
+      }
+      on_post_failed(ec, partial);
       return;
     }
     stats_.recv_posts += recv_batch_.size();
@@ -486,18 +492,13 @@ void connection_impl::flush_now() noexcept {
   if (auto ec = qp_->post_send(batch, &bad)) {
     log().error("connection qp {}: post_send of {} requests failed at {}: {}", qp_num(), batch.size(), bad,
                 ec.message());
-    // A device's error past the provider's checks (a system error code,
-    // not one of ours) leaves the requests before *bad posted, as
-    // ibv_post_send does (provider contract): they are the device's until
-    // their completions (flushed: fail() moves the queue pair to error)
-    // come back, so they count as posted; what uses their memory waits
-    // for them (drop_unposted parks it) and only the rest is dropped.
-    if (ec.category() != error_category() && bad > 0 && bad <= batch.size()) {
+    const bool partial = took_part(ec, bad, batch.size());
+    if (partial) {
       stats_.posts += bad;
       ++stats_.doorbells;
       sq_posted_ += bad;
     }
-    fail(ec);
+    on_post_failed(ec, partial);
     return;
   }
   stats_.posts += batch.size();
@@ -505,6 +506,37 @@ void connection_impl::flush_now() noexcept {
   sq_posted_ = sq_queued_;
   batch.clear();
   return_batch();
+}
+
+bool connection_impl::took_part(std::error_code ec, std::size_t bad, std::size_t size) noexcept {
+  // A device's error past the provider's checks (a system error code, not
+  // one of ours) leaves the requests before *bad posted, as ibv_post_send
+  // and ibv_post_recv do (provider contract).
+  return ec.category() != error_category() && bad > 0 && bad <= size;
+}
+
+void connection_impl::on_post_failed(std::error_code ec, bool partial) noexcept {
+  if (!partial) {
+    fail(ec);
+    drop_unposted();  // (a closed connection's: fail() does nothing then)
+    return;
+  }
+  // What the device took is its own until it lets go, but may never all
+  // come back: a request that succeeded unsignaled leaves no completion,
+  // and nothing signaled follows it. So the queue pair goes (the device
+  // lets go of all of it), as when the completion queue is lost; what it
+  // held retires in a handler of its own (not inside this post, which may
+  // run in an initiating function), and completions it left in the queue
+  // are ignored (the queue pair is gone).
+  log().warn("connection qp {}: the device took part of a post: the queue pair goes", qp_num());
+  drop_queue_pair();
+  fail(ec);
+  drop_unposted();
+  return_posted_receives();
+  asio::post(fab_->io, [self = shared_from_this()] {
+    self->retire_through(self->sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
+    self->maybe_release_self();
+  });
 }
 
 // Work requests queued but never posted (the connection failed first).
@@ -639,6 +671,7 @@ void connection_impl::on_send_completion_body(const transport::completion& wc) n
     maybe_release_self();
     return;
   }
+  if (qp_ == nullptr) return;  // left in the queue by a queue pair that is gone (on_post_failed)
   if (seq >= sq_posted_) {
     // Not one of ours outstanding (one retired already, or never counted
     // as posted): retiring through it would end operations the device may

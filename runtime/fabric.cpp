@@ -1020,6 +1020,7 @@ void acceptor::state::serve(const std::stop_token& stop) {
       // The fabric can serve nobody now: the listener closes (run()), and
       // the accept waiting, and every later one, ends with the error.
       log().warn("fabric: accept: the fabric's completion queue was lost: no longer listening on port {}", port);
+      listener.reset();  // (closed before the accept hears: a peer then finds nobody there)
       asio::post(io, [weak] {
         if (auto s = weak.lock()) s->on_failed(errc::invalid_state);
       });

@@ -218,6 +218,9 @@ void check(const traffic& t, const target& g, bool expect_all_ok) {
     }
   }
   CHECK_FALSE(g.bad_message);  // what arrived is in order and intact
+  // Every completion named a work request counted as posted.
+  CHECK(t.conn.stats().stray_completions == 0);
+  CHECK(g.conn.stats().stray_completions == 0);
   std::uint64_t counter = 0;
   std::memcpy(&counter, g.mem.data() + kCounterAt, 8);
   CHECK(counter >= adds_ok);
@@ -324,7 +327,8 @@ TEST_CASE("faults: a corrupt response frame from the target fails the initiator'
 TEST_CASE("faults: a post that fails part way mid-traffic fails its connection, the others carry on",
           "[runtime][faults]") {
   // The client's 6th doorbell takes all its requests but the last, then
-  // fails (a device's error past the checks).
+  // fails (a device's error past the checks): no completion of what it
+  // took is stray (check()).
   faulty_first_then_fresh("", "post_fail=6,qp=1", true);
 }
 
@@ -578,9 +582,11 @@ TEST_CASE("faults: a post that fails part way counts what the device took - thei
           "[runtime][faults]") {
   // The client's first post_send takes all its requests but the last, then
   // fails with a device error (as ibv_post_send can). The requests it took
-  // are the device's until their flushes come back: they count as posted,
-  // each flush retires one of them (none is dropped as naming nothing
-  // outstanding), and every operation ends once, with an error.
+  // count as posted, and are the device's until it lets go: what it took
+  // may never all come back (one that succeeded unsignaled leaves no
+  // completion), so the queue pair goes before any operation ends; none of
+  // its completions is taken for a stray one, and every operation ends
+  // once, with an error.
   asio::io_context io;
   ad::fabric server(io, test_options());
   std::unique_ptr<ad::fabric> client = faulty_fabric(io, "post_fail=1,qp=1");
@@ -591,14 +597,24 @@ TEST_CASE("faults: a post that fails part way counts what the device took - thei
   ad::acceptor acc = server.listen(test_host(), 0);
   auto [a, c] = connect_through(io, *client, acc, addr(acc));
   REQUIRE(c.stats().doorbells == 0);  // (the failing post is the batch below)
+  REQUIRE(client->connection_reports().size() == 1);
+  CHECK(client->connection_reports()[0].holds_queue_pair);
   constexpr std::size_t kOps = 4;
   std::vector<std::vector<ad::error_code>> ended(kOps);
+  // Whether the queue pair was still allocated when each operation ended
+  // (its memory the caller's again: the device must have let go of it).
+  std::vector<bool> qp_held_at_end(kOps, true);
+  auto record = [&](std::size_t i, ad::error_code ec) {
+    ended[i].push_back(ec);
+    const auto r = client->connection_reports();
+    qp_held_at_end[i] = r.empty() || r[0].holds_queue_pair;
+  };
   for (std::size_t i = 0; i + 1 < kOps; ++i) {
     c.async_put(asio::buffer(src.data() + i * 64, 64), dst.remote().at(i * 64, 64),
-                [&ended, i](ad::error_code ec, std::size_t) { ended[i].push_back(ec); });
+                [&record, i](ad::error_code ec, std::size_t) { record(i, ec); });
   }
   c.async_get(into.at(0, 64), dst.remote().at(1024, 64),
-              [&ended](ad::error_code ec, std::size_t) { ended[kOps - 1].push_back(ec); });
+              [&record](ad::error_code ec, std::size_t) { record(kOps - 1, ec); });
   auto all_ended = [&] {
     for (const auto& e : ended) {
       if (e.empty()) return false;
@@ -614,6 +630,7 @@ TEST_CASE("faults: a post that fails part way counts what the device took - thei
     INFO("operation " << i);
     REQUIRE(ended[i].size() == 1);
     CHECK(ended[i][0]);
+    CHECK_FALSE(qp_held_at_end[i]);
   }
   const ad::connection_stats st = c.stats();
   CHECK(st.doorbells == 1);
@@ -640,6 +657,7 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   asio::io_context io_s, io_c;
   ad::fabric server(io_s, test_options());
   ad::fabric_options client_options = test_options();
+  client_options.connection.connect_timeout = std::chrono::seconds(30);
   if (srq) client_options.srq_buffers = 64;
   std::unique_ptr<ad::fabric> client = faulty_fabric(io_c, "cq_depth=8", client_options);
   std::vector<std::byte> target(4096), src(4096, std::byte{3});
@@ -658,8 +676,11 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   // A connect of the client's is in its handshake through the overflow (its
   // thread holds the queue pair): a third fabric, not run until then,
   // leaves the welcome unsent.
+  // (Generous handshake timeouts: the welcome waits through the overflow.)
   asio::io_context io_late;
-  ad::fabric late(io_late, test_options());
+  ad::connection_options patient;
+  patient.handshake_timeout = std::chrono::seconds(30);
+  ad::fabric late(io_late, test_options(patient));
   ad::acceptor late_acc = late.listen(test_host(), 0);
   late_acc.async_accept([](ad::error_code, ad::connection) {});
   std::optional<ad::error_code> in_handshake;
@@ -796,7 +817,6 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
   run_until(io_c, [&] { return accept_waiting.has_value(); });
   REQUIRE(accept_waiting.has_value());
   CHECK(*accept_waiting == ad::errc::invalid_state);
-  std::this_thread::sleep_for(ms(200));  // (the listener thread closes the socket as it ends)
   std::optional<ad::error_code> peer;
   server.async_connect(addr(back), [&](ad::error_code ec, ad::connection) { peer = ec; });
   run_until(io_s, [&] { return peer.has_value(); });

@@ -16,7 +16,7 @@
 //                     until the connection ends)
 //     post_fail=N     the N-th post_send of the queue pair (counted from
 //                     its connection) fails past the provider's checks with
-//                     a device error (ENOMEM, a system error code) after
+//                     a device error (ENOMEM, system_category) after
 //                     posting every request but the last (*bad names it),
 //                     as ibv_post_send can leave a batch; a single request
 //                     fails whole

@@ -392,7 +392,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
                post_calls_, posted, wrs.size());
     if (posted > 0) (void)post_send(wrs.first(posted), nullptr);
     if (bad != nullptr) *bad = posted;
-    return std::make_error_code(std::errc::not_enough_memory);
+    return {ENOMEM, std::system_category()};
   }
   counters_.send_wrs += wrs.size();
   if (state_ == qp_state::error) {

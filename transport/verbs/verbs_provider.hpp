@@ -10,7 +10,9 @@
 // pair index on the CQ, slot), and keeps the caller's wr_id in the slot, so
 // that a completion finds its queue pair without a lookup table and the send
 // queue's occupancy (signaled completions retire the unsignaled requests
-// before them) is known exactly: post_send is all-or-nothing.
+// before them) is known exactly. post_send's own checks refuse a batch
+// whole; an error from ibv_post_send itself leaves the requests before the
+// bad one posted (counted here, and by the runtime: provider contract).
 #pragma once
 
 #include <anydoor/transport/provider.hpp>
