@@ -519,6 +519,19 @@ void connection_impl::on_post_failed(std::error_code ec, bool partial) noexcept 
   if (!partial) {
     fail(ec);
     drop_unposted();  // (a closed connection's: fail() does nothing then)
+    // What waited on the work just dropped ends too (a closed connection's:
+    // fail() ended a live one's): a flush that covers it now, with the
+    // error; an operation parked on it once what is posted is back.
+    const std::error_code why = error_ ? error_ : std::error_code(errc::connection_closed);
+    for (op_node* n = flushes_.head; n != nullptr;) {
+      op_node* next = n->next;
+      if (n->operand > sq_posted_) {
+        flushes_.remove(n);
+        complete(n, true, why);
+      }
+      n = next;
+    }
+    complete_parked(true);
     return;
   }
   // What the device took is its own until it lets go, but may never all
@@ -533,10 +546,17 @@ void connection_impl::on_post_failed(std::error_code ec, bool partial) noexcept 
   fail(ec);
   drop_unposted();
   return_posted_receives();
-  asio::post(fab_->io, [self = shared_from_this()] {
-    self->retire_through(self->sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
-    self->maybe_release_self();
-  });
+  try {
+    asio::post(fab_->io, [self = shared_from_this()] {
+      self->retire_through(self->sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
+      self->maybe_release_self();
+    });
+  } catch (...) {
+    // No memory for the handler (the device's error may be the same want):
+    // retired here then, the queue pair gone already. (maybe_release_self
+    // is left to the caller's next event: this call's caller still runs.)
+    retire_through(sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
+  }
 }
 
 // Work requests queued but never posted (the connection failed first).

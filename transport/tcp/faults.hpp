@@ -14,12 +14,12 @@
 //     stop_reading=N  after receiving N frames, the socket is not read...
 //     stall=MS        ...for MS ms, then reading resumes (without stall:
 //                     until the connection ends)
-//     post_fail=N     the N-th post_send of the queue pair (counted from
-//                     its connection) fails past the provider's checks with
-//                     a device error (ENOMEM, system_category) after
-//                     posting every request but the last (*bad names it),
-//                     as ibv_post_send can leave a batch; a single request
-//                     fails whole
+//     post_fail=N     the queue pair's N-th post_send of two or more
+//                     requests (counted from its connection) fails past the
+//                     provider's checks with a device error (ENOMEM,
+//                     system_category) after posting every request but the
+//                     last (*bad names it), as ibv_post_send can leave a
+//                     batch
 //     cq_depth=N      the device's completion queues hold at most N
 //                     completions, whatever depth was asked: a queue too
 //                     small for its queue pairs, which overflows

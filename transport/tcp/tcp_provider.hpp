@@ -823,7 +823,7 @@ class tcp_qp final : public queue_pair {
 
   // fault injection: the device's plan when it applies to this queue pair
   const fault_plan* faults_ = nullptr;
-  std::uint64_t post_calls_ = 0;  // post_send calls since the connection (fault_plan::post_fail)
+  std::uint64_t post_calls_ = 0;  // post_send calls of 2+ requests since the connection (fault_plan::post_fail)
   std::uint64_t frames_sent_ = 0, frames_received_ = 0;
   bool cut_pending_ = false;     // the batch ends at the cut: close once it is out
   bool rx_stalled_ = false;      // stop_reading: the socket is not read

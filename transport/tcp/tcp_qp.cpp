@@ -384,13 +384,13 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
       return errc::invalid_argument;
     }
   }
-  if (faults_ != nullptr && faults_->post_fail && !wrs.empty() && ++post_calls_ == *faults_->post_fail) {
+  if (faults_ != nullptr && faults_->post_fail && wrs.size() >= 2 && ++post_calls_ == *faults_->post_fail) {
     // Fault injection: a device error past the checks, the requests before
     // the last posted (what ibv_post_send can leave behind).
-    const std::size_t posted = wrs.size() - 1;
+    const std::size_t posted = wrs.size() - 1;  // (>= 1)
     log().warn("qp {}: fault injection: post_send #{} fails after posting {} of its {} requests", qpn_,
                post_calls_, posted, wrs.size());
-    if (posted > 0) (void)post_send(wrs.first(posted), nullptr);
+    (void)post_send(wrs.first(posted), nullptr);
     if (bad != nullptr) *bad = posted;
     return {ENOMEM, std::system_category()};
   }
