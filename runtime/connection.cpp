@@ -137,13 +137,7 @@ void connection_impl::return_posted_receives() noexcept {
 
 void connection_impl::prepare() {
   fabric_state& f = *fab_;
-  if (f.reactor->failed()) {
-    // Nothing polls its completion queue now: no operation of a new
-    // connection would ever end.
-    throw std::system_error(errc::invalid_state,
-                            "fabric: its completion queue was lost (the reactor gave up on it); "
-                            "no connection can be made on this fabric");
-  }
+  f.refuse_if_cq_lost("a new connection");
   if (f.open_connections >= f.options.max_connections) {
     throw std::system_error(errc::too_many_connections,
                             "fabric: " + std::to_string(f.options.max_connections) + " connections already");

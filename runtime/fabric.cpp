@@ -626,6 +626,13 @@ protocol::hello fabric_state::local_hello() const noexcept {
   return h;
 }
 
+void fabric_state::refuse_if_cq_lost(const char* what) const {
+  if (!reactor->failed()) return;
+  throw std::system_error(errc::invalid_state, std::string("fabric: ") + what +
+                                                   ": its completion queue was lost (the reactor gave up on it); "
+                                                   "no connection can be made on this fabric");
+}
+
 std::error_code fabric_state::check_peer(const protocol::hello& peer) const noexcept {
   if (peer.version != protocol::kVersion) return errc::version_mismatch;
   if (((peer.flags & protocol::kAuth) != 0) != auth) return errc::authentication_failed;
@@ -968,18 +975,8 @@ struct acceptor::state : std::enable_shared_from_this<state> {
   void count_listener_refusals();
 };
 
-namespace {
-// A fabric whose completion queue was lost can serve no connection.
-void refuse_if_cq_lost(const detail::fabric_state& f, const char* what) {
-  if (!f.reactor->failed()) return;
-  throw std::system_error(errc::invalid_state, std::string("fabric: ") + what +
-                                                   ": its completion queue was lost (the reactor gave up on it); "
-                                                   "no connection can be made on this fabric");
-}
-}  // namespace
-
 acceptor fabric::listen(const std::string& host, std::uint16_t port) {
-  refuse_if_cq_lost(*state_, "listen");
+  state_->refuse_if_cq_lost("listen");
   const connection_options& c = state_->options.connection;
   auto l = state_->device->listen(host, port, {.handshake_timeout = c.handshake_timeout});
   log().info("fabric: listening on {}:{}", host, l->port());
@@ -988,7 +985,7 @@ acceptor fabric::listen(const std::string& host, std::uint16_t port) {
 
 acceptor fabric::listen(std::unique_ptr<transport::listener> listener) {
   if (listener == nullptr) throw std::system_error(errc::invalid_argument, "fabric: listen: no listener");
-  refuse_if_cq_lost(*state_, "listen");
+  state_->refuse_if_cq_lost("listen");
   auto s = std::make_shared<acceptor::state>();
   s->fab = state_;
   s->listener = std::move(listener);

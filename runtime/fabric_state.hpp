@@ -225,6 +225,10 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // Checks a peer's hello or welcome against ours (version, whether both
   // sides authenticate); errc on refusal.
   std::error_code check_peer(const protocol::hello& peer) const noexcept;
+  // Throws errc::invalid_state naming `what` when the reactor gave up on the
+  // completion queue: nothing polls it, so no operation of a new connection
+  // would ever end.
+  void refuse_if_cq_lost(const char* what) const;
 
  private:
   doorbell_batch* make_batch(std::size_t wrs, std::size_t sges, std::size_t inline_bytes) noexcept;
