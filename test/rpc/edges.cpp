@@ -312,6 +312,96 @@ TEST_CASE("rpc: a client drops garbage from a server and fails its calls with un
   f.check();
 }
 
+TEST_CASE("rpc: every status a handler returns reaches the caller as that code - one beyond the set is unknown",
+          "[rpc]") {
+  rpc_env env;
+  constexpr std::uint64_t kStatus = 0x4101;  // returns the status the request's first byte names
+  env.srv.add(kStatus, [](rpc::server_call& call) -> rpc::status {
+    const auto code = static_cast<rpc::errc>(std::to_integer<int>(call.request()[0]));
+    return {code, "status " + std::to_string(static_cast<int>(code))};
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    for (int code = 1; code <= static_cast<int>(rpc::errc_last); ++code) {
+      INFO("status " << code);
+      const std::byte b{static_cast<unsigned char>(code)};
+      auto [ec, r] = co_await cli.async_call(kStatus, asio::buffer(&b, 1), asio::as_tuple(use_awaitable));
+      CHECK(ec == static_cast<rpc::errc>(code));
+    }
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
+TEST_CASE("rpc: a reply status beyond the known set arrives as unknown and the last known one as itself",
+          "[rpc]") {
+  rpc_env env;  // its fabrics, without the rpc server
+  ad::acceptor acc = env.server_fab.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    // A raw server: answers each request with the status it is told to.
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    for (const std::uint32_t status : {static_cast<std::uint32_t>(rpc::errc_last) + 1,
+                                       static_cast<std::uint32_t>(rpc::errc_last), 0xffffffffu}) {
+      ad::message req = co_await c.async_receive(use_awaitable);
+      const parsed_reply r = parse(req);  // (the call id sits where a reply's does)
+      auto reply = frame(1, 2, 0, 0, status, r.id, 0);
+      reply.resize(24);
+      for (char ch : std::string_view("why")) reply.push_back(static_cast<std::byte>(ch));
+      co_await c.async_send(asio::buffer(reply), use_awaitable);
+    }
+  }, f.handler());
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli(co_await env.client_fab.async_connect(addr(acc), use_awaitable));
+    auto [ec1, r1] = co_await cli.async_call(m::raw_echo, asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec1 == rpc::errc::unknown);
+    auto [ec2, r2] = co_await cli.async_call(m::raw_echo, asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec2 == rpc::errc_last);
+    auto [ec3, r3] = co_await cli.async_call(m::raw_echo, asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    CHECK(ec3 == rpc::errc::unknown);
+    CHECK(cli.is_open());  // an unknown status is a status, not a protocol error
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
+TEST_CASE("rpc: a raw client's cancel gets the reply status cancelled on the wire", "[rpc]") {
+  rpc_env env;
+  bool started = false;
+  env.srv.add(m::hang, [&](const std::uint32_t&, rpc::server_call& call) -> awaitable<rpc::result<std::uint32_t>> {
+    started = true;
+    asio::steady_timer t(co_await asio::this_coro::executor, std::chrono::seconds(30));
+    co_await t.async_wait(asio::as_tuple(use_awaitable));
+    if (!call.cancelled()) co_return 7u;  // (a reply the test would see as ok)
+    co_return 1u;
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    ad::connection raw = co_await env.client_fab.async_connect(env.address, use_awaitable);
+    auto req = frame(1, 1, 0, 0, 0, 42, m::hang.id);
+    req.resize(24);
+    for (int i = 0; i < 4; ++i) req.push_back(std::byte{0});  // the u32 argument
+    co_await raw.async_send(asio::buffer(req), use_awaitable);
+    co_await wait_until([&] { return started; });
+    const auto cancel = frame(1, 3, 0, 0, 0, 42, 0);
+    co_await raw.async_send(asio::buffer(cancel), use_awaitable);
+    ad::message msg = co_await raw.async_receive(use_awaitable);
+    const parsed_reply r = parse(msg);
+    CHECK(r.kind == 2);
+    CHECK(r.id == 42);
+    CHECK(r.status == static_cast<std::uint32_t>(rpc::errc::cancelled));
+    CHECK(r.payload.find("cancelled") != std::string::npos);
+    CHECK(env.srv.stats().cancelled == 1);
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+}
+
 TEST_CASE("rpc: a server killed mid-call fails the pending calls with unavailable", "[rpc]") {
   const std::string peer = sibling("anydoor-rpc-test-server");
   REQUIRE(::access(peer.c_str(), X_OK) == 0);
@@ -440,6 +530,77 @@ TEST_CASE("rpc: a channel dials lazily, fails fast while it cannot connect, and 
     srv->stop();
   }, f.handler());
   run_to_completion(io);
+  f.check();
+}
+
+TEST_CASE("rpc: a channel's backoff doubles after each failed dial up to max_backoff", "[rpc]") {
+  rpc_env env;  // its fabrics, without the rpc server
+  std::uint16_t port = 0;
+  {
+    ad::acceptor probe = env.server_fab.listen(test_host(), 0);
+    port = probe.port();
+  }
+  // 100, 200, 200 ms (each +-20 %); doubling with no cap would make the
+  // third 400 ms (at least 320).
+  rpc::channel ch(env.client_fab, test_host() + ":" + std::to_string(port),
+                  {.initial_backoff = std::chrono::milliseconds(100), .max_backoff = std::chrono::milliseconds(200)});
+  failure f;
+  std::vector<std::chrono::steady_clock::time_point> dialled;  // when a call set off each dial
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (ch.stats().dials < 4 && std::chrono::steady_clock::now() < end) {
+      const auto before = ch.stats().dials;
+      const auto t = std::chrono::steady_clock::now();
+      auto [ec, v] = co_await ch.async_call(m::echo, std::string("x"), asio::as_tuple(use_awaitable));
+      CHECK(ec == rpc::errc::unavailable);
+      if (ch.stats().dials != before) dialled.push_back(t);
+      asio::steady_timer wait(env.io, std::chrono::milliseconds(2));
+      co_await wait.async_wait(use_awaitable);
+    }
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  REQUIRE(dialled.size() == 4);
+  CHECK(ch.stats().dial_failures == 4);
+  CHECK(ch.stats().fast_failures > 0);
+  auto gap_ms = [&](std::size_t i) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(dialled[i + 1] - dialled[i]).count();
+  };
+  INFO("gaps " << gap_ms(0) << " " << gap_ms(1) << " " << gap_ms(2) << " ms");
+  CHECK(gap_ms(0) >= 75);   // 100 ms less the jitter
+  CHECK(gap_ms(1) >= 155);  // doubled: 200 ms less the jitter
+  CHECK(gap_ms(2) >= 155);
+  CHECK(gap_ms(2) < 310);   // capped at 200 ms (uncapped: at least 320)
+}
+
+TEST_CASE("rpc: a call's timeout above one hour is cut to one hour - the handler's deadline says so", "[rpc]") {
+  rpc_env env;
+  std::chrono::steady_clock::time_point seen{};
+  env.srv.add(m::echo, [&](const std::string& v, rpc::server_call& call) -> rpc::result<std::string> {
+    seen = call.deadline();
+    return v;
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto got = co_await cli.async_call(m::echo, std::string("long"),
+                                             {.timeout = std::chrono::hours(2)}, use_awaitable);
+    CHECK(got == "long");
+    const auto left = seen - t0;
+    CHECK(left <= std::chrono::hours(1) + std::chrono::seconds(1));
+    CHECK(left >= std::chrono::hours(1) - std::chrono::seconds(10));
+    // (No cut below it: 30 minutes stay 30 minutes.)
+    const auto t1 = std::chrono::steady_clock::now();
+    const auto got2 = co_await cli.async_call(m::echo, std::string("half"),
+                                              {.timeout = std::chrono::minutes(30)}, use_awaitable);
+    CHECK(got2 == "half");
+    CHECK(seen - t1 <= std::chrono::minutes(30) + std::chrono::seconds(1));
+    CHECK(seen - t1 >= std::chrono::minutes(30) - std::chrono::seconds(10));
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
   f.check();
 }
 

@@ -385,6 +385,57 @@ TEST_CASE("auth: the connecting side checks the listener's proof and withholds i
   CHECK(seen[1].next_type == -1);  // a wrong proof gets nothing
 }
 
+TEST_CASE("handshake: a connecting fabric maps a welcome of another version and each refusal reason to its error",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric client(io, test_options({}));
+  raw_peer p;
+  auto listener = p.dev->listen(test_host(), 0, {});
+  const std::uint16_t port = listener->port();
+  // A welcome of the next wire version, then refusals for each reason:
+  // version, authentication, resources, malformed, none.
+  constexpr int kWelcomeNext = -1;
+  const std::array<int, 6> rounds{kWelcomeNext, 1, 2, 4, 3, 0};
+  std::thread raw([&] {
+    for (const int r : rounds) {
+      std::error_code ec;
+      auto req = listener->get_request(std::chrono::seconds(10), ec);
+      if (req == nullptr) return;
+      if (r == kWelcomeNext) {
+        if (!p.reset()) return;
+        bytes welcome = make_hello(2, false);
+        put<std::uint16_t>(welcome, 4, static_cast<std::uint16_t>(kWireVersion + 1));
+        if (req->accept(*p.qp, welcome)) return;
+        continue;
+      }
+      bytes refusal = make_hello(3, false);
+      refusal[7] = static_cast<std::byte>(r);
+      req->reject(refusal);
+    }
+  });
+  std::vector<ad::error_code> results;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (std::size_t r = 0; r < rounds.size(); ++r) {
+      auto [ec, c] = co_await client.async_connect(test_host() + ":" + std::to_string(port),
+                                                   asio::as_tuple(use_awaitable));
+      results.push_back(ec);
+      if (!ec) c.abort();
+    }
+  }, f.handler());
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  REQUIRE(results.size() == rounds.size());
+  CHECK(results[0] == ad::errc::version_mismatch);  // the client refuses the welcome
+  CHECK(results[1] == ad::errc::version_mismatch);
+  CHECK(results[2] == ad::errc::authentication_failed);
+  CHECK(results[3] == ad::errc::too_many_connections);
+  CHECK(results[4] == ad::errc::protocol_error);
+  CHECK(results[5] == ad::errc::protocol_error);
+  CHECK(client.stats().connected == 0);
+}
+
 TEST_CASE("auth: a handshake reflected back to its own fabric is refused", "[runtime]") {
   // The fabric connects out to an attacker, who relays its hello to the
   // fabric's own listener: proving the token to itself must not work.

@@ -1087,6 +1087,44 @@ TEST_CASE("buffer pool: sends wait for a buffer (bounded), then proceed or fail 
   CHECK_FALSE(second);
 }
 
+TEST_CASE("buffer pool: a connection or a shared receive queue the pool cannot hold fails with no_buffer_space",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.credits = 4}));
+  // 8 buffers in all: two connections' receives take every one of them.
+  auto o = test_options({.credits = 4});
+  o.buffers_per_slab = 8;
+  o.pool_max_bytes = (8 * (8192 + 64) + 4095) / 4096 * 4096;
+  ad::fabric client(io, o);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 2), f.handler());
+  ad::error_code third;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection a = co_await client.async_connect(addr(acc), use_awaitable);
+    ad::connection b = co_await client.async_connect(addr(acc), use_awaitable);
+    CHECK(client.stats().pool.free == 0);
+    auto [ec, c] = co_await client.async_connect(addr(acc), asio::as_tuple(use_awaitable));
+    third = ec;
+    CHECK(client.stats().connections == 2);
+    co_await a.async_close(use_awaitable);
+    co_await b.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(third == ad::errc::no_buffer_space);
+  // A shared receive queue of 16 buffers from a pool of 8.
+  auto so = o;
+  so.srq_buffers = 16;
+  try {
+    ad::fabric srq(io, so);
+    FAIL("a fabric whose pool cannot hold its shared receive queue was made");
+  } catch (const std::system_error& e) {
+    CHECK(e.code() == ad::errc::no_buffer_space);
+    CHECK(std::string(e.what()).find("srq_buffers 16") != std::string::npos);
+  }
+}
+
 TEST_CASE("buffer_pool: free list, growth to the watermark, counters, bad options", "[runtime][unit]") {
   auto dev = open_test_device();
   auto pd = dev->alloc_pd();

@@ -14,6 +14,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -368,6 +369,7 @@ class scripted_cq final : public tp::completion_queue {
   }
   std::size_t poll(std::span<tp::completion> out, std::error_code& ec) noexcept override {
     ec.clear();
+    largest_ask = std::max(largest_ask, out.size());
     std::size_t n = 0;
     while (n < out.size() && !visible_.empty()) {
       out[n++] = visible_.front();
@@ -386,6 +388,7 @@ class scripted_cq final : public tp::completion_queue {
   }
   std::uint32_t depth() const noexcept override { return 64; }
   tp::cq_counters counters() const noexcept override { return {}; }
+  std::size_t largest_ask = 0;  // the most completions one poll call asked for
 
  private:
   int fd_;
@@ -416,6 +419,24 @@ TEST_CASE("reactor: a busy round that sees no posts ends once it has dispatched 
   REQUIRE(io.run_one() == 1);  // the first round
   CHECK(op.calls == (kSeesPosts ? 20 : 10));
   CHECK(r.stats().polls == (kSeesPosts ? 2u : 1u));
+  r.stop();
+  io.run();
+}
+
+TEST_CASE("reactor: batch is how many completions one poll call takes", "[runtime]") {
+  scripted_cq cq;
+  asio::io_context io{1};
+  anydoor::reactor r(io, cq, {.mode = anydoor::poll_mode::busy, .batch = 32, .spin_polls = 8});
+  struct nop : anydoor::operation {
+    int calls = 0;
+    void complete(const tp::completion&) noexcept override { ++calls; }
+  } op;
+  for (int i = 0; i < 40; ++i) cq.push({.wr_id = r.track(op)});
+  r.start();
+  REQUIRE(io.run_one() == 1);  // the first round drains the queue: 32, then 8 (16 a poll: 3 polls)
+  CHECK(cq.largest_ask == 32);
+  CHECK(op.calls == 40);
+  CHECK(r.stats().polls == 2);
   r.stop();
   io.run();
 }
