@@ -8,6 +8,7 @@
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -205,17 +206,30 @@ void session::dispatch(call_slot& s) noexcept {
   }
   s.running = true;
   try {
-    asio::co_spawn(ex_, e.coro(s),
-                   asio::bind_cancellation_slot(
-                       s.signal.slot(),
-                       asio::bind_executor(ex_, [self = shared_from_this(), &s](std::exception_ptr ep, status st) {
-                         self->on_handler_done(s, ep, std::move(st));
-                       })));
+    // The call ends inside the coroutine (run_call), not in co_spawn's
+    // completion handler: Asio posts that one when the coroutine ends
+    // without having suspended (a handler that had nothing to wait for),
+    // which sent the reply a turn late, after the provider had sent its
+    // acknowledgement of the request on its own (two messages per call,
+    // and the io_context turns between them).
+    asio::co_spawn(ex_, run_call(shared_from_this(), s, e),
+                   asio::bind_cancellation_slot(s.signal.slot(), asio::detached));
   } catch (const std::exception& ex) {  // the coroutine could not be made (no memory)
     s.running = false;
     ++st_->stats.exceptions;
     finish(s, status(errc::internal, ex.what()));
   }
+}
+
+asio::awaitable<void> session::run_call(std::shared_ptr<session> self, call_slot& s, const handler_entry& e) {
+  status st;
+  std::exception_ptr ep;
+  try {
+    st = co_await e.coro(s);
+  } catch (...) {
+    ep = std::current_exception();
+  }
+  self->on_handler_done(s, ep, std::move(st));
 }
 
 void session::on_handler_done(call_slot& s, std::exception_ptr e, status st) noexcept {

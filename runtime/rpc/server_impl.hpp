@@ -80,6 +80,8 @@ class session : public std::enable_shared_from_this<session> {
   void on_cancel(std::uint64_t call_id) noexcept;
   call_slot& take_slot();
   void dispatch(call_slot& s) noexcept;
+  // A coroutine handler's call, spawned: it ends the call itself (see dispatch).
+  static asio::awaitable<void> run_call(std::shared_ptr<session> self, call_slot& s, const handler_entry& e);
   void on_handler_done(call_slot& s, std::exception_ptr e, status st) noexcept;
   void finish(call_slot& s, status st) noexcept;
   void send_reply(call_slot& s, const status& st) noexcept;

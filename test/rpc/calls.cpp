@@ -223,6 +223,44 @@ TEST_CASE("rpc: cancelling a call completes it with operation_canceled and cance
   f.check();
 }
 
+TEST_CASE("rpc: a coroutine handler that never suspends is answered in its own turn - and one that suspends on "
+          "resuming", "[rpc]") {
+  // co_spawn posts its completion handler when the coroutine ends without
+  // having suspended: a reply sent from there went out a turn late (after
+  // the provider had acknowledged the request on its own). Something the
+  // handler posts runs after the reply now.
+  rpc_env env;
+  std::vector<std::uint64_t> replies_seen;  // server ok replies when each handler's posted marker ran
+  env.srv.add(m::raw_echo, [&](rpc::server_call& call) -> awaitable<rpc::status> {
+    asio::post(env.io, [&] { replies_seen.push_back(env.srv.stats().ok); });
+    if (!call.request().empty() && call.request()[0] == std::byte{'s'}) {  // suspend once, then reply
+      co_await asio::post(env.io, use_awaitable);
+    }
+    call.reply(call.request());
+    co_return rpc::status();
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    for (int i = 0; i < 3; ++i) {
+      rpc::reply r = co_await cli.async_call(m::raw_echo, asio::buffer("n", 1), use_awaitable);
+      CHECK(r.size() == 1);
+    }
+    rpc::reply r = co_await cli.async_call(m::raw_echo, asio::buffer("s", 1), use_awaitable);
+    CHECK(r.size() == 1);
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  REQUIRE(replies_seen.size() == 4);
+  CHECK(replies_seen[0] == 1);  // the reply was counted (sent) before the marker ran
+  CHECK(replies_seen[1] == 2);
+  CHECK(replies_seen[2] == 3);
+  CHECK(replies_seen[3] == 3);  // (the suspended one: its marker ran while it waited)
+  CHECK(env.srv.stats().ok == 4);
+}
+
 TEST_CASE("rpc: the concurrency limit throttles a connection and fails nothing", "[rpc]") {
   rpc_env env({.max_concurrent_calls = 4});
   int running = 0;
