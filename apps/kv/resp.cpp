@@ -313,6 +313,8 @@ asio::awaitable<void> resp_door::session(tcp::socket s) {
         break;
       }
     }
+    // Every reply waits for what it may show (reads too: see read_fence).
+    if (!out.empty()) lsn = std::max(lsn, svc_.read_fence());
     if (svc_.must_wait(lsn)) {
       const rpc::status st = co_await svc_.durable(lsn);
       if (!st.is_ok()) {

@@ -154,7 +154,25 @@ asio::awaitable<rpc::status> service::del_request(std::span<const std::byte> req
   std::uint64_t lsn = 0;
   rpc::status st = del(key, existed, lsn);
   if (!st.is_ok()) co_return st;
+  if (!existed) lsn = read_fence();  // it saw the key absent: as a read does
   co_return co_await durable(lsn);
+}
+
+asio::awaitable<rpc::status> service::get_fenced(std::span<const std::byte> req, std::vector<std::byte>* copy,
+                                                 rpc::server_call* call) {
+  std::optional<std::span<const std::byte>> v;
+  rpc::status st = get_request(req, v);
+  if (st.is_ok()) {
+    // Copied now: the store may replace the value while the reply waits.
+    if (call != nullptr) call->reply(*v);
+    if (copy != nullptr) copy->assign(v->begin(), v->end());
+  }
+  if (!st.is_ok() && st.code() != rpc::errc::not_found) co_return st;  // (it showed nothing of the store)
+  if (const std::uint64_t fence = read_fence(); must_wait(fence)) {
+    rpc::status d = co_await durable(fence);
+    if (!d.is_ok()) co_return d;
+  }
+  co_return st;
 }
 
 namespace {
@@ -171,12 +189,18 @@ void service::add_methods(rpc::server& srv, const memory_region& table) {
     call.reply(std::span<const std::byte>(reinterpret_cast<const std::byte*>(&l), sizeof l));
     return {};
   });
-  srv.add(kGetMethod, [this](rpc::server_call& call) -> rpc::status {
-    std::optional<std::span<const std::byte>> v;
-    rpc::status st = get_request(call.request(), v);
-    if (st.is_ok()) call.reply(*v);
-    return st;
-  });
+  if (log_ == nullptr) {  // memory-only: nothing to wait for, no coroutine
+    srv.add(kGetMethod, [this](rpc::server_call& call) -> rpc::status {
+      std::optional<std::span<const std::byte>> v;
+      rpc::status st = get_request(call.request(), v);
+      if (st.is_ok()) call.reply(*v);
+      return st;
+    });
+  } else {
+    srv.add(kGetMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
+      co_return co_await get_fenced(call.request(), nullptr, &call);
+    });
+  }
   srv.add(kPutMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
     co_return co_await put_request(call.request());
   });
@@ -211,10 +235,7 @@ void service::add_remote_methods(rpc::server& srv, const memory_region& table,
     rpc::status st = co_await asio::co_spawn(
         home,
         [this, req = call.request(), &value]() -> asio::awaitable<rpc::status> {
-          std::optional<std::span<const std::byte>> v;
-          rpc::status s = get_request(req, v);
-          if (s.is_ok()) value.assign(v->begin(), v->end());
-          co_return s;
+          co_return co_await get_fenced(req, &value, nullptr);
         },
         uncancellable());
     if (st.is_ok()) call.reply(value);

@@ -9,6 +9,9 @@
 //   kv.get     key                        -> value | not_found
 //   kv.put     u32 key length, key, value -> () ; answered when durable (sync always)
 //   kv.del     key                        -> u8 1 (deleted) | 0 (absent)
+// A reply waits until what it shows is as durable as --sync promises: a
+// put or del its own record, a get (hit or miss) or a del of an absent key
+// every write applied before it (read_fence).
 // Errors: invalid_argument (an empty key, a key or value above the limits,
 // a malformed request), resource_exhausted ("OOM ...": --max-memory),
 // unavailable (the log cannot be written).
@@ -26,6 +29,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace anydoor::apps::kv {
 
@@ -61,7 +65,16 @@ class service {
   std::optional<std::span<const std::byte>> get(std::string_view key);
   // Waits until `lsn` is as durable as --sync promises.
   asio::awaitable<rpc::status> durable(std::uint64_t lsn);
-  bool must_wait(std::uint64_t lsn) const noexcept { return lsn != 0 && log_ != nullptr; }
+  bool must_wait(std::uint64_t lsn) const noexcept { return lsn != 0 && log_ != nullptr && !log_->is_durable(lsn); }
+  // What a reply that shows the store's contents waits for (0: nothing):
+  // every write applied so far, so that no client sees a value (or the
+  // absence of one) that a crash could still take back, as Redis sends no
+  // reply before the AOF write (and, with always, its fsync) of the
+  // commands run before it. Once the log has failed, 0: nothing more
+  // becomes durable, and reads go on (see README, "Durability").
+  std::uint64_t read_fence() const noexcept {
+    return log_ == nullptr || log_->failed() ? 0 : log_->appended();
+  }
 
   // Adds the four methods to a server on the home thread; `table` is the
   // table as registered with that server's fabric (its remote()).
@@ -90,6 +103,10 @@ class service {
   rpc::status get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value);
   asio::awaitable<rpc::status> put_request(std::span<const std::byte> req);
   asio::awaitable<rpc::status> del_request(std::span<const std::byte> req, bool& existed);
+  // get_request, then the wait for read_fence() (a hit or a miss); the
+  // value goes to `call`'s reply or to `copy` (either may be null).
+  asio::awaitable<rpc::status> get_fenced(std::span<const std::byte> req, std::vector<std::byte>* copy,
+                                          rpc::server_call* call);
   layout layout_for(const memory_region& table) const;  // the store's layout with the table's region
   // A status when the caller runs off the home thread (see set_home).
   std::optional<rpc::status> off_home();

@@ -16,8 +16,9 @@
 namespace anydoor::test {
 
 struct kv_rig {
-  kv_rig(asio::io_context& io, const apps::kv::store_options& o)
-      : st(o), svc(st, nullptr), sfab(io, test_options()), cfab(io, test_options()),
+  // `log`: the service's (null: memory-only).
+  kv_rig(asio::io_context& io, const apps::kv::store_options& o, apps::kv::durable_log* log = nullptr)
+      : st(o), svc(st, log), sfab(io, test_options()), cfab(io, test_options()),
         table(sfab.register_memory(st.memory(), access::remote_read)) {
     svc.add_methods(srv, table);
     acceptor acc = sfab.listen(test_host(), 0);

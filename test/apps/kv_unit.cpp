@@ -14,7 +14,10 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -2151,6 +2154,117 @@ TEST_CASE("kv store: memory freed in one size class serves other sizes", "[kv]")
   while (m < 2 * n && st.put("small" + std::to_string(m), B(small)) == put_status::ok) ++m;
   CHECK(m >= n);  // at least one per freed block
   for (int i = 0; i < m; ++i) CHECK(S(*st.get("small" + std::to_string(i))) == small);
+}
+
+namespace {
+std::atomic<bool> g_hold_syncs{false};
+std::atomic<int> g_held_syncs{0};  // fdatasyncs that found the hold on
+int held_fdatasync(int fd) {
+  if (g_hold_syncs.load()) {
+    ++g_held_syncs;
+    while (g_hold_syncs.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return ::fdatasync(fd);
+}
+}  // namespace
+
+TEST_CASE("kv service: no reply shows a write before its fsync - GET and DEL by RPC and the Redis door wait for it",
+          "[kv]") {
+  // As Redis sends no reply before the AOF holds (with always: fsynced)
+  // every command run before it: a reader never sees a value, or the
+  // absence of one, that a crash could take back.
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  g_hold_syncs = false;
+  durable_log log(io, {.dir = dir, .sync = sync_mode::always, .fdatasync_hook = &held_fdatasync},
+                  [](record_type, std::string_view, std::span<const std::byte>) {});
+  anydoor::test::kv_rig rig(io, {.max_memory = 1 << 20}, &log);
+  resp_door door(io, rig.svc, "127.0.0.1", 0);
+  failure f;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    client writer(rig.cfab, co_await rig.cfab.async_connect(rig.where, asio::use_awaitable), std::chrono::seconds(20));
+    client reader(rig.cfab, co_await rig.cfab.async_connect(rig.where, asio::use_awaitable), std::chrono::seconds(20));
+    REQUIRE((co_await writer.put("k", B("v1"))).is_ok());
+    asio::ip::tcp::socket redis(io);
+    co_await redis.async_connect({asio::ip::make_address("127.0.0.1"), door.port()}, asio::use_awaitable);
+    // The next fsync is held: a PUT of v2 is applied and waits for it.
+    g_hold_syncs = true;
+    const int held_before = g_held_syncs.load();
+    bool put_done = false, get_done = false, miss_done = false, del_done = false;
+    std::string got, missing;
+    bool existed = true;
+    asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+      CHECK((co_await writer.put("k", B("v2"))).is_ok());
+      put_done = true;
+    }, asio::detached);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (g_held_syncs.load() == held_before && std::chrono::steady_clock::now() < until) {
+      asio::steady_timer t(io, std::chrono::milliseconds(1));
+      co_await t.async_wait(asio::use_awaitable);
+    }
+    REQUIRE(g_held_syncs.load() > held_before);  // the log thread sits in the fsync of v2
+    asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+      CHECK((co_await reader.get("k", got)).is_ok());
+      get_done = true;
+    }, asio::detached);
+    asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+      CHECK((co_await reader.get("nope", missing)).code() == rpc::errc::not_found);
+      miss_done = true;
+    }, asio::detached);
+    asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+      CHECK((co_await reader.del("nope", existed)).is_ok());
+      del_done = true;
+    }, asio::detached);
+    const std::string_view ask = "GET k\r\n";
+    co_await asio::async_write(redis, asio::buffer(ask), asio::use_awaitable);
+    std::string answer(64, '\0');
+    std::size_t have = 0;
+    bool resp_done = false;
+    redis.async_read_some(asio::buffer(answer), [&](anydoor::error_code ec, std::size_t n) {
+      CHECK_FALSE(ec);
+      have = n;
+      resp_done = true;
+    });
+    asio::steady_timer pause(io, std::chrono::milliseconds(200));
+    co_await pause.async_wait(asio::use_awaitable);
+    CHECK_FALSE(put_done);
+    CHECK_FALSE(get_done);   // it would show v2
+    CHECK_FALSE(miss_done);  // a miss too: an unsynced DEL could be why
+    CHECK_FALSE(del_done);
+    CHECK_FALSE(resp_done);
+    g_hold_syncs = false;
+    const auto until2 = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!(put_done && get_done && miss_done && del_done && resp_done) &&
+           std::chrono::steady_clock::now() < until2) {
+      asio::steady_timer t(io, std::chrono::milliseconds(1));
+      co_await t.async_wait(asio::use_awaitable);
+    }
+    CHECK(put_done);
+    CHECK(get_done);
+    CHECK(got == "v2");
+    CHECK(miss_done);
+    CHECK(del_done);
+    CHECK_FALSE(existed);
+    CHECK(resp_done);
+    CHECK(answer.substr(0, have) == "$2\r\nv2\r\n");
+    // Nothing pending: reads wait for no fsync (one held now would stop them).
+    g_hold_syncs = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK((co_await reader.get("k", got)).is_ok());
+    co_await asio::async_write(redis, asio::buffer(ask), asio::use_awaitable);
+    const std::size_t n = co_await redis.async_read_some(asio::buffer(answer), asio::use_awaitable);
+    CHECK(answer.substr(0, n) == "$2\r\nv2\r\n");
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+    g_hold_syncs = false;
+    redis.close();
+    door.stop();
+    rig.srv.stop();
+  }, f.handler());
+  io.run();
+  f.check();
+  g_hold_syncs = false;
+  log.close();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("kv client: a layout reply it cannot use is refused and GETs go by RPC", "[kv]") {
