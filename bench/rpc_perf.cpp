@@ -14,6 +14,9 @@
 //   -n ITERS    calls (default 20000 for lat, 200000 for rate)
 //   --window W  rate: calls in flight (1..4096)
 //   --provider auto|tcp|verbs  (default auto)
+//   --handler sync|coro  the server's echo handler: returns its status
+//               (default), or is a coroutine (asio::awaitable) that does
+//               not suspend
 // Poll mode from ANYDOOR_POLL. The server serves one connection and exits
 // when it closes. Prints one line:
 //   RESULT test=lat size=64 iters=.. median_us=.. p99_us=.. mean_us=.. (the round trip)
@@ -33,6 +36,7 @@
 #include <chrono>
 #include <functional>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -48,10 +52,31 @@ namespace {
 
 constexpr std::uint64_t kEcho = rpc::method_id("bench.echo");
 
+constexpr const char* kUsage =
+    "anydoor-rpc-perf (--server | --connect HOST) [--port P] [--test lat|rate]\n"
+    "                        [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs] [--handler sync|coro]";
+
+// Takes --handler out of argv (the shared parser does not know it): true for coro.
+bool take_handler(int& argc, char** argv) {
+  bool coro = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--handler") != 0) continue;
+    const char* v = i + 1 < argc ? argv[i + 1] : "";
+    if (std::strcmp(v, "coro") == 0) {
+      coro = true;
+    } else if (std::strcmp(v, "sync") != 0) {
+      std::fprintf(stderr, "%s: --handler must be sync or coro: '%s'\nusage: %s\n", argv[0], v, kUsage);
+      std::exit(2);
+    }
+    for (int j = i; j + 2 <= argc; ++j) argv[j] = argv[j + 2];
+    argc -= 2;
+    --i;
+  }
+  return coro;
+}
+
 ad::bench::cli_options parse(int argc, char** argv) {
-  auto o = ad::bench::parse_cli(argc, argv,
-                                "anydoor-rpc-perf (--server | --connect HOST) [--port P] [--test lat|rate]\n"
-                                "                        [-s SIZE] [-n ITERS] [--window W] [--provider auto|tcp|verbs]",
+  auto o = ad::bench::parse_cli(argc, argv, kUsage,
                                 {.port = 7480, .test = "lat", .window = 0}, {"lat", "rate"});
   if (o.size == 0) o.size = 64;
   if (o.window == 0) o.window = 32;
@@ -63,16 +88,23 @@ ad::bench::cli_options parse(int argc, char** argv) {
   return o;
 }
 
-awaitable<void> serve(ad::fabric& fab, rpc::server& srv, const ad::bench::cli_options& o) {
+awaitable<void> serve(ad::fabric& fab, rpc::server& srv, const ad::bench::cli_options& o, bool coro) {
   ad::acceptor acc = fab.listen("0.0.0.0", o.port);
   std::printf("anydoor-rpc-perf: listening on 0.0.0.0:%u\n", static_cast<unsigned>(acc.port()));  // (--port 0: the one picked)
   std::fflush(stdout);
   ad::connection c = co_await acc.async_accept(use_awaitable);
   acc.close();
-  srv.add(kEcho, [](rpc::server_call& call) -> rpc::status {
-    call.reply(call.request());
-    return {};
-  });
+  if (coro) {
+    srv.add(kEcho, [](rpc::server_call& call) -> awaitable<rpc::status> {
+      call.reply(call.request());
+      co_return rpc::status();
+    });
+  } else {
+    srv.add(kEcho, [](rpc::server_call& call) -> rpc::status {
+      call.reply(call.request());
+      return {};
+    });
+  }
   co_await srv.async_serve(std::move(c), asio::as_tuple(use_awaitable));
 }
 
@@ -125,6 +157,7 @@ awaitable<void> run_client(ad::fabric& fab, const ad::bench::cli_options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const bool coro = take_handler(argc, argv);
   const auto o = parse(argc, argv);
   try {
     asio::io_context io{1};  // hint 1: one thread runs it (Asio queues what that thread posts without a lock)
@@ -138,7 +171,7 @@ int main(int argc, char** argv) {
       if (e) failure = e;
     };
     if (o.server) {
-      asio::co_spawn(io, serve(fab, srv, o), done);
+      asio::co_spawn(io, serve(fab, srv, o, coro), done);
     } else {
       asio::co_spawn(io, run_client(fab, o), done);
     }

@@ -236,13 +236,13 @@ class durable_log {
   // the log has failed (error() says why): the write must not be acknowledged.
   std::uint64_t append(record_type t, std::string_view key, std::span<const std::byte> value);
   std::error_code error() const noexcept;
-  std::string error_text() const;
+  std::string error_text() const;  // "the log cannot be written: ..." (for clients: no path; stderr names it)
   // On the io thread: the log sequence number of the last record appended,
   // whether `lsn` is as durable as the sync mode promises, and whether the
   // log has failed (nothing more becomes durable then).
   std::uint64_t appended() const noexcept { return lsn_; }
   bool is_durable(std::uint64_t lsn) const noexcept { return lsn <= durable_; }
-  bool failed() const noexcept { return failed_; }  // "the log cannot be written: ..." (for clients: no path; stderr names it)
+  bool failed() const noexcept { return failed_; }
 
   // void(std::error_code): once the record `lsn` is as durable as the sync
   // mode promises (always: fsynced; everysec and no: written to the file).

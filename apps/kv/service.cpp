@@ -158,20 +158,18 @@ asio::awaitable<rpc::status> service::del_request(std::span<const std::byte> req
   co_return co_await durable(lsn);
 }
 
-asio::awaitable<rpc::status> service::get_fenced(std::span<const std::byte> req, std::vector<std::byte>* copy,
-                                                 rpc::server_call* call) {
+asio::awaitable<rpc::status> service::after_fence(std::uint64_t fence, rpc::status st) {
+  rpc::status d = co_await durable(fence);
+  if (!d.is_ok()) co_return d;
+  co_return st;
+}
+
+asio::awaitable<rpc::status> service::get_copy(std::span<const std::byte> req, std::vector<std::byte>& copy) {
   std::optional<std::span<const std::byte>> v;
   rpc::status st = get_request(req, v);
-  if (st.is_ok()) {
-    // Copied now: the store may replace the value while the reply waits.
-    if (call != nullptr) call->reply(*v);
-    if (copy != nullptr) copy->assign(v->begin(), v->end());
-  }
+  if (st.is_ok()) copy.assign(v->begin(), v->end());  // now: the store may replace it while the reply waits
   if (!st.is_ok() && st.code() != rpc::errc::not_found) co_return st;  // (it showed nothing of the store)
-  if (const std::uint64_t fence = read_fence(); must_wait(fence)) {
-    rpc::status d = co_await durable(fence);
-    if (!d.is_ok()) co_return d;
-  }
+  if (const std::uint64_t fence = read_fence(); must_wait(fence)) co_return co_await after_fence(fence, std::move(st));
   co_return st;
 }
 
@@ -189,18 +187,17 @@ void service::add_methods(rpc::server& srv, const memory_region& table) {
     call.reply(std::span<const std::byte>(reinterpret_cast<const std::byte*>(&l), sizeof l));
     return {};
   });
-  if (log_ == nullptr) {  // memory-only: nothing to wait for, no coroutine
-    srv.add(kGetMethod, [this](rpc::server_call& call) -> rpc::status {
-      std::optional<std::span<const std::byte>> v;
-      rpc::status st = get_request(call.request(), v);
-      if (st.is_ok()) call.reply(*v);
-      return st;
-    });
-  } else {
-    srv.add(kGetMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
-      co_return co_await get_fenced(call.request(), nullptr, &call);
-    });
-  }
+  // Answered at once unless writes it may show are still on their way to
+  // the log (then a coroutine waits for them).
+  srv.add(kGetMethod, [this](rpc::server_call& call) -> rpc::outcome {
+    std::optional<std::span<const std::byte>> v;
+    rpc::status st = get_request(call.request(), v);
+    if (st.is_ok()) call.reply(*v);  // copied now: the store may replace it while the reply waits
+    if (!st.is_ok() && st.code() != rpc::errc::not_found) return st;  // (it showed nothing of the store)
+    const std::uint64_t fence = read_fence();
+    if (!must_wait(fence)) return st;
+    return after_fence(fence, std::move(st));
+  });
   srv.add(kPutMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {
     co_return co_await put_request(call.request());
   });
@@ -235,7 +232,7 @@ void service::add_remote_methods(rpc::server& srv, const memory_region& table,
     rpc::status st = co_await asio::co_spawn(
         home,
         [this, req = call.request(), &value]() -> asio::awaitable<rpc::status> {
-          co_return co_await get_fenced(req, &value, nullptr);
+          co_return co_await get_copy(req, value);
         },
         uncancellable());
     if (st.is_ok()) call.reply(value);

@@ -103,10 +103,12 @@ class service {
   rpc::status get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value);
   asio::awaitable<rpc::status> put_request(std::span<const std::byte> req);
   asio::awaitable<rpc::status> del_request(std::span<const std::byte> req, bool& existed);
-  // get_request, then the wait for read_fence() (a hit or a miss); the
-  // value goes to `call`'s reply or to `copy` (either may be null).
-  asio::awaitable<rpc::status> get_fenced(std::span<const std::byte> req, std::vector<std::byte>* copy,
-                                          rpc::server_call* call);
+  // Waits for `fence` (read_fence() when the reply was made), then `st`,
+  // or the log's error.
+  asio::awaitable<rpc::status> after_fence(std::uint64_t fence, rpc::status st);
+  // get_request with the value copied into `copy`, then the wait for
+  // read_fence() (a hit or a miss): a call from another reactor, on home.
+  asio::awaitable<rpc::status> get_copy(std::span<const std::byte> req, std::vector<std::byte>& copy);
   layout layout_for(const memory_region& table) const;  // the store's layout with the table's region
   // A status when the caller runs off the home thread (see set_home).
   std::optional<rpc::status> off_home();

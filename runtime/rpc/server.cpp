@@ -8,11 +8,12 @@
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <optional>
+#include <variant>
 
 namespace anydoor::rpc {
 namespace detail {
@@ -190,10 +191,21 @@ void session::dispatch(call_slot& s) noexcept {
   s.due = s.deadline_;
   if (deadlines_.insert(s)) arm_timer();
   const handler_entry& e = it->second;
-  if (e.sync) {
+  // A handler that answers now (sync, or an outcome holding its status).
+  std::optional<asio::awaitable<status>> body;
+  if (e.sync || e.maybe) {
     status st;
     try {
-      st = e.sync(s);
+      if (e.sync) {
+        st = e.sync(s);
+      } else {
+        outcome o = e.maybe(s);
+        if (auto* later = std::get_if<asio::awaitable<status>>(&o)) {
+          body.emplace(std::move(*later));
+        } else {
+          st = std::move(std::get<status>(o));
+        }
+      }
     } catch (const std::exception& ex) {
       ++st_->stats.exceptions;
       st = status(errc::internal, ex.what());
@@ -201,31 +213,39 @@ void session::dispatch(call_slot& s) noexcept {
       ++st_->stats.exceptions;
       st = status(errc::internal, "the handler threw something that is not a std::exception");
     }
-    finish(s, std::move(st));
-    return;
+    if (!body) {
+      finish(s, std::move(st));
+      return;
+    }
   }
   s.running = true;
+  s.spawned = true;
   try {
     // The call ends inside the coroutine (run_call), not in co_spawn's
     // completion handler: Asio posts that one when the coroutine ends
     // without having suspended (a handler that had nothing to wait for),
     // which sent the reply a turn late, after the provider had sent its
     // acknowledgement of the request on its own (two messages per call,
-    // and the io_context turns between them).
-    asio::co_spawn(ex_, run_call(shared_from_this(), s, e),
-                   asio::bind_cancellation_slot(s.signal.slot(), asio::detached));
+    // and the io_context turns between them). The slot stays taken until
+    // co_spawn has completed (call_slot::spawned).
+    asio::co_spawn(ex_, run_call(shared_from_this(), s, body ? std::move(*body) : e.coro(s)),
+                   asio::bind_cancellation_slot(s.signal.slot(), [self = shared_from_this(), &s](std::exception_ptr) {
+                     s.spawned = false;
+                     self->free_slot(s);  // (once its reply is sent)
+                   }));
   } catch (const std::exception& ex) {  // the coroutine could not be made (no memory)
     s.running = false;
+    s.spawned = false;
     ++st_->stats.exceptions;
     finish(s, status(errc::internal, ex.what()));
   }
 }
 
-asio::awaitable<void> session::run_call(std::shared_ptr<session> self, call_slot& s, const handler_entry& e) {
+asio::awaitable<void> session::run_call(std::shared_ptr<session> self, call_slot& s, asio::awaitable<status> body) {
   status st;
   std::exception_ptr ep;
   try {
-    st = co_await e.coro(s);
+    st = co_await std::move(body);
   } catch (...) {
     ep = std::current_exception();
   }
@@ -326,7 +346,7 @@ void session::on_sent(call_slot& s, const error_code& ec, bool payload) noexcept
 }
 
 void session::free_slot(call_slot& s) noexcept {
-  if (!s.busy || s.sends != 0 || s.running) return;
+  if (!s.busy || s.sends != 0 || s.running || s.spawned) return;
   s.busy = false;
   s.expired = s.client_cancelled = s.cancelled_ = false;
   s.pre = status();
@@ -475,7 +495,8 @@ server::server(server_options options) : state_(std::make_shared<detail::server_
 
 server::~server() { stop(); }
 
-void server::add_entry(std::uint64_t id, std::string_view name, detail::sync_fn s, detail::coro_fn c) {
+void server::add_entry(std::uint64_t id, std::string_view name, detail::sync_fn s, detail::coro_fn c,
+                       detail::maybe_fn m) {
   auto it = state_->methods.find(id);
   if (it != state_->methods.end()) {
     std::string what = "rpc::server::add: method id " + std::to_string(id);
@@ -487,7 +508,7 @@ void server::add_entry(std::uint64_t id, std::string_view name, detail::sync_fn 
     }
     throw std::system_error(make_error_code(errc::already_exists), what);
   }
-  state_->methods.emplace(id, detail::handler_entry{std::string(name), std::move(s), std::move(c)});
+  state_->methods.emplace(id, detail::handler_entry{std::string(name), std::move(s), std::move(c), std::move(m)});
 }
 
 namespace {

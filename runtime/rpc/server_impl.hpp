@@ -26,6 +26,7 @@ struct handler_entry {
   std::string name;
   sync_fn sync;
   coro_fn coro;
+  maybe_fn maybe;
 };
 
 class accept_loop;
@@ -46,6 +47,10 @@ struct call_slot : server_call, deadline_hook {
   std::uint32_t index = 0;
   bool busy = false;
   bool running = false;     // a coroutine handler runs
+  // Its co_spawn has not completed: the spawn's cancellation handler still
+  // lives in `signal` (Asio touches it once more after the coroutine has
+  // ended the call), so the slot is not reused until then.
+  bool spawned = false;
   bool expired = false;
   bool client_cancelled = false;
   std::uint8_t sends = 0;
@@ -81,7 +86,7 @@ class session : public std::enable_shared_from_this<session> {
   call_slot& take_slot();
   void dispatch(call_slot& s) noexcept;
   // A coroutine handler's call, spawned: it ends the call itself (see dispatch).
-  static asio::awaitable<void> run_call(std::shared_ptr<session> self, call_slot& s, const handler_entry& e);
+  static asio::awaitable<void> run_call(std::shared_ptr<session> self, call_slot& s, asio::awaitable<status> body);
   void on_handler_done(call_slot& s, std::exception_ptr e, status st) noexcept;
   void finish(call_slot& s, status st) noexcept;
   void send_reply(call_slot& s, const status& st) noexcept;

@@ -3,7 +3,7 @@
 # of anydoor-runtime-perf and anydoor-rpc-perf gives its RESULT line with
 # positive figures and both sides exit 0; servers on --port 0 print the
 # port they took (as does anydoor-tcp-floor's); the shared command line's
-# port errors (exit 2). The compare-*.sh scripts parse these lines.
+# port errors (exit 2); anydoor-rpc-perf's --handler. The compare-*.sh scripts parse these lines.
 #   test/apps/bench_tools.sh BIN_DIR
 bin=${1:?usage: bench_tools.sh BIN_DIR}
 # shellcheck source=lib.sh
@@ -37,7 +37,15 @@ pass "anydoor-runtime-perf: every test"
 
 run anydoor-rpc-perf lat "size=64 iters=300 $lat" -n 300
 run anydoor-rpc-perf rate "size=64 iters=300 window=32 Mcalls=($num)\$" -n 300
-pass "anydoor-rpc-perf: both tests"
+run anydoor-rpc-perf lat "size=64 iters=300 $lat" -n 300 --handler coro
+run anydoor-rpc-perf rate "size=64 iters=300 window=32 Mcalls=($num)\$" -n 300 --handler sync
+for h in bogus ''; do
+  run_cmd 2 "$bin/anydoor-rpc-perf" --server --port 0 --handler "$h"
+  expect_in "$tmp/last.err" "--handler must be sync or coro: '$h'"
+done
+run_cmd 2 "$bin/anydoor-rpc-perf" --server --port 0 --handler
+expect_in "$tmp/last.err" "--handler must be sync or coro: ''"
+pass "anydoor-rpc-perf: both tests, both handlers"
 
 # The floor's server prints the port it took.
 start_server floor "$bin/anydoor-tcp-floor" --server --port 0 --test lat -n 100

@@ -2181,7 +2181,17 @@ TEST_CASE("kv service: no reply shows a write before its fsync - GET and DEL by 
   anydoor::test::kv_rig rig(io, {.max_memory = 1 << 20}, &log);
   resp_door door(io, rig.svc, "127.0.0.1", 0);
   failure f;
+  // Whatever happens, the hold ends: on the coroutine's way out (a failed
+  // REQUIRE), or after 15 s (a read that waits for no reason).
+  struct release_hold {
+    ~release_hold() { g_hold_syncs = false; }
+  };
+  asio::steady_timer watchdog(io, std::chrono::seconds(15));
+  watchdog.async_wait([](anydoor::error_code ec) {
+    if (!ec) g_hold_syncs = false;
+  });
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    release_hold guard;
     client writer(rig.cfab, co_await rig.cfab.async_connect(rig.where, asio::use_awaitable), std::chrono::seconds(20));
     client reader(rig.cfab, co_await rig.cfab.async_connect(rig.where, asio::use_awaitable), std::chrono::seconds(20));
     REQUIRE((co_await writer.put("k", B("v1"))).is_ok());
@@ -2203,6 +2213,7 @@ TEST_CASE("kv service: no reply shows a write before its fsync - GET and DEL by 
       co_await t.async_wait(asio::use_awaitable);
     }
     REQUIRE(g_held_syncs.load() > held_before);  // the log thread sits in the fsync of v2
+    const std::uint64_t calls_before = rig.srv.stats().calls;
     asio::co_spawn(io, [&]() -> asio::awaitable<void> {
       CHECK((co_await reader.get("k", got)).is_ok());
       get_done = true;
@@ -2225,6 +2236,15 @@ TEST_CASE("kv service: no reply shows a write before its fsync - GET and DEL by 
       have = n;
       resp_done = true;
     });
+    // Once the server has taken the three calls and the command, they wait.
+    const auto until1 = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((rig.srv.stats().calls < calls_before + 3 || door.stats().commands < 1) &&
+           std::chrono::steady_clock::now() < until1) {
+      asio::steady_timer t(io, std::chrono::milliseconds(1));
+      co_await t.async_wait(asio::use_awaitable);
+    }
+    CHECK(rig.srv.stats().calls == calls_before + 3);
+    CHECK(door.stats().commands == 1);
     asio::steady_timer pause(io, std::chrono::milliseconds(200));
     co_await pause.async_wait(asio::use_awaitable);
     CHECK_FALSE(put_done);
@@ -2256,6 +2276,7 @@ TEST_CASE("kv service: no reply shows a write before its fsync - GET and DEL by 
     CHECK(answer.substr(0, n) == "$2\r\nv2\r\n");
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
     g_hold_syncs = false;
+    watchdog.cancel();
     redis.close();
     door.stop();
     rig.srv.stop();

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <stdexcept>
 
 using namespace anydoor::test;
@@ -259,6 +261,100 @@ TEST_CASE("rpc: a coroutine handler that never suspends is answered in its own t
   CHECK(replies_seen[2] == 3);
   CHECK(replies_seen[3] == 3);  // (the suspended one: its marker ran while it waited)
   CHECK(env.srv.stats().ok == 4);
+}
+
+TEST_CASE("rpc: many calls in flight to a coroutine handler that never suspends - each slot is reused only after "
+          "its spawn completes", "[rpc]") {
+  // Replies leave inside the coroutine, before co_spawn has finished with
+  // the slot's cancellation signal (it posts once more): a slot handed to
+  // the next request before then would have its spawn's state replaced
+  // under that post (a use-after-free under ASan). Pipelined requests come
+  // in batches of completions, so a freed slot would be taken at once.
+  rpc_env env({.max_concurrent_calls = 8}, {.credits = 64});
+  env.srv.add(m::raw_echo, [](rpc::server_call& call) -> awaitable<rpc::status> {
+    call.reply(call.request());
+    co_return rpc::status();
+  });
+  env.serve();
+  failure f;
+  constexpr std::uint32_t kCalls = 3000;
+  std::uint32_t done = 0, wrong = 0, started = 0;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    std::function<void()> start_one = [&] {
+      const std::uint32_t i = started++;
+      auto req = std::make_shared<std::uint32_t>(i);
+      cli.async_call(m::raw_echo, asio::buffer(req.get(), sizeof *req), [&, req](ad::error_code ec, rpc::reply r) {
+        std::uint32_t back = ~0u;
+        if (!ec && r.size() == sizeof back) std::memcpy(&back, r.data(), sizeof back);
+        if (back != *req) ++wrong;
+        ++done;
+        if (started < kCalls) start_one();
+      });
+    };
+    for (int i = 0; i < 48; ++i) start_one();
+    co_await wait_until([&] { return done == kCalls; });
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  CHECK(wrong == 0);
+  CHECK(env.srv.stats().ok == kCalls);
+  CHECK(env.srv.stats().throttled > 0);  // the slots ran out: they were reused under load
+}
+
+TEST_CASE("rpc: an outcome handler answers at once or through its coroutine - statuses and throws of either",
+          "[rpc]") {
+  rpc_env env;
+  int coroutines = 0;
+  auto later = [&](rpc::server_call& call, std::string what) -> awaitable<rpc::status> {
+    ++coroutines;
+    co_await asio::post(env.io, use_awaitable);  // suspends once
+    if (what == "later-throw") throw std::runtime_error("thrown later");
+    if (what == "later-err") co_return rpc::status(rpc::errc::failed_precondition, "later");
+    call.reply(std::string_view("later"));
+    co_return rpc::status();
+  };
+  env.srv.add(m::raw_echo, [&](rpc::server_call& call) -> rpc::outcome {
+    const std::string what(reinterpret_cast<const char*>(call.request().data()), call.request().size());
+    if (what == "now-throw") throw std::runtime_error("thrown now");
+    if (what == "now-err") return rpc::status(rpc::errc::not_found, "now");
+    if (what.rfind("later", 0) == 0) return later(call, what);
+    call.reply(std::string_view("now"));
+    return rpc::status();
+  });
+  env.serve();
+  failure f;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli = co_await env.connect();
+    auto call = [&](std::string what) -> awaitable<std::pair<ad::error_code, std::string>> {
+      auto [ec, r] = co_await cli.async_call(m::raw_echo, asio::buffer(what), asio::as_tuple(use_awaitable));
+      co_return std::pair{ec, std::string(reinterpret_cast<const char*>(r.data()), r.size())};
+    };
+    auto [e1, r1] = co_await call("now");
+    CHECK_FALSE(e1);
+    CHECK(r1 == "now");
+    auto [e2, r2] = co_await call("now-err");
+    CHECK(e2 == rpc::errc::not_found);
+    auto [e3, r3] = co_await call("later");
+    CHECK_FALSE(e3);
+    CHECK(r3 == "later");
+    auto [e4, r4] = co_await call("later-err");
+    CHECK(e4 == rpc::errc::failed_precondition);
+    auto [e5, r5] = co_await call("now-throw");
+    CHECK(e5 == rpc::errc::internal);
+    CHECK(r5 == "thrown now");
+    auto [e6, r6] = co_await call("later-throw");
+    CHECK(e6 == rpc::errc::internal);
+    CHECK(r6 == "thrown later");
+    env.srv.stop();
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  CHECK(coroutines == 3);  // only the calls that asked for one
+  CHECK(env.srv.stats().exceptions == 2);
+  CHECK(env.srv.stats().ok == 2);
+  CHECK(env.srv.stats().errors == 4);
 }
 
 TEST_CASE("rpc: the concurrency limit throttles a connection and fails nothing", "[rpc]") {

@@ -433,7 +433,7 @@ TEST_CASE("reactor: batch is how many completions one poll call takes", "[runtim
   } op;
   for (int i = 0; i < 40; ++i) cq.push({.wr_id = r.track(op)});
   r.start();
-  REQUIRE(io.run_one() == 1);  // the first round drains the queue: 32, then 8 (16 a poll: 3 polls)
+  REQUIRE(io.run_one() == 1);  // the first round drains the queue: 32, then 8 (with a batch of 16: 3 polls)
   CHECK(cq.largest_ask == 32);
   CHECK(op.calls == 40);
   CHECK(r.stats().polls == 2);

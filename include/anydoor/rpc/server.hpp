@@ -66,6 +66,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace anydoor::rpc {
@@ -216,10 +217,18 @@ struct server_stats {
   std::uint64_t protocol_errors = 0;     // connections ended for frames that could not be framed
 };
 
+// What an untyped handler that answers at once when it can, and waits only
+// when it must, returns: the status now, or a coroutine that ends with it
+// (spawned then, as an awaitable handler is; the reply may be set before
+// and inside it). A handler that mostly has nothing to wait for saves the
+// coroutine on those calls.
+using outcome = std::variant<status, asio::awaitable<status>>;
+
 namespace detail {
 
 using sync_fn = std::function<status(server_call&)>;
 using coro_fn = std::function<asio::awaitable<status>(server_call&)>;
+using maybe_fn = std::function<outcome(server_call&)>;
 
 template <class M>
 bool decode_request(const server_call& call, typename M::request_type& out) {
@@ -251,17 +260,21 @@ class server {
   server(const server&) = delete;
   server& operator=(const server&) = delete;
 
-  // Untyped: handler(server_call&) -> status or asio::awaitable<status>.
-  // Throws std::system_error (rpc::errc::already_exists) when the id is taken.
+  // Untyped: handler(server_call&) -> status, asio::awaitable<status> or
+  // rpc::outcome. Throws std::system_error (rpc::errc::already_exists) when
+  // the id is taken.
   template <class Handler>
   void add(std::uint64_t method, Handler&& h) {
     using H = std::decay_t<Handler>;
-    if constexpr (std::is_invocable_r_v<asio::awaitable<status>, H&, server_call&>) {
+    if constexpr (std::is_invocable_v<H&, server_call&> &&
+                  std::is_same_v<std::invoke_result_t<H&, server_call&>, outcome>) {
+      add_entry(method, {}, {}, {}, detail::maybe_fn(std::forward<Handler>(h)));
+    } else if constexpr (std::is_invocable_r_v<asio::awaitable<status>, H&, server_call&>) {
       add_entry(method, {}, {}, detail::coro_fn(std::forward<Handler>(h)));
     } else {
       static_assert(std::is_invocable_r_v<status, H&, server_call&>,
-                    "an untyped handler takes (rpc::server_call&) and returns rpc::status or "
-                    "asio::awaitable<rpc::status>");
+                    "an untyped handler takes (rpc::server_call&) and returns rpc::status, "
+                    "asio::awaitable<rpc::status> or rpc::outcome");
       add_entry(method, {}, detail::sync_fn(std::forward<Handler>(h)), {});
     }
   }
@@ -341,7 +354,8 @@ class server {
   const server_options& options() const noexcept;
 
  private:
-  void add_entry(std::uint64_t id, std::string_view name, detail::sync_fn s, detail::coro_fn c);
+  void add_entry(std::uint64_t id, std::string_view name, detail::sync_fn s, detail::coro_fn c,
+                 detail::maybe_fn m = {});
   std::shared_ptr<detail::server_state> state_;
 };
 
