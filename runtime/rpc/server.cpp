@@ -10,6 +10,7 @@
 #include <boost/asio/co_spawn.hpp>
 
 #include <algorithm>
+#include <cassert>
 #include <cstdio>
 #include <limits>
 #include <optional>
@@ -111,6 +112,9 @@ call_slot& session::take_slot() {
   }
   call_slot& s = *slots_[free_.back()];
   free_.pop_back();
+  // (free_slot never lists a slot still busy or whose spawn has not
+  // completed: its cancellation signal would be replaced under it.)
+  assert(!s.busy && !s.spawned);
   s.busy = true;
   if (++active_ == st_->opts.max_concurrent_calls) ++st_->stats.throttled;
   return s;
@@ -159,7 +163,8 @@ void session::on_request(const wire::header& h, message m) noexcept {
 void session::on_cancel(std::uint64_t call_id) noexcept {
   for (auto& sp : slots_) {
     call_slot& s = *sp;
-    if (!s.busy || s.call_id_ != call_id || s.client_cancelled || s.sends != 0) continue;
+    // (Not one answered already whose spawn has yet to complete.)
+    if (!s.busy || s.call_id_ != call_id || s.client_cancelled || s.sends != 0 || (s.spawned && !s.running)) continue;
     s.client_cancelled = true;
     ++st_->stats.cancelled;
     cancel_running(s);
@@ -191,20 +196,24 @@ void session::dispatch(call_slot& s) noexcept {
   s.due = s.deadline_;
   if (deadlines_.insert(s)) arm_timer();
   const handler_entry& e = it->second;
-  // A handler that answers now (sync, or an outcome holding its status).
+  // The handler answers now (sync, or an outcome holding its status), or
+  // gives the coroutine that will (every throw, whatever it throws, takes
+  // one path: internal).
   std::optional<asio::awaitable<status>> body;
-  if (e.sync || e.maybe) {
+  {
     status st;
     try {
       if (e.sync) {
         st = e.sync(s);
-      } else {
+      } else if (e.maybe) {
         outcome o = e.maybe(s);
         if (auto* later = std::get_if<asio::awaitable<status>>(&o)) {
           body.emplace(std::move(*later));
         } else {
           st = std::move(std::get<status>(o));
         }
+      } else {
+        body.emplace(e.coro(s));
       }
     } catch (const std::exception& ex) {
       ++st_->stats.exceptions;
@@ -228,16 +237,16 @@ void session::dispatch(call_slot& s) noexcept {
     // acknowledgement of the request on its own (two messages per call,
     // and the io_context turns between them). The slot stays taken until
     // co_spawn has completed (call_slot::spawned).
-    asio::co_spawn(ex_, run_call(shared_from_this(), s, body ? std::move(*body) : e.coro(s)),
+    asio::co_spawn(ex_, run_call(shared_from_this(), s, std::move(*body)),
                    asio::bind_cancellation_slot(s.signal.slot(), [self = shared_from_this(), &s](std::exception_ptr) {
                      s.spawned = false;
                      self->free_slot(s);  // (once its reply is sent)
                    }));
-  } catch (const std::exception& ex) {  // the coroutine could not be made (no memory)
+  } catch (...) {  // the spawn could not be made (no memory)
     s.running = false;
     s.spawned = false;
     ++st_->stats.exceptions;
-    finish(s, status(errc::internal, ex.what()));
+    finish(s, status(errc::internal, "the handler's coroutine could not be started"));
   }
 }
 

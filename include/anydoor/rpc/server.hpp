@@ -15,10 +15,11 @@
 //
 // Handlers: a callable taking (server_call&) (untyped) or (const Request&,
 // server_call&) (typed), returning the outcome directly (it runs inline, on
-// the io thread: keep it short) or as asio::awaitable (a coroutine, spawned
+// the io thread: keep it short), as asio::awaitable (a coroutine, spawned
 // on the connection's executor; it may co_await anything; one that returns
 // without suspending replies within the same turn, as a direct one does,
-// at about the same cost per call). Untyped handlers
+// at about the same cost per call), or, untyped, as rpc::outcome (the
+// status now, or a coroutine only when it must wait). Untyped handlers
 // return rpc::status and set the reply payload with server_call::reply*;
 // typed ones return rpc::result<Reply> (a reply or a status).
 //
@@ -36,7 +37,8 @@
 // only (errc::protocol_error).
 //
 // Backpressure: at most max_concurrent_calls handlers run (or replies are
-// being sent) per connection; beyond that the server takes no more messages
+// being sent, or a coroutine handler's spawn is completing: one more turn)
+// per connection; beyond that the server takes no more messages
 // from the connection, so its receive credits run out and the client's
 // sends wait. Requests are never failed for it.
 //
@@ -56,6 +58,7 @@
 #include <boost/asio/awaitable.hpp>
 
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -221,7 +224,9 @@ struct server_stats {
 // when it must, returns: the status now, or a coroutine that ends with it
 // (spawned then, as an awaitable handler is; the reply may be set before
 // and inside it). A handler that mostly has nothing to wait for saves the
-// coroutine on those calls.
+// coroutine on those calls. The coroutine outlives the handler's own
+// frame: give it its arguments by value, never references to the
+// handler's locals.
 using outcome = std::variant<status, asio::awaitable<status>>;
 
 namespace detail {
@@ -266,8 +271,9 @@ class server {
   template <class Handler>
   void add(std::uint64_t method, Handler&& h) {
     using H = std::decay_t<Handler>;
-    if constexpr (std::is_invocable_v<H&, server_call&> &&
-                  std::is_same_v<std::invoke_result_t<H&, server_call&>, outcome>) {
+    if constexpr (requires(H& fn, server_call& c) {
+                    { fn(c) } -> std::same_as<outcome>;
+                  }) {
       add_entry(method, {}, {}, {}, detail::maybe_fn(std::forward<Handler>(h)));
     } else if constexpr (std::is_invocable_r_v<asio::awaitable<status>, H&, server_call&>) {
       add_entry(method, {}, {}, detail::coro_fn(std::forward<Handler>(h)));
