@@ -149,6 +149,27 @@ struct raw_peer {
   }
 };
 
+// `rounds` connects of `client` to `port` in turn, each ended at once (a
+// raw peer's thread answers them); then the io_context runs out and `raw`
+// is joined. Each attempt's error.
+std::vector<ad::error_code> connect_rounds(asio::io_context& io, ad::fabric& client, std::uint16_t port,
+                                           std::size_t rounds, std::thread& raw) {
+  std::vector<ad::error_code> results;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (std::size_t r = 0; r < rounds; ++r) {
+      auto [ec, c] = co_await client.async_connect(test_host() + ":" + std::to_string(port),
+                                                   asio::as_tuple(use_awaitable));
+      results.push_back(ec);
+      if (!ec) c.abort();
+    }
+  }, f.handler());
+  run_to_completion(io);
+  raw.join();
+  f.check();
+  return results;
+}
+
 }  // namespace
 
 TEST_CASE("auth: proofs follow the protocol and a replayed proof or a message before authenticating or a silent peer "
@@ -351,19 +372,7 @@ TEST_CASE("auth: the connecting side checks the listener's proof and withholds i
       }
     }
   });
-  std::vector<ad::error_code> results;
-  failure f;
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    for (std::size_t r = 0; r < rounds.size(); ++r) {
-      auto [ec, c] = co_await client.async_connect(test_host() + ":" + std::to_string(port),
-                                                   asio::as_tuple(use_awaitable));
-      results.push_back(ec);
-      if (!ec) c.abort();
-    }
-  }, f.handler());
-  run_to_completion(io);
-  raw.join();
-  f.check();
+  const std::vector<ad::error_code> results = connect_rounds(io, client, port, rounds.size(), raw);
   REQUIRE(results.size() == 4);
   CHECK_FALSE(results[0]);
   CHECK(results[1] == ad::errc::authentication_failed);
@@ -413,19 +422,7 @@ TEST_CASE("handshake: a connecting fabric maps a welcome of another version and 
       req->reject(refusal);
     }
   });
-  std::vector<ad::error_code> results;
-  failure f;
-  asio::co_spawn(io, [&]() -> awaitable<void> {
-    for (std::size_t r = 0; r < rounds.size(); ++r) {
-      auto [ec, c] = co_await client.async_connect(test_host() + ":" + std::to_string(port),
-                                                   asio::as_tuple(use_awaitable));
-      results.push_back(ec);
-      if (!ec) c.abort();
-    }
-  }, f.handler());
-  run_to_completion(io);
-  raw.join();
-  f.check();
+  const std::vector<ad::error_code> results = connect_rounds(io, client, port, rounds.size(), raw);
   REQUIRE(results.size() == rounds.size());
   CHECK(results[0] == ad::errc::version_mismatch);  // the client refuses the welcome
   CHECK(results[1] == ad::errc::version_mismatch);
