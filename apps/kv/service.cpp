@@ -164,12 +164,17 @@ asio::awaitable<rpc::status> service::after_fence(std::uint64_t fence, rpc::stat
   co_return st;
 }
 
+std::uint64_t service::get_fence(const rpc::status& st) const noexcept {
+  if (!st.is_ok() && st.code() != rpc::errc::not_found) return 0;  // (it showed nothing of the store)
+  const std::uint64_t fence = read_fence();
+  return must_wait(fence) ? fence : 0;
+}
+
 asio::awaitable<rpc::status> service::get_copy(std::span<const std::byte> req, std::vector<std::byte>& copy) {
   std::optional<std::span<const std::byte>> v;
   rpc::status st = get_request(req, v);
   if (st.is_ok()) copy.assign(v->begin(), v->end());  // now: the store may replace it while the reply waits
-  if (!st.is_ok() && st.code() != rpc::errc::not_found) co_return st;  // (it showed nothing of the store)
-  if (const std::uint64_t fence = read_fence(); must_wait(fence)) co_return co_await after_fence(fence, std::move(st));
+  if (const std::uint64_t fence = get_fence(st); fence != 0) co_return co_await after_fence(fence, std::move(st));
   co_return st;
 }
 
@@ -193,9 +198,8 @@ void service::add_methods(rpc::server& srv, const memory_region& table) {
     std::optional<std::span<const std::byte>> v;
     rpc::status st = get_request(call.request(), v);
     if (st.is_ok()) call.reply(*v);  // copied now: the store may replace it while the reply waits
-    if (!st.is_ok() && st.code() != rpc::errc::not_found) return st;  // (it showed nothing of the store)
-    const std::uint64_t fence = read_fence();
-    if (!must_wait(fence)) return st;
+    const std::uint64_t fence = get_fence(st);
+    if (fence == 0) return st;
     return after_fence(fence, std::move(st));
   });
   srv.add(kPutMethod, [this](rpc::server_call& call) -> asio::awaitable<rpc::status> {

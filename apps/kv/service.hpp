@@ -103,6 +103,9 @@ class service {
   rpc::status get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value);
   asio::awaitable<rpc::status> put_request(std::span<const std::byte> req);
   asio::awaitable<rpc::status> del_request(std::span<const std::byte> req, bool& existed);
+  // What a GET that ended with `st` waits for (0: nothing): read_fence()
+  // for a hit or a miss, nothing for an error that showed nothing of the store.
+  std::uint64_t get_fence(const rpc::status& st) const noexcept;
   // Waits for `fence` (read_fence() when the reply was made), then `st`,
   // or the log's error.
   asio::awaitable<rpc::status> after_fence(std::uint64_t fence, rpc::status st);

@@ -1048,14 +1048,20 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
   }
 }
 
+namespace {
+// A buffer pool of 8 buffers in all (8 KiB receive buffers and their
+// headers, in whole pages): two connections of 4 credits take every one.
+ad::fabric_options eight_buffers(ad::fabric_options o) {
+  o.buffers_per_slab = 8;
+  o.pool_max_bytes = (8 * (8192 + 64) + 4095) / 4096 * 4096;
+  return o;
+}
+}  // namespace
+
 TEST_CASE("buffer pool: sends wait for a buffer (bounded), then proceed or fail with no_buffer_space", "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options({.credits = 4}));
-  // 8 buffers in all: two connections' receives take every one of them.
-  auto o = test_options({.credits = 4, .buffer_wait = std::chrono::milliseconds(200)});
-  o.buffers_per_slab = 8;
-  o.pool_max_bytes = 8 * (8192 + 64);
-  o.pool_max_bytes = (o.pool_max_bytes + 4095) / 4096 * 4096;
+  auto o = eight_buffers(test_options({.credits = 4, .buffer_wait = std::chrono::milliseconds(200)}));
   ad::fabric client(io, o);
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
@@ -1091,10 +1097,7 @@ TEST_CASE("buffer pool: a connection or a shared receive queue the pool cannot h
           "[runtime]") {
   asio::io_context io;
   ad::fabric server(io, test_options({.credits = 4}));
-  // 8 buffers in all: two connections' receives take every one of them.
-  auto o = test_options({.credits = 4});
-  o.buffers_per_slab = 8;
-  o.pool_max_bytes = (8 * (8192 + 64) + 4095) / 4096 * 4096;
+  auto o = eight_buffers(test_options({.credits = 4}));
   ad::fabric client(io, o);
   ad::acceptor acc = server.listen(test_host(), 0);
   failure f;
