@@ -116,6 +116,10 @@ void connection_impl::on_cq_lost(std::error_code ec) noexcept {
     return;
   }
   if (qp_ != nullptr) log().debug("connection qp {}: its completion queue is lost: the queue pair goes", qp_num());
+  fail_without_queue_pair(ec);
+}
+
+void connection_impl::fail_without_queue_pair(std::error_code ec) noexcept {
   drop_queue_pair();
   fail(ec);
   drop_unposted();  // (a closed connection's: fail() did a failed one's)

@@ -337,6 +337,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // During setup the setup thread holds the queue pair: the connection only
   // fails, and on_connected or on_setup_failed lets the queue pair go.
   void on_cq_lost(std::error_code ec) noexcept;
+  // The queue pair goes first (the device lets go of what it holds), then
+  // the connection fails, its unposted work ends and its receives return.
+  void fail_without_queue_pair(std::error_code ec) noexcept;
   void return_posted_receives() noexcept;  // (the queue pair gone)
   void drop_queue_pair() noexcept;  // keeps its counters' last word (stats())
   // A post_send or post_recv failed; partial: the device took the requests

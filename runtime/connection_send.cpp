@@ -542,10 +542,7 @@ void connection_impl::on_post_failed(std::error_code ec, bool partial) noexcept 
   // run in an initiating function), and completions it left in the queue
   // are ignored (the queue pair is gone).
   log().warn("connection qp {}: the device took part of a post: the queue pair goes", qp_num());
-  drop_queue_pair();
-  fail(ec);
-  drop_unposted();
-  return_posted_receives();
+  fail_without_queue_pair(ec);
   try {
     asio::post(fab_->io, [self = shared_from_this()] {
       self->retire_through(self->sq_posted_ - 1, transport::wc_status::work_request_flushed, true);
