@@ -595,13 +595,15 @@ void durable_log::end_of_turn() noexcept {
     return;
   }
   if (buf.empty()) return;
-  const std::error_code ec = write_all(fd_, buf.data(), buf.size());
+  std::size_t written = 0;
+  const std::error_code ec = write_all(fd_, buf.data(), buf.size(), &written);
   bool wake = false, compactor_waits = false;
   {
     std::lock_guard lk(m_);
     io_writing_ = false;
     compactor_waits = compactor_waits_;
     if (!ec) written_end_ += buf.size();
+    held_end_ = end - buf.size() + written;
     buf.clear();
     if (spare_.capacity() < buf.capacity()) spare_.swap(buf);
     if (ec) {
@@ -775,7 +777,7 @@ void durable_log::reserve(std::size_t n) noexcept {
   reserved_ = to;
 }
 
-std::error_code durable_log::write_all(int fd, const std::byte* p, std::size_t n) noexcept {
+std::error_code durable_log::write_all(int fd, const std::byte* p, std::size_t n, std::size_t* done) noexcept {
   while (n > 0) {
     const ssize_t w = ::write(fd, p, n);
     if (w < 0) {
@@ -784,6 +786,7 @@ std::error_code durable_log::write_all(int fd, const std::byte* p, std::size_t n
     }
     p += w;
     n -= static_cast<std::size_t>(w);
+    if (done != nullptr) *done += static_cast<std::size_t>(w);
   }
   return {};
 }
@@ -999,10 +1002,11 @@ void durable_log::run() noexcept {
 
     std::error_code ec;
     bool sync_failed = false;
+    std::size_t written = 0;
     if (!failed) {
       if (!buf.empty()) {
         if (writes_all) reserve(buf.size());
-        ec = write_all(fd_, buf.data(), buf.size());
+        ec = write_all(fd_, buf.data(), buf.size(), &written);
         dirty = true;
       }
       const bool sync_now = o_.sync == sync_mode::always ||
@@ -1029,6 +1033,7 @@ void durable_log::run() noexcept {
     thread_writing_ = false;
     thread_syncing_ = false;
     if (!ec && !failed) written_end_ += buf.size();
+    if (written > 0) held_end_ = end - buf.size() + written;
     // The operator is told what may not be on the disk: by the line
     // tell_failure() prints when sync_failed_ is set before it runs, else
     // (the io thread's failure, told already or about to be) by one more.
@@ -1129,7 +1134,14 @@ void durable_log::on_durable(std::uint64_t lsn, std::error_code ec, bool compact
   }
   if (ec) {
     tell_failure();
-    failed_ = true;
+    if (!failed_) {  // (a second failure can follow: the other writer's, a compaction's)
+      {
+        std::lock_guard lk(m_);
+        held_ = held_end_;  // (final: nothing is written after a failure)
+      }
+      failed_ = true;
+      if (on_failure_) on_failure_();
+    }
     if (!compacting_) work_.reset();  // (else the compaction's end is still to come here)
     while (!waiters_.empty()) {
       auto h = std::move(waiters_.front().second);

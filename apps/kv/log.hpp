@@ -242,7 +242,17 @@ class durable_log {
   // log has failed (nothing more becomes durable then).
   std::uint64_t appended() const noexcept { return lsn_; }
   bool is_durable(std::uint64_t lsn) const noexcept { return lsn <= durable_; }
+  std::uint64_t durable_lsn() const noexcept { return durable_; }  // every record up to it is
   bool failed() const noexcept { return failed_; }
+  // Once failed: the log sequence number up to which the file holds every
+  // record whole (written, if not all fsynced: a restart replays them).
+  // The records after it never reached the file, or only in part (a torn
+  // tail a restart cuts off).
+  std::uint64_t held() const noexcept { return held_; }
+  // On the io thread, once, when the log fails: before any waiter learns of
+  // it, and before failed() is seen by anything else run there (the kv
+  // service takes back the writes the file does not hold). Null: none.
+  void on_failure(std::function<void()> f) { on_failure_ = std::move(f); }
 
   // void(std::error_code): once the record `lsn` is as durable as the sync
   // mode promises (always: fsynced; everysec and no: written to the file).
@@ -298,7 +308,8 @@ class durable_log {
   void run() noexcept;
   void reserve(std::size_t n) noexcept;
   void end_of_turn() noexcept;
-  std::error_code write_all(int fd, const std::byte* p, std::size_t n) noexcept;
+  // `done` (if given) grows by the bytes written, those before an error too.
+  std::error_code write_all(int fd, const std::byte* p, std::size_t n, std::size_t* done = nullptr) noexcept;
   void tell_failure() noexcept;
   // After a failed fdatasync of fd_ (or fsync of the data dir after a
   // compaction's rename): leaves DIR/kv.log.sync-failed saying `what`,
@@ -338,6 +349,8 @@ class durable_log {
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // a posted step runs only while the log does
   bool compaction_stopped_ = false;  // stop_compaction()
   bool failed_ = false;
+  std::uint64_t held_ = 0;  // see held()
+  std::function<void()> on_failure_;
   std::uint32_t salt_ = 0;  // set once at open
   std::atomic<bool> failure_told_{false};  // stderr told of the log's failure (tell_failure)
   bool wake_posted_ = false;
@@ -363,6 +376,9 @@ class durable_log {
   bool no_compaction_ = false;    // stop_compaction()
   std::uint64_t taken_end_ = 0;  // the offset in fd_ where the records taken from pending_ end
   std::uint64_t written_end_ = 0;  // ... and where those written end
+  // The log sequence number up to which the file holds every record whole
+  // (held() once failed: a failed write's whole records count).
+  std::uint64_t held_end_ = 0;
   std::condition_variable switch_cv_;  // the compactor waits for writers to finish
   bool unsynced_ = false;  // the io thread wrote records that wait for an fsync
   bool stop_ = false;

@@ -7,7 +7,9 @@
 
 #include <anydoor/error.hpp>
 
+#include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <system_error>
 
@@ -17,6 +19,97 @@ std::string oom_message(const store& st, std::size_t key, std::size_t value) {
   return "OOM command not allowed when used memory > 'maxmemory' (" + std::to_string(st.stats().used_bytes) +
          " of " + std::to_string(st.options().max_memory) + " bytes in use; this item needs about " +
          std::to_string(kItemHeader + key + value) + ")";
+}
+
+service::service(store& st, durable_log* log) : st_(st), log_(log) {
+  // (A token, not a reset in the destructor: the server may free the log
+  // before the service.)
+  if (log_ != nullptr) log_->on_failure([this, alive = std::weak_ptr<int>(alive_)] {
+    if (!alive.expired()) take_back();
+  });
+}
+
+bool service::restore(const undo_journal::before& b) noexcept {
+  bool ok = true;
+  try {
+    switch (b.what) {
+      case prior::kind::absent:
+        st_.del(b.key);
+        break;
+      case prior::kind::inline_value:
+        ok = st_.put(b.key, b.value, /*replay=*/true) == put_status::ok;
+        break;
+      case prior::kind::item:
+        // (a copy of the kept item; the arena's slack covers the moment both exist)
+        ok = st_.put(b.key, st_.item_value(b.item), /*replay=*/true) == put_status::ok;
+        break;
+    }
+  } catch (const std::exception&) {
+    ok = false;  // (memory for the overflow table)
+  }
+  if (b.what == prior::kind::item) st_.release(b.item);
+  if (!ok) ++stats_.restore_failures;
+  return ok;
+}
+
+void service::undo_last() noexcept {
+  bool ok = true;
+  journal_.take_back_last([&](const undo_journal::before& b) { ok = restore(b); });
+  if (!ok) {
+    std::fprintf(stderr, "anydoor-kv: a write the log refused could not be taken back (no room for the old value): "
+                         "its key shows it until a restart\n");
+  }
+}
+
+void service::take_back() noexcept {
+  const std::uint64_t failures = stats_.restore_failures;
+  const std::size_t n = journal_.take_back(
+      log_->held(), [this](const undo_journal::before& b) { restore(b); },
+      [this](std::uint64_t item) { st_.release(item); });
+  stats_.taken_back += n;
+  if (n == 0) return;
+  const std::uint64_t lost = stats_.restore_failures - failures;
+  std::fprintf(stderr,
+               "anydoor-kv: %zu write%s the log did not take %s taken back: the store holds what the log holds%s\n", n,
+               n == 1 ? "" : "s", n == 1 ? "was" : "were",
+               lost == 0 ? "" : " (but the old values of some keys found no room: those keys show the failed writes until a restart)");
+}
+
+void service::forget_durable() noexcept {
+  journal_.forget_until(log_->durable_lsn(), [this](std::uint64_t item) { st_.release(item); });
+}
+
+rpc::status service::log_write(record_type t, std::string_view key, std::span<const std::byte> value,
+                               const prior& was, std::uint64_t& lsn) {
+  try {
+    journal_.note(key, was);
+  } catch (const std::exception&) {
+    restore({key, was.what, was.item, was.value()});  // (no room to journal it: the write is not made)
+    throw;
+  }
+  const std::uint64_t before = log_->appended();
+  try {
+    lsn = log_->append(t, key, value);
+  } catch (const std::exception&) {
+    if (log_->appended() != before) {
+      journal_.set_lsn(log_->appended());  // its record is in the log's buffer: the write stands
+    } else {
+      undo_last();
+    }
+    throw;
+  }
+  if (lsn == 0) {
+    undo_last();
+    return refused();
+  }
+  journal_.set_lsn(lsn);
+  maybe_compact();
+  return {};
+}
+
+rpc::status service::refused() const {
+  std::string why = log_->error_text();
+  return {rpc::errc::unavailable, why.empty() ? "the log is closed" : std::move(why)};
 }
 
 rpc::status service::check(std::string_view key, std::size_t value_size) const {
@@ -65,17 +158,23 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
     ++stats_.errors;
     return st;
   }
-  if (st_.put(key, value) == put_status::out_of_memory) {
+  prior was;
+  if (log_ != nullptr) forget_durable();  // (the old items it kept are free again)
+  put_status r = st_.put(key, value, false, log_ != nullptr ? &was : nullptr);
+  if (r == put_status::out_of_memory && log_ != nullptr && journal_.kept_items() != 0) {
+    // The old items of writes on their way to the log take the room: they
+    // move to the journal, and --max-memory bounds the live data alone.
+    journal_.spill([this](std::uint64_t item) { return st_.item_value(item); },
+                   [this](std::uint64_t item) { st_.release(item); });
+    r = st_.put(key, value, false, &was);
+  }
+  if (r == put_status::out_of_memory) {
     ++stats_.errors;
     ++stats_.oom;
     return {rpc::errc::resource_exhausted, oom_message(st_, key.size(), value.size())};
   }
-  if (log_ != nullptr) {
-    lsn = log_->append(record_type::put, key, value);
-    if (lsn == 0) return {rpc::errc::unavailable, log_->error_text()};
-    maybe_compact();
-  }
-  return {};
+  if (log_ == nullptr) return {};
+  return log_write(record_type::put, key, value, was, lsn);
 }
 
 rpc::status service::del(std::string_view key, bool& existed, std::uint64_t& lsn) {
@@ -87,13 +186,17 @@ rpc::status service::del(std::string_view key, bool& existed, std::uint64_t& lsn
     ++stats_.errors;
     return st;
   }
-  existed = st_.del(key);
-  if (existed && log_ != nullptr) {
-    lsn = log_->append(record_type::del, key, {});
-    if (lsn == 0) return {rpc::errc::unavailable, log_->error_text()};
-    maybe_compact();
+  if (log_ == nullptr) {
+    existed = st_.del(key);
+    return {};
   }
-  return {};
+  forget_durable();
+  prior was;
+  existed = st_.del(key, &was);
+  if (!existed) return {};
+  rpc::status st = log_write(record_type::del, key, {}, was, lsn);
+  if (!st.is_ok()) existed = false;  // (taken back)
+  return st;
 }
 
 std::optional<std::span<const std::byte>> service::get(std::string_view key) {

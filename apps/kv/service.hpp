@@ -19,6 +19,7 @@
 
 #include "log.hpp"
 #include "store.hpp"
+#include "undo.hpp"
 
 #include <anydoor/rpc.hpp>
 
@@ -47,6 +48,8 @@ inline constexpr std::uint64_t kDelMethod = rpc::method_id("kv.del");
 struct service_stats {
   std::uint64_t gets = 0, get_hits = 0, puts = 0, dels = 0, errors = 0;
   std::uint64_t oom = 0;
+  std::uint64_t taken_back = 0;  // writes taken back when the log failed (see take_back)
+  std::uint64_t restore_failures = 0;  // of those (and of refused writes), the ones whose old value found no room
 };
 
 class service {
@@ -55,7 +58,9 @@ class service {
   // The log's compaction snapshot steps, queued on its io_context, call
   // this service: it must outlive every run of that io_context after a
   // write (or the log's stop_compaction() must come first).
-  service(store& st, durable_log* log) : st_(st), log_(log) {}
+  // One service per log: it takes the log's on_failure (see take_back).
+  // Either may be destroyed first.
+  service(store& st, durable_log* log);
   service(const service&) = delete;
   service& operator=(const service&) = delete;
 
@@ -71,7 +76,8 @@ class service {
   // absence of one) that a crash could still take back, as Redis sends no
   // reply before the AOF write (and, with always, its fsync) of the
   // commands run before it. Once the log has failed, 0: nothing more
-  // becomes durable, and reads go on (see README, "Durability").
+  // becomes durable, the writes the file does not hold were taken back,
+  // and reads go on over what it holds (see README, "Durability").
   std::uint64_t read_fence() const noexcept {
     return log_ == nullptr || log_->failed() ? 0 : log_->appended();
   }
@@ -99,6 +105,27 @@ class service {
 
  private:
   rpc::status check(std::string_view key, std::size_t value_size) const;
+  // When the log fails (its on_failure, on the io thread): every write
+  // whose record the file does not hold whole (durable_log::held()) is
+  // undone, newest first, so that the store holds what the log holds, as a
+  // restart would find it. None of them was acknowledged, and no reply
+  // by RPC or on the Redis door showed one (read_fence; a one-sided READ
+  // may have). Told once on stderr.
+  void take_back() noexcept;
+  // Gives `b.key` back what it held (the arena's slack makes room); false
+  // (counted) when that found no room. An old item kept is released.
+  bool restore(const undo_journal::before& b) noexcept;
+  // The status of a write the log refused: its error, or closed.
+  rpc::status refused() const;
+  // A write the log refused (append gave 0), or a throw: undone at once.
+  void undo_last() noexcept;
+  // The journal forgets the writes made durable, their old items released.
+  void forget_durable() noexcept;
+  // After the store applied a write of `key` (which held `was`): journals
+  // it and appends its record (`lsn`); a refusal is taken back, and so is
+  // a throw before the record was in the log's buffer.
+  rpc::status log_write(record_type t, std::string_view key, std::span<const std::byte> value, const prior& was,
+                        std::uint64_t& lsn);
   // The methods' bodies, on the home thread, from the raw request.
   rpc::status get_request(std::span<const std::byte> req, std::optional<std::span<const std::byte>>& value);
   asio::awaitable<rpc::status> put_request(std::span<const std::byte> req);
@@ -118,6 +145,8 @@ class service {
   store& st_;
   durable_log* log_;
   std::optional<asio::io_context::executor_type> home_;
+  undo_journal journal_;  // with a log: the writes it has not made durable yet
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // the log's on_failure runs only while this lives
   service_stats stats_;
 };
 

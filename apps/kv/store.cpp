@@ -277,9 +277,26 @@ void store::point(slot& s, std::uint64_t version, std::uint64_t h, std::uint64_t
   publish(s, version);
 }
 
-void store::forget(const found& f, std::uint64_t home) noexcept {
+void store::capture(const found& f, prior& was) const noexcept {
+  was = prior{};
   if (f.in_overflow) {
-    release_item(f.of->second);
+    was.what = prior::kind::item;
+    was.item = f.of->second;
+  } else if ((f.s->length & kInlineFlag) == 0) {
+    was.what = prior::kind::item;
+    was.item = f.s->offset;
+  } else {
+    const std::span<const std::byte> v = slot_view(*f.s).value;
+    was.what = prior::kind::inline_value;
+    was.size = static_cast<std::uint32_t>(v.size());  // (at most kInlineBytes: it fits the slot)
+    if (!v.empty()) std::memcpy(was.bytes.data(), v.data(), std::min(v.size(), was.bytes.size()));
+  }
+}
+
+void store::forget(const found& f, std::uint64_t home, prior* was) noexcept {
+  if (was != nullptr) capture(f, *was);
+  if (f.in_overflow) {
+    if (was == nullptr) release_item(f.of->second);
     const view v = item_view(f.of->second);
     st_.live_bytes -= v.key.size() + v.value.size();
     overflow_.erase(f.of);
@@ -292,18 +309,25 @@ void store::forget(const found& f, std::uint64_t home) noexcept {
     publish(*f.s, 0);
     if (inl) {
       --st_.inline_keys;
-    } else {
+    } else if (was == nullptr) {
       release_item(f.s->offset);
     }
   }
   --st_.keys;
 }
 
-put_status store::put(std::string_view key, std::span<const std::byte> value, bool replay) {
+put_status store::put(std::string_view key, std::span<const std::byte> value, bool replay, prior* was) {
   if (key.empty() || key.size() > o_.max_key || value.size() > o_.max_value) return put_status::too_large;
   const std::uint64_t h = key_hash(seed_, key);
   const std::uint64_t home = h & (buckets_ - 1);
   const auto old = find(h, key);
+  if (was != nullptr) {
+    if (old) {
+      capture(*old, *was);  // (before anything is rewritten in place)
+    } else {
+      *was = prior{};
+    }
+  }
   const std::uint64_t version = next_version_++;
   const std::size_t kv = key.size() + value.size();
 
@@ -327,7 +351,7 @@ put_status store::put(std::string_view key, std::span<const std::byte> value, bo
         ++st_.keys;
         ++st_.inline_keys;
       } else if (old_arena) {
-        release_item(old_off);  // after the slot stopped pointing at it
+        if (was == nullptr) release_item(old_off);  // after the slot stopped pointing at it
         ++st_.inline_keys;
       }
       st_.live_bytes += kv - old_kv;
@@ -346,13 +370,13 @@ put_status store::put(std::string_view key, std::span<const std::byte> value, bo
     point(*old->s, version, h, off, len);
     if (was_inline) {
       --st_.inline_keys;
-    } else {
+    } else if (was == nullptr) {
       release_item(old_off);
     }
   } else if (old) {
     const view ov = item_view(old->of->second);
     st_.live_bytes -= ov.key.size() + ov.value.size();
-    release_item(old->of->second);
+    if (was == nullptr) release_item(old->of->second);
     old->of->second = off;
   } else if (slot* s = free_slot(home, nullptr)) {
     point(*s, version, h, off, len);
@@ -367,12 +391,12 @@ put_status store::put(std::string_view key, std::span<const std::byte> value, bo
   return put_status::ok;
 }
 
-bool store::del(std::string_view key) noexcept {
+bool store::del(std::string_view key, prior* was) noexcept {
   if (key.empty() || key.size() > o_.max_key) return false;
   const std::uint64_t h = key_hash(seed_, key);
   const auto f = find(h, key);
   if (!f) return false;
-  forget(*f, h & (buckets_ - 1));
+  forget(*f, h & (buckets_ - 1), was);
   return true;
 }
 

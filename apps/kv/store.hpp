@@ -14,6 +14,7 @@
 
 #include "layout.hpp"
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -42,6 +43,19 @@ struct store_stats {
 
 enum class put_status { ok, too_large, out_of_memory };
 
+// What a key held before a put or del changed it: nothing, a small value
+// that lived in its slot (copied here), or an item in the arena, which the
+// store then keeps allocated (store::release, or restored) so that the
+// write can be taken back (the kv service's undo journal).
+struct prior {
+  enum class kind : std::uint8_t { absent, inline_value, item };
+  kind what = kind::absent;
+  std::uint32_t size = 0;  // inline_value
+  std::uint64_t item = 0;  // item: its offset in the arena
+  std::array<std::byte, kInlineBytes> bytes{};  // inline_value
+  std::span<const std::byte> value() const noexcept { return {bytes.data(), size}; }
+};
+
 class store {
  public:
   explicit store(const store_options& o);
@@ -57,8 +71,14 @@ class store {
 
   // `replay`: from the log at start (may use the arena's slack above
   // max_memory, since items can be placed differently than before).
-  put_status put(std::string_view key, std::span<const std::byte> value, bool replay = false);
-  bool del(std::string_view key) noexcept;
+  // `was` (if given): what the key held before, set when the put is ok or
+  // the del found the key; an arena item there is not released.
+  put_status put(std::string_view key, std::span<const std::byte> value, bool replay = false, prior* was = nullptr);
+  bool del(std::string_view key, prior* was = nullptr) noexcept;
+  // An arena item a put or del left allocated (prior::kind::item): its
+  // value, and its release.
+  std::span<const std::byte> item_value(std::uint64_t offset) const noexcept { return item_view(offset).value; }
+  void release(std::uint64_t offset) noexcept { release_item(offset); }
   // A view of the value, valid until the next put or del.
   std::optional<std::span<const std::byte>> get(std::string_view key) const noexcept;
   bool contains(std::string_view key) const noexcept { return get(key).has_value(); }
@@ -121,7 +141,9 @@ class store {
   void fill_inline(slot& s, std::uint64_t version, std::uint64_t h, std::string_view key,
                    std::span<const std::byte> value) noexcept;
   void point(slot& s, std::uint64_t version, std::uint64_t h, std::uint64_t offset, std::uint32_t length) noexcept;
-  void forget(const found& f, std::uint64_t home) noexcept;
+  // `was`: as del's (the item kept).
+  void forget(const found& f, std::uint64_t home, prior* was) noexcept;
+  void capture(const found& f, prior& was) const noexcept;  // what f holds, into was
 
   // The arena: size classes (each a quarter step between powers of two),
   // free lists, a bump pointer.

@@ -9,6 +9,7 @@
 #include "kv/resp.hpp"
 #include "kv/service.hpp"
 #include "kv/store.hpp"
+#include "kv/undo.hpp"
 #include "kv_rig.hpp"
 
 #include <boost/asio/as_tuple.hpp>
@@ -38,6 +39,7 @@
 #include <thread>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -1126,6 +1128,508 @@ TEST_CASE("kv log: a failed fdatasync fails the log - never tried again, the ope
 }
 
 namespace {
+prior inline_prior(std::string_view v) {
+  prior p;
+  p.what = prior::kind::inline_value;
+  p.size = static_cast<std::uint32_t>(v.size());
+  std::memcpy(p.bytes.data(), v.data(), v.size());
+  return p;
+}
+prior item_prior(std::uint64_t offset) {
+  prior p;
+  p.what = prior::kind::item;
+  p.item = offset;
+  return p;
+}
+}  // namespace
+
+TEST_CASE("kv undo journal: taken back newest first above the held position - forgotten below it, kept items "
+          "released, its memory bounded",
+          "[kv]") {
+  std::vector<std::string> seen;
+  std::vector<std::uint64_t> released;
+  auto record = [&](const undo_journal::before& b) {
+    std::string what = b.what == prior::kind::absent ? "(absent)"
+                       : b.what == prior::kind::item ? "#" + std::to_string(b.item)
+                                                     : S(b.value);
+    seen.push_back(std::string(b.key) + "=" + what);
+  };
+  auto release = [&](std::uint64_t item) { released.push_back(item); };
+  undo_journal j;
+  j.note("a", inline_prior("a0"));
+  j.set_lsn(10);
+  j.note("b", item_prior(200));
+  j.set_lsn(20);
+  j.note("a", item_prior(100));
+  j.set_lsn(30);
+  j.note("c", inline_prior(""));  // an empty value is a value
+  j.set_lsn(40);
+  j.note("e", prior{});
+  j.set_lsn(50);
+  CHECK(j.writes() == 5);
+  j.forget_until(15, release);
+  CHECK(j.writes() == 4);
+  CHECK(released.empty());
+  CHECK(j.take_back(20, record, release) == 3);
+  CHECK(seen == std::vector<std::string>{"e=(absent)", "c=", "a=#100"});
+  CHECK(released == std::vector<std::uint64_t>{200});  // durable: its old item is free again
+  CHECK(j.writes() == 0);
+  CHECK(j.bytes() == 0);
+  j.note("x", item_prior(300));
+  j.set_lsn(60);
+  j.forget_until(60, release);
+  CHECK(released == std::vector<std::uint64_t>{200, 300});
+  // Without a position (not appended yet) is above any.
+  seen.clear();
+  j.note("d", inline_prior("d0"));
+  CHECK(j.take_back(~std::uint64_t{0}, record, release) == 1);
+  CHECK(seen == std::vector<std::string>{"d=d0"});
+  // The last write alone.
+  seen.clear();
+  j.note("e", inline_prior("e0"));
+  j.set_lsn(70);
+  j.note("f", prior{});
+  j.take_back_last(record);
+  CHECK(seen == std::vector<std::string>{"f=(absent)"});
+  CHECK(j.writes() == 1);
+  CHECK(j.bytes() == 3);  // "e", "e0"
+  j.forget_until(70, release);
+  CHECK(j.writes() == 0);
+  // Kept items spilled into the journal: their values copied, the items released.
+  seen.clear();
+  released.clear();
+  j.note("s", item_prior(500));
+  j.set_lsn(80);
+  j.note("t", item_prior(600));
+  j.set_lsn(90);
+  j.note("u", inline_prior("u0"));
+  j.set_lsn(100);
+  CHECK(j.kept_items() == 2);
+  const std::string five(200, '5');
+  j.spill(
+      [&](std::uint64_t item) {
+        const std::string_view v = item == 500 ? std::string_view(five) : std::string_view("six");
+        return std::as_bytes(std::span(v.data(), v.size()));
+      },
+      release);
+  CHECK(j.kept_items() == 0);
+  CHECK(released == std::vector<std::uint64_t>{500, 600});
+  CHECK(j.take_back(0, record, release) == 3);
+  CHECK(seen == std::vector<std::string>{"u=u0", "t=six", "s=" + five});
+  CHECK(released.size() == 2);  // (not again)
+  // A steady load never drains it: what it holds stays near the writes in
+  // flight (here 10, 60 bytes of old value each), not everything since it
+  // last drained.
+  const std::string v(60, 'v');
+  std::size_t most = 0;
+  for (std::uint64_t i = 1; i <= 100000; ++i) {
+    j.note("key" + std::to_string(i % 1000), inline_prior(v));
+    j.set_lsn(i);
+    if (i > 10) j.forget_until(i - 10, release);
+    most = std::max(most, j.footprint());
+  }
+  CHECK(j.writes() == 10);
+  // (moved once 64 are forgotten and they outweigh the rest; without the
+  // move it would hold all 100,000)
+  CHECK(most <= (64 + 2 * 11) * (v.size() + 8));
+}
+
+TEST_CASE("kv store: a put or del told to keep the old value keeps its arena item until released - inline values "
+          "copied",
+          "[kv]") {
+  store st({.max_memory = 1 << 20, .buckets = 1});  // 8 slots: the overflow table too
+  const std::string big(300, 'b');
+  prior was;
+  REQUIRE(st.put("k", B("small"), false, &was) == put_status::ok);
+  CHECK(was.what == prior::kind::absent);
+  REQUIRE(st.put("k", B(big), false, &was) == put_status::ok);
+  CHECK(was.what == prior::kind::inline_value);
+  CHECK(S(was.value()) == "small");
+  const std::uint64_t one = st.stats().used_bytes;
+  REQUIRE(st.put("k", B("tiny"), false, &was) == put_status::ok);
+  REQUIRE(was.what == prior::kind::item);
+  CHECK(S(st.item_value(was.item)) == big);
+  CHECK(st.stats().used_bytes == one);  // kept
+  st.release(was.item);
+  CHECK(st.stats().used_bytes == 0);
+  // A key in the overflow table, overwritten and deleted.
+  for (int i = 0; i < 12; ++i) REQUIRE(st.put("o" + std::to_string(i), B(big)) == put_status::ok);
+  REQUIRE(st.stats().overflow_keys > 0);
+  std::string over;
+  for (int i = 0; i < 12 && over.empty(); ++i) {
+    if (read_from(st, "o" + std::to_string(i)).kind == outcome::ask_server) over = "o" + std::to_string(i);
+  }
+  REQUIRE_FALSE(over.empty());
+  const std::uint64_t before = st.stats().used_bytes;
+  REQUIRE(st.put(over, B(big + "2"), false, &was) == put_status::ok);
+  REQUIRE(was.what == prior::kind::item);
+  CHECK(S(st.item_value(was.item)) == big);
+  CHECK(st.stats().used_bytes > before);
+  st.release(was.item);
+  CHECK(st.stats().used_bytes == before);
+  REQUIRE(st.del(over, &was));
+  REQUIRE(was.what == prior::kind::item);
+  CHECK(S(st.item_value(was.item)) == big + "2");
+  CHECK(st.stats().used_bytes == before);
+  st.release(was.item);
+  CHECK(st.stats().used_bytes < before);
+  CHECK_FALSE(st.del(over, &was));
+}
+
+namespace {
+
+// What a log replays: the last value of each key.
+std::map<std::string, std::string> replay_of(const std::string& dir) {
+  asio::io_context io;
+  std::map<std::string, std::string> replayed;
+  durable_log log(io, {.dir = dir, .sync = sync_mode::always},
+                  [&](record_type t, std::string_view k, std::span<const std::byte> v) {
+                    if (t == record_type::put) {
+                      replayed[std::string(k)] = S(v);
+                    } else {
+                      replayed.erase(std::string(k));
+                    }
+                  });
+  log.close();
+  return replayed;
+}
+
+// Each key's value by RPC and by a one-sided READ of the table: `expect`
+// (nullopt: absent).
+void check_reads(service& svc, const store& st,
+                 const std::vector<std::pair<std::string, std::optional<std::string>>>& expect) {
+  for (const auto& [k, v] : expect) {
+    INFO(k);
+    const auto got = svc.get(k);
+    CHECK(got.has_value() == v.has_value());
+    if (got && v) CHECK(S(*got) == *v);
+    const outcome o = read_from(st, k);
+    CHECK(o.kind == (v ? outcome::found : outcome::absent));
+    if (v) CHECK(o.value == *v);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("kv service: the writes a failed log does not hold are taken back - reads by RPC and by READ, and the "
+          "restart, show what the log holds",
+          "[kv]") {
+  // Redis with appendfsync always exits when its AOF cannot be written;
+  // this server goes on serving reads, so the writes that never reached
+  // the file must not stay in the store: none was acknowledged, and a
+  // restart would not have them. A batch of nine writes meets a file size
+  // limit (a full disk) after its third record: those three are in the
+  // file (a restart replays them), the rest are taken back. With always
+  // the log thread writes the batch, with everysec and no the io thread.
+  const std::string big0(500, 'b'), big1(700, 'B'), moved1(400, 'm');
+  for (const sync_mode mode : {sync_mode::always, sync_mode::everysec, sync_mode::no}) {
+  INFO("sync " << to_string(mode));
+  const std::string dir = tmpdir();
+  std::string told;
+  {
+    asio::io_context io;
+    stderr_capture capture;
+    store st({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = dir, .sync = mode}, [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    for (const auto& [k, v] : std::vector<std::pair<std::string, std::string>>{
+             {"small", "s0"}, {"big", big0}, {"gone", "g0"}, {"moved", "m0"}, {"kept", "k0"}}) {
+      REQUIRE_FALSE(durable_put(io, svc, log, k, v));
+    }
+    const store_stats before = st.stats();
+    const std::uint64_t fits = (kRecordHeader + 5 + 2) + (kRecordHeader + 3 + big1.size()) + (kRecordHeader + 3 + 2);
+    const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes + fits + 10));
+    std::vector<std::error_code> answers;
+    auto wait = [&](std::uint64_t lsn) {
+      REQUIRE(lsn != 0);
+      log.async_wait(lsn, [&](std::error_code ec) { answers.push_back(ec); });
+    };
+    std::uint64_t lsn = 0;
+    bool existed = false;
+    REQUIRE(svc.put("small", B("s1"), lsn).is_ok());  // inline, rewritten in place
+    wait(lsn);
+    REQUIRE(svc.put("big", B(big1), lsn).is_ok());  // arena to arena
+    wait(lsn);
+    REQUIRE(svc.put("new", B("n1"), lsn).is_ok());  // a key that was absent
+    wait(lsn);
+    // The limit falls inside the next record.
+    REQUIRE(svc.del("gone", existed, lsn).is_ok());
+    REQUIRE(existed);
+    wait(lsn);
+    REQUIRE(svc.put("small", B("s2"), lsn).is_ok());
+    wait(lsn);
+    REQUIRE(svc.put("moved", B(moved1), lsn).is_ok());  // inline to arena
+    wait(lsn);
+    REQUIRE(svc.put("big", B("tiny"), lsn).is_ok());  // arena to inline
+    wait(lsn);
+    REQUIRE(svc.put("new", B("n2"), lsn).is_ok());
+    wait(lsn);
+    CHECK(svc.put("kept", B(std::string(5000, 'K')), lsn).is_ok());  // inline to arena, a large item
+    wait(lsn);
+    CHECK(S(*svc.get("small")) == "s2");  // applied (replies wait for the log)
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!log.failed() && std::chrono::steady_clock::now() < until) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(20));
+    }
+    REQUIRE(log.failed());
+    CHECK(log.error() == std::errc::file_too_large);
+    io.restart();
+    io.poll();
+    REQUIRE(answers.size() == 9);
+    for (const auto& ec : answers) CHECK(ec == std::errc::file_too_large);  // none acknowledged
+    CHECK(svc.stats().taken_back == 6);
+    check_reads(svc, st, {{"small", "s1"}, {"big", big1}, {"new", "n1"}, {"gone", "g0"}, {"moved", "m0"}, {"kept", "k0"}});
+    const store_stats after = st.stats();
+    CHECK(after.keys == before.keys + 1);
+    CHECK(after.inline_keys == before.inline_keys + 1);
+    CHECK(after.live_bytes == before.live_bytes + 3 + 2 + big1.size() - big0.size());
+    // Writes stay refused, and change nothing.
+    CHECK(svc.put("kept", B("k1"), lsn).code() == rpc::errc::unavailable);
+    CHECK(S(*svc.get("kept")) == "k0");
+    log.close();
+    told = capture.text();
+  }
+  CHECK_THAT(told, Catch::Contains("anydoor-kv: 6 writes the log did not take were taken back: the store holds what the "
+                                   "log holds\n"));
+  // A restart finds the same (the record cut at the limit is a torn tail).
+  CHECK(replay_of(dir) == std::map<std::string, std::string>{
+                              {"small", "s1"}, {"big", big1}, {"new", "n1"}, {"gone", "g0"}, {"moved", "m0"}, {"kept", "k0"}});
+  std::filesystem::remove_all(dir);
+  }
+}
+
+namespace {
+std::atomic<bool> g_hold_then_fail{false};
+std::atomic<int> g_held_then_failed{0};  // fdatasyncs that found the hold on
+// fdatasync(2) that, while g_hold_then_fail is on, waits for it to go off
+// and then fails with EIO.
+int held_then_failing_fdatasync(int fd) {
+  if (!g_hold_then_fail.load()) return ::fdatasync(fd);
+  ++g_held_then_failed;
+  while (g_hold_then_fail.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  errno = EIO;
+  return -1;
+}
+}  // namespace
+
+TEST_CASE("kv service: a failed fdatasync keeps the writes the file holds and takes back those after them - as the "
+          "restart finds them",
+          "[kv]") {
+  // After a failed fdatasync the written records may or may not be on the
+  // disk; a restart reads them back (from the page cache) and rewrites the
+  // log with them, so the store keeps them too. Those appended while the
+  // fdatasync ran never reached the file: taken back.
+  g_hold_then_fail = false;
+  g_held_then_failed = 0;
+  const std::string dir = tmpdir();
+  {
+    asio::io_context io;
+    stderr_capture capture;
+    store st({.max_memory = 1 << 20});
+    durable_log log(io, {.dir = dir, .sync = sync_mode::always, .fdatasync_hook = &held_then_failing_fdatasync},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    REQUIRE_FALSE(durable_put(io, svc, log, "a", "a0"));
+    REQUIRE_FALSE(durable_put(io, svc, log, "b", "b0"));
+    g_hold_then_fail = true;
+    std::uint64_t lsn = 0;
+    int answered = 0;
+    REQUIRE(svc.put("a", B("a1"), lsn).is_ok());  // written, its fdatasync held
+    log.async_wait(lsn, [&](std::error_code ec) {
+      CHECK(ec == std::errc::io_error);
+      ++answered;
+    });
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (g_held_then_failed.load() == 0 && std::chrono::steady_clock::now() < until) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(5));
+    }
+    REQUIRE(g_held_then_failed.load() == 1);
+    REQUIRE(svc.put("b", B("b1"), lsn).is_ok());  // behind it, never written
+    log.async_wait(lsn, [&](std::error_code ec) {
+      CHECK(ec == std::errc::io_error);
+      ++answered;
+    });
+    REQUIRE(svc.put("c", B("c1"), lsn).is_ok());
+    log.async_wait(lsn, [&](std::error_code ec) {
+      CHECK(ec == std::errc::io_error);
+      ++answered;
+    });
+    io.restart();
+    io.poll();  // (their records handed to the log thread, which is busy)
+    g_hold_then_fail = false;
+    while (!log.failed() && std::chrono::steady_clock::now() < until) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(5));
+    }
+    REQUIRE(log.failed());
+    io.restart();
+    io.poll();
+    CHECK(answered == 3);
+    CHECK(svc.stats().taken_back == 2);
+    check_reads(svc, st, {{"a", "a1"}, {"b", "b0"}, {"c", std::nullopt}});
+    log.close();
+    CHECK_THAT(capture.text(), Catch::Contains("2 writes the log did not take were taken back"));
+  }
+  g_hold_then_fail = false;
+  CHECK(replay_of(dir) == std::map<std::string, std::string>{{"a", "a1"}, {"b", "b0"}});
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv service: a write after the log's close is refused and undone - the store keeps the old value", "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  store st({.max_memory = 1 << 20});
+  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
+                  [](record_type, std::string_view, std::span<const std::byte>) {});
+  service svc(st, &log);
+  REQUIRE_FALSE(durable_put(io, svc, log, "k", "old"));
+  log.close();
+  std::uint64_t lsn = 1;
+  const rpc::status put = svc.put("k", B("new"), lsn);
+  CHECK(put.code() == rpc::errc::unavailable);
+  CHECK(put.message() == "the log is closed");
+  CHECK(lsn == 0);
+  CHECK(S(*svc.get("k")) == "old");
+  CHECK(svc.put("fresh", B("x"), lsn).code() == rpc::errc::unavailable);
+  CHECK_FALSE(svc.get("fresh"));
+  bool existed = false;
+  CHECK(svc.del("k", existed, lsn).code() == rpc::errc::unavailable);
+  CHECK(S(*svc.get("k")) == "old");
+  CHECK(st.stats().keys == 1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv service: writes on their way to the log never make a put fail for memory - their old values move "
+          "out of the arena, and are still taken back",
+          "[kv]") {
+  // --max-memory bounds the live data: the old items kept for taking
+  // writes back must not make a put that fits fail.
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  stderr_capture quiet;
+  store st({.max_memory = 64 << 10});
+  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
+                  [](record_type, std::string_view, std::span<const std::byte>) {});
+  service svc(st, &log);
+  auto old_value = [](int i) { return std::string(1000, static_cast<char>('a' + i % 26)); };
+  int n = 0;
+  for (; n < 200; ++n) {
+    std::uint64_t lsn = 0;
+    if (!svc.put("k" + std::to_string(n), B(old_value(n)), lsn).is_ok()) break;
+    log.async_wait(lsn, [](std::error_code) {});
+    io.restart();
+    io.run();
+  }
+  REQUIRE(n > 30);
+  // The arena is full: room for one item more, made by a delete (a put
+  // needs room for its new item before the old one is free).
+  --n;
+  {
+    bool existed = false;
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.del("k" + std::to_string(n - 1), existed, lsn).is_ok());
+    REQUIRE(existed);
+    log.async_wait(lsn, [](std::error_code) {});
+    io.restart();
+    io.run();
+    --n;
+  }
+  for (int i = 0; i < n; ++i) REQUIRE(S(*svc.get("k" + std::to_string(i))) == old_value(i));
+  // Every key overwritten in one turn (nothing durable meanwhile): fits,
+  // as the old values leave the arena.
+  const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes));
+  for (int i = 0; i < n; ++i) {
+    std::uint64_t lsn = 0;
+    INFO("key " << i);
+    REQUIRE(svc.put("k" + std::to_string(i), B(std::string(1000, 'N')), lsn).is_ok());
+  }
+  CHECK(svc.stats().oom == 1);  // (the fill's last put alone)
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!log.failed() && std::chrono::steady_clock::now() < until) {
+    io.restart();
+    io.run_for(std::chrono::milliseconds(5));
+  }
+  REQUIRE(log.failed());
+  CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(n));
+  CHECK(svc.stats().restore_failures == 0);
+  for (int i = 0; i < n; ++i) CHECK(S(*svc.get("k" + std::to_string(i))) == old_value(i));
+  log.close();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv service: any batch a full disk refuses is taken back whole - the store as it was, overflow keys and "
+          "memory included",
+          "[kv]") {
+  // Random writes (inline and arena values, deletes, keys in the overflow
+  // table) on a durable base; the next batch finds the file size limit at
+  // the end of the log, so nothing of it reaches the file.
+  for (unsigned seed = 1; seed <= 6; ++seed) {
+    INFO("seed " << seed);
+    std::mt19937 rng(seed);
+    const std::string dir = tmpdir();
+    asio::io_context io;
+    stderr_capture quiet;
+    store st({.max_memory = 1 << 20, .buckets = 1});  // 8 slots: most keys overflow
+    durable_log log(io, {.dir = dir, .sync = seed % 2 == 0 ? sync_mode::always : sync_mode::everysec},
+                    [](record_type, std::string_view, std::span<const std::byte>) {});
+    service svc(st, &log);
+    auto value = [&](int n) {
+      const std::size_t len = rng() % 3 == 0 ? 4 : 20 + rng() % 400;
+      return std::string(len, static_cast<char>('a' + n % 26)) + std::to_string(n);
+    };
+    std::map<std::string, std::string> base;
+    for (int i = 0; i < 30; ++i) {
+      const std::string k = "key" + std::to_string(rng() % 20), v = value(i);
+      REQUIRE_FALSE(durable_put(io, svc, log, k, v));
+      base[k] = v;
+    }
+    const store_stats was = st.stats();
+    REQUIRE(was.overflow_keys > 0);
+    const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes));
+    int writes = 0;
+    for (int i = 0; i < 60; ++i) {
+      const std::string k = "key" + std::to_string(rng() % 24);
+      std::uint64_t lsn = 0;
+      if (rng() % 4 == 0) {
+        bool existed = false;
+        REQUIRE(svc.del(k, existed, lsn).is_ok());
+        writes += existed ? 1 : 0;
+      } else {
+        REQUIRE(svc.put(k, B(value(100 + i)), lsn).is_ok());
+        ++writes;
+      }
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!log.failed() && std::chrono::steady_clock::now() < until) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(5));
+    }
+    REQUIRE(log.failed());
+    CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(writes));
+    CHECK(svc.stats().restore_failures == 0);
+    std::map<std::string, std::string> now;
+    st.for_each([&](std::string_view k, std::span<const std::byte> v) { now[std::string(k)] = S(v); });
+    CHECK(now == base);
+    for (const auto& [k, v] : base) {
+      const outcome o = read_from(st, k);
+      CHECK((o.kind == outcome::ask_server || (o.kind == outcome::found && o.value == v)));
+    }
+    // (A key may come back to another place: a slot, the overflow table.)
+    const store_stats after = st.stats();
+    CHECK(after.keys == was.keys);
+    CHECK(after.live_bytes == was.live_bytes);
+    // No item is left kept: with every key deleted, the arena is empty.
+    for (const auto& [k, v] : base) REQUIRE(st.del(k));
+    CHECK(st.stats().keys == 0);
+    CHECK(st.stats().used_bytes == 0);
+    log.close();
+    std::filesystem::remove_all(dir);
+  }
+}
+
+namespace {
 
 std::string file_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -1493,6 +1997,10 @@ TEST_CASE("kv log: a write the file cannot take fails the log - nothing after it
       }
       REQUIRE(failure == std::errc::file_too_large);
       CHECK(acked > 50);
+      // The write the file took in part is taken back: no read shows it.
+      CHECK(svc.stats().taken_back == 1);
+      CHECK_FALSE(svc.get(key(acked)));
+      CHECK(svc.get(key(acked - 1)));
       CHECK(log.error() == failure);
       CHECK(text_at_failure == "the log cannot be written: File too large");  // (the data dir's path kept from clients)
       CHECK(log.error_text() == text_at_failure);
