@@ -622,11 +622,13 @@ void durable_log::end_of_turn() noexcept {
   on_durable(end, ec, false, {});
 }
 
+bool durable_log::compaction_due(std::uint64_t live_bytes) const noexcept {
+  return !(compacting_ || snapshotting_ || compaction_stopped_ || failed_ || logical_bytes_ < o_.compact_min ||
+           logical_bytes_ < retry_compact_at_ || logical_bytes_ <= 2 * (live_bytes + kLogHeader));
+}
+
 void durable_log::maybe_compact(std::uint64_t live_bytes, std::function<bool(snapshot_buffer&)> snapshot_step) {
-  if (compacting_ || snapshotting_ || compaction_stopped_ || failed_ || logical_bytes_ < o_.compact_min ||
-      logical_bytes_ < retry_compact_at_ || logical_bytes_ <= 2 * (live_bytes + kLogHeader)) {
-    return;
-  }
+  if (!compaction_due(live_bytes)) return;
   std::unique_ptr<compaction> c;
   try {
     c = std::make_unique<compaction>();

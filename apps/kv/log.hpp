@@ -279,6 +279,9 @@ class durable_log {
   // after the first step began (its records then follow the snapshot);
   // appended twice is harmless. The first step runs inside this call.
   void maybe_compact(std::uint64_t live_bytes, std::function<bool(snapshot_buffer&)> snapshot_step);
+  // Whether maybe_compact(live_bytes, ...) would start one: asked first,
+  // it spares a write the snapshot step's making (a std::function).
+  bool compaction_due(std::uint64_t live_bytes) const noexcept;
 
   // On the io thread: a compaction is under way (its snapshot being taken,
   // or its thread writing).

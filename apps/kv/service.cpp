@@ -76,7 +76,10 @@ void service::take_back() noexcept {
 }
 
 void service::forget_durable() noexcept {
-  journal_.forget_until(log_->durable_lsn(), [this](std::uint64_t item) { st_.release(item); });
+  const std::uint64_t durable = log_->durable_lsn();
+  if (durable == forgot_until_) return;  // (a write's lsn is above what was durable when it was noted)
+  forgot_until_ = durable;
+  journal_.forget_until(durable, [this](std::uint64_t item) { st_.release(item); });
 }
 
 rpc::status service::log_write(record_type t, std::string_view key, std::span<const std::byte> value,
@@ -133,6 +136,7 @@ void service::maybe_compact() {
   // between): the slot table bucket by bucket, then the overflow table in
   // key order, each of the keys written before the snapshot began.
   const store_stats s = st_.stats();
+  if (!log_->compaction_due(s.live_bytes + s.keys * kRecordHeader)) return;  // (the usual case: no step made)
   log_->maybe_compact(s.live_bytes + s.keys * kRecordHeader,
                       [this, salt = log_->salt(), before = st_.next_version(), next = std::uint64_t{0},
                        after = std::string()](snapshot_buffer& out) mutable {

@@ -146,6 +146,7 @@ class service {
   durable_log* log_;
   std::optional<asio::io_context::executor_type> home_;
   undo_journal journal_;  // with a log: the writes it has not made durable yet
+  std::uint64_t forgot_until_ = 0;  // the log's durable_lsn() at the last forget_durable()
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // the log's on_failure runs only while this lives
   service_stats stats_;
 };

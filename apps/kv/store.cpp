@@ -278,7 +278,8 @@ void store::point(slot& s, std::uint64_t version, std::uint64_t h, std::uint64_t
 }
 
 void store::capture(const found& f, prior& was) const noexcept {
-  was = prior{};
+  was.size = 0;
+  was.item = 0;
   if (f.in_overflow) {
     was.what = prior::kind::item;
     was.item = f.of->second;
@@ -325,7 +326,9 @@ put_status store::put(std::string_view key, std::span<const std::byte> value, bo
     if (old) {
       capture(*old, *was);  // (before anything is rewritten in place)
     } else {
-      *was = prior{};
+      was->what = prior::kind::absent;
+      was->size = 0;
+      was->item = 0;
     }
   }
   const std::uint64_t version = next_version_++;

@@ -52,7 +52,7 @@ struct prior {
   kind what = kind::absent;
   std::uint32_t size = 0;  // inline_value
   std::uint64_t item = 0;  // item: its offset in the arena
-  std::array<std::byte, kInlineBytes> bytes{};  // inline_value
+  std::array<std::byte, kInlineBytes> bytes;  // inline_value: the first `size` (left uninitialized: a copy per write)
   std::span<const std::byte> value() const noexcept { return {bytes.data(), size}; }
 };
 

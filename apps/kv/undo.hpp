@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -50,7 +51,7 @@ class undo_journal {
     if (head_ == entries_.size()) return;
     f(view(entries_.back()));
     if (entries_.back().what == prior::kind::item) --kept_;
-    bytes_.resize(entries_.back().at);
+    size_ = entries_.back().at;
     entries_.pop_back();
     if (head_ == entries_.size()) reset();
   }
@@ -96,9 +97,10 @@ class undo_journal {
       entry& e = entries_[i];
       if (e.what != prior::kind::item) continue;
       const std::span<const std::byte> v = value_of(e.item);
-      const std::size_t at = bytes_.size();
-      bytes_.resize(at + v.size());
-      if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size());
+      const std::size_t at = size_;
+      reserve(at + v.size());
+      if (!v.empty()) std::memcpy(bytes_.get() + at, v.data(), v.size());
+      size_ = at + v.size();
       e.what = prior::kind::inline_value;  // (its value here now, whatever its size)
       e.value_at = at;
       e.value_size = static_cast<std::uint32_t>(v.size());
@@ -111,8 +113,8 @@ class undo_journal {
   std::size_t writes() const noexcept { return entries_.size() - head_; }
   // Bytes held for the writes not yet forgotten, and what the byte buffer
   // holds, forgotten writes included (until they are moved out: compact).
-  std::size_t bytes() const noexcept { return bytes_.size() - (head_ == entries_.size() ? 0 : entries_[head_].at); }
-  std::size_t footprint() const noexcept { return bytes_.size(); }
+  std::size_t bytes() const noexcept { return size_ - (head_ == entries_.size() ? 0 : entries_[head_].at); }
+  std::size_t footprint() const noexcept { return size_; }
 
  private:
   struct entry {
@@ -125,8 +127,8 @@ class undo_journal {
     prior::kind what = prior::kind::absent;
   };
   before view(const entry& e) const noexcept {
-    return {std::string_view(reinterpret_cast<const char*>(bytes_.data() + e.at), e.key_size), e.what, e.item,
-            std::span<const std::byte>(bytes_.data() + e.value_at, e.value_size)};
+    return {std::string_view(reinterpret_cast<const char*>(bytes_.get() + e.at), e.key_size), e.what, e.item,
+            std::span<const std::byte>(bytes_.get() + e.value_at, e.value_size)};
   }
   // Empties both buffers (their memory kept, unless far larger than a
   // steady load needs: a burst's is given back).
@@ -136,7 +138,11 @@ class undo_journal {
   // moves to the front (each byte moved at most as often as one forgotten).
   void compact() noexcept;
   std::vector<entry> entries_;
-  std::vector<std::byte> bytes_;
+  // Room for `need` bytes in bytes_ (doubling; may throw, changing nothing).
+  void reserve(std::size_t need);
+  // The keys and old values (not value-initialized: a write copies into it once).
+  std::unique_ptr<std::byte[]> bytes_;
+  std::size_t size_ = 0, capacity_ = 0;
   std::size_t head_ = 0;  // entries_ before it are forgotten
   std::size_t kept_ = 0;  // entries of kind item from head_ on
 };
