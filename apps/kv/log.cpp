@@ -703,6 +703,10 @@ void durable_log::snapshot_step_now(std::unique_ptr<compaction> c, std::function
     return;
   }
   snapshotting_ = false;
+  {
+    std::lock_guard lk(m_);
+    c->complete_at = taken_end_ + pending_.size();
+  }
   if (compactor_.joinable()) compactor_.join();  // the last one, whose end ran here already
   const std::uint64_t snapshot_bytes = c->snapshot.size();
   stats_.last_snapshot_bytes = snapshot_bytes;
@@ -833,13 +837,18 @@ void durable_log::compact(compaction c) noexcept {
   // The records the snapshot covers may still be on their way to the old
   // log (pending, or being written): the copy starts once they are there,
   // so it never holds a record twice and the new file is exactly the
-  // snapshot and what followed it.
+  // snapshot and what followed it. It also waits for the records appended
+  // until the snapshot was complete (complete_at): a key written while it
+  // was taken is left out of it, and only such a record holds the key.
+  // Written to the new file only after the rename (as those appended
+  // later are), a crash in between would lose the key, its last
+  // acknowledged value included.
   std::uint64_t from = c.start, copied = snapshot_bytes;
   auto cancelled = [&] { return stop_ || no_compaction_ || write_error_; };  // under m_
   if (!ec) {
     std::unique_lock lk(m_);
     compactor_waits_ = true;
-    switch_cv_.wait(lk, [&] { return cancelled() || written_end_ >= c.start; });
+    switch_cv_.wait(lk, [&] { return cancelled() || written_end_ >= c.complete_at; });
     compactor_waits_ = false;
     if (cancelled()) ec = std::make_error_code(std::errc::operation_canceled);
   }

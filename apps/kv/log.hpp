@@ -303,6 +303,11 @@ class durable_log {
     std::uint64_t logical_at_start = 0;  // logical_bytes_ when the snapshot began
     std::uint64_t start = 0;  // the offset in the old log where records the snapshot lacks begin
     std::uint64_t lsn = 0;    // the log sequence number the snapshot covers
+    // The offset in the old log where the records appended before the
+    // snapshot was complete end: among them, those of the keys it left out
+    // (written since it began), which the new file must hold before it
+    // takes the old one's place.
+    std::uint64_t complete_at = 0;
   };
   void snapshot_step_now(std::unique_ptr<compaction> c, std::function<bool(snapshot_buffer&)> step);
   void give_up_snapshot() noexcept;
