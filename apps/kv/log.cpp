@@ -548,11 +548,11 @@ std::uint64_t durable_log::append(record_type t, std::string_view key, std::span
   // batch), as Redis writes its AOF buffer once per event-loop iteration;
   // not once per record (a context switch each on a busy core).
   if (!wake_posted_) {
-    wake_posted_ = true;
     asio::post(io_, [this] {
       wake_posted_ = false;
       end_of_turn();
     });
+    wake_posted_ = true;  // (once posted: should the post throw, the next append tries again)
   }
   if (!work_) work_.emplace(io_.get_executor());
   logical_bytes_ += n;

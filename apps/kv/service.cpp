@@ -87,7 +87,10 @@ rpc::status service::log_write(record_type t, std::string_view key, std::span<co
   try {
     journal_.note(key, was);
   } catch (const std::exception&) {
-    restore({key, was.what, was.item, was.value()});  // (no room to journal it: the write is not made)
+    if (!restore({key, was.what, was.item, was.value()})) {  // (no room to journal it: the write is not made)
+      std::fprintf(stderr, "anydoor-kv: a write that could not be journaled could not be taken back (no room for "
+                           "the old value): its key shows it until a restart\n");
+    }
     throw;
   }
   const std::uint64_t before = log_->appended();
@@ -168,10 +171,15 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
   if (r == put_status::out_of_memory && log_ != nullptr && journal_.kept_items() != 0) {
     // The old items of writes on their way to the log take the room: they
     // move to the journal, and --max-memory bounds the live data alone.
-    journal_.spill([this](std::uint64_t item) { return st_.item_value(item); },
-                   [this](std::uint64_t item) { st_.release(item); });
-    r = st_.put(key, value, false, &was);
+    try {
+      journal_.spill([this](std::uint64_t item) { return st_.item_value(item); },
+                     [this](std::uint64_t item) { st_.release(item); });
+      r = st_.put(key, value, false, &was);
+    } catch (const std::bad_alloc&) {
+      // (no heap for them either: out of memory, as before; those spilled stay so)
+    }
   }
+  if (r == put_status::too_large) return {rpc::errc::invalid_argument, "key or value above the limits"};  // (check() said no)
   if (r == put_status::out_of_memory) {
     ++stats_.errors;
     ++stats_.oom;

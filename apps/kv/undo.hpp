@@ -20,6 +20,7 @@
 
 #include "store.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -49,9 +50,12 @@ class undo_journal {
   template <class F>
   void take_back_last(F&& f) {
     if (head_ == entries_.size()) return;
-    f(view(entries_.back()));
-    if (entries_.back().what == prior::kind::item) --kept_;
-    size_ = entries_.back().at;
+    const entry& e = entries_.back();
+    f(view(e));
+    if (e.what == prior::kind::item) --kept_;
+    // Its bytes are given back when they end the buffer (not when values
+    // spilled after them follow: those stay until the journal drains).
+    if (std::max(e.at + e.key_size, e.value_at + e.value_size) == size_) size_ = e.at;
     entries_.pop_back();
     if (head_ == entries_.size()) reset();
   }
