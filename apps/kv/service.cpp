@@ -55,10 +55,14 @@ bool service::restore(const undo_journal::before& b) noexcept {
 void service::undo_last() noexcept {
   bool ok = true;
   journal_.take_back_last([&](const undo_journal::before& b) { ok = restore(b); });
-  if (!ok) {
-    std::fprintf(stderr, "anydoor-kv: a write the log refused could not be taken back (no room for the old value): "
-                         "its key shows it until a restart\n");
-  }
+  if (!ok) tell_unrestored("the log refused");
+}
+
+void service::tell_unrestored(const char* what) noexcept {
+  std::fprintf(stderr,
+               "anydoor-kv: a write %s could not be taken back (no room for the old value): its key shows it until a "
+               "restart\n",
+               what);
 }
 
 void service::take_back() noexcept {
@@ -87,10 +91,8 @@ rpc::status service::log_write(record_type t, std::string_view key, std::span<co
   try {
     journal_.note(key, was);
   } catch (const std::exception&) {
-    if (!restore({key, was.what, was.item, was.value()})) {  // (no room to journal it: the write is not made)
-      std::fprintf(stderr, "anydoor-kv: a write that could not be journaled could not be taken back (no room for "
-                           "the old value): its key shows it until a restart\n");
-    }
+    // (no room to journal it: the write is not made)
+    if (!restore({key, was.what, was.item, was.value()})) tell_unrestored("that could not be journaled");
     throw;
   }
   const std::uint64_t before = log_->appended();

@@ -119,6 +119,8 @@ class service {
   rpc::status refused() const;
   // A write the log refused (append gave 0), or a throw: undone at once.
   void undo_last() noexcept;
+  // stderr: a write `what` ("the log refused") stays in the store, its old value finding no room.
+  static void tell_unrestored(const char* what) noexcept;
   // The journal forgets the writes made durable, their old items released.
   void forget_durable() noexcept;
   // After the store applied a write of `key` (which held `was`): journals

@@ -134,6 +134,16 @@ void wait_for_log_error(asio::io_context& io, const durable_log& l) {
   }
 }
 
+// Runs io until the io thread has seen the log fail (failed(): its writes
+// taken back), for at most 10 s.
+void run_until_failed(asio::io_context& io, const durable_log& l) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!l.failed() && std::chrono::steady_clock::now() < until) {
+    io.restart();
+    io.run_for(std::chrono::milliseconds(5));
+  }
+}
+
 // A file size limit for the scope (as ulimit -f), with SIGXFSZ ignored as
 // the server ignores it: a write past the limit writes what fits, the next
 // fails with EFBIG, as on a full disk.
@@ -1373,11 +1383,7 @@ TEST_CASE("kv service: the writes a failed log does not hold are taken back - re
     CHECK(svc.put("kept", B(std::string(5000, 'K')), lsn).is_ok());  // inline to arena, a large item
     wait(lsn);
     CHECK(S(*svc.get("small")) == "s2");  // applied (replies wait for the log)
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!log.failed() && std::chrono::steady_clock::now() < until) {
-      io.restart();
-      io.run_for(std::chrono::milliseconds(20));
-    }
+    run_until_failed(io, log);
     REQUIRE(log.failed());
     CHECK(log.error() == std::errc::file_too_large);
     io.restart();
@@ -1468,10 +1474,7 @@ TEST_CASE("kv service: a failed fdatasync keeps the writes the file holds and ta
     io.restart();
     io.poll();  // (their records handed to the log thread, which is busy)
     g_hold_then_fail = false;
-    while (!log.failed() && std::chrono::steady_clock::now() < until) {
-      io.restart();
-      io.run_for(std::chrono::milliseconds(5));
-    }
+    run_until_failed(io, log);
     REQUIRE(log.failed());
     io.restart();
     io.poll();
@@ -1555,11 +1558,7 @@ TEST_CASE("kv service: writes on their way to the log never make a put fail for 
     REQUIRE(svc.put("k" + std::to_string(i), B(std::string(1000, 'N')), lsn).is_ok());
   }
   CHECK(svc.stats().oom == 1);  // (the fill's last put alone)
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!log.failed() && std::chrono::steady_clock::now() < until) {
-    io.restart();
-    io.run_for(std::chrono::milliseconds(5));
-  }
+  run_until_failed(io, log);
   REQUIRE(log.failed());
   CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(n));
   CHECK(svc.stats().restore_failures == 0);
@@ -1610,11 +1609,7 @@ TEST_CASE("kv service: any batch a full disk refuses is taken back whole - the s
         ++writes;
       }
     }
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!log.failed() && std::chrono::steady_clock::now() < until) {
-      io.restart();
-      io.run_for(std::chrono::milliseconds(5));
-    }
+    run_until_failed(io, log);
     REQUIRE(log.failed());
     CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(writes));
     CHECK(svc.stats().restore_failures == 0);
