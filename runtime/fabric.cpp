@@ -136,7 +136,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
                                                         std::to_string(caps.max_qp_wr));
   }
   pd = device->alloc_pd();
-  cq = device->create_cq(static_cast<std::uint32_t>(depth));
+  cq = device->create_cq(static_cast<std::uint32_t>(depth), {.progress_thread = options.progress_thread});
   inline_cap = std::min<std::uint32_t>(caps.max_inline, 256);
   recv_buffer = static_cast<std::uint32_t>((protocol::kHeaderSize + c.eager_limit + 63) / 64 * 64);
   pool = std::make_unique<buffer_pool>(

@@ -33,7 +33,7 @@ constexpr const char* kUsage =
     "anydoor-kv-server --listen HOST:PORT [--data-dir DIR] [--sync always|everysec|no] [--resp-listen HOST:PORT]\n"
     "       [--max-memory BYTES] [--max-key BYTES] [--max-value BYTES] [--compact-min BYTES]\n"
     "       [--max-connections N] [--resp-max-clients N] [--threads N] [--metrics-listen HOST:PORT]\n"
-    "       [--provider auto|tcp|verbs]";
+    "       [--provider auto|tcp|verbs] [--progress-thread]";
 
 namespace kv = anydoor::apps::kv;
 namespace asio = boost::asio;
@@ -54,6 +54,7 @@ struct options {
   std::uint32_t max_connections = 128;  // x (send queue + credits) must fit the device's CQ (rxe: 32767)
   std::size_t threads = 1;              // reactors (per reactor: max_connections)
   std::string provider = "auto";
+  bool progress_thread = false;  // tcp: GETs by READ served while the io thread is busy
 };
 
 options parse(int argc, char** argv) {
@@ -102,6 +103,8 @@ options parse(int argc, char** argv) {
       o.max_connections = static_cast<std::uint32_t>(a.size_value(1, 4096));
     } else if (opt == "--threads") {
       o.threads = static_cast<std::size_t>(a.size_value(1, 256));
+    } else if (opt == "--progress-thread") {
+      o.progress_thread = true;
     } else if (opt == "--provider") {
       o.provider = std::string(a.value());
       if (o.provider != "auto" && o.provider != "tcp" && o.provider != "verbs") {
@@ -175,6 +178,7 @@ anydoor::fabric_options fabric_options_for(const options& o) {
   anydoor::fabric_options fo;
   fo.device.provider = o.provider;
   fo.max_connections = o.max_connections;
+  fo.progress_thread = o.progress_thread;
   fo.connection.max_message = std::max<std::uint64_t>(std::uint64_t{1} << 20, 4 + o.store.max_key + std::uint64_t{o.store.max_value} + 64);
   fo.connection.rendezvous_memory = std::max<std::uint64_t>(std::uint64_t{16} << 20, fo.connection.max_message);
   return fo;
@@ -189,6 +193,7 @@ void print_listening(const options& o, std::uint16_t port, std::string_view prov
     threads += std::to_string(o.threads);
     threads += " reactor threads";
   }
+  if (o.progress_thread && provider == "tcp") threads += ", progress thread";
   std::printf("anydoor-kv-server: listening on %s (provider %.*s, %llu buckets, max memory %llu bytes%s%s)\n",
               bound.str().c_str(), static_cast<int>(provider.size()), provider.data(),
               static_cast<unsigned long long>(st.describe().buckets),

@@ -89,7 +89,8 @@
 // remote_invalid_request) and, as RC requires, fails the connection: later
 // operations complete with the same error; a new connection works. With the
 // tcp provider the peer's process makes the progress: it must be running
-// its io_context with an operation pending (a receive, say).
+// its io_context with an operation pending (a receive, say), or have
+// fabric_options::progress_thread.
 #pragma once
 
 #include <anydoor/detail/op_node.hpp>

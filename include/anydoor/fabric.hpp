@@ -128,6 +128,16 @@ struct fabric_options {
   // sees too_many_connections): 4 * max_connections buffers admit every
   // connection. 0 or 8..2^20, at most the device's max_srq_wr.
   std::uint32_t srq_buffers = 0;
+  // tcp provider: its software NIC also runs on a thread of the fabric's
+  // own (transport::cq_options::progress_thread), so that the peers' puts,
+  // gets and atomics on this process's memory, and their messages into
+  // receives already posted, are served while this fabric's io_context is
+  // busy or not run at all; completions still wait for the io_context.
+  // The reactor still makes progress when it polls (no latency lost while
+  // it runs); the cost is a second thread woken by each arrival and a
+  // mutex on the provider's entry points. No effect on verbs (the NIC
+  // serves them itself).
+  bool progress_thread = false;
   // GPU device memory given as a plain buffer to a put or get (see README
   // "GPU memory"): where the device reaches GPU memory (GPUDirect RDMA;
   // tcp: its CUDA copies) it is registered and used in place, except that

@@ -3123,3 +3123,79 @@ TEST_CASE("kv client: the location cache READs an item beside its neighbourhood 
   run_to_completion(io);
   f.check();
 }
+
+TEST_CASE("kv server with a progress thread: GETs by READ are served while the server's io thread does not run",
+          "[kv]") {
+  // anydoor-kv-server --progress-thread: on tcp the server's process is the
+  // NIC; its thread serves the READs while the io thread is busy (here: is
+  // not run at all once the client has the layout).
+  asio::io_context sio, cio;
+  store st({.max_memory = 1 << 20});
+  service svc(st, nullptr);
+  anydoor::fabric_options so = test_options();
+  so.progress_thread = true;
+  anydoor::fabric sfab(sio, so);
+  anydoor::fabric cfab(cio, test_options());
+  anydoor::memory_region table = sfab.register_memory(st.memory(), anydoor::access::remote_read);
+  anydoor::rpc::server srv;
+  svc.add_methods(srv, table);
+  anydoor::acceptor acc = sfab.listen(test_host(), 0);
+  const std::string where = addr(acc);
+  srv.async_serve(std::move(acc), [](anydoor::error_code) {});
+  const std::string big(300, 'b');
+  REQUIRE(st.put("small", B("s1")) == put_status::ok);
+  REQUIRE(st.put("big", B(big)) == put_status::ok);
+  std::unique_ptr<client> cli;
+  failure f;
+  bool ready = false;
+  asio::co_spawn(cio, [&]() -> asio::awaitable<void> {
+    cli = std::make_unique<client>(cfab, co_await cfab.async_connect(where, asio::use_awaitable),
+                                   std::chrono::seconds(10));
+    const anydoor::rpc::status st1 = co_await cli->fetch_layout();
+    REQUIRE(st1.is_ok());
+    ready = true;
+  }, f.handler());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!ready && !f.e && std::chrono::steady_clock::now() < until) {
+    sio.restart();
+    sio.poll();
+    cio.restart();
+    cio.run_for(std::chrono::milliseconds(2));
+  }
+  f.check();
+  REQUIRE(ready);
+  // From here on only the client's io_context runs.
+  std::string got_small, got_big, got_missing;
+  anydoor::rpc::status s_small, s_big, s_missing;
+  bool done = false;
+  asio::co_spawn(cio, [&]() -> asio::awaitable<void> {
+    client::reader r = cli->make_reader();
+    s_small = co_await cli->read_get(r, "small", got_small);
+    s_big = co_await cli->read_get(r, "big", got_big);
+    s_missing = co_await cli->read_get(r, "missing", got_missing);
+    done = true;
+  }, f.handler());
+  const auto until2 = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done && !f.e && std::chrono::steady_clock::now() < until2) {
+    cio.restart();
+    cio.run_for(std::chrono::milliseconds(5));
+  }
+  f.check();
+  REQUIRE(done);
+  CHECK(s_small.is_ok());
+  CHECK(got_small == "s1");
+  CHECK(s_big.is_ok());
+  CHECK(got_big == big);
+  CHECK(s_missing.code() == anydoor::rpc::errc::not_found);
+  CHECK(cli->reads().reads >= 4);
+  CHECK(cli->reads().fallbacks == 0);  // (none asked by RPC: the server's io thread could not have answered)
+  // Teardown: both io_contexts run again.
+  cli.reset();
+  srv.stop();
+  for (int i = 0; i < 50; ++i) {
+    sio.restart();
+    sio.poll();
+    cio.restart();
+    cio.poll();
+  }
+}

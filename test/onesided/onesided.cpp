@@ -961,3 +961,73 @@ TEST_CASE("a transfer started in parts ends exactly once when the peer closes or
   CHECK(completions == 1);
   if (op_ec) CHECK((op_ec == ad::errc::connection_closed || abort_self));
 }
+
+TEST_CASE("progress_thread: puts - gets and atomics on a fabric whose io_context is no longer run", "[onesided]") {
+  // The target's io_context stands still (an application busy elsewhere).
+  // With the tcp provider the target's process is the NIC: with the option
+  // its thread serves the peer; without it (checked below) nothing moves
+  // until the target polls. verbs: the NIC serves them either way.
+  for (const bool threaded : {true, false}) {
+    if (!threaded && !testing_tcp()) continue;
+    INFO("progress_thread " << threaded);
+    asio::io_context sio, cio;
+    ad::fabric_options so = test_options();
+    so.progress_thread = threaded;
+    ad::fabric server(sio, so);
+    ad::fabric client(cio, test_options());
+    ad::acceptor acc = server.listen(test_host(), 0);
+    auto [s, c] = connect_across(sio, cio, client, acc);
+    std::vector<std::byte> target(64 * 1024, std::byte{0});
+    alignas(8) std::array<std::uint64_t, 1> word{7};
+    ad::memory_region tr =
+        server.register_memory(target, ad::access::local_write | ad::access::remote_write | ad::access::remote_read);
+    ad::memory_region wr = server.register_memory(std::as_writable_bytes(std::span(word)),
+                                                  ad::access::local_write | ad::access::remote_atomic);
+    const std::vector<std::byte> data = pattern(target.size(), 5);
+    std::vector<std::byte> back(target.size());
+    const bool atomics = atomics_supported(client);
+    int done = 0;
+    ad::error_code e1, e2, e3;
+    std::uint64_t before = 0;
+    c.async_put(asio::buffer(data), tr.remote(), [&](ad::error_code ec, std::size_t) {
+      e1 = ec;
+      ++done;
+      c.async_get(asio::buffer(back), tr.remote(), [&](ad::error_code ec2, std::size_t) {
+        e2 = ec2;
+        ++done;
+        if (!atomics) return;
+        c.async_fetch_add(wr.remote(), 3, [&](ad::error_code ec3, std::uint64_t v) {
+          e3 = ec3;
+          before = v;
+          ++done;
+        });
+      });
+    });
+    const int want = atomics ? 3 : 2;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(threaded ? 10 : 1);
+    while (done < want && std::chrono::steady_clock::now() < until) {
+      cio.restart();
+      cio.run_for(std::chrono::milliseconds(5));
+    }
+    if (!threaded) {
+      CHECK(done == 0);  // (the put waits for the target's poll; polled now, it serves it)
+      while (done < want && std::chrono::steady_clock::now() < until + std::chrono::seconds(10)) {
+        sio.restart();
+        sio.poll();
+        cio.restart();
+        cio.run_for(std::chrono::milliseconds(5));
+      }
+    }
+    REQUIRE(done == want);
+    CHECK_FALSE(e1);
+    CHECK_FALSE(e2);
+    CHECK(back == data);
+    (void)s.stats();  // (its queue pair's counters take the queue's mutex: what the thread wrote is seen here)
+    CHECK(target == data);
+    if (atomics) {
+      CHECK_FALSE(e3);
+      CHECK(before == 7);
+      CHECK(word[0] == 10);
+    }
+  }
+}

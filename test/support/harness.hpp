@@ -57,7 +57,8 @@ struct endpoint {
   std::unique_ptr<tp::completion_queue> cq;
   std::unique_ptr<tp::queue_pair> qp;
 
-  explicit endpoint(std::uint32_t cq_depth = 4096) : cq(dev->create_cq(cq_depth)) {}
+  explicit endpoint(std::uint32_t cq_depth = 4096, const tp::cq_options& cq_opts = {})
+      : cq(dev->create_cq(cq_depth, cq_opts)) {}
   tp::qp_attributes attrs(tp::qp_attributes a = {}) {
     a.send_cq = cq.get();
     a.recv_cq = cq.get();
@@ -176,8 +177,8 @@ struct connected_pair {
   endpoint a, b;
   driver drv{a.cq.get(), b.cq.get()};
   explicit connected_pair(tp::qp_attributes attr = {}, std::uint32_t cq_depth_a = 4096,
-                          std::uint32_t cq_depth_b = 4096)
-      : a(cq_depth_a), b(cq_depth_b) {
+                          std::uint32_t cq_depth_b = 4096, const tp::cq_options& cq_opts_b = {})
+      : a(cq_depth_a), b(cq_depth_b, cq_opts_b) {
     a.qp = a.pd->create_qp(a.attrs(attr));
     b.qp = b.pd->create_qp(b.attrs(attr));
     connect_pair(*b.dev, *b.qp, *a.dev, *a.qp);

@@ -12,6 +12,8 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/eventfd.h>
+#include <poll.h>
+#include <pthread.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
 
@@ -313,25 +315,130 @@ int check_fd(int fd, const char* what) {
 }  // namespace
 
 // depth_, which create_cq caps at max_cqe (2^20), is where it overflows.
-tcp_cq::tcp_cq(std::uint32_t depth) : depth_(depth), ring_(depth) {
-  epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
-  evfd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
-  timerfd_ = check_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC), "timerfd_create");
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.ptr = nullptr;  // eventfd and timerfd: nullptr means "no queue pair"
-  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
-  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, timerfd_, &ev);
+tcp_cq::tcp_cq(std::uint32_t depth, bool progress_thread)
+    : depth_(depth), ring_(depth), threaded_(progress_thread) {
+  try {
+    epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
+    evfd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
+    timerfd_ = check_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC), "timerfd_create");
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;  // eventfd, timerfd, stopfd: nullptr means "no queue pair"
+    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, timerfd_, &ev);
+    if (!threaded_) {
+      ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
+      return;
+    }
+    // The thread waits on epfd_ (sockets, timer, stop); the owner on both
+    // epfd_ and the eventfd that says completions are there.
+    wakefd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
+    epoll_event wake{};
+    wake.events = EPOLLIN;
+    wake.data.ptr = &wakefd_;  // (told apart from queue pairs: progress() skips it)
+    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &wake);
+    notify_epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
+    if (::epoll_ctl(notify_epfd_, EPOLL_CTL_ADD, epfd_, &ev) != 0 ||
+        ::epoll_ctl(notify_epfd_, EPOLL_CTL_ADD, evfd_, &ev) != 0) {
+      throw std::system_error(errno, std::system_category(), "epoll_ctl");
+    }
+    thread_ = std::thread([this] { run_progress(); });
+  } catch (...) {
+    close_fds();
+    throw;
+  }
 }
 
 tcp_cq::~tcp_cq() {
+  if (thread_.joinable()) {
+    stopping_.store(true, std::memory_order_release);
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(wakefd_, &one, sizeof one);
+    thread_.join();
+  }
   if (!qps_.empty()) {
     log().error("completion queue destroyed with {} queue pairs still on it", qps_.size());
     for (tcp_qp* qp : qps_) qp->forget_cq(this);
   }
-  ::close(timerfd_);
-  ::close(evfd_);
-  ::close(epfd_);
+  close_fds();
+}
+
+void tcp_cq::close_fds() noexcept {
+  for (int fd : {notify_epfd_, wakefd_, timerfd_, evfd_, epfd_}) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+namespace {
+// How long the progress thread lets an acknowledgement it holds back wait
+// for a request of the owner's to carry it (see tcp_qp::progress).
+constexpr std::int64_t kHeldAckDelayNs = 200'000;
+
+// Waits for events of epfd, at most wait_ns (-1: no limit; a signal may
+// end it early: the caller's loop waits again); true when one of them has
+// data.ptr `mark`.
+bool wait_event(int epfd, std::int64_t wait_ns, const void* mark) noexcept {
+  std::array<epoll_event, 8> ev;
+  int n = 0;
+  if (wait_ns < 0) {
+    n = ::epoll_wait(epfd, ev.data(), static_cast<int>(ev.size()), -1);
+  } else {
+    const timespec ts{.tv_sec = static_cast<time_t>(wait_ns / 1'000'000'000),
+                      .tv_nsec = static_cast<long>(wait_ns % 1'000'000'000)};
+    n = ::epoll_pwait2(epfd, ev.data(), static_cast<int>(ev.size()), &ts, nullptr);
+    if (n < 0 && errno == ENOSYS) {  // (kernels before 5.11)
+      n = ::epoll_wait(epfd, ev.data(), static_cast<int>(ev.size()), static_cast<int>((wait_ns + 999'999) / 1'000'000));
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (ev[static_cast<std::size_t>(i)].data.ptr == mark) return true;
+  }
+  return false;
+}
+}  // namespace
+
+void tcp_cq::run_progress() noexcept {
+  ::pthread_setname_np(::pthread_self(), "anydoor-tcp-pg");
+  std::int64_t wait_ns = -1;
+  while (!stopping_.load(std::memory_order_acquire)) {
+    if (wait_ns != 0 && wait_event(epfd_, wait_ns, &wakefd_)) {
+      std::uint64_t kicks;
+      [[maybe_unused]] auto n = ::read(wakefd_, &kicks, sizeof kicks);  // (else it keeps epfd_ readable)
+    }
+    const std::lock_guard lock(mutex_);
+    if (stopping_.load(std::memory_order_acquire)) return;
+    if (overflow_) break;  // (its queue pairs are in error; the owner tears it down)
+    progress();
+    thread_passes_.fetch_add(1, std::memory_order_relaxed);
+    wait_ns = next_wait_ns();
+    thread_waits_ = wait_ns < 0;
+  }
+  // Overflowed: nothing more to do but wait for the stop (epfd_ may stay
+  // readable for a socket no pass reads now).
+  pollfd p{.fd = wakefd_, .events = POLLIN, .revents = 0};
+  while (!stopping_.load(std::memory_order_acquire)) {
+    (void)::poll(&p, 1, -1);
+    std::uint64_t kicks;
+    [[maybe_unused]] auto n = ::read(wakefd_, &kicks, sizeof kicks);
+  }
+}
+
+void tcp_cq::kick_thread() noexcept {
+  thread_waits_ = false;
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto n = ::write(wakefd_, &one, sizeof one);
+}
+
+std::int64_t tcp_cq::next_wait_ns() const noexcept {
+  // Input left unprocessed (a pass takes a bounded number of frames): at
+  // once. Only held-back acknowledgements: after a while, unless an event
+  // comes first (the owner's next request may carry them; the next pass
+  // sends what is still held). Else: until epfd_ reports something.
+  std::int64_t wait = -1;
+  for (const tcp_qp* qp : pending_) {
+    if (qp->has_pending_input()) return 0;
+    if (qp->has_pending_work()) wait = kHeldAckDelayNs;
+  }
+  return wait;
 }
 
 void tcp_cq::attach(tcp_qp* qp, std::uint32_t wrs) {
@@ -428,8 +535,8 @@ void tcp_cq::progress() noexcept {
   std::array<epoll_event, 64> events;
   const int n = ::epoll_wait(epfd_, events.data(), static_cast<int>(events.size()), 0);
   for (int i = 0; i < n; ++i) {
-    auto* qp = static_cast<tcp_qp*>(events[static_cast<std::size_t>(i)].data.ptr);
-    if (qp != nullptr) qp->on_events(events[static_cast<std::size_t>(i)].events);
+    void* const who = events[static_cast<std::size_t>(i)].data.ptr;
+    if (who != nullptr && who != &wakefd_) static_cast<tcp_qp*>(who)->on_events(events[static_cast<std::size_t>(i)].events);
   }
   // Those that left work behind (they note themselves again if they still do).
   pending_pass_.swap(pending_);
@@ -441,8 +548,15 @@ void tcp_cq::progress() noexcept {
 }
 
 std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {
+  const auto lock = guard();
   ++counters_.polls;
-  if (!overflow_ && ring_used_ == 0) progress();
+  if (!overflow_ && ring_used_ == 0) {
+    progress();
+    // Work this pass left (an acknowledgement held back, input beyond a
+    // pass) waits for the owner's next poll, which may not come soon: the
+    // thread times it.
+    if (thread_waits_ && next_wait_ns() >= 0) kick_thread();
+  }
   if (overflow_) {
     ec = errc::cq_overflow;
     return 0;
@@ -462,6 +576,7 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
 }
 
 std::error_code tcp_cq::arm() noexcept {
+  const auto lock = guard();
   if (overflow_) return errc::cq_overflow;
   // The caller may sleep now: held-back acknowledgements must not wait for
   // it. Every queue pair holding one is listed (progress() notes it).
@@ -480,6 +595,7 @@ std::error_code tcp_cq::arm() noexcept {
 }
 
 std::size_t tcp_cq::ack_events() noexcept {
+  const auto lock = guard();
   std::uint64_t count = 0;
   if (::read(evfd_, &count, sizeof count) != static_cast<ssize_t>(sizeof count)) count = 0;
   counters_.events += count;
@@ -525,7 +641,7 @@ device_counters tcp_device::counters() const {
           .source = "tcp provider (the device's queue pairs)"};
 }
 
-std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth) {
+std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth, const cq_options& options) {
   if (depth == 0 || depth > caps_.max_cqe) {
     throw std::system_error(errc::invalid_argument, "create_cq: depth must be in 1.." + std::to_string(caps_.max_cqe));
   }
@@ -534,7 +650,7 @@ std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth) {
     log().warn("tcp provider: a completion queue of depth {} holds {} (fault injection: cq_depth)", depth, cap);
     depth = cap;
   }
-  return std::make_unique<tcp_cq>(depth);
+  return std::make_unique<tcp_cq>(depth, options.progress_thread);
 }
 
 }  // namespace anydoor::transport::tcp

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -353,18 +354,39 @@ struct tx_batch {
   std::array<std::uint32_t, kMaxIov> pinned;  // keys pinned for the sendmsg in progress
 };
 
+// A completion queue: its ring of completions, and the progress of its
+// queue pairs. Without a progress thread it is driven by one thread at a
+// time (provider.hpp) and takes no lock. With one (cq_options), that
+// thread waits on the queue pairs' sockets and timers (epfd_) and runs a
+// progress pass whenever one is due; the queue's mutex then serializes it
+// with every entry point of the queue and of its queue pairs (guard()),
+// and the notify fd is a second epoll set over epfd_ and the eventfd, so a
+// sleeping owner still wakes for input as well as for completions.
 class tcp_cq final : public completion_queue {
  public:
-  explicit tcp_cq(std::uint32_t depth);
+  tcp_cq(std::uint32_t depth, bool progress_thread = false);
   ~tcp_cq() override;
 
   std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
   std::error_code arm() noexcept override;
-  int notify_fd() const noexcept override { return epfd_; }
+  int notify_fd() const noexcept override { return notify_epfd_ >= 0 ? notify_epfd_ : epfd_; }
   bool progress_in_poll() const noexcept override { return true; }
   std::size_t ack_events() noexcept override;
   std::uint32_t depth() const noexcept override { return depth_; }
-  cq_counters counters() const noexcept override { return counters_; }
+  cq_counters counters() const noexcept override {
+    const auto lock = guard();
+    return counters_;
+  }
+
+  // Holds the queue's mutex when it has a progress thread (empty, and no
+  // cost but a test, when it has not). Every entry point of the queue and
+  // of its queue pairs takes it; nothing called under it takes it again.
+  std::unique_lock<std::mutex> guard() const noexcept {
+    return threaded_ ? std::unique_lock<std::mutex>(mutex_) : std::unique_lock<std::mutex>();
+  }
+  bool threaded() const noexcept { return threaded_; }
+  // Progress passes the thread ran (for tests).
+  std::uint64_t thread_passes() const noexcept { return thread_passes_.load(std::memory_order_relaxed); }
 
   // For queue pairs.
   void push(const completion& c) noexcept;
@@ -413,6 +435,26 @@ class tcp_cq final : public completion_queue {
   std::vector<tcp_qp*> pending_, pending_pass_;  // noted; the pass's (capacity: qps_.size())
   std::uint64_t wrs_ = 0;  // work requests of the queue pairs on it
   cq_counters counters_;
+
+  // The progress thread's loop: wait (epfd_, or the held-back ACKs' delay),
+  // then a pass under the mutex, until stop.
+  void run_progress() noexcept;
+  // What the thread's next wait may last (ns; -1: until an event).
+  std::int64_t next_wait_ns() const noexcept;
+  void close_fds() noexcept;
+  const bool threaded_;
+  mutable std::mutex mutex_;
+  int notify_epfd_ = -1;  // with the thread: epoll over epfd_ and evfd_
+  // With the thread: an eventfd in epfd_, written to stop it or to end a
+  // wait without limit (kick_thread).
+  int wakefd_ = -1;
+  std::atomic<bool> stopping_{false};
+  bool thread_waits_ = true;  // the thread waits for an event only, as it starts (under mutex_)
+  // An owner's pass left work the thread must time (next_wait_ns): a
+  // thread waiting for an event only is woken to time it.
+  void kick_thread() noexcept;
+  std::atomic<std::uint64_t> thread_passes_{0};
+  std::thread thread_;  // (last: it starts once everything above is made)
 };
 
 // A queue pair. See tcp_qp.cpp for the engine (tcp_qp_tx.cpp and
@@ -424,24 +466,48 @@ class tcp_qp final : public queue_pair {
   ~tcp_qp() override;
 
   std::uint32_t qp_num() const noexcept override { return qpn_; }
-  qp_state state() const noexcept override { return state_; }
+  qp_state state() const noexcept override {
+    const auto lock = guard();
+    return state_;
+  }
   std::error_code modify(qp_state next) noexcept override;
   std::error_code post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept override;
   std::error_code post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept override;
   std::error_code set_remote_access(access acc) noexcept override;
   const qp_attributes& attributes() const noexcept override { return attr_; }
-  qp_counters counters() const noexcept override { return counters_; }
-  path_info path() const noexcept override { return path_; }
+  qp_counters counters() const noexcept override {
+    const auto lock = guard();
+    return counters_;
+  }
+  path_info path() const noexcept override {
+    const auto lock = guard();
+    return path_;
+  }
   // Payload bytes that reached registered memory through the staging
   // buffer (a copy more than a read straight into it): for tests.
-  std::uint64_t payload_via_staging() const noexcept { return payload_via_staging_; }
+  std::uint64_t payload_via_staging() const noexcept {
+    const auto lock = guard();
+    return payload_via_staging_;
+  }
   // The most bytes one sendmsg was given (at most tx_batch::kMaxSendBytes): for tests.
-  std::size_t largest_send() const noexcept { return largest_send_; }
+  std::size_t largest_send() const noexcept {
+    const auto lock = guard();
+    return largest_send_;
+  }
 
   // Connection manager: adopt a connected socket; moves the QP to rts.
   std::error_code attach_socket(int fd, std::uint32_t peer_max_send_wr) noexcept;
   bool can_connect() const noexcept {
-    return (state_ == qp_state::reset || state_ == qp_state::init) && fd_ < 0;
+    const auto lock = guard();
+    return connectable();
+  }
+
+  // Its completion queue's guard (tcp_cq::guard; a queue pair of a
+  // threaded queue has it as both its queues). Taken by every entry point
+  // above; the completion queue holds it while it drives those below.
+  std::unique_lock<std::mutex> guard() const noexcept {
+    const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
+    return cq != nullptr ? cq->guard() : std::unique_lock<std::mutex>();
   }
 
   // Completion queues drive these.
@@ -459,17 +525,23 @@ class tcp_qp final : public queue_pair {
   // progress call handles a bounded number of frames), or an acknowledgement
   // held back by the previous pass.
   bool has_pending_work() const noexcept {
+    return has_pending_input() || (wants_progress() && resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
+  }
+  // The first half of has_pending_work: input read but not processed.
+  bool has_pending_input() const noexcept {
     if (!wants_progress()) return false;
     // (Not while reading is paused for a full response ring: the ring's
     // draining, an EPOLLOUT event, resumes it; listing it would keep a
     // reactor that wants to sleep awake.)
     const bool input = phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_;
-    return (input && !rx_stalled_ && !rx_paused_) || (resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
+    return input && !rx_stalled_ && !rx_paused_;
   }
 
  private:
   using clock = std::chrono::steady_clock;
   using clock_point = clock::time_point;
+  std::error_code post_send_locked(std::span<const work_request> wrs, std::size_t* bad) noexcept;
+  bool connectable() const noexcept { return (state_ == qp_state::reset || state_ == qp_state::init) && fd_ < 0; }
   // What a send queue slot keeps of its work request (a bind takes effect
   // at post: its window_binding is not kept).
   struct posted_request {

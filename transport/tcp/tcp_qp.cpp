@@ -73,8 +73,15 @@ void check_attr(const qp_attributes& a) {
   else if (a.max_inline_data > 1024) why = "max_inline_data must be at most 1024";
   else if (a.rnr_retry > 7) why = "rnr_retry must be in 0..7";
   if (why != nullptr) throw std::system_error(errc::invalid_argument, std::string("create_qp: ") + why);
-  if (dynamic_cast<tcp_cq*>(a.send_cq) == nullptr || dynamic_cast<tcp_cq*>(a.recv_cq) == nullptr) {
+  const auto* scq = dynamic_cast<tcp_cq*>(a.send_cq);
+  const auto* rcq = dynamic_cast<tcp_cq*>(a.recv_cq);
+  if (scq == nullptr || rcq == nullptr) {
     throw std::system_error(errc::invalid_argument, "create_qp: completion queues of another provider");
+  }
+  if ((scq->threaded() || rcq->threaded()) && scq != rcq) {
+    throw std::system_error(errc::invalid_argument,
+                            "create_qp: a completion queue with a progress thread must be both the send and the "
+                            "receive completion queue of its queue pairs");
   }
 }
 
@@ -109,6 +116,7 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
   rnr_left_ = attr_.rnr_retry;
   auto* scq = static_cast<tcp_cq*>(attr_.send_cq);
   auto* rcq = static_cast<tcp_cq*>(attr_.recv_cq);
+  const auto lock = guard();  // (a threaded queue's thread walks its queue pairs)
   if (scq == rcq) {
     scq->attach(this, attr_.max_send_wr + recv_wrs(attr_));
   } else {
@@ -119,6 +127,7 @@ tcp_qp::tcp_qp(const registration_table& table, const qp_attributes& attr, std::
 }
 
 tcp_qp::~tcp_qp() {
+  const auto lock = guard();
   // A shared receive this queue pair was filling goes back flushed, as a
   // NIC returns it when a queue pair is destroyed (verbs: retired_qp);
   // the queue would lose it otherwise. (Its own receives end with it.)
@@ -145,6 +154,7 @@ void tcp_qp::forget_cq(const tcp_cq* cq) noexcept {
 // ---------------------------------------------------------------- state machine
 
 std::error_code tcp_qp::modify(qp_state next) noexcept {
+  const auto lock = guard();
   const qp_state prev = state_;
   switch (next) {
     case qp_state::error:
@@ -184,7 +194,8 @@ std::error_code tcp_qp::modify(qp_state next) noexcept {
 }
 
 std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) noexcept {
-  if (!can_connect()) {
+  const auto lock = guard();
+  if (!connectable()) {
     ::close(fd);
     return errc::invalid_state;
   }
@@ -340,6 +351,7 @@ void tcp_qp::on_cq_overflow() noexcept {
 }
 
 std::error_code tcp_qp::set_remote_access(access acc) noexcept {
+  const auto lock = guard();
   if (state_ == qp_state::error || state_ == qp_state::rtr) return errc::invalid_state;  // as verbs
   attr_.remote_access = acc & (access::remote_write | access::remote_read | access::remote_atomic);
   log().debug("qp {}: remote access {:#x}", qpn_, static_cast<std::uint32_t>(attr_.remote_access));
@@ -349,6 +361,7 @@ std::error_code tcp_qp::set_remote_access(access acc) noexcept {
 // ---------------------------------------------------------------- posting
 
 std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t* bad) noexcept {
+  const auto lock = guard();
   if (srq_ != nullptr) return errc::invalid_argument;  // its receives come from the shared queue
   if (state_ == qp_state::reset) return errc::invalid_state;
   if (auto ec = check_recv(wrs, attr_.max_recv_sge, attr_.max_recv_wr, rq_tail_ - rq_head_, bad)) return ec;
@@ -367,6 +380,11 @@ std::error_code tcp_qp::post_recv(std::span<const recv_request> wrs, std::size_t
 }
 
 std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t* bad) noexcept {
+  const auto lock = guard();
+  return post_send_locked(wrs, bad);
+}
+
+std::error_code tcp_qp::post_send_locked(std::span<const work_request> wrs, std::size_t* bad) noexcept {
   if (state_ != qp_state::rts && state_ != qp_state::error) return errc::invalid_state;
   const send_limits lim{attr_.max_send_sge, attr_.max_inline_data, kMaxPayload, attr_.max_send_wr,
                         sq_tail_ - sq_head_};
@@ -390,7 +408,7 @@ std::error_code tcp_qp::post_send(std::span<const work_request> wrs, std::size_t
     const std::size_t posted = wrs.size() - 1;  // (>= 1)
     log().warn("qp {}: fault injection: post_send #{} fails after posting {} of its {} requests", qpn_,
                post_calls_, posted, wrs.size());
-    (void)post_send(wrs.first(posted), nullptr);
+    (void)post_send_locked(wrs.first(posted), nullptr);
     if (bad != nullptr) *bad = posted;
     return {ENOMEM, std::system_category()};
   }

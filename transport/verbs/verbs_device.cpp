@@ -353,7 +353,8 @@ device_counters verbs_device::counters() const {
 
 std::unique_ptr<protection_domain> verbs_device::alloc_pd() { return std::make_unique<verbs_pd>(state_); }
 
-std::unique_ptr<completion_queue> verbs_device::create_cq(std::uint32_t depth) {
+// (options.progress_thread: the NIC executes the peers' operations itself.)
+std::unique_ptr<completion_queue> verbs_device::create_cq(std::uint32_t depth, const cq_options& /*options*/) {
   if (depth == 0 || depth > state_->caps.max_cqe) {
     throw std::system_error(errc::invalid_argument,
                             "create_cq: depth must be in 1.." + std::to_string(state_->caps.max_cqe));

@@ -121,7 +121,8 @@ class verbs_device final : public device {
   const capabilities& caps() const noexcept override { return state_->caps; }
   device_counters counters() const override;
   std::unique_ptr<protection_domain> alloc_pd() override;
-  std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) override;
+  using device::create_cq;
+  std::unique_ptr<completion_queue> create_cq(std::uint32_t depth, const cq_options& options) override;
   std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
                                    const listen_options& options) override;
   using device::connect;

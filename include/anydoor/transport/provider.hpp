@@ -110,6 +110,25 @@ class memory_window {
   bool bound_ = false;
 };
 
+// How a completion queue is made (device::create_cq).
+struct cq_options {
+  // A provider whose software NIC runs in the target's process (tcp:
+  // completion_queue::progress_in_poll) makes progress on a thread of the
+  // queue's own as well as in poll(): the peers' one-sided operations on
+  // this side's memory, and their messages into posted receives, are
+  // executed and answered while the queue's owner does not poll (busy, or
+  // asleep), as a NIC does; completions wait in the queue (notify_fd()
+  // becomes readable once armed, as always). poll() still makes progress
+  // itself, so an owner that polls keeps its latency. Every entry point of
+  // the queue and of its queue pairs then takes the queue's mutex, and its
+  // queue pairs must have it as both their send and receive completion
+  // queue (create_qp: errc::invalid_argument otherwise). The thread starts
+  // with the queue, inherits the creating thread's CPU affinity and is
+  // joined when the queue is destroyed. No effect on a provider whose NIC
+  // needs nothing from the target (verbs).
+  bool progress_thread = false;
+};
+
 // A completion queue (ibv_cq with its completion channel).
 class completion_queue {
  public:
@@ -403,7 +422,8 @@ class device {
 
   virtual std::unique_ptr<protection_domain> alloc_pd() = 0;
   // Throws std::system_error when depth is 0 or above caps().max_cqe.
-  virtual std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) = 0;
+  virtual std::unique_ptr<completion_queue> create_cq(std::uint32_t depth, const cq_options& options) = 0;
+  std::unique_ptr<completion_queue> create_cq(std::uint32_t depth) { return create_cq(depth, cq_options{}); }
 
   // Listens on host:port (port 0: any free port). Throws std::system_error.
   virtual std::unique_ptr<listener> listen(const std::string& host, std::uint16_t port,
