@@ -193,7 +193,7 @@ void print_listening(const options& o, std::uint16_t port, std::string_view prov
     threads += std::to_string(o.threads);
     threads += " reactor threads";
   }
-  if (o.progress_thread && provider == "tcp") threads += ", progress thread";
+  if (o.progress_thread && provider == "tcp") threads += o.threads > 1 ? ", a progress thread each" : ", progress thread";
   std::printf("anydoor-kv-server: listening on %s (provider %.*s, %llu buckets, max memory %llu bytes%s%s)\n",
               bound.str().c_str(), static_cast<int>(provider.size()), provider.data(),
               static_cast<unsigned long long>(st.describe().buckets),

@@ -229,7 +229,7 @@ stop thr KILL
 # (and a progress thread per reactor: the same paths, and the stop below, with it)
 start_server thr "$server" --listen 127.0.0.1:0 --provider tcp --threads 2 --data-dir "$d" --sync no \
   --resp-listen 127.0.0.1:0 --progress-thread
-expect_in "$tmp/thr.out" "listening on 127.0.0.1:$PORT \(provider tcp, .*, 2 reactor threads, progress thread\)"
+expect_in "$tmp/thr.out" "listening on 127.0.0.1:$PORT \(provider tcp, .*, 2 reactor threads, a progress thread each\)"
 P=$PORT; RP=$(resp_port thr)
 for i in 2 6; do
   run_cmd 0 "$kv" --connect 127.0.0.1:$P get "t$i"; [ "$(cat "$tmp/last.out")" = "tv$i" ] || fail "--threads: t$i after kill -9"

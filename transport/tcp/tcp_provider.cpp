@@ -323,23 +323,20 @@ tcp_cq::tcp_cq(std::uint32_t depth, bool progress_thread)
     timerfd_ = check_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC), "timerfd_create");
     epoll_event ev{};
     ev.events = EPOLLIN;
-    ev.data.ptr = nullptr;  // eventfd, timerfd, stopfd: nullptr means "no queue pair"
+    ev.data.ptr = nullptr;  // eventfd, timerfd: nullptr means "no queue pair"
     ::epoll_ctl(epfd_, EPOLL_CTL_ADD, timerfd_, &ev);
     if (!threaded_) {
       ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
       return;
     }
-    // The thread waits on epfd_ (sockets, timer, stop); the owner on both
-    // epfd_ and the eventfd that says completions are there.
+    // The thread waits on epfd_ (sockets, timer, wakefd_); the owner on
+    // the eventfd that says completions are there (notify_fd).
     wakefd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
     epoll_event wake{};
     wake.events = EPOLLIN;
     wake.data.ptr = &wakefd_;  // (told apart from queue pairs: progress() skips it)
-    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &wake);
-    notify_epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
-    if (::epoll_ctl(notify_epfd_, EPOLL_CTL_ADD, epfd_, &ev) != 0 ||
-        ::epoll_ctl(notify_epfd_, EPOLL_CTL_ADD, evfd_, &ev) != 0) {
-      throw std::system_error(errno, std::system_category(), "epoll_ctl");
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, wakefd_, &wake) != 0) {
+      throw std::system_error(errno, std::system_category(), "epoll_ctl");  // (the stop could not wake the thread)
     }
     thread_ = std::thread([this] { run_progress(); });
   } catch (...) {
@@ -363,20 +360,37 @@ tcp_cq::~tcp_cq() {
 }
 
 void tcp_cq::close_fds() noexcept {
-  for (int fd : {notify_epfd_, wakefd_, timerfd_, evfd_, epfd_}) {
+  for (int fd : {wakefd_, timerfd_, evfd_, epfd_}) {
     if (fd >= 0) ::close(fd);
   }
 }
 
 namespace {
-// How long the progress thread lets an acknowledgement it holds back wait
-// for a request of the owner's to carry it (see tcp_qp::progress).
+// How long the progress thread lets an acknowledgement held back wait for
+// a request of the owner's to carry it (see tcp_qp::progress).
 constexpr std::int64_t kHeldAckDelayNs = 200'000;
+// An owner that polled this recently counts as about to send (its pass may
+// hold a lone acknowledgement back).
+constexpr std::int64_t kOwnerRecentNs = 200'000;
+// An owner that polled this recently is active: the thread's waits are
+// bounded by kActiveWaitNs, so that what the owner's passes hold back
+// goes out without the owner waking the thread (kick_thread) per message.
+constexpr std::int64_t kOwnerActiveNs = 10'000'000;
+constexpr std::int64_t kActiveWaitNs = 1'000'000;
+
+std::int64_t now_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct wake_reasons {
+  bool kicked = false;  // an event with data.ptr `mark`
+  bool other = false;   // any other
+};
 
 // Waits for events of epfd, at most wait_ns (-1: no limit; a signal may
-// end it early: the caller's loop waits again); true when one of them has
-// data.ptr `mark`.
-bool wait_event(int epfd, std::int64_t wait_ns, const void* mark) noexcept {
+// end it early: the caller's loop waits again).
+wake_reasons wait_event(int epfd, std::int64_t wait_ns, const void* mark) noexcept {
   std::array<epoll_event, 8> ev;
   int n = 0;
   if (wait_ns < 0) {
@@ -385,14 +399,13 @@ bool wait_event(int epfd, std::int64_t wait_ns, const void* mark) noexcept {
     const timespec ts{.tv_sec = static_cast<time_t>(wait_ns / 1'000'000'000),
                       .tv_nsec = static_cast<long>(wait_ns % 1'000'000'000)};
     n = ::epoll_pwait2(epfd, ev.data(), static_cast<int>(ev.size()), &ts, nullptr);
-    if (n < 0 && errno == ENOSYS) {  // (kernels before 5.11)
+    if (n < 0 && (errno == ENOSYS || errno == EPERM)) {  // (kernels before 5.11; seccomp filters that predate it)
       n = ::epoll_wait(epfd, ev.data(), static_cast<int>(ev.size()), static_cast<int>((wait_ns + 999'999) / 1'000'000));
     }
   }
-  for (int i = 0; i < n; ++i) {
-    if (ev[static_cast<std::size_t>(i)].data.ptr == mark) return true;
-  }
-  return false;
+  wake_reasons w;
+  for (int i = 0; i < n; ++i) (ev[static_cast<std::size_t>(i)].data.ptr == mark ? w.kicked : w.other) = true;
+  return w;
 }
 }  // namespace
 
@@ -400,16 +413,40 @@ void tcp_cq::run_progress() noexcept {
   ::pthread_setname_np(::pthread_self(), "anydoor-tcp-pg");
   std::int64_t wait_ns = -1;
   while (!stopping_.load(std::memory_order_acquire)) {
-    if (wait_ns != 0 && wait_event(epfd_, wait_ns, &wakefd_)) {
-      std::uint64_t kicks;
-      [[maybe_unused]] auto n = ::read(wakefd_, &kicks, sizeof kicks);  // (else it keeps epfd_ readable)
+    bool events = true;
+    if (wait_ns != 0) {
+      const wake_reasons w = wait_event(epfd_, wait_ns, &wakefd_);
+      if (w.kicked) {
+        std::uint64_t kicks;
+        [[maybe_unused]] auto n = ::read(wakefd_, &kicks, sizeof kicks);  // (else it keeps epfd_ readable)
+        if (!w.other) {
+          // The owner's pass left work to time (kick_thread): give the
+          // owner's next request the time to carry what it held back.
+          wait_ns = kHeldAckDelayNs;
+          continue;
+        }
+      }
+      events = w.other;
+    } else {
+      // Passes back to back (input beyond one pass): an owner waiting for
+      // the mutex goes first.
+      for (int i = 0; i < 64 && owner_waiting_.load(std::memory_order_relaxed) != 0; ++i) std::this_thread::yield();
     }
     const std::lock_guard lock(mutex_);
     if (stopping_.load(std::memory_order_acquire)) return;
     if (overflow_) break;  // (its queue pairs are in error; the owner tears it down)
-    progress();
+    const std::int64_t now = now_ns();
+    owner_recent_ = now - owner_poll_ns_ < kOwnerRecentNs;
+    in_thread_pass_ = true;
+    if (events || wait_ns == 0) {
+      progress();
+    } else {
+      progress_pending();  // (a timed wait that saw nothing: held acknowledgements only)
+    }
+    in_thread_pass_ = false;
     thread_passes_.fetch_add(1, std::memory_order_relaxed);
     wait_ns = next_wait_ns();
+    if (wait_ns < 0 && now - owner_poll_ns_ < kOwnerActiveNs) wait_ns = kActiveWaitNs;
     thread_waits_ = wait_ns < 0;
   }
   // Overflowed: nothing more to do but wait for the stop (epfd_ may stay
@@ -426,6 +463,14 @@ void tcp_cq::kick_thread() noexcept {
   thread_waits_ = false;
   const std::uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(wakefd_, &one, sizeof one);
+}
+
+void tcp_cq::progress_pending() noexcept {
+  // (pending_ has room for every queue pair and lists each once: a pass
+  // noting one again appends nothing while it is listed)
+  for (std::size_t i = 0; i < pending_.size(); ++i) {
+    if (pending_[i]->has_pending_work()) pending_[i]->progress();
+  }
 }
 
 std::int64_t tcp_cq::next_wait_ns() const noexcept {
@@ -550,12 +595,13 @@ void tcp_cq::progress() noexcept {
 std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcept {
   const auto lock = guard();
   ++counters_.polls;
+  if (threaded_) owner_poll_ns_ = now_ns();
   if (!overflow_ && ring_used_ == 0) {
     progress();
     // Work this pass left (an acknowledgement held back, input beyond a
-    // pass) waits for the owner's next poll, which may not come soon: the
-    // thread times it.
-    if (thread_waits_ && next_wait_ns() >= 0) kick_thread();
+    // pass) waits for the owner's next poll, which may not come soon: a
+    // thread waiting without limit (the owner was idle) is told to time it.
+    if (threaded_ && thread_waits_ && next_wait_ns() >= 0) kick_thread();
   }
   if (overflow_) {
     ec = errc::cq_overflow;

@@ -360,8 +360,8 @@ struct tx_batch {
 // thread waits on the queue pairs' sockets and timers (epfd_) and runs a
 // progress pass whenever one is due; the queue's mutex then serializes it
 // with every entry point of the queue and of its queue pairs (guard()),
-// and the notify fd is a second epoll set over epfd_ and the eventfd, so a
-// sleeping owner still wakes for input as well as for completions.
+// and the owner's notify fd is the eventfd alone, as a NIC's completion
+// channel: it wakes for completions, the thread for input.
 class tcp_cq final : public completion_queue {
  public:
   tcp_cq(std::uint32_t depth, bool progress_thread = false);
@@ -369,8 +369,9 @@ class tcp_cq final : public completion_queue {
 
   std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
   std::error_code arm() noexcept override;
-  int notify_fd() const noexcept override { return notify_epfd_ >= 0 ? notify_epfd_ : epfd_; }
-  bool progress_in_poll() const noexcept override { return true; }
+  int notify_fd() const noexcept override { return threaded_ ? evfd_ : epfd_; }
+  // (With the thread the owner need not poll for the peers' sake.)
+  bool progress_in_poll() const noexcept override { return !threaded_; }
   std::size_t ack_events() noexcept override;
   std::uint32_t depth() const noexcept override { return depth_; }
   cq_counters counters() const noexcept override {
@@ -382,7 +383,13 @@ class tcp_cq final : public completion_queue {
   // cost but a test, when it has not). Every entry point of the queue and
   // of its queue pairs takes it; nothing called under it takes it again.
   std::unique_lock<std::mutex> guard() const noexcept {
-    return threaded_ ? std::unique_lock<std::mutex>(mutex_) : std::unique_lock<std::mutex>();
+    if (!threaded_) return std::unique_lock<std::mutex>();
+    // (counted while it waits: the thread lets it in between passes it
+    // runs back to back)
+    owner_waiting_.fetch_add(1, std::memory_order_relaxed);
+    std::unique_lock<std::mutex> lock(mutex_);
+    owner_waiting_.fetch_sub(1, std::memory_order_relaxed);
+    return lock;
   }
   bool threaded() const noexcept { return threaded_; }
   // Progress passes the thread ran (for tests).
@@ -406,6 +413,11 @@ class tcp_cq final : public completion_queue {
   void progress() noexcept;
   // The consumer armed the queue and may sleep until it notifies.
   bool armed() const noexcept { return armed_; }
+  // Whether a pass may hold a lone acknowledgement back for the owner's
+  // next request to carry: not once the owner armed (it sleeps), and not
+  // in the thread's pass unless the owner polled just before (a busy owner
+  // is not about to send).
+  bool holds_lone_acks() const noexcept { return !armed_ && (!in_thread_pass_ || owner_recent_); }
   // Makes the notify fd readable (any thread): a queue pair that went live
   // after the reactor's last poll must not wait for data that already came.
   void signal() noexcept;
@@ -441,10 +453,16 @@ class tcp_cq final : public completion_queue {
   void run_progress() noexcept;
   // What the thread's next wait may last (ns; -1: until an event).
   std::int64_t next_wait_ns() const noexcept;
+  // The thread's pass after a timed wait that saw no event: only the
+  // queue pairs that left work (a held acknowledgement) move.
+  void progress_pending() noexcept;
   void close_fds() noexcept;
   const bool threaded_;
   mutable std::mutex mutex_;
-  int notify_epfd_ = -1;  // with the thread: epoll over epfd_ and evfd_
+  mutable std::atomic<std::uint32_t> owner_waiting_{0};  // entry points waiting for mutex_
+  std::int64_t owner_poll_ns_ = 0;  // (steady clock) the owner's last poll, with the thread
+  bool in_thread_pass_ = false;     // the thread's pass runs (under mutex_)
+  bool owner_recent_ = false;       // and the owner polled just before it
   // With the thread: an eventfd in epfd_, written to stop it or to end a
   // wait without limit (kick_thread).
   int wakefd_ = -1;

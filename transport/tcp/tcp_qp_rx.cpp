@@ -45,9 +45,10 @@ void tcp_qp::progress() noexcept {
   // of the next progress pass, or when the completion queue is armed — and
   // at once if it already is: a consumer that armed and then drained (the
   // arm-then-drain rule) sleeps after this pass, and one-sided requests
-  // produce no completion here to wake it.
+  // produce no completion here to wake it. (A progress thread's pass, the
+  // owner busy elsewhere, sends it at once too: tcp_cq::holds_lone_acks.)
   const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
-  if (!tx_idle() && (!only_ack_pending() || (cq != nullptr && cq->armed()))) flush();
+  if (!tx_idle() && (!only_ack_pending() || (cq != nullptr && !cq->holds_lone_acks()))) flush();
   check_fatal();
   check_local_error();
   if (has_pending_work()) {
