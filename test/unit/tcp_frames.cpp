@@ -1567,3 +1567,48 @@ TEST_CASE("tcp provider: a held-back ACK that no request can carry goes alone at
   CHECK(c[1].status == tp::wc_status::success);
   CHECK(p.ep.qp->state() == tp::qp_state::rts);
 }
+
+TEST_CASE("tcp provider: a progress thread sleeps while nothing comes - and wakes for what does", "[unit][tcp]") {
+  connected_pair p({}, 4096, 4096, {.progress_thread = true});
+  auto* cq = dynamic_cast<tcp_cq*>(p.b.cq.get());
+  REQUIRE(cq != nullptr);
+  REQUIRE(cq->threaded());
+  driver a_only{p.a.cq.get()};
+  std::vector<std::uint8_t> src(256, 3), dst(256);
+  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write | access::remote_write);
+  tp::sge sg = smr->slice(0, 256);
+  auto write_once = [&] {
+    tp::work_request w{.wr_id = 9, .op = tp::opcode::write, .sg_list = {&sg, 1},
+                       .remote_addr = reinterpret_cast<std::uint64_t>(dst.data()), .rkey = dmr->rkey()};
+    REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
+    REQUIRE(a_only.wait_one(p.a.cq.get()).status == tp::wc_status::success);
+  };
+  // Served by the thread (b's owner never polls).
+  const std::uint64_t before = cq->thread_passes();
+  write_once();
+  CHECK(cq->thread_passes() > before);
+  // Idle: no pass at all (no spin on a readiness it cannot consume).
+  std::this_thread::sleep_for(50ms);
+  std::uint64_t idle = cq->thread_passes();
+  std::this_thread::sleep_for(300ms);
+  CHECK(cq->thread_passes() - idle <= 2);
+  // An owner polling meanwhile: the thread looks in about once a
+  // millisecond (for acknowledgements the owner's passes held back), and
+  // stops 10 ms after the owner's last poll.
+  const auto until = std::chrono::steady_clock::now() + 40ms;
+  int writes = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    tp::completion got[4];
+    std::error_code ec;
+    (void)p.b.cq->poll(got, ec);
+    if (writes < 5) {
+      write_once();
+      ++writes;
+    }
+  }
+  std::this_thread::sleep_for(50ms);
+  idle = cq->thread_passes();
+  std::this_thread::sleep_for(300ms);
+  CHECK(cq->thread_passes() - idle <= 2);
+}
