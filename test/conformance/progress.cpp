@@ -22,10 +22,31 @@ struct threaded_pair : connected_pair {
   driver a_only{a.cq.get()};
 };
 
+// A message's bytes at a and the receive buffer at b, registered.
+struct message_buffers {
+  std::vector<char> msg, dst;
+  std::unique_ptr<tp::memory_region> smr, dmr;
+  message_buffers(threaded_pair& p, std::size_t msg_size, std::size_t dst_size, char fill)
+      : msg(msg_size, fill), dst(dst_size, 0),
+        smr(p.a.pd->register_memory(msg.data(), msg.size(), access::none)),
+        dmr(p.b.pd->register_memory(dst.data(), dst.size(), access::local_write)) {}
+};
+
 // What the target's provider wrote on its thread is seen here once its
 // queue's entry points were passed (tcp: they take the queue's mutex, which
 // the thread holds while it works; the bytes come from the kernel on a NIC).
 void sync_with(tp::completion_queue& cq) { (void)cq.counters(); }
+
+// The owner drains its queue, arms it, drains again (the arm-then-drain
+// rule) and would sleep on its notify fd; stale notifications consumed.
+void arm_to_sleep(tp::completion_queue& cq) {
+  tp::completion none[4];
+  std::error_code ec;
+  REQUIRE(cq.poll(none, ec) == 0);
+  REQUIRE_FALSE(cq.arm());
+  REQUIRE(cq.poll(none, ec) == 0);
+  cq.ack_events();
+}
 
 bool readable_within(int fd, std::chrono::milliseconds limit) {
   pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
@@ -49,14 +70,7 @@ TEST_CASE("progress thread: the target's memory serves writes - reads and atomic
   auto amr = p.b.pd->register_memory(&word, 8, access::local_write | access::remote_atomic);
   // The owner arms and sleeps: the peer's one-sided work gives it nothing
   // to wake for (as on a NIC).
-  {
-    tp::completion none[4];
-    std::error_code ec;
-    REQUIRE(p.b.cq->poll(none, ec) == 0);
-    REQUIRE_FALSE(p.b.cq->arm());
-    REQUIRE(p.b.cq->poll(none, ec) == 0);
-    p.b.cq->ack_events();
-  }
+  arm_to_sleep(*p.b.cq);
 
   // A large write (several socket reads on tcp), then a read of it back.
   tp::sge ssg = smr->slice(0, static_cast<std::uint32_t>(src.size()));
@@ -105,19 +119,12 @@ TEST_CASE("progress thread: the target's memory serves writes - reads and atomic
 TEST_CASE("progress thread: a message lands in a posted receive while the owner sleeps - its notify fd wakes it",
           "[conformance]") {
   threaded_pair p;
-  std::vector<char> msg(3000, 'm'), dst(4096, 0);
-  auto smr = p.a.pd->register_memory(msg.data(), msg.size(), access::none);
-  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  message_buffers m(p, 3000, 4096, 'm');
+  auto& [msg, dst, smr, dmr] = m;
   tp::sge rsg = dmr->slice(0, static_cast<std::uint32_t>(dst.size()));
   tp::recv_request rr{.wr_id = 77, .sg_list = {&rsg, 1}};
   REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
-  // The owner drains, arms and sleeps on the notify fd (the arm-then-drain rule).
-  tp::completion got[4];
-  std::error_code ec;
-  REQUIRE(p.b.cq->poll(got, ec) == 0);
-  REQUIRE_FALSE(p.b.cq->arm());
-  REQUIRE(p.b.cq->poll(got, ec) == 0);
-  p.b.cq->ack_events();
+  arm_to_sleep(*p.b.cq);
 
   tp::sge ssg = smr->slice(0, static_cast<std::uint32_t>(msg.size()));
   tp::work_request s = send_wr(5, {&ssg, 1});
@@ -127,6 +134,8 @@ TEST_CASE("progress thread: a message lands in a posted receive while the owner 
   CHECK(p.a_only.wait_one(p.a.cq.get()).status == tp::wc_status::success);
   REQUIRE(readable_within(p.b.cq->notify_fd(), 5000ms));
   p.b.cq->ack_events();
+  tp::completion got[4];
+  std::error_code ec;
   std::size_t n = 0;
   const auto until = std::chrono::steady_clock::now() + 5s;
   while (n == 0 && std::chrono::steady_clock::now() < until) n = p.b.cq->poll(got, ec);
@@ -210,9 +219,8 @@ TEST_CASE("progress thread: what the owner's last poll left undone is done - the
   // may have held the acknowledgement back for the owner's next request to
   // carry; with no next request the thread must send it.
   threaded_pair p;
-  std::vector<char> msg(64, 'h'), dst(64, 0);
-  auto smr = p.a.pd->register_memory(msg.data(), msg.size(), access::none);
-  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  message_buffers m(p, 64, 64, 'h');
+  auto& [msg, dst, smr, dmr] = m;
   tp::sge ssg = smr->slice(0, 64);
   tp::sge rsg = dmr->slice(0, 64);
   for (std::uint64_t round = 0; round < 20; ++round) {
