@@ -108,8 +108,9 @@ TEST_CASE("progress thread: the target's memory serves writes - reads and atomic
     sync_with(*p.b.cq);
     CHECK(word == 9);
   }
-  // The target's queue got nothing of all this, and its owner was not woken.
-  CHECK_FALSE(readable_within(p.b.cq->notify_fd(), 50ms));
+  // The target's queue got nothing of all this, and its owner was never
+  // woken (the notifications would still be there to consume).
+  CHECK(p.b.cq->ack_events() == 0);
   tp::completion none[4];
   std::error_code ec;
   CHECK(p.b.cq->poll(none, ec) == 0);
@@ -287,38 +288,4 @@ TEST_CASE("progress thread: its queue pairs must have it as both completion queu
   CHECK(thrown([&] { t.pd->create_qp({.send_cq = other.get(), .recv_cq = t.cq.get()}); }) ==
         anydoor::errc::invalid_argument);
   CHECK_FALSE(thrown([&] { t.pd->create_qp(t.attrs()); }));
-}
-
-TEST_CASE("progress thread: a busy owner's queue acknowledges at once - no hold for a reply that is not coming",
-          "[conformance]") {
-  // tcp: a pass may hold a lone acknowledgement back (up to 200 us) for
-  // the owner's next request to carry. The thread's pass for an owner that
-  // is not polling must not: sequential writes to it would each wait.
-  if (!testing_tcp()) {
-    WARN("skipped on " << provider_under_test() << ": the NIC acknowledges by itself");
-    return;
-  }
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  WARN("skipped under a sanitizer: a latency bound (the plain build checks it)");
-  return;
-#else
-  threaded_pair p;
-  std::vector<std::uint8_t> src(64, 1), dst(64);
-  auto smr = p.a.pd->register_memory(src.data(), src.size(), access::none);
-  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write | access::remote_write);
-  tp::sge sg = smr->slice(0, 64);
-  std::vector<double> us;
-  for (int i = 0; i < 1000; ++i) {
-    tp::work_request w{.wr_id = 1, .op = tp::opcode::write, .sg_list = {&sg, 1},
-                       .remote_addr = reinterpret_cast<std::uint64_t>(dst.data()), .rkey = dmr->rkey()};
-    const auto t0 = std::chrono::steady_clock::now();
-    REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
-    REQUIRE(p.a_only.wait_one(p.a.cq.get()).status == tp::wc_status::success);
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(us.begin(), us.end());
-  // (measured on loopback: about 40 us; held back, each would take over 200)
-  INFO("median write round trip " << us[us.size() / 2] << " us");
-  CHECK(us[us.size() / 2] < 180.0);
-#endif
 }

@@ -1584,10 +1584,13 @@ TEST_CASE("tcp provider: a progress thread sleeps while nothing comes - and wake
     REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
     REQUIRE(a_only.wait_one(p.a.cq.get()).status == tp::wc_status::success);
   };
-  // Served by the thread (b's owner never polls).
+  // Served by the thread (b's owner never polls), and each acknowledgement
+  // sent at once: no pass of the thread holds one back for an owner that is
+  // not about to send (sequential writes would each wait 200 us).
   const std::uint64_t before = cq->thread_passes();
-  write_once();
+  for (int i = 0; i < 200; ++i) write_once();
   CHECK(cq->thread_passes() > before);
+  CHECK(cq->thread_holds() == 0);
   // Idle: no pass at all (no spin on a readiness it cannot consume).
   std::this_thread::sleep_for(50ms);
   std::uint64_t idle = cq->thread_passes();

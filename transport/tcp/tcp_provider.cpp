@@ -324,11 +324,11 @@ tcp_cq::tcp_cq(std::uint32_t depth, bool progress_thread)
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.ptr = nullptr;  // eventfd, timerfd: nullptr means "no queue pair"
-    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, timerfd_, &ev);
-    if (!threaded_) {
-      ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
-      return;
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, timerfd_, &ev) != 0 ||
+        (!threaded_ && ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev) != 0)) {
+      throw std::system_error(errno, std::system_category(), "epoll_ctl");
     }
+    if (!threaded_) return;
     // The thread waits on epfd_ (sockets, timer, wakefd_); the owner on
     // the eventfd that says completions are there (notify_fd).
     wakefd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
@@ -398,8 +398,12 @@ wake_reasons wait_event(int epfd, std::int64_t wait_ns, const void* mark) noexce
   } else {
     const timespec ts{.tv_sec = static_cast<time_t>(wait_ns / 1'000'000'000),
                       .tv_nsec = static_cast<long>(wait_ns % 1'000'000'000)};
-    n = ::epoll_pwait2(epfd, ev.data(), static_cast<int>(ev.size()), &ts, nullptr);
-    if (n < 0 && (errno == ENOSYS || errno == EPERM)) {  // (kernels before 5.11; seccomp filters that predate it)
+    // (epoll_pwait2 refused once, by a kernel before 5.11 or a seccomp
+    // filter that predates it: millisecond waits from then on)
+    static std::atomic<bool> no_pwait2{false};
+    n = no_pwait2.load(std::memory_order_relaxed) ? -1 : ::epoll_pwait2(epfd, ev.data(), static_cast<int>(ev.size()), &ts, nullptr);
+    if (n < 0 && (no_pwait2.load(std::memory_order_relaxed) || errno != EINTR)) {
+      no_pwait2.store(true, std::memory_order_relaxed);
       n = ::epoll_wait(epfd, ev.data(), static_cast<int>(ev.size()), static_cast<int>((wait_ns + 999'999) / 1'000'000));
     }
   }
@@ -420,9 +424,11 @@ void tcp_cq::run_progress() noexcept {
         std::uint64_t kicks;
         [[maybe_unused]] auto n = ::read(wakefd_, &kicks, sizeof kicks);  // (else it keeps epfd_ readable)
         if (!w.other) {
-          // The owner's pass left work to time (kick_thread): give the
-          // owner's next request the time to carry what it held back.
-          wait_ns = kHeldAckDelayNs;
+          // The owner's pass left work to time (kick_thread): input beyond
+          // a pass at once; an acknowledgement held back after the time
+          // the owner's next request has to carry it.
+          const std::lock_guard lock(mutex_);
+          wait_ns = next_wait_ns() == 0 ? 0 : kHeldAckDelayNs;
           continue;
         }
       }
@@ -564,8 +570,11 @@ void tcp_cq::progress() noexcept {
     const auto now = std::chrono::steady_clock::now();
     if (now >= timer_at_) {
       timer_set_ = false;
-      std::uint64_t expirations;
-      [[maybe_unused]] auto n = ::read(timerfd_, &expirations, sizeof expirations);
+      // Disarmed, which also clears an expiration not read: the timer may
+      // fire a little after timer_at_, when this read would have found
+      // nothing, and then keep epfd_ readable with nobody to read it.
+      const itimerspec off{};
+      ::timerfd_settime(timerfd_, 0, &off, nullptr);
       // Each qp re-schedules what is still pending.
       for (std::size_t i = 0; i < qps_.size(); ++i) qps_[i]->on_timer(now);
     }
@@ -630,9 +639,10 @@ std::error_code tcp_cq::arm() noexcept {
   armed_ = true;
   // Stricter than verbs: completions already queued notify at once, and so
   // does input already read but not processed (a pass takes at most 256
-  // frames; the socket is empty, so epoll would not wake the sleeper).
+  // frames; the socket is empty, so epoll would not wake the sleeper) -
+  // without a progress thread, whose work that input is.
   bool wake = ring_used_ != 0;
-  for (std::size_t i = 0; i < pending_.size() && !wake; ++i) wake = pending_[i]->has_pending_work();
+  for (std::size_t i = 0; i < pending_.size() && !wake && !threaded_; ++i) wake = pending_[i]->has_pending_work();
   if (wake) {
     armed_ = false;
     signal();

@@ -384,10 +384,12 @@ class tcp_cq final : public completion_queue {
   // of its queue pairs takes it; nothing called under it takes it again.
   std::unique_lock<std::mutex> guard() const noexcept {
     if (!threaded_) return std::unique_lock<std::mutex>();
+    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+    if (lock.owns_lock()) return lock;
     // (counted while it waits: the thread lets it in between passes it
     // runs back to back)
     owner_waiting_.fetch_add(1, std::memory_order_relaxed);
-    std::unique_lock<std::mutex> lock(mutex_);
+    lock.lock();
     owner_waiting_.fetch_sub(1, std::memory_order_relaxed);
     return lock;
   }
@@ -418,8 +420,20 @@ class tcp_cq final : public completion_queue {
   // in the thread's pass unless the owner polled just before (a busy owner
   // is not about to send).
   bool holds_lone_acks() const noexcept { return !armed_ && (!in_thread_pass_ || owner_recent_); }
+  // Whether a pass leaves alone a lone acknowledgement an earlier pass held
+  // back: the thread's pass while the owner polls (its own next pass, or
+  // its reply, sends it). Any other pass sends it first.
+  bool defers_held_acks() const noexcept { return in_thread_pass_ && owner_recent_ && !armed_; }
+  // A thread's pass held a lone acknowledgement back (for tests: it does
+  // not for an owner that is not polling).
+  void note_thread_hold() noexcept { thread_holds_ += in_thread_pass_ ? 1 : 0; }
+  std::uint64_t thread_holds() const noexcept {
+    const auto lock = guard();
+    return thread_holds_;
+  }
   // Makes the notify fd readable (any thread): a queue pair that went live
-  // after the reactor's last poll must not wait for data that already came.
+  // after the reactor's last poll must not wait for data that already came
+  // (not with a progress thread: its epoll reports that data itself).
   void signal() noexcept;
   const std::shared_ptr<free_stash<rx_staging>>& staging_pool() const noexcept { return staging_; }
   const std::shared_ptr<free_stash<tx_batch>>& batch_pool() const noexcept { return batches_; }
@@ -463,6 +477,7 @@ class tcp_cq final : public completion_queue {
   std::int64_t owner_poll_ns_ = 0;  // (steady clock) the owner's last poll, with the thread
   bool in_thread_pass_ = false;     // the thread's pass runs (under mutex_)
   bool owner_recent_ = false;       // and the owner polled just before it
+  std::uint64_t thread_holds_ = 0;  // lone ACKs its passes held back (note_thread_hold)
   // With the thread: an eventfd in epfd_, written to stop it or to end a
   // wait without limit (kick_thread).
   int wakefd_ = -1;

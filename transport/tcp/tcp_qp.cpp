@@ -226,8 +226,9 @@ std::error_code tcp_qp::attach_socket(int fd, std::uint32_t peer_max_send_wr) no
   // The socket is watched before it is live: a reactor woken by data that
   // arrived in between polled, skipped this not-yet-live queue pair and went
   // back to sleep, and that data brings no new wake-up. Wake it again.
-  static_cast<tcp_cq*>(attr_.send_cq)->signal();
-  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->signal();
+  // (A progress thread's epoll reports the data itself: no owner to wake.)
+  if (!static_cast<tcp_cq*>(attr_.send_cq)->threaded()) static_cast<tcp_cq*>(attr_.send_cq)->signal();
+  if (attr_.recv_cq != attr_.send_cq) static_cast<tcp_cq*>(attr_.recv_cq)->signal();  // (never threaded: check_attr)
   return {};
 }
 

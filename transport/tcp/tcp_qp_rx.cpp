@@ -38,7 +38,8 @@ bool takes_receive(opcode op) noexcept {
 
 void tcp_qp::progress() noexcept {
   if (!wants_progress()) return;
-  if (!tx_idle()) flush();
+  auto* cq = static_cast<tcp_cq*>(attr_.send_cq);
+  if (!tx_idle() && !(cq != nullptr && cq->defers_held_acks() && only_ack_pending())) flush();
   receive();
   // A lone ACK waits for company: it leaves with the next request posted
   // (one segment instead of two in request/reply traffic), or at the start
@@ -47,8 +48,13 @@ void tcp_qp::progress() noexcept {
   // arm-then-drain rule) sleeps after this pass, and one-sided requests
   // produce no completion here to wake it. (A progress thread's pass, the
   // owner busy elsewhere, sends it at once too: tcp_cq::holds_lone_acks.)
-  const auto* cq = static_cast<const tcp_cq*>(attr_.send_cq);
-  if (!tx_idle() && (!only_ack_pending() || (cq != nullptr && !cq->holds_lone_acks()))) flush();
+  if (!tx_idle()) {
+    if (!only_ack_pending() || (cq != nullptr && !cq->holds_lone_acks())) {
+      flush();
+    } else if (cq != nullptr) {
+      cq->note_thread_hold();
+    }
+  }
   check_fatal();
   check_local_error();
   if (has_pending_work()) {
