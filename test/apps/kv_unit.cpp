@@ -2334,19 +2334,7 @@ TEST_CASE("kv log: a key written while the snapshot was taken is in the new log 
   // The copy replays every key, with a value it was given.
   const std::string crashed = tmpdir();
   std::ofstream(crashed + "/kv.log", std::ios::binary).write(crash_copy.data(), static_cast<std::streamsize>(crash_copy.size()));
-  std::map<std::string, std::string> replayed;
-  {
-    asio::io_context io2;
-    durable_log again(io2, {.dir = crashed, .sync = sync_mode::no},
-                      [&](record_type t, std::string_view k, std::span<const std::byte> v) {
-                        if (t == record_type::put) {
-                          replayed[std::string(k)] = S(v);
-                        } else {
-                          replayed.erase(std::string(k));
-                        }
-                      });
-    again.close();
-  }
+  const std::map<std::string, std::string> replayed = replay_of(crashed);
   CHECK(replayed.size() == static_cast<std::size_t>(n));
   int wrong = 0;
   for (int i = 0; i < n; ++i) {
