@@ -204,7 +204,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   void liveness_tick() noexcept;
   void want_tick(std::chrono::milliseconds within);  // the next tick within this (a new connection)
   // With a provider whose poll() serves the peers' one-sided operations
-  // (completion_queue::progress_in_poll: tcp), the same thread watches the
+  // (completion_queue::progress_in_poll: tcp without its progress thread,
+  // which serves them itself), the same thread watches the
   // completion queue's notify fd while the reactor is stopped (nothing of
   // ours pending) and posts idle_progress() when it becomes readable: a
   // put towards this side is then answered within a wake-up, not at the

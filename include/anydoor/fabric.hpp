@@ -134,9 +134,11 @@ struct fabric_options {
   // receives already posted, are served while this fabric's io_context is
   // busy or not run at all; completions still wait for the io_context.
   // The reactor still makes progress when it polls (no latency lost while
-  // it runs); the cost is a second thread woken by each arrival and a
-  // mutex on the provider's entry points. No effect on verbs (the NIC
-  // serves them itself).
+  // it runs); the cost is a second thread woken by each arrival, a look-in
+  // by that thread once a millisecond for 10 ms after the reactor last
+  // polled (for acknowledgements the reactor held back), and a mutex on
+  // the provider's entry points. No effect on verbs (the NIC serves them
+  // itself).
   bool progress_thread = false;
   // GPU device memory given as a plain buffer to a put or get (see README
   // "GPU memory"): where the device reaches GPU memory (GPUDirect RDMA;

@@ -36,10 +36,16 @@ test_backend* installed_test_backend() noexcept;
 // Whether this process has loaded the CUDA driver (libcuda.so.1) yet:
 // without it no pointer can be GPU memory. Never loads it. Once loaded it
 // stays true; before, it looks again at most every 10 ms (a data-path
-// check costs a clock read, not a dlopen), or now with look_now. (So GPU
+// check costs a clock read; a look walks the loader's list of objects, no
+// system call, and reads their names only when one was added since the
+// last look), or now with look_now. (So GPU
 // memory allocated within 10 ms of the process's first loading CUDA, and
 // passed at once, can slip through a message check.)
 bool process_has_cuda(bool look_now = false) noexcept;
+// How many times process_has_cuda has read the names of the loaded objects
+// (it does only when something was loaded since it last did; tests). 0 in
+// a build without CUDA.
+std::uint64_t loaded_object_looks() noexcept;
 
 // Whether any pointer may be GPU memory now: the process has loaded a
 // usable driver, or a test backend is installed. Cheap (see above).

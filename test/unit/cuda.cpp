@@ -9,6 +9,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "cuda/driver.hpp"
+
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -88,4 +90,43 @@ TEST_CASE("cuda: without a usable driver every pointer is host memory, and regio
   CHECK(third.kind() == memory_kind::cuda_host);
   third.reset();
   CHECK(third.kind() == memory_kind::host);
+}
+
+// process_has_cuda runs on the data path (every 10 ms at most): it asked
+// the loader with dlopen(RTLD_NOLOAD), which searched the library path (six
+// failed openat calls, about 40 us) while the driver was not loaded. It
+// now reads the loaded objects' names, and only when the loader has added
+// an object since it last did.
+TEST_CASE("cuda: the look for a loaded driver reads the loaded objects only when one was added", "[unit][cuda]") {
+  namespace cd = anydoor::cuda::detail;
+  if (!anydoor::cuda::built_with_cuda()) {
+    CHECK_FALSE(cd::process_has_cuda(true));
+    CHECK(cd::loaded_object_looks() == 0);
+    return;
+  }
+  const bool had = cd::process_has_cuda(true);
+  INFO("the CUDA driver was loaded before this case: " << had);
+  if (!had) {
+    const std::uint64_t looks = cd::loaded_object_looks();
+    for (int i = 0; i < 100; ++i) CHECK_FALSE(cd::process_has_cuda(true));
+    CHECK(cd::loaded_object_looks() == looks);  // nothing added: no look
+    // An object added (not the driver): looked at once, and still no driver.
+    void* other = ::dlopen("libanl.so.1", RTLD_NOW | RTLD_LOCAL);
+    REQUIRE(other != nullptr);
+    CHECK_FALSE(cd::process_has_cuda(true));
+    CHECK(cd::loaded_object_looks() == looks + 1);
+    CHECK_FALSE(cd::process_has_cuda(true));
+    CHECK(cd::loaded_object_looks() == looks + 1);
+    ::dlclose(other);
+  }
+#ifdef ANYDOOR_TEST_CUDA_STUB_PATH
+  // The driver's library loaded from a path of its own (the toolkit's stub,
+  // file name libcuda.so, soname libcuda.so.1): found by its name.
+  void* stub = ::dlopen(ANYDOOR_TEST_CUDA_STUB_PATH, RTLD_LAZY | RTLD_LOCAL);
+  REQUIRE(stub != nullptr);
+  CHECK(cd::process_has_cuda(true));
+  CHECK(cd::process_has_cuda());  // and for good
+#else
+  WARN("no toolkit stub libcuda found at configure time: the driver-found half of this case did not run");
+#endif
 }

@@ -423,7 +423,7 @@ class tcp_cq final : public completion_queue {
   // Whether a pass leaves alone a lone acknowledgement an earlier pass held
   // back: the thread's pass while the owner polls (its own next pass, or
   // its reply, sends it). Any other pass sends it first.
-  bool defers_held_acks() const noexcept { return in_thread_pass_ && owner_recent_ && !armed_; }
+  bool defers_held_acks() const noexcept { return in_thread_pass_ && holds_lone_acks(); }
   // A thread's pass held a lone acknowledgement back (for tests: it does
   // not for an owner that is not polling).
   void note_thread_hold() noexcept { thread_holds_ += in_thread_pass_ ? 1 : 0; }

@@ -145,7 +145,8 @@ class completion_queue {
   virtual std::error_code arm() noexcept = 0;
 
   // A non-blocking file descriptor that becomes readable after arm() when a
-  // completion (or, for tcp, progress to make) arrives. Owned by the queue.
+  // completion arrives, or, where progress_in_poll(), when there is
+  // progress to make (tcp without its progress thread). Owned by the queue.
   virtual int notify_fd() const noexcept = 0;
 
   // Consumes pending notifications (ibv_get_cq_event + ibv_ack_cq_events);
