@@ -727,6 +727,7 @@ log_stats durable_log::stats() const noexcept {
   log_stats s = stats_;
   s.file_bytes = logical_bytes_;
   s.fsyncs = fsyncs_.load(std::memory_order_relaxed);
+  s.thread_rounds = thread_rounds_.load(std::memory_order_relaxed);
   s.synced_bytes = synced_end_.load(std::memory_order_relaxed);
   return s;
 }
@@ -965,7 +966,8 @@ void durable_log::run() noexcept {
   for (;;) {
     auto ready = [&] {
       return !switching_ &&
-             (stop_ || ((writes_all || handed_) && !pending_.empty()) || unsynced_ || (write_error_ && !failed));
+             (stop_ || ((writes_all || handed_) && !pending_.empty()) || (unsynced_ && !dirty && !failed) ||
+              (write_error_ && !failed));
     };
     if (o_.sync == sync_mode::everysec && dirty) {
       cv_.wait_until(lk, synced_at + std::chrono::seconds(1), ready);
@@ -976,10 +978,11 @@ void durable_log::run() noexcept {
       cv_.wait(lk, [&] { return !switching_; });
       continue;
     }
-    if (unsynced_) {  // written by the io thread, not yet fsynced
-      unsynced_ = false;
-      dirty = true;
-    }
+    thread_rounds_.fetch_add(1, std::memory_order_relaxed);
+    // Written by the io thread, not yet fsynced. The flag stays set until
+    // an fdatasync is due (below): meanwhile the io thread's writes find it
+    // set and do not wake this thread, which sleeps until then.
+    if (unsynced_) dirty = true;
     if (new_file_) {  // a compaction swapped the files: the new one has no reserve
       new_file_ = false;
       reserved_ = 0;
@@ -1009,6 +1012,11 @@ void durable_log::run() noexcept {
     thread_syncing_ = true;
     const std::uint64_t end = pending_end_;
     const std::uint64_t written_before = written_end_;  // an fdatasync from here covers at least this
+    // everysec: an fdatasync made now covers what the io thread has written
+    // so far; its next write sets unsynced_ again (and wakes this thread).
+    const bool due = (o_.sync == sync_mode::everysec && clock::now() - synced_at >= std::chrono::seconds(1)) ||
+                     (stopping && o_.sync != sync_mode::no);
+    if (due || failed) unsynced_ = false;
     lk.unlock();
 
     std::error_code ec;
@@ -1020,9 +1028,7 @@ void durable_log::run() noexcept {
         ec = write_all(fd_, buf.data(), buf.size(), &written);
         dirty = true;
       }
-      const bool sync_now = o_.sync == sync_mode::always ||
-                            (o_.sync == sync_mode::everysec && clock::now() - synced_at >= std::chrono::seconds(1)) ||
-                            (stopping && o_.sync != sync_mode::no);
+      const bool sync_now = o_.sync == sync_mode::always || due;
       if (!ec && dirty && sync_now) {
         if (sync_file(fd_) != 0) {
           ec = {errno, std::generic_category()};

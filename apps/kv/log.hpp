@@ -183,6 +183,9 @@ struct log_stats {
   std::uint64_t file_bytes = 0;   // the log's size as it will be once written
   std::uint64_t records = 0;      // appended since start
   std::uint64_t fsyncs = 0;
+  // The log thread's rounds: each a wake-up (records handed to it, the
+  // first write after an fsync with everysec, a timer, a stop).
+  std::uint64_t thread_rounds = 0;
   // The current file's bytes an fdatasync covered: all of it at start (an
   // existing log is fdatasynced when opened, in every sync mode).
   std::uint64_t synced_bytes = 0;
@@ -395,6 +398,7 @@ class durable_log {
   std::atomic<bool> marker_left_{false};  // leave_sync_marker() ran
   std::string write_error_what_;
   std::atomic<std::uint64_t> fsyncs_{0};
+  std::atomic<std::uint64_t> thread_rounds_{0};
   std::atomic<std::uint64_t> synced_end_{0};  // see log_stats::synced_bytes
   std::thread compactor_;  // started by the io thread, joined by it (or close())
   // The log thread's (set before it starts, reset by it after a swap of

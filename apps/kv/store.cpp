@@ -410,14 +410,6 @@ std::optional<std::span<const std::byte>> store::get(std::string_view key) const
   return f->in_overflow ? item_view(f->of->second).value : slot_view(*f->s).value;
 }
 
-void store::clear() noexcept {
-  std::memset(base_, 0, static_cast<std::size_t>(arena_offset_));
-  overflow_.clear();
-  for (auto& fl : free_lists_) fl.clear();
-  bump_ = 0;
-  st_ = {};
-}
-
 void store::for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const {
   const std::size_t all = std::numeric_limits<std::size_t>::max();
   const std::uint64_t every = std::numeric_limits<std::uint64_t>::max();

@@ -82,7 +82,6 @@ class store {
   // A view of the value, valid until the next put or del.
   std::optional<std::span<const std::byte>> get(std::string_view key) const noexcept;
   bool contains(std::string_view key) const noexcept { return get(key).has_value(); }
-  void clear() noexcept;
 
   // Every key and value (order unspecified); `f` must not modify the store.
   void for_each(const std::function<void(std::string_view, std::span<const std::byte>)>& f) const;

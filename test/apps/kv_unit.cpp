@@ -1962,6 +1962,47 @@ TEST_CASE("kv log: a write is answered only once the file holds it - in every sy
 }
 
 
+TEST_CASE("kv log: with everysec the io thread's writes wake the log thread once per fsync, not once per write", "[kv]") {
+  // The log thread fsyncs about once a second. It used to consume the io
+  // thread's "written, not synced" flag at each wake-up, so every write
+  // after one woke it again (a futex and a thread switch per PUT).
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  store st({.max_memory = 1 << 20});
+  {
+    durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
+                    [](record_type, std::string_view, std::span<const std::byte>) { FAIL("an empty log replays nothing"); });
+    service svc(st, &log);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::uint64_t rounds = log.stats().thread_rounds;
+    int answered = 0;
+    for (int i = 0; i < 200; ++i) {
+      std::uint64_t lsn = 0;
+      REQUIRE(svc.put("key" + std::to_string(i), B("value-" + std::to_string(i)), lsn).is_ok());
+      log.async_wait(lsn, [&](std::error_code ec) {
+        CHECK_FALSE(ec);
+        ++answered;
+      });
+      io.restart();
+      io.run();
+      std::this_thread::sleep_for(std::chrono::microseconds(500));  // (time for the thread to wake, were it woken)
+    }
+    const auto took = std::chrono::steady_clock::now() - t0;
+    CHECK(answered == 200);
+    const std::uint64_t woke = log.stats().thread_rounds - rounds;
+    INFO("200 writes in " << std::chrono::duration<double>(took).count() << " s: " << woke << " log thread rounds, "
+                          << log.stats().fsyncs << " fsyncs");
+    // One round for the first write and one per fsync since (about one a
+    // second: at most one per started second), plus one spare.
+    const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(took).count();
+    CHECK(woke <= static_cast<std::uint64_t>(2 * (seconds + 1) + 1));
+    log.close();
+    // Everything written was made durable at the close.
+    CHECK(log.stats().synced_bytes == log.stats().file_bytes);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("kv log: a write the file cannot take fails the log - nothing after it is acknowledged, reads go on, replay "
           "keeps every acknowledged write",
           "[kv]") {
