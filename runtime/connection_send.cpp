@@ -384,7 +384,7 @@ void connection_impl::on_buffer_available() noexcept {
 }
 
 void connection_impl::schedule() noexcept {
-  if (fab_->in_completion > 0) urgent = true;
+  if (fab_->in_completion > 0 || fab_->in_handlers > 0) urgent = true;
   if (dirty) return;
   dirty = true;
   if (!ringing) fab_->schedule_flush(this);

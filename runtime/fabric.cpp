@@ -502,8 +502,10 @@ void fabric_state::idle() noexcept {
 
 void fabric_state::schedule_flush(connection_impl* c) {
   dirty_.push_back(c);
-  // Queued while handling a completion: the reactor flushes it after its pass.
-  if (in_completion > 0) return;
+  // Queued while handling a completion: the reactor flushes it after its
+  // pass. Queued during flush_all (by the handlers a flush ran): its next
+  // round flushes it, or it posts one.
+  if (in_completion > 0 || in_flush_all_) return;
   post_flush();
 }
 
@@ -542,22 +544,35 @@ void fabric_state::end_turn(bool defer) noexcept {
 }
 
 void fabric_state::flush_all(bool defer) noexcept {
-  ++turns;
-  flushing_.swap(dirty_);
-  for (std::size_t i = 0; i < flushing_.size(); ++i) {
-    connection_impl* c = flushing_[i];
-    if (c == nullptr) continue;
-    // A coroutine whose send completion is still queued will likely send
-    // again: wait for it, so that a pipelined sender fills one doorbell.
-    const bool wait = defer ? posted_completions > 0 && c->queued_sends() < kEarlyFlush : !c->urgent;
-    if (wait) {
-      dirty_.push_back(c);
-      continue;
+  // What the handlers of this flush queue (a reply's send completes at its
+  // doorbell and resumes its coroutine, which drops the request: its
+  // buffer goes back) is urgent (connection_impl::schedule): a second
+  // round flushes it here. A reactor that sleeps between messages used to
+  // post a flush for it: an io_context round, with its epoll_wait, per
+  // message.
+  const bool nested = std::exchange(in_flush_all_, true);
+  for (int round = 0; round < 2; ++round) {
+    ++turns;
+    flushing_.swap(dirty_);
+    std::size_t waiting = 0;
+    for (std::size_t i = 0; i < flushing_.size(); ++i) {
+      connection_impl* c = flushing_[i];
+      if (c == nullptr) continue;
+      // A coroutine whose send completion is still queued will likely send
+      // again: wait for it, so that a pipelined sender fills one doorbell.
+      const bool wait = defer ? posted_completions > 0 && c->queued_sends() < kEarlyFlush : !c->urgent;
+      if (wait) {
+        dirty_.push_back(c);
+        ++waiting;
+        continue;
+      }
+      c->flush();
     }
-    c->flush();
+    flushing_.clear();
+    if (dirty_.size() == waiting) break;  // nothing new from the handlers
   }
-  flushing_.clear();
-  if (!dirty_.empty()) post_flush();
+  in_flush_all_ = nested;
+  if (!dirty_.empty() && !nested) post_flush();
 }
 
 void fabric_state::wait_for_buffer(connection_impl* c) { buffer_waiters_.push_back(c); }

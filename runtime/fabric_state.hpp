@@ -182,7 +182,9 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::uint64_t turns = 0;
   // Nonzero while a flush completes its connection's sends with their
   // handlers run in place (connection_impl::flush): what they issue then
-  // is a completion handler's, batched (connection_impl::issue).
+  // is a completion handler's, batched (connection_impl::issue), and what
+  // they queue (a send, the buffer of a message they drop) is flushed by
+  // flush_all's second round, not by a posted flush.
   std::uint32_t in_handlers = 0;
   static constexpr std::size_t kEarlyFlush = 32;
 
@@ -248,6 +250,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::size_t active_ = 0;
   bool stop_check_posted_ = false;
   bool flush_posted_ = false;
+  bool in_flush_all_ = false;  // flush_all runs: what gets dirty waits for its next round (or its post)
   std::vector<connection_impl*> dirty_;
   std::vector<connection_impl*> flushing_;
   std::vector<connection_impl*> buffer_waiters_;
