@@ -143,7 +143,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::uint32_t lone_turns = 0;
   std::uint32_t issued = 0;
   std::uint64_t issue_turn = ~std::uint64_t{0};
-  bool urgent = false;  // queued from a completion handler: flushed after the reactor's pass
+  // Queued from a completion handler, or from a handler a flush ran
+  // (fabric_state::in_handlers): flushed after the reactor's pass, or by
+  // flush_all's second round.
+  bool urgent = false;
   bool waiting_buffer = false;
   void on_buffer_available() noexcept;
 

@@ -550,7 +550,11 @@ void fabric_state::flush_all(bool defer) noexcept {
   // round flushes it here. A reactor that sleeps between messages used to
   // post a flush for it: an io_context round, with its epoll_wait, per
   // message.
-  const bool nested = std::exchange(in_flush_all_, true);
+  // (Called again from a handler it runs - one that runs the io_context
+  // itself: the connections stay dirty for this call's next round or its
+  // post. Swapping the lists under the running loop would flush some twice.)
+  if (in_flush_all_) return;
+  in_flush_all_ = true;
   for (int round = 0; round < 2; ++round) {
     ++turns;
     flushing_.swap(dirty_);
@@ -571,8 +575,8 @@ void fabric_state::flush_all(bool defer) noexcept {
     flushing_.clear();
     if (dirty_.size() == waiting) break;  // nothing new from the handlers
   }
-  in_flush_all_ = nested;
-  if (!dirty_.empty() && !nested) post_flush();
+  in_flush_all_ = false;
+  if (!dirty_.empty()) post_flush();
 }
 
 void fabric_state::wait_for_buffer(connection_impl* c) { buffer_waiters_.push_back(c); }

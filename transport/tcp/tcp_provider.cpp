@@ -531,7 +531,10 @@ void tcp_cq::unwatch(int fd) noexcept { ::epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nu
 void tcp_cq::signal() noexcept {
   const std::uint64_t one = 1;
   [[maybe_unused]] auto n = ::write(evfd_, &one, sizeof one);
-  signalled_ = true;
+  // (After the write: set first, a read between the two would clear it
+  // with the count not there yet, and the count would then stay unread,
+  // evfd_ readable for good.)
+  signalled_.store(true, std::memory_order_release);
 }
 
 void tcp_cq::push(const completion& c) noexcept {
@@ -547,14 +550,10 @@ void tcp_cq::push(const completion& c) noexcept {
   ring_[ring_tail_] = c;
   ring_tail_ = ring_tail_ + 1 == depth_ ? 0 : ring_tail_ + 1;
   ++ring_used_;
-  if (!armed_) return;
-  if (in_owner_poll_) {
-    owner_took_ = true;
-    return;
+  if (armed_) {
+    armed_ = false;
+    signal();
   }
-  armed_ = false;
-  owner_took_ = false;
-  signal();
 }
 
 void tcp_cq::schedule(std::chrono::steady_clock::time_point when) noexcept {
@@ -611,9 +610,7 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
   ++counters_.polls;
   if (threaded_) owner_poll_ns_ = now_ns();
   if (!overflow_ && ring_used_ == 0) {
-    in_owner_poll_ = true;
     progress();
-    in_owner_poll_ = false;
     // Work this pass left (an acknowledgement held back, input beyond a
     // pass) waits for the owner's next poll, which may not come soon: a
     // thread waiting without limit (the owner was idle) is told to time it.
@@ -631,13 +628,6 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
   ring_head_ = n - first != 0 ? n - first : ring_head_ + first;
   if (ring_head_ == depth_) ring_head_ = 0;
   ring_used_ -= n;
-  if (armed_ && owner_took_ && ring_used_ != 0) {
-    // What this poll's pass completed beyond `out` (see in_owner_poll_:
-    // still armed, completions left can only be those).
-    armed_ = false;
-    owner_took_ = false;
-    signal();
-  }
   if (n == 0) ++counters_.empty_polls;
   counters_.completions += n;
   ec.clear();
@@ -651,7 +641,6 @@ std::error_code tcp_cq::arm() noexcept {
   // it. Every queue pair holding one is listed (progress() notes it).
   for (tcp_qp* qp : pending_) qp->flush_acks();
   armed_ = true;
-  owner_took_ = false;
   // Stricter than verbs: completions already queued notify at once, and so
   // does input already read but not processed (a pass takes at most 256
   // frames; the socket is empty, so epoll would not wake the sleeper) -
@@ -668,10 +657,7 @@ std::error_code tcp_cq::arm() noexcept {
 std::size_t tcp_cq::ack_events() noexcept {
   const auto lock = guard();
   std::uint64_t count = 0;
-  // (No read while nothing was signalled: the usual wake-up of a queue
-  // without a progress thread is its sockets', not evfd_'s.)
-  if (!signalled_) return 0;
-  signalled_ = false;
+  if (!signalled_.exchange(false, std::memory_order_acq_rel)) return 0;
   if (::read(evfd_, &count, sizeof count) != static_cast<ssize_t>(sizeof count)) count = 0;
   counters_.events += count;
   return static_cast<std::size_t>(count);

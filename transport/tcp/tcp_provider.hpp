@@ -416,14 +416,10 @@ class tcp_cq final : public completion_queue {
   // The consumer armed the queue and may sleep until it notifies.
   bool armed() const noexcept { return armed_; }
   // Whether a pass may hold a lone acknowledgement back for the owner's
-  // next request to carry: not once the owner armed (it sleeps) - unless
-  // its own poll has since taken a completion (it handles that, and arms
-  // again, which sends what is held, before it sleeps) - and not in the
-  // thread's pass unless the owner polled just before (a busy owner is not
-  // about to send).
-  bool holds_lone_acks() const noexcept {
-    return (!armed_ || owner_took_) && (!in_thread_pass_ || owner_recent_);
-  }
+  // next request to carry: not once the owner armed (it sleeps), and not
+  // in the thread's pass unless the owner polled just before (a busy owner
+  // is not about to send).
+  bool holds_lone_acks() const noexcept { return !armed_ && (!in_thread_pass_ || owner_recent_); }
   // Whether a pass leaves alone a lone acknowledgement an earlier pass held
   // back: the thread's pass while the owner polls (its own next pass, or
   // its reply, sends it). Any other pass sends it first.
@@ -456,15 +452,11 @@ class tcp_cq final : public completion_queue {
   std::uint32_t ring_used_ = 0;
   bool armed_ = false;
   bool overflow_ = false;
-  // The owner's poll() is making progress: what it completes it takes in
-  // that same call, so an armed queue is not signalled for it (a write to
-  // evfd_, then a read, for a wake-up nobody needs). The arm stays for the
-  // next completion made outside a poll, and a poll that leaves some of
-  // them in the ring signals (as a NIC's event would have) so that a
-  // consumer that sleeps on it is woken for them.
-  bool in_owner_poll_ = false;
-  bool owner_took_ = false;  // such a completion since the last arm()
-  bool signalled_ = false;   // evfd_ has a count that ack_events has not read
+  // evfd_ has a count that ack_events has not read: set by signal() (from
+  // any thread) after its write, so that ack_events, which the reactor
+  // calls at every wake-up, reads evfd_ only when it was signalled (the
+  // usual wake-up without a progress thread is a socket's, not evfd_'s).
+  std::atomic<bool> signalled_{false};
   int epfd_ = -1;
   int evfd_ = -1;
   int timerfd_ = -1;
