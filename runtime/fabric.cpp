@@ -552,7 +552,10 @@ void fabric_state::flush_all(bool defer) noexcept {
   // message.
   // (Called again from a handler it runs - one that runs the io_context
   // itself: the connections stay dirty for this call's next round or its
-  // post. Swapping the lists under the running loop would flush some twice.)
+  // post. Swapping the lists under the running loop would flush some twice.
+  // So a handler that runs the io_context until its own send has left
+  // waits for ever, as one run by a completion already did: what it queues
+  // is flushed after the reactor's pass that runs it.)
   if (in_flush_all_) return;
   in_flush_all_ = true;
   for (int round = 0; round < 2; ++round) {
