@@ -1329,6 +1329,21 @@ TEST_CASE("rendezvous memory: a message above the receiver's budget is refused o
   CHECK(server_waits >= 1);  // 4 x 48 KiB in a 64 KiB budget: later reads waited for earlier ones
 }
 
+// A server and a client fabric on io_contexts of their own, which the test
+// polls (work guards keep poll_one() from stopping them), connected.
+struct split_pair {
+  asio::io_context sio, cio;
+  ad::fabric server, client;
+  ad::acceptor acc;
+  asio::executor_work_guard<asio::io_context::executor_type> sguard, cguard;
+  ad::connection sc, cc;
+  explicit split_pair(const ad::fabric_options& o)
+      : server(sio, o), client(cio, o), acc(server.listen(test_host(), 0)), sguard(asio::make_work_guard(sio)),
+        cguard(asio::make_work_guard(cio)) {
+    std::tie(sc, cc) = connect_across(sio, cio, client, acc);
+  }
+};
+
 TEST_CASE("a rendezvous send torn down while the peer reads it: its buffer is never read after the send completes",
           "[runtime]") {
   // The sender aborts while the receiver's READ response is still being
@@ -1343,17 +1358,14 @@ TEST_CASE("a rendezvous send torn down while the peer reads it: its buffer is ne
     WARN("not run on " << provider_under_test() << ": checks the tcp provider's handling of deregistered memory");
     return;
   }
-  asio::io_context sio, cio;
   ad::fabric_options o = test_options();
   o.reactor.mode = ad::poll_mode::event;
   o.connection.rendezvous_memory = std::uint64_t{128} << 20;
-  ad::fabric server(sio, o);
-  ad::fabric client(cio, o);
-  ad::acceptor acc = server.listen(test_host(), 0);
-  // poll_one() on an io_context without work stops it: keep both going.
-  auto sguard = asio::make_work_guard(sio);
-  auto cguard = asio::make_work_guard(cio);
-  auto [sc, cc] = connect_across(sio, cio, client, acc);
+  split_pair p(o);
+  auto& sio = p.sio;
+  auto& cio = p.cio;
+  auto& sc = p.sc;
+  auto& cc = p.cc;
   auto buf = std::make_unique<std::vector<std::byte>>(pattern(std::size_t{64} << 20, 3));
   bool sent = false, received = false;
   ad::error_code send_ec, recv_ec;
@@ -1401,8 +1413,8 @@ TEST_CASE("a rendezvous send torn down while the peer reads it: its buffer is ne
   CHECK(recv_ec);
   sc = {};
   cc = {};
-  sguard.reset();
-  cguard.reset();
+  p.sguard.reset();
+  p.cguard.reset();
   sio.run_for(2s);
   cio.run_for(2s);
 }
@@ -1782,15 +1794,14 @@ TEST_CASE("connection: an event-mode server's reply and the request buffer it dr
   // io_context round (an epoll_wait) per message for a reactor that sleeps
   // between messages. Counted here: the server's io_context handlers per
   // echo.
-  asio::io_context sio, cio;
   ad::fabric_options o = test_options();
   o.reactor.mode = ad::poll_mode::event;
-  ad::fabric server(sio, o);
-  ad::fabric client(cio, o);
-  ad::acceptor acc = server.listen(test_host(), 0);
-  auto sguard = asio::make_work_guard(sio);
-  auto cguard = asio::make_work_guard(cio);
-  auto [sc, cc] = connect_across(sio, cio, client, acc);
+  split_pair p(o);
+  auto& sio = p.sio;
+  auto& cio = p.cio;
+  auto& sc = p.sc;
+  auto& cc = p.cc;
+  auto& server = p.server;
   bool server_done = false;
   asio::co_spawn(sio, [&]() -> asio::awaitable<void> {
     for (;;) {
