@@ -136,7 +136,9 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
                                                         std::to_string(caps.max_qp_wr));
   }
   pd = device->alloc_pd();
-  cq = device->create_cq(static_cast<std::uint32_t>(depth), {.progress_thread = options.progress_thread});
+  // (The reactor, the queue's one consumer, arms it again before it sleeps.)
+  cq = device->create_cq(static_cast<std::uint32_t>(depth),
+                         {.progress_thread = options.progress_thread, .owner_rearms = true});
   inline_cap = std::min<std::uint32_t>(caps.max_inline, 256);
   recv_buffer = static_cast<std::uint32_t>((protocol::kHeaderSize + c.eager_limit + 63) / 64 * 64);
   pool = std::make_unique<buffer_pool>(

@@ -237,8 +237,11 @@ std::size_t reactor::poll_now() {
   if (failed_) return 0;
   const std::size_t n = drain();
   // Stopped: armed again, as stop() leaves it (the tcp provider sends the
-  // acknowledgements it holds back when armed).
-  if (!running_ && !failed_) (void)cq_.arm();
+  // acknowledgements it holds back when armed). So is a queue the loop
+  // sleeps on whose arm this poll may have spent: the reactor arms again
+  // after any poll that returned completions before it sleeps (the queue
+  // may count on it: cq_options::owner_rearms).
+  if (!failed_ && (!running_ || (waiting_ && n > 0))) (void)cq_.arm();
   return n;
 }
 

@@ -1833,10 +1833,15 @@ TEST_CASE("connection: an event-mode server's reply and the request buffer it dr
     cio.poll();
     handlers += sio.poll();
   }
-  // The reactor's wake-ups on the notify fd (one per request, or more: the
-  // tcp provider signals its eventfd for the completion its poll made, a
-  // second readiness) are not what is counted: the handlers besides them.
+  // The reactor's wake-ups on the notify fd: one per request (its socket's
+  // data). The tcp provider made it two when it signalled its eventfd for
+  // the completion the reactor's own poll made and returned, which the
+  // fabric's queue asks it not to (cq_options::owner_rearms: the reactor
+  // arms again before it sleeps). The handlers besides them are counted
+  // next.
   const auto woke = static_cast<std::size_t>(server.stats().reactor.wakeups - wakeups);
+  INFO("server wake-ups per echo: " << static_cast<double>(woke) / kEchoes);
+  CHECK(woke <= kEchoes + kEchoes / 4);
   REQUIRE(handlers >= woke);  // (each wake-up is one of the handlers)
   handlers -= woke;
   CHECK(echoed == kEchoes);

@@ -11,6 +11,7 @@
 #include <boost/asio/version.hpp>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -746,6 +747,47 @@ TEST_CASE("reactor: a wake-up while a busy loop is queued leaves that loop alone
   // (The loop never slept meanwhile: else the wake-up would have had no
   // loop to leave the polling to, and the test would prove nothing.)
   REQUIRE(r.stats().arms == arms);
+  r.stop();
+  io.run();
+}
+
+TEST_CASE("reactor: a poll_now that takes a completion while the reactor sleeps arms the queue again",
+          "[runtime]") {
+  // A queue made with owner_rearms spends its arm, with no wake-up, on a
+  // completion the owner's poll makes and returns: the reactor promises to
+  // arm again before it sleeps. poll_now (the fabric's liveness tick) polls
+  // while the loop sleeps on the notify fd; without its arm the tcp
+  // provider would hold the message's ACK for a reply (the queue counting
+  // as polled, not armed) and the sender's send would wait for the next
+  // message. Here the io_context does not run after the poll_now. (On
+  // verbs, which ignores the option, the same steps hold.)
+  connected_pair p({}, 4096, 4096, {.owner_rearms = true});
+  asio::io_context io{1};
+  anydoor::reactor r(io, *p.b.cq, {.mode = anydoor::poll_mode::event});
+  struct counter : anydoor::operation {
+    int calls = 0;
+    void complete(const tp::completion& c) noexcept override { calls += c.status == tp::wc_status::success; }
+  } op;
+  std::uint32_t dst = 0, src = 42;
+  auto dmr = p.b.pd->register_memory(&dst, 4, access::local_write);
+  auto smr = p.a.pd->register_memory(&src, 4, access::none);
+  const tp::sge rsg = dmr->slice(0, 4), ssg = smr->slice(0, 4);
+  const tp::recv_request rr{.wr_id = r.track(op), .sg_list = {&rsg, 1}};
+  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  r.start();
+  run_until_asleep(io, r);
+  const tp::work_request wr = send_wr(1, {&ssg, 1});
+  REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
+  pollfd pf{p.b.cq->notify_fd(), POLLIN, 0};
+  REQUIRE(::poll(&pf, 1, 3000) == 1);
+  REQUIRE(r.poll_now() == 1);
+  CHECK(op.calls == 1);
+  CHECK(dst == 42);
+  driver d{p.a.cq.get()};
+  const auto done = d.wait(p.a.cq.get(), 1, 2s);
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].wr_id == 1);
+  CHECK(done[0].status == tp::wc_status::success);
   r.stop();
   io.run();
 }

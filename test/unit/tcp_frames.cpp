@@ -69,7 +69,8 @@ struct raw_peer {
   std::unique_ptr<tp::memory_region> mr;
   int fd = -1;
 
-  explicit raw_peer(int rcvbuf = 0, tp::qp_attributes a = {}) {
+  explicit raw_peer(int rcvbuf = 0, tp::qp_attributes a = {}, const tp::cq_options& cq_opts = {})
+      : ep(4096, cq_opts) {
     ep.qp = ep.pd->create_qp(ep.attrs(a));
     mr = ep.pd->register_memory(mem.data() + 64, 4096,
                                 access::local_write | access::remote_write | access::remote_read |
@@ -844,6 +845,72 @@ TEST_CASE("tcp provider: a poll that leaves some of what it completed in the que
   CHECK(one[0].wr_id == 2);
   REQUIRE(p.ep.cq->poll(one, ec) == 1);
   CHECK(one[0].wr_id == 3);
+}
+
+TEST_CASE("tcp provider: with owner_rearms a completion the owner's poll makes and returns does not notify "
+          "- the arm is spent and the next arm sends the ACK it let the pass hold",
+          "[unit][tcp]") {
+  // Event mode's second wake-up per message: the completion a poll made on
+  // an armed queue wrote the eventfd although that poll returned it. An
+  // owner that arms again before it sleeps (the runtime's reactor) asks
+  // for none. Without the option a consumer that polls once and sleeps is
+  // woken, as before (and its next poll or arm sends the held ACK).
+  const bool rearms = GENERATE(false, true);
+  INFO("owner_rearms " << rearms);
+  raw_peer p(0, {}, {.owner_rearms = rearms});
+  tp::sge sg = p.mr->slice(0, 64);
+  tp::recv_request rr{.wr_id = 1, .sg_list = {&sg, 1}};
+  REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));
+  std::array<tp::completion, 4> c{};
+  std::error_code ec;
+  p.ep.cq->ack_events();  // (the queue pair's wake-up when it went live)
+  REQUIRE(p.ep.cq->poll(c, ec) == 0);
+  REQUIRE_FALSE(p.ep.cq->arm());
+  pollfd pf{p.ep.cq->notify_fd(), POLLIN, 0};
+  REQUIRE(::poll(&pf, 1, 0) == 0);
+  p.send_frame({.type = frame_type::send, .psn = 1, .length = 5}, "hello", 5);
+  REQUIRE(::poll(&pf, 1, 3000) == 1);  // the socket's data
+  std::size_t n = 0;
+  for (int i = 0; i < 1000 && n == 0; ++i) n = p.ep.cq->poll(c, ec);
+  REQUIRE(n == 1);
+  CHECK(c[0].wr_id == 1);
+  CHECK(c[0].status == tp::wc_status::success);
+  pf.revents = 0;
+  const auto acked = [&] {
+    const auto b = raw_read(p.fd, kHeaderSize, 100);
+    frame_header h;
+    if (b.size() != kHeaderSize ||
+        decode(std::span<const std::byte, kHeaderSize>(b.data(), kHeaderSize), h) != decode_error::none) {
+      return false;
+    }
+    return h.type == frame_type::ack && h.psn == 1;
+  };
+  if (rearms) {
+    CHECK(::poll(&pf, 1, 0) == 0);  // nothing to wake for: this poll returned it
+    CHECK(p.ep.cq->ack_events() == 0);
+  } else {
+    CHECK(::poll(&pf, 1, 0) == 1);  // signalled
+    CHECK(p.ep.cq->ack_events() == 1);
+  }
+  // Held either way (the arm is spent; the wake-up, or the promise, brings
+  // the consumer back), and the next arm sends it.
+  CHECK_FALSE(acked());
+  REQUIRE_FALSE(p.ep.cq->arm());
+  CHECK(acked());
+  pf.revents = 0;
+  CHECK(::poll(&pf, 1, 0) == 0);
+  // Armed again: the next message's completion is made by a poll as well,
+  // and the queue works as before.
+  rr.wr_id = 2;
+  REQUIRE_FALSE(p.ep.qp->post_recv({&rr, 1}));
+  p.send_frame({.type = frame_type::send, .psn = 2, .length = 5}, "again", 5);
+  REQUIRE(::poll(&pf, 1, 3000) == 1);
+  n = 0;
+  for (int i = 0; i < 1000 && n == 0; ++i) n = p.ep.cq->poll(c, ec);
+  REQUIRE(n == 1);
+  CHECK(c[0].wr_id == 2);
+  CHECK(std::memcmp(p.mem.data() + 64, "again", 5) == 0);
+  CHECK(p.ep.cq->ack_events() == (rearms ? 0u : 1u));
 }
 
 TEST_CASE("tcp provider: a queue pair holds a receive staging buffer only while a frame waits in it", "[unit][tcp]") {

@@ -315,8 +315,8 @@ int check_fd(int fd, const char* what) {
 }  // namespace
 
 // depth_, which create_cq caps at max_cqe (2^20), is where it overflows.
-tcp_cq::tcp_cq(std::uint32_t depth, bool progress_thread)
-    : depth_(depth), ring_(depth), threaded_(progress_thread) {
+tcp_cq::tcp_cq(std::uint32_t depth, const cq_options& options)
+    : depth_(depth), ring_(depth), owner_rearms_(options.owner_rearms), threaded_(options.progress_thread) {
   try {
     epfd_ = check_fd(::epoll_create1(EPOLL_CLOEXEC), "epoll_create1");
     evfd_ = check_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC), "eventfd");
@@ -552,7 +552,9 @@ void tcp_cq::push(const completion& c) noexcept {
   ++ring_used_;
   if (armed_) {
     armed_ = false;
-    signal();
+    // (Inside the owner's poll, which returns it, an owner that arms again
+    // before it sleeps needs no wake-up: cq_options::owner_rearms.)
+    if (!in_owner_poll_) signal();
   }
 }
 
@@ -610,7 +612,10 @@ std::size_t tcp_cq::poll(std::span<completion> out, std::error_code& ec) noexcep
   ++counters_.polls;
   if (threaded_) owner_poll_ns_ = now_ns();
   if (!overflow_ && ring_used_ == 0) {
+    // (What this pass completes, this call returns: at least one.)
+    in_owner_poll_ = owner_rearms_ && !out.empty();
     progress();
+    in_owner_poll_ = false;
     // Work this pass left (an acknowledgement held back, input beyond a
     // pass) waits for the owner's next poll, which may not come soon: a
     // thread waiting without limit (the owner was idle) is told to time it.
@@ -711,7 +716,7 @@ std::unique_ptr<completion_queue> tcp_device::create_cq(std::uint32_t depth, con
     log().warn("tcp provider: a completion queue of depth {} holds {} (fault injection: cq_depth)", depth, cap);
     depth = cap;
   }
-  return std::make_unique<tcp_cq>(depth, options.progress_thread);
+  return std::make_unique<tcp_cq>(depth, options);
 }
 
 }  // namespace anydoor::transport::tcp

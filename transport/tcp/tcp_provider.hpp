@@ -364,7 +364,7 @@ struct tx_batch {
 // channel: it wakes for completions, the thread for input.
 class tcp_cq final : public completion_queue {
  public:
-  tcp_cq(std::uint32_t depth, bool progress_thread = false);
+  explicit tcp_cq(std::uint32_t depth, const cq_options& options = {});
   ~tcp_cq() override;
 
   std::size_t poll(std::span<completion> out, std::error_code& ec) noexcept override;
@@ -452,6 +452,8 @@ class tcp_cq final : public completion_queue {
   std::uint32_t ring_used_ = 0;
   bool armed_ = false;
   bool overflow_ = false;
+  const bool owner_rearms_;    // cq_options::owner_rearms
+  bool in_owner_poll_ = false;  // the pass of an owner's poll that returns what it completes (owner_rearms_)
   // evfd_ has a count that ack_events has not read: set by signal() (from
   // any thread) after its write, so that ack_events, which the reactor
   // calls at every wake-up, reads evfd_ only when it was signalled (the

@@ -127,6 +127,16 @@ struct cq_options {
   // joined when the queue is destroyed. No effect on a provider whose NIC
   // needs nothing from the target (verbs).
   bool progress_thread = false;
+  // The owner promises to arm the queue again before it sleeps on
+  // notify_fd() whenever a poll() returned completions (the runtime's
+  // reactor does). A completion that the owner's own poll() makes (tcp:
+  // progress_in_poll) and returns then does not make an armed queue's
+  // notify_fd() readable, which would only wake the owner for nothing; the
+  // arm is spent all the same. Without it, such a completion notifies, as
+  // a NIC's event does whoever polls it: a consumer that polls once and
+  // sleeps without arming again is woken. No effect on completions made
+  // elsewhere (the progress thread's, a NIC's), nor on verbs.
+  bool owner_rearms = false;
 };
 
 // A completion queue (ibv_cq with its completion channel).
