@@ -357,12 +357,13 @@ void reactor::spin_step(std::shared_ptr<bool> alive) {
   arm_and_wait();
 }
 
-void reactor::arm_and_wait() {
+void reactor::arm_and_wait(bool drained) {
   // (A stop and a start from a handler run by a drain below start another
   // loop: the step posted here then retires.)
   const std::uint64_t epoch = epoch_;
   while (running_) {
-    drain();
+    if (!drained) drain();
+    drained = false;
     if (!running_) return;
     if (auto ec = cq_.arm()) {
       log().error("reactor: arming the completion queue failed: {}", ec.message());
@@ -370,8 +371,9 @@ void reactor::arm_and_wait() {
       return;
     }
     ++stats_.arms;
-    // Completions that arrived before the arm do not notify: drain again.
-    if (drain() == 0) break;
+    // Completions that arrived before the arm do not notify: drain again -
+    // unless the queue's arm reports them itself (the fd is readable then).
+    if (cq_.arm_reports_queued() || drain() == 0) break;
     if (mode_ == poll_mode::adaptive) {
       last_activity_ = std::chrono::steady_clock::now();
       post_spin_step(alive_, epoch);
@@ -423,7 +425,7 @@ void reactor::on_readable() {
     spin_step();
     return;
   }
-  arm_and_wait();
+  arm_and_wait(true);
 }
 
 }  // namespace anydoor

@@ -172,7 +172,9 @@ class reactor {
   void fail_all() noexcept;
   void wait_readable();
   void on_readable();
-  void arm_and_wait();
+  // drained: a drain just emptied the queue (a wake-up's), so the arm comes
+  // first.
+  void arm_and_wait(bool drained = false);
   // One busy round; `alive` is alive_'s reference a posted step carries (empty: none).
   void spin_step(std::shared_ptr<bool> alive = nullptr);
   void post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch);

@@ -181,7 +181,7 @@ struct one_message {
   std::unique_ptr<tp::memory_region> dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
   tp::sge rsg = dmr->slice(0, 16), ssg = smr->slice(0, 16);
 
-  one_message() {
+  explicit one_message(const tp::cq_options& cq_opts_b = {}) : p({}, 4096, 4096, cq_opts_b) {
     tp::recv_request rr{.wr_id = 1, .sg_list = {&rsg, 1}};
     REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
   }
@@ -240,6 +240,37 @@ TEST_CASE("notify fd: a completion arriving between the last poll and arm is not
   }
   REQUIRE(found);
   CHECK(buf[0].wr_id == 1);
+}
+
+TEST_CASE("notify fd: where arm() reports what is queued, a completion made before the arm wakes with no poll after it",
+          "[conformance]") {
+  // completion_queue::arm_reports_queued (the reactor then skips the drain
+  // after arming). The receiving side completes the message while its
+  // consumer does not poll (a NIC; tcp: the queue's progress thread), then
+  // the consumer arms: the fd must say the completion is there.
+  one_message m({.progress_thread = true});
+  auto& p = m.p;
+  if (!p.b.cq->arm_reports_queued()) {
+    WARN("not run on " << provider_under_test() << ": its arm() notifies only what comes after it");
+    return;
+  }
+  std::this_thread::sleep_for(20ms);  // (the receiving owner's polls while connecting are not recent)
+  m.send();
+  driver d{p.a.cq.get()};  // the sender only: its send completes once the message is in
+  const auto sent = d.wait(p.a.cq.get(), 1, 5s);
+  REQUIRE(sent.size() == 1);
+  REQUIRE(sent[0].status == tp::wc_status::success);
+  p.b.cq->ack_events();  // (the queue pair's wake-up when it went live)
+  CHECK_FALSE(readable_within(p.b.cq->notify_fd(), 20));  // not armed: nothing said
+  REQUIRE_FALSE(p.b.cq->arm());
+  CHECK(readable_within(p.b.cq->notify_fd(), 0));
+  CHECK(p.b.cq->ack_events() >= 1);
+  tp::completion buf[4];
+  std::error_code ec;
+  REQUIRE(p.b.cq->poll(buf, ec) == 1);
+  CHECK(buf[0].wr_id == 1);
+  CHECK(buf[0].status == tp::wc_status::success);
+  CHECK(m.dst == m.src);
 }
 
 TEST_CASE("a burst larger than one progress pass completes on a queue shared by many queue pairs",

@@ -372,6 +372,9 @@ class tcp_cq final : public completion_queue {
   int notify_fd() const noexcept override { return threaded_ ? evfd_ : epfd_; }
   // (With the thread the owner need not poll for the peers' sake.)
   bool progress_in_poll() const noexcept override { return !threaded_; }
+  // (arm() signals for what is queued or read; sockets and the timer keep
+  // epfd_ readable by themselves; the thread's pass signals what it makes.)
+  bool arm_reports_queued() const noexcept override { return true; }
   std::size_t ack_events() noexcept override;
   std::uint32_t depth() const noexcept override { return depth_; }
   cq_counters counters() const noexcept override {

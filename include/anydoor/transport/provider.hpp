@@ -173,6 +173,14 @@ class completion_queue {
   // readable, armed or not, while there is progress to make. False for a
   // NIC, which needs nothing from the target.
   virtual bool progress_in_poll() const noexcept { return false; }
+
+  // True where arm() itself makes notify_fd() readable when completions
+  // are already queued or work is already waiting for poll() (tcp: input
+  // read but not processed, a socket's unread data, a due timer): the poll
+  // after arming then finds nothing the fd would not report, and a consumer
+  // may skip it. False for a NIC (ibv_req_notify_cq notifies only for
+  // completions that arrive after it: poll again after arming).
+  virtual bool arm_reports_queued() const noexcept { return false; }
 };
 
 // A shared receive queue (ibv_srq): receives that every queue pair created with it (qp_attributes::srq)
