@@ -4,7 +4,9 @@
 // Event mode: the CQ's notify fd (a dup of it) is an asio stream_descriptor;
 // when it is readable the reactor acknowledges the events, polls in batches
 // until the queue is empty, arms, and polls again before waiting (the
-// arm-then-drain rule: no lost wake-ups); it arms again before it sleeps
+// arm-then-drain rule: no lost wake-ups; not again where the queue's arm
+// reports what is already there, completion_queue::arm_reports_queued);
+// it arms again before it sleeps
 // after any poll that returned completions, so a queue made with
 // transport::cq_options::owner_rearms may skip the wake-up for a completion
 // its poll made (poll_now() keeps this too). Busy mode: it polls from a handler

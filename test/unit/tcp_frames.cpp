@@ -63,6 +63,24 @@ std::vector<std::byte> raw_read(int fd, std::size_t n, int timeout_ms = 3000) {
 }
 
 // A tcp-provider queue pair whose peer is a raw socket.
+// Connects a raw socket to `qp` through `lis` (the provider accepts it);
+// returns the socket.
+int attach_raw(tp::listener& lis, tp::queue_pair& qp, int rcvbuf = 0) {
+  const int fd = raw_connect(lis.port(), rcvbuf);
+  send_hello(fd);
+  std::error_code ec;
+  auto req = lis.get_request(5s, ec);
+  REQUIRE(req);
+  REQUIRE_FALSE(req->accept(qp, {}));
+  auto reply = raw_read(fd, kHandshakeSize);
+  REQUIRE(reply.size() == kHandshakeSize);
+  handshake h;
+  REQUIRE(decode(std::span<const std::byte, kHandshakeSize>(reply.data(), kHandshakeSize), h) ==
+          handshake_error::none);
+  CHECK(h.kind == handshake_kind::accept);
+  return fd;
+}
+
 struct raw_peer {
   endpoint ep;
   std::vector<std::uint8_t> mem = std::vector<std::uint8_t>(4096 + 128, 0xa5);
@@ -76,18 +94,7 @@ struct raw_peer {
                                 access::local_write | access::remote_write | access::remote_read |
                                     access::remote_atomic);
     auto lis = ep.dev->listen("127.0.0.1", 0);
-    fd = raw_connect(lis->port(), rcvbuf);
-    send_hello(fd);
-    std::error_code ec;
-    auto req = lis->get_request(5s, ec);
-    REQUIRE(req);
-    REQUIRE_FALSE(req->accept(*ep.qp, {}));
-    auto reply = raw_read(fd, kHandshakeSize);
-    REQUIRE(reply.size() == kHandshakeSize);
-    handshake h;
-    REQUIRE(decode(std::span<const std::byte, kHandshakeSize>(reply.data(), kHandshakeSize), h) ==
-            handshake_error::none);
-    CHECK(h.kind == handshake_kind::accept);
+    fd = attach_raw(*lis, *ep.qp, rcvbuf);
   }
   ~raw_peer() {
     if (fd >= 0) ::close(fd);
@@ -802,6 +809,89 @@ TEST_CASE("tcp provider: arming with input read but not processed wakes the cons
   for (int i = 0; i < 10; ++i) CHECK(p.ep.cq->poll(c, ec) == 0);
   // the last write landed: frame 599 wrote its index at slot 599 % 64
   CHECK(static_cast<std::uint8_t>(p.mem[64 + (599 % 64) * 8]) == static_cast<std::uint8_t>(599));
+}
+
+TEST_CASE("tcp provider: a pass that stops at its frame cap with more in the socket leaves work - arm() signals for it",
+          "[unit][tcp]") {
+  // 300 writes of 208 bytes: the first 256 frames are exactly the 64 KiB
+  // one read brings, so the pass that stops at its cap (256 frames) has
+  // nothing left in its staging buffer, and the rest is still in the
+  // socket. A consumer that watches the notify fd edge-triggered (Asio's
+  // epoll registration) has had its edge for those bytes: arm() must
+  // signal the eventfd (ack_events counts it), or they wait for the
+  // peer's next bytes (completion_queue::arm_reports_queued).
+  static_assert(kRxStagingBytes % 256 == 0 && kRxStagingBytes / 256 > kHeaderSize);
+  constexpr std::size_t kPayload = kRxStagingBytes / 256 - kHeaderSize;
+  constexpr std::uint32_t kFrames = 300;
+  constexpr std::uint32_t kSlots = 4096 / kPayload;
+  raw_peer p;
+  std::vector<std::byte> wire;
+  for (std::uint32_t i = 0; i < kFrames; ++i) {
+    std::array<std::byte, kHeaderSize + kPayload> f{};
+    encode(frame_header{.type = frame_type::write, .psn = i + 1, .length = kPayload,
+                        .remote_addr = p.base() + (i % kSlots) * kPayload, .rkey = p.mr->rkey()},
+           std::span<std::byte, kHeaderSize>(f.data(), kHeaderSize));
+    for (std::size_t b = kHeaderSize; b < f.size(); ++b) f[b] = static_cast<std::byte>(i);
+    wire.insert(wire.end(), f.begin(), f.end());
+  }
+  raw_send(p.fd, wire.data(), wire.size());
+  std::this_thread::sleep_for(50ms);  // (all of it in the socket)
+  std::array<tp::completion, 8> c{};
+  std::error_code ec;
+  p.ep.cq->ack_events();  // (the queue pair's wake-up when it went live)
+  CHECK(p.ep.cq->poll(c, ec) == 0);  // one pass: 256 frames (writes complete nothing here)
+  const auto last_landed = [&] {
+    return static_cast<std::uint8_t>(p.mem[64 + ((kFrames - 1) % kSlots) * kPayload]) ==
+           static_cast<std::uint8_t>(kFrames - 1);
+  };
+  CHECK(static_cast<std::uint8_t>(p.mem[64 + (255 % kSlots) * kPayload]) == 255);
+  REQUIRE_FALSE(last_landed());  // (the premise: the rest waits in the socket)
+  REQUIRE_FALSE(p.ep.cq->arm());
+  CHECK(p.ep.cq->ack_events() == 1);  // signalled: the pass left input in the socket
+  for (int i = 0; i < 10; ++i) CHECK(p.ep.cq->poll(c, ec) == 0);
+  CHECK(last_landed());
+}
+
+TEST_CASE("tcp provider: with more ready sockets than one epoll_wait takes, arm() signals for the rest",
+          "[unit][tcp]") {
+  // More than four queue pairs on the queue: a pass asks epoll which
+  // sockets are ready, 64 at most. The others are still ready, and an
+  // edge-triggered watcher of the notify fd has had its edge for them.
+  endpoint ep;
+  std::vector<std::uint8_t> mem(4096, 0);
+  auto mr = ep.pd->register_memory(mem.data(), mem.size(), access::local_write | access::remote_write);
+  auto lis = ep.dev->listen("127.0.0.1", 0);
+  constexpr std::size_t kQps = 70;
+  std::vector<std::unique_ptr<tp::queue_pair>> qps;
+  std::vector<int> fds;
+  for (std::size_t i = 0; i < kQps; ++i) {
+    qps.push_back(ep.pd->create_qp(ep.attrs()));
+    fds.push_back(attach_raw(*lis, *qps.back()));
+  }
+  // Each peer writes its index + 1 into its own byte.
+  for (std::size_t i = 0; i < kQps; ++i) {
+    std::array<std::byte, kHeaderSize + 1> f{};
+    encode(frame_header{.type = frame_type::write, .psn = 1, .length = 1,
+                        .remote_addr = reinterpret_cast<std::uint64_t>(mem.data() + i), .rkey = mr->rkey()},
+           std::span<std::byte, kHeaderSize>(f.data(), kHeaderSize));
+    f[kHeaderSize] = static_cast<std::byte>(i + 1);
+    raw_send(fds[i], f.data(), f.size());
+  }
+  std::this_thread::sleep_for(50ms);  // (all arrived)
+  std::array<tp::completion, 8> c{};
+  std::error_code ec;
+  ep.cq->ack_events();  // (the queue pairs' wake-ups when they went live)
+  CHECK(ep.cq->poll(c, ec) == 0);  // one pass: 64 sockets
+  const auto landed = [&] {
+    return static_cast<std::size_t>(std::count_if(mem.begin(), mem.begin() + kQps, [](std::uint8_t b) { return b != 0; }));
+  };
+  CHECK(landed() == 64);
+  REQUIRE_FALSE(ep.cq->arm());
+  CHECK(ep.cq->ack_events() == 1);  // signalled: ready sockets the pass did not take
+  for (int i = 0; i < 10 && landed() < kQps; ++i) CHECK(ep.cq->poll(c, ec) == 0);
+  CHECK(landed() == kQps);
+  for (std::size_t i = 0; i < kQps; ++i) CHECK(mem[i] == static_cast<std::uint8_t>(i + 1));
+  for (int fd : fds) ::close(fd);
 }
 
 TEST_CASE("tcp provider: a poll that leaves some of what it completed in the queue has signalled the armed queue",

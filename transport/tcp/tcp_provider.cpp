@@ -587,6 +587,7 @@ void tcp_cq::progress() noexcept {
   }
   // With few queue pairs, trying each socket is cheaper than asking epoll.
   if (qps_.size() <= 4) {
+    epoll_full_ = false;
     for (std::size_t i = 0; i < qps_.size(); ++i) {
       if (qps_[i]->wants_progress()) qps_[i]->progress();
     }
@@ -594,6 +595,9 @@ void tcp_cq::progress() noexcept {
   }
   std::array<epoll_event, 64> events;
   const int n = ::epoll_wait(epfd_, events.data(), static_cast<int>(events.size()), 0);
+  // (More may be ready: those wait for the next pass, and an arm() wakes
+  // the consumer for them.)
+  epoll_full_ = n == static_cast<int>(events.size());
   for (int i = 0; i < n; ++i) {
     void* const who = events[static_cast<std::size_t>(i)].data.ptr;
     if (who != nullptr && who != &wakefd_) static_cast<tcp_qp*>(who)->on_events(events[static_cast<std::size_t>(i)].events);
@@ -647,10 +651,13 @@ std::error_code tcp_cq::arm() noexcept {
   for (tcp_qp* qp : pending_) qp->flush_acks();
   armed_ = true;
   // Stricter than verbs: completions already queued notify at once, and so
-  // does input already read but not processed (a pass takes at most 256
-  // frames; the socket is empty, so epoll would not wake the sleeper) -
-  // without a progress thread, whose work that input is.
-  bool wake = ring_used_ != 0;
+  // does input a pass left (read but not processed, a pass taking at most
+  // 256 frames; or still in a socket after the cap, or beyond the events
+  // one epoll_wait returns): a watcher of the notify fd woken by an edge
+  // has had it for those bytes, and for input read the socket may be
+  // empty - without a progress thread, whose work that input is
+  // (arm_reports_queued).
+  bool wake = ring_used_ != 0 || (epoll_full_ && !threaded_);
   for (std::size_t i = 0; i < pending_.size() && !wake && !threaded_; ++i) wake = pending_[i]->has_pending_work();
   if (wake) {
     armed_ = false;

@@ -372,8 +372,9 @@ class tcp_cq final : public completion_queue {
   int notify_fd() const noexcept override { return threaded_ ? evfd_ : epfd_; }
   // (With the thread the owner need not poll for the peers' sake.)
   bool progress_in_poll() const noexcept override { return !threaded_; }
-  // (arm() signals for what is queued or read; sockets and the timer keep
-  // epfd_ readable by themselves; the thread's pass signals what it makes.)
+  // (arm() signals for what is queued and for what a pass left; input that
+  // arrives later, and the timer, make epfd_ readable then; the thread's
+  // pass signals what it makes.)
   bool arm_reports_queued() const noexcept override { return true; }
   std::size_t ack_events() noexcept override;
   std::uint32_t depth() const noexcept override { return depth_; }
@@ -455,6 +456,7 @@ class tcp_cq final : public completion_queue {
   std::uint32_t ring_used_ = 0;
   bool armed_ = false;
   bool overflow_ = false;
+  bool epoll_full_ = false;  // the last pass's epoll_wait returned as many events as it could take
   const bool owner_rearms_;    // cq_options::owner_rearms
   bool in_owner_poll_ = false;  // the pass of an owner's poll that returns what it completes (owner_rearms_)
   // evfd_ has a count that ack_events has not read: set by signal() (from
@@ -577,7 +579,7 @@ class tcp_qp final : public queue_pair {
     // draining, an EPOLLOUT event, resumes it; listing it would keep a
     // reactor that wants to sleep awake.)
     const bool input = phase_ == rx_phase::header ? rx_end_ - rx_begin_ >= kHeaderSize : rx_begin_ < rx_end_;
-    return input && !rx_stalled_ && !rx_paused_;
+    return (input || rx_more_) && !rx_stalled_ && !rx_paused_;
   }
 
  private:
@@ -825,6 +827,7 @@ class tcp_qp final : public queue_pair {
   std::uint64_t resp_head_ = 0, resp_queued_ = 0, resp_tail_ = 0;  // [head, queued) in iov_
   bool fatal_pending_ = false;  // a NAK that ends a read response is queued: error once it is out
   bool rx_paused_ = false;      // the response ring is full: the socket is not read until it drains
+  bool rx_more_ = false;        // the last pass stopped at its frame cap, the socket not seen empty
   std::uint32_t rd_atomic_out_ = 0;  // reads and atomics sent and not yet answered
 
   // transmit: the batch (borrowed from the send completion queue's pool by

@@ -131,6 +131,7 @@ void tcp_qp::discard_input() noexcept {
 
 // A pass borrows the staging buffer and returns it unless bytes wait in it.
 void tcp_qp::receive() noexcept {
+  rx_more_ = false;  // (receive_frames says again whether the socket may hold more)
   if (fd_ < 0 || !borrow_staging()) return;
   receive_frames();
   // A copy into copied memory still running ends with the pass (its
@@ -375,6 +376,13 @@ void tcp_qp::receive_frames() noexcept {
     if (rx_copy_pending_ && !settle_rx_copy()) lose_payload();  // (settled above, where the segment ended)
     finish_payload();
   }
+  // Out of the loop at the frame cap (every other way out returns), with
+  // the socket not seen empty: more may wait there even where none of its
+  // bytes is in the staging buffer (large frames, read header by header).
+  // It is pending work (has_pending_input), so that the next pass takes it
+  // and an arm() wakes the consumer for it: a watcher of the notify fd that
+  // is edge-triggered has had its edge for those bytes already.
+  rx_more_ = !drained && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;
 }
 
 // The bounce buffer's bytes into their place; false when the destination

@@ -176,10 +176,12 @@ class completion_queue {
 
   // True where arm() itself makes notify_fd() readable when completions
   // are already queued or work is already waiting for poll() (tcp: input
-  // read but not processed, a socket's unread data, a due timer): the poll
-  // after arming then finds nothing the fd would not report, and a consumer
-  // may skip it. False for a NIC (ibv_req_notify_cq notifies only for
-  // completions that arrive after it: poll again after arming).
+  // read but not processed, or left in a socket by a pass that stopped at
+  // its limits), and what comes after the arm makes it readable as usual:
+  // the poll after arming then finds nothing the fd would not report, and
+  // a consumer may skip it (even one that watches the fd edge-triggered).
+  // False for a NIC (ibv_req_notify_cq notifies only for completions that
+  // arrive after it: poll again after arming).
   virtual bool arm_reports_queued() const noexcept { return false; }
 };
 
