@@ -570,6 +570,26 @@ class racing_cq final : public tp::completion_queue {
   bool race_ = true;
   bool raced_ = false;
 };
+
+// A 4-byte message from p.a (src: 42) into a receive posted at p.b (dst)
+// that the reactor tracks (op counts its successful completions).
+struct tracked_message {
+  struct counter : anydoor::operation {
+    int calls = 0;
+    void complete(const tp::completion& c) noexcept override { calls += c.status == tp::wc_status::success; }
+  } op;
+  std::uint32_t dst = 0, src = 42;
+  std::unique_ptr<tp::memory_region> dmr, smr;
+  tp::sge rsg{}, ssg{};
+  tracked_message(connected_pair& p, anydoor::reactor& r)
+      : dmr(p.b.pd->register_memory(&dst, 4, access::local_write)),
+        smr(p.a.pd->register_memory(&src, 4, access::none)),
+        rsg(dmr->slice(0, 4)),
+        ssg(smr->slice(0, 4)) {
+    const tp::recv_request rr{.wr_id = r.track(op), .sg_list = {&rsg, 1}};
+    REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  }
+};
 }  // namespace
 
 TEST_CASE("reactor: a completion that lands between the last poll and the arm is not lost", "[runtime]") {
@@ -579,20 +599,12 @@ TEST_CASE("reactor: a completion that lands between the last poll and the arm is
   racing_cq cq(*p.b.cq);
   asio::io_context io;
   anydoor::reactor r(io, cq, {.mode = mode, .spin = std::chrono::microseconds(0)});
-  struct counter : anydoor::operation {
-    int calls = 0;
-    void complete(const tp::completion& c) noexcept override { calls += c.status == tp::wc_status::success; }
-  } op;
-  std::uint32_t dst = 0, src = 42;
-  auto dmr = p.b.pd->register_memory(&dst, 4, access::local_write);
-  auto smr = p.a.pd->register_memory(&src, 4, access::none);
-  const tp::sge rsg = dmr->slice(0, 4), ssg = smr->slice(0, 4);
-  const tp::recv_request rr{.wr_id = r.track(op), .sg_list = {&rsg, 1}};
-  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  tracked_message m(p, r);
+  auto& op = m.op;
   // The sender is driven by its own thread; it sends once the receiver is idle.
   std::thread sender([&] {
     std::this_thread::sleep_for(50ms);
-    const tp::work_request wr = send_wr(1, {&ssg, 1});
+    const tp::work_request wr = send_wr(1, {&m.ssg, 1});
     if (p.a.qp->post_send({&wr, 1})) return;
     driver d{p.a.cq.get()};
     d.wait(p.a.cq.get(), 1, 5s);
@@ -603,7 +615,7 @@ TEST_CASE("reactor: a completion that lands between the last poll and the arm is
   sender.join();
   REQUIRE(cq.raced());  // the race happened
   CHECK(op.calls == 1);  // ... and the drain after the arm found the completion
-  CHECK(dst == 42);
+  CHECK(m.dst == 42);
   r.stop();
   io.run();
 }
@@ -764,25 +776,16 @@ TEST_CASE("reactor: a poll_now that takes a completion while the reactor sleeps 
   connected_pair p({}, 4096, 4096, {.owner_rearms = true});
   asio::io_context io{1};
   anydoor::reactor r(io, *p.b.cq, {.mode = anydoor::poll_mode::event});
-  struct counter : anydoor::operation {
-    int calls = 0;
-    void complete(const tp::completion& c) noexcept override { calls += c.status == tp::wc_status::success; }
-  } op;
-  std::uint32_t dst = 0, src = 42;
-  auto dmr = p.b.pd->register_memory(&dst, 4, access::local_write);
-  auto smr = p.a.pd->register_memory(&src, 4, access::none);
-  const tp::sge rsg = dmr->slice(0, 4), ssg = smr->slice(0, 4);
-  const tp::recv_request rr{.wr_id = r.track(op), .sg_list = {&rsg, 1}};
-  REQUIRE_FALSE(p.b.qp->post_recv({&rr, 1}));
+  tracked_message m(p, r);
   r.start();
   run_until_asleep(io, r);
-  const tp::work_request wr = send_wr(1, {&ssg, 1});
+  const tp::work_request wr = send_wr(1, {&m.ssg, 1});
   REQUIRE_FALSE(p.a.qp->post_send({&wr, 1}));
   pollfd pf{p.b.cq->notify_fd(), POLLIN, 0};
   REQUIRE(::poll(&pf, 1, 3000) == 1);
   REQUIRE(r.poll_now() == 1);
-  CHECK(op.calls == 1);
-  CHECK(dst == 42);
+  CHECK(m.op.calls == 1);
+  CHECK(m.dst == 42);
   driver d{p.a.cq.get()};
   const auto done = d.wait(p.a.cq.get(), 1, 2s);
   REQUIRE(done.size() == 1);
