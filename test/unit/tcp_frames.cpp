@@ -10,6 +10,8 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <fcntl.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -39,6 +41,19 @@ int raw_connect(std::uint16_t port, int rcvbuf = 0) {
 
 void raw_send(int fd, const void* p, std::size_t n) {
   REQUIRE(::send(fd, p, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n));
+}
+
+// Whether every byte sent on fd has been acknowledged by the receiving
+// kernel (it waits in the provider's socket) within 5 s.
+bool all_received(int fd) {
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  for (;;) {
+    int queued = 0;
+    if (::ioctl(fd, SIOCOUTQ, &queued) != 0) return false;
+    if (queued == 0) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(1ms);
+  }
 }
 
 void send_hello(int fd, std::uint8_t version = kWireVersion) {
@@ -816,10 +831,10 @@ TEST_CASE("tcp provider: a pass that stops at its frame cap with more in the soc
   // 300 writes of 208 bytes: the first 256 frames are exactly the 64 KiB
   // one read brings, so the pass that stops at its cap (256 frames) has
   // nothing left in its staging buffer, and the rest is still in the
-  // socket. A consumer that watches the notify fd edge-triggered (Asio's
-  // epoll registration) has had its edge for those bytes: arm() must
-  // signal the eventfd (ack_events counts it), or they wait for the
-  // peer's next bytes (completion_queue::arm_reports_queued).
+  // socket. A consumer that watches the notify fd edge-triggered, and does
+  // not re-arm, has had its edge for those bytes: arm() must signal the
+  // eventfd (ack_events counts it), or they wait for the peer's next bytes
+  // (completion_queue::arm_reports_queued).
   static_assert(kRxStagingBytes % 256 == 0 && kRxStagingBytes / 256 > kHeaderSize);
   constexpr std::size_t kPayload = kRxStagingBytes / 256 - kHeaderSize;
   constexpr std::uint32_t kFrames = 300;
@@ -835,7 +850,7 @@ TEST_CASE("tcp provider: a pass that stops at its frame cap with more in the soc
     wire.insert(wire.end(), f.begin(), f.end());
   }
   raw_send(p.fd, wire.data(), wire.size());
-  std::this_thread::sleep_for(50ms);  // (all of it in the socket)
+  REQUIRE(all_received(p.fd));  // (all of it in the provider's socket)
   std::array<tp::completion, 8> c{};
   std::error_code ec;
   p.ep.cq->ack_events();  // (the queue pair's wake-up when it went live)
@@ -856,14 +871,21 @@ TEST_CASE("tcp provider: with more ready sockets than one epoll_wait takes, arm(
           "[unit][tcp]") {
   // More than four queue pairs on the queue: a pass asks epoll which
   // sockets are ready, 64 at most. The others are still ready, and an
-  // edge-triggered watcher of the notify fd has had its edge for them.
+  // edge-triggered watcher of the notify fd that does not re-arm has had
+  // its edge for them.
   endpoint ep;
   std::vector<std::uint8_t> mem(4096, 0);
   auto mr = ep.pd->register_memory(mem.data(), mem.size(), access::local_write | access::remote_write);
   auto lis = ep.dev->listen("127.0.0.1", 0);
   constexpr std::size_t kQps = 70;
   std::vector<std::unique_ptr<tp::queue_pair>> qps;
-  std::vector<int> fds;
+  struct sockets {
+    std::vector<int> fds;
+    ~sockets() {
+      for (int fd : fds) ::close(fd);
+    }
+  } s;
+  auto& fds = s.fds;
   for (std::size_t i = 0; i < kQps; ++i) {
     qps.push_back(ep.pd->create_qp(ep.attrs()));
     fds.push_back(attach_raw(*lis, *qps.back()));
@@ -877,7 +899,7 @@ TEST_CASE("tcp provider: with more ready sockets than one epoll_wait takes, arm(
     f[kHeaderSize] = static_cast<std::byte>(i + 1);
     raw_send(fds[i], f.data(), f.size());
   }
-  std::this_thread::sleep_for(50ms);  // (all arrived)
+  for (int fd : fds) REQUIRE(all_received(fd));
   std::array<tp::completion, 8> c{};
   std::error_code ec;
   ep.cq->ack_events();  // (the queue pairs' wake-ups when they went live)
@@ -891,7 +913,6 @@ TEST_CASE("tcp provider: with more ready sockets than one epoll_wait takes, arm(
   for (int i = 0; i < 10 && landed() < kQps; ++i) CHECK(ep.cq->poll(c, ec) == 0);
   CHECK(landed() == kQps);
   for (std::size_t i = 0; i < kQps; ++i) CHECK(mem[i] == static_cast<std::uint8_t>(i + 1));
-  for (int fd : fds) ::close(fd);
 }
 
 TEST_CASE("tcp provider: a poll that leaves some of what it completed in the queue has signalled the armed queue",

@@ -653,10 +653,10 @@ std::error_code tcp_cq::arm() noexcept {
   // Stricter than verbs: completions already queued notify at once, and so
   // does input a pass left (read but not processed, a pass taking at most
   // 256 frames; or still in a socket after the cap, or beyond the events
-  // one epoll_wait returns): a watcher of the notify fd woken by an edge
-  // has had it for those bytes, and for input read the socket may be
-  // empty - without a progress thread, whose work that input is
-  // (arm_reports_queued).
+  // one epoll_wait returns): a watcher of the notify fd woken by an edge,
+  // which does not re-arm, has had it for those bytes, and for input read
+  // the socket may be empty - without a progress thread, whose work that
+  // input is (arm_reports_queued).
   bool wake = ring_used_ != 0 || (epoll_full_ && !threaded_);
   for (std::size_t i = 0; i < pending_.size() && !wake && !threaded_; ++i) wake = pending_[i]->has_pending_work();
   if (wake) {

@@ -411,8 +411,9 @@ class tcp_cq final : public completion_queue {
   void watch(int fd, tcp_qp* qp, bool want_write, bool want_read = true) noexcept;
   void unwatch(int fd) noexcept;
   void schedule(std::chrono::steady_clock::time_point when) noexcept;
-  // A queue pair left work epoll cannot report (has_pending_work): the next
-  // pass progresses it. With many queue pairs a pass visits only these and
+  // A queue pair left work epoll cannot report, or would report to an
+  // edge-triggered watcher only with its next input (has_pending_work): the
+  // next pass progresses it. With many queue pairs a pass visits only these and
   // those epoll names, never all of them. `noted` is the queue pair's flag
   // for this queue (set while it is listed).
   void note_pending(tcp_qp* qp, bool& noted) noexcept;
@@ -568,11 +569,13 @@ class tcp_qp final : public queue_pair {
   bool wants_progress() const noexcept { return live_.load(std::memory_order_acquire); }
   // Work epoll cannot report: input already read but not yet processed (a
   // progress call handles a bounded number of frames), or an acknowledgement
-  // held back by the previous pass.
+  // held back by the previous pass; or can report only level-triggered:
+  // input a pass stopped at its frame cap may have left in the socket.
   bool has_pending_work() const noexcept {
     return has_pending_input() || (wants_progress() && resp_queued_ < resp_tail_ && iov_pos_ == iov_count_);
   }
-  // The first half of has_pending_work: input read but not processed.
+  // The first half of has_pending_work: input read but not processed, or
+  // possibly left in the socket at the frame cap (rx_more_).
   bool has_pending_input() const noexcept {
     if (!wants_progress()) return false;
     // (Not while reading is paused for a full response ring: the ring's

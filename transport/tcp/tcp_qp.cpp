@@ -268,6 +268,7 @@ void tcp_qp::reset_stream() noexcept {
   phase_ = rx_phase::header;
   close_when_flushed_ = false;
   rx_paused_ = false;
+  rx_more_ = false;
 }
 
 void tcp_qp::push_send(const completion& c) noexcept {

@@ -381,7 +381,9 @@ void tcp_qp::receive_frames() noexcept {
   // bytes is in the staging buffer (large frames, read header by header).
   // It is pending work (has_pending_input), so that the next pass takes it
   // and an arm() wakes the consumer for it: a watcher of the notify fd that
-  // is edge-triggered has had its edge for those bytes already.
+  // is edge-triggered and does not re-arm has had its edge for those bytes
+  // already. (Asio's async_wait re-arms, EPOLL_CTL_MOD per wait, and would
+  // see them anyway: the promise is arm_reports_queued's, for any watcher.)
   rx_more_ = !drained && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;
 }
 
