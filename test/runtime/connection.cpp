@@ -1843,13 +1843,14 @@ TEST_CASE("connection: an event-mode server's reply and the request buffer it dr
   const auto woke = static_cast<std::size_t>(server.stats().reactor.wakeups - wakeups);
   INFO("server wake-ups per echo: " << static_cast<double>(woke) / kEchoes);
   CHECK(woke <= kEchoes + kEchoes / 4);
-  // And one poll per wake-up: the wake-up's drain empties the queue, and
-  // the tcp provider's arm reports what comes before it
+  // And on tcp one poll per wake-up: the wake-up's drain empties the
+  // queue, and the provider's arm reports what came before it
   // (arm_reports_queued): no drain before the arm nor after it (three
-  // polls per wake-up, two of them a recv that found nothing).
+  // polls per wake-up, two of them a recv that found nothing). (A NIC's
+  // arm does not: verbs polls after arming, as it must.)
   const auto polled = static_cast<std::size_t>(server.stats().reactor.polls - polls);
   INFO("server polls per echo: " << static_cast<double>(polled) / kEchoes);
-  CHECK(polled <= woke + kEchoes / 4);
+  if (provider_under_test() == "tcp") CHECK(polled <= woke + kEchoes / 4);
   REQUIRE(handlers >= woke);  // (each wake-up is one of the handlers)
   handlers -= woke;
   CHECK(echoed == kEchoes);
