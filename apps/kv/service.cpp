@@ -7,6 +7,7 @@
 
 #include <anydoor/error.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -173,10 +174,23 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
   if (r == put_status::out_of_memory && log_ != nullptr && journal_.kept_items() != 0) {
     // The old items of writes on their way to the log take the room: they
     // move to the journal, and --max-memory bounds the live data alone.
+    // Oldest first and only as many as the put needs: values of the size
+    // of what it writes first, then twice as much as the round before
+    // each time the put still finds no room (the arena may not fit it
+    // into the room freed). A put over a full arena with many writes in
+    // flight copies about its own size, not every kept value, and tries
+    // again a logarithmic number of times.
     try {
-      journal_.spill([this](std::uint64_t item) { return st_.item_value(item); },
-                     [this](std::uint64_t item) { st_.release(item); });
-      r = st_.put(key, value, false, &was);
+      std::size_t want = std::max<std::size_t>(key.size() + value.size(), 1);
+      while (r == put_status::out_of_memory && journal_.kept_items() != 0) {
+        const std::size_t kept = journal_.kept_items();
+        const std::size_t moved = journal_.spill([this](std::uint64_t item) { return st_.item_value(item); },
+                                                 [this](std::uint64_t item) { st_.release(item); }, want);
+        stats_.spilled += kept - journal_.kept_items();
+        stats_.spilled_bytes += moved;
+        r = st_.put(key, value, false, &was);
+        want = std::max(want, moved) * 2;
+      }
     } catch (const std::bad_alloc&) {
       // (no heap for them either: out of memory, as before; those spilled stay so)
     }

@@ -50,6 +50,8 @@ struct service_stats {
   std::uint64_t oom = 0;
   std::uint64_t taken_back = 0;  // writes taken back when the log failed (see take_back)
   std::uint64_t restore_failures = 0;  // of those (and of refused writes), the ones whose old value found no room
+  std::uint64_t spilled = 0;        // kept old items a put over a full arena moved to the undo journal (see put)
+  std::uint64_t spilled_bytes = 0;  // ... and their values' bytes
 };
 
 class service {

@@ -11,9 +11,10 @@
 // fsync, with everysec and no until the io thread's write at the end of
 // its turn), its key and at most kInlineBytes of old value here (about
 // what its record takes in the log's buffer), and an old arena item kept
-// in the arena until then. Should a put find the arena full, the kept
-// items are copied here and released (spill), so --max-memory bounds the
-// live data as before, not the writes in flight. The two buffers are
+// in the arena until then. Should a put find the arena full, kept items
+// are copied here and released (spill), oldest first and as many as the
+// put needs, so --max-memory bounds the live data as before, not the
+// writes in flight. The two buffers are
 // reused once they drain, so no allocation per write once they have grown.
 // Single-threaded (the store's io thread).
 #pragma once
@@ -92,12 +93,16 @@ class undo_journal {
     return n;
   }
 
-  // Copies the value of every old item kept (value_of(offset): its bytes)
-  // into the journal, then release(offset) frees it. A throw (no memory)
-  // leaves the rest kept.
+  // Copies the values of old items kept (value_of(offset): its bytes)
+  // into the journal, oldest first, releasing each (release(offset)) once
+  // copied: at least one item, then on until `at_least` bytes of values
+  // have moved (by default all of them). Returns the bytes moved. A throw
+  // (no memory) leaves the rest kept.
   template <class V, class R>
-  void spill(V&& value_of, R&& release) {
-    for (std::size_t i = head_; i < entries_.size(); ++i) {
+  std::size_t spill(V&& value_of, R&& release, std::size_t at_least = ~std::size_t{0}) {
+    std::size_t moved = 0;
+    bool any = false;
+    for (std::size_t i = head_; i < entries_.size() && kept_ != 0 && (!any || moved < at_least); ++i) {
       entry& e = entries_[i];
       if (e.what != prior::kind::item) continue;
       const std::span<const std::byte> v = value_of(e.item);
@@ -110,7 +115,10 @@ class undo_journal {
       e.value_size = static_cast<std::uint32_t>(v.size());
       release(e.item);
       --kept_;
+      moved += v.size();
+      any = true;
     }
+    return moved;
   }
 
   std::size_t kept_items() const noexcept { return kept_; }

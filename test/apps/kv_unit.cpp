@@ -1216,12 +1216,16 @@ TEST_CASE("kv undo journal: taken back newest first above the held position - fo
   j.set_lsn(100);
   CHECK(j.kept_items() == 2);
   const std::string five(200, '5');
-  j.spill(
-      [&](std::uint64_t item) {
-        const std::string_view v = item == 500 ? std::string_view(five) : std::string_view("six");
-        return std::as_bytes(std::span(v.data(), v.size()));
-      },
-      release);
+  auto value_of = [&](std::uint64_t item) {
+    const std::string_view v = item == 500 ? std::string_view(five) : std::string_view("six");
+    return std::as_bytes(std::span(v.data(), v.size()));
+  };
+  // As much as asked, oldest first: one item (at least one, even for 0).
+  CHECK(j.spill(value_of, release, 0) == 200);
+  CHECK(j.kept_items() == 1);
+  CHECK(released == std::vector<std::uint64_t>{500});
+  CHECK(j.spill(value_of, release) == 3);  // the rest
+  CHECK(j.spill(value_of, release) == 0);  // none left
   CHECK(j.kept_items() == 0);
   CHECK(released == std::vector<std::uint64_t>{500, 600});
   CHECK(j.take_back(0, record, release) == 3);
@@ -1563,6 +1567,60 @@ TEST_CASE("kv service: writes on their way to the log never make a put fail for 
   CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(n));
   CHECK(svc.stats().restore_failures == 0);
   for (int i = 0; i < n; ++i) CHECK(S(*svc.get("k" + std::to_string(i))) == old_value(i));
+  log.close();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv service: a put over a full arena moves only the old items it needs out of the arena - oldest first, "
+          "and every write is still taken back",
+          "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  stderr_capture quiet;
+  store st({.max_memory = 64 << 10});
+  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
+                  [](record_type, std::string_view, std::span<const std::byte>) {});
+  service svc(st, &log);
+  auto key = [](int i) { return "k" + std::to_string(i); };
+  auto old_value = [](int i) { return std::string(1000, static_cast<char>('a' + i % 26)); };
+  int n = 0;
+  for (; n < 200; ++n) {
+    std::uint64_t lsn = 0;
+    if (!svc.put(key(n), B(old_value(n)), lsn).is_ok()) break;
+    log.async_wait(lsn, [](std::error_code) {});
+    io.restart();
+    io.run();
+  }
+  REQUIRE(n > 30);
+  REQUIRE(svc.stats().oom == 1);  // the arena is full
+  // Twenty deletes in one turn (nothing durable meanwhile): their old items
+  // stay in the arena, kept for taking the deletes back. The file takes no
+  // more: the turn's write will fail.
+  const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes));
+  constexpr int kDeleted = 20;
+  for (int i = 0; i < kDeleted; ++i) {
+    bool existed = false;
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.del(key(i), existed, lsn).is_ok());
+    REQUIRE(existed);
+  }
+  // A put of 900 bytes: the room of one old item is enough, and only the
+  // oldest moves to the journal (all twenty did before).
+  std::uint64_t lsn = 0;
+  REQUIRE(svc.put("new", B(std::string(900, 'N')), lsn).is_ok());
+  INFO("spilled " << svc.stats().spilled << " items, " << svc.stats().spilled_bytes << " bytes");
+  CHECK(svc.stats().spilled >= 1);
+  CHECK(svc.stats().spilled <= 2);
+  CHECK(svc.stats().spilled_bytes == svc.stats().spilled * 1000);
+  CHECK(svc.stats().oom == 1);
+  // The log fails before any of the turn's records reach the file: every
+  // write is taken back, from a spilled value or a kept item alike.
+  run_until_failed(io, log);
+  REQUIRE(log.failed());
+  CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted + 1));
+  CHECK(svc.stats().restore_failures == 0);
+  for (int i = 0; i < n; ++i) CHECK(S(*svc.get(key(i))) == old_value(i));
+  CHECK(!svc.get("new").has_value());
   log.close();
   std::filesystem::remove_all(dir);
 }
