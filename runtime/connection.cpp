@@ -865,7 +865,10 @@ message& message::operator=(message&& o) noexcept {
   }
   return *this;
 }
-message::~message() { release(); }
+message::~message() {
+  // (Most messages destroyed are moved-from husks: nothing to give back.)
+  if (owner_ != nullptr || large_ != nullptr) release();
+}
 
 void message::release() noexcept {
   // A rendezvous message's block is kept for the next one, on the fabric's
