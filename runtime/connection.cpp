@@ -426,8 +426,8 @@ void connection_impl::complete_message(op_node* n, bool post, message m) noexcep
 // start_send and start_receive run no handler inline (completions are
 // posted): the caller's connection handle keeps *this alive throughout.
 void connection_impl::start_send(op_node* n) {
-  if (const std::error_code ec = send_refusal()) {
-    complete(n, true, ec);
+  if (refuses_sends()) {
+    complete(n, true, send_refusal());
     return;
   }
   // GPU device memory is copied out (eager) or registered as such
@@ -458,8 +458,9 @@ std::error_code connection_impl::send_refusal() const noexcept {
 }
 
 std::error_code connection_impl::ended_refusal() const noexcept {
-  if (state_ == state::failed || state_ == state::closed || peer_closed_) {
-    return state_ == state::failed && error_ != errc::connection_closed ? error_ : errc::connection_closed;
+  if (ended()) {
+    // (never empty once ended: refuses_sends() and ended() promise a refusal)
+    return state_ == state::failed && error_ && error_ != errc::connection_closed ? error_ : errc::connection_closed;
   }
   return {};
 }

@@ -229,6 +229,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // Chunks of staged transfers and the operations held behind them, all
   // issued before that close, go on unless this says no.
   std::error_code ended_refusal() const noexcept;
+  // Whether ended_refusal() and send_refusal() would refuse: what the data
+  // path asks first (an empty std::error_code costs a call into the C++
+  // library to build).
+  bool ended() const noexcept { return state_ == state::failed || state_ == state::closed || peer_closed_; }
+  bool refuses_sends() const noexcept { return ended() || close_op_ != nullptr || close_waiting_ != nullptr; }
   void queue_send(op_node* n);  // after the operations already waiting
   bool progress_sends(bool post) noexcept;
   bool progress_sends_body(bool post) noexcept;  // false once nothing more can start now

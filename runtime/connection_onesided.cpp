@@ -26,8 +26,8 @@ void connection_impl::start_onesided(op_node* n) {
     deliver(true);
     return;
   }
-  if (const std::error_code ec = send_refusal()) {
-    complete(n, true, ec);
+  if (refuses_sends()) {
+    complete(n, true, send_refusal());
     return;
   }
   if (staged_ != 0) {
@@ -50,8 +50,8 @@ void connection_impl::start_onesided(op_node* n) {
 }
 
 void connection_impl::start_chunk(op_node* n) {
-  if (const std::error_code ec = ended_refusal()) {
-    complete(n, true, ec);
+  if (ended()) {
+    complete(n, true, ended_refusal());
     return;
   }
   if (const std::error_code ec = prepare_onesided(n)) {
@@ -76,8 +76,8 @@ void connection_impl::dispatch_onesided(op_node* n) {
 void connection_impl::release_held() noexcept {
   while (staged_ == 0 && !behind_staged_.empty()) {
     op_node* n = behind_staged_.pop_front();
-    if (const std::error_code ec = ended_refusal()) {  // (issued before a close that waits: they go)
-      complete(n, true, ec);
+    if (ended()) {  // (issued before a close that waits: they go)
+      complete(n, true, ended_refusal());
       continue;
     }
     if (n->kind == op_kind::send || n->prepared) {

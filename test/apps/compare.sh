@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The comparison scripts (bench/compare-*.sh, bench/message-rate.sh), each
+# The comparison scripts (bench/compare-*.sh, bench/message-rate.sh,
+# bench/instructions.sh), each
 # once with a few iterations: they exit 0, every summary line carries its
 # figures (a RESULT line a script no longer parses shows as nan or an empty
 # field), and JSON=FILE appends objects that parse. The figures themselves
@@ -10,7 +11,7 @@ src=${1:?usage: compare.sh SOURCE_DIR BUILD_DIR}
 build=${2:?usage: compare.sh SOURCE_DIR BUILD_DIR}
 
 missing=()
-for t in fi_pingpong ucx_perftest redis-server redis-benchmark redis-cli taskset python3; do
+for t in fi_pingpong ucx_perftest redis-server redis-benchmark redis-cli taskset python3 valgrind; do
   command -v "$t" >/dev/null || missing+=("$t")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -69,6 +70,14 @@ expect_in "$tmp/compare-kv.out" "^anydoor-kv bench --get read, 32 B values +$n +
 expect_in "$tmp/compare-kv.out" "^TCP floor round trip \(anydoor-tcp-floor\) +$n +$n\$"
 pass "compare-kv"
 
+script instructions N1=100 N2=300 -- "$build"
+for t in echo echo_deferred put_lat; do
+  expect_in "$tmp/instructions.out" "^RESULT test=$t runtime_instr=[0-9]+ raw_instr=[0-9]+ extra_instr=-?[0-9]+ ratio=$n\$"
+done
+N1=300 N2=300 "$src/bench/instructions.sh" "$build" >/dev/null 2>"$tmp/instructions-bad.err"
+rc=$?
+[ "$rc" = 2 ] && grep -q "N1 and N2 must be" "$tmp/instructions-bad.err" || fail "instructions.sh with N1 = N2: exit $rc"
+pass "instructions"
 script message-rate -- "$build" 1 1
 expect_in "$tmp/message-rate.out" "^2 +2 +[0-9]+ +$n"x\$
 pass "message-rate"
