@@ -22,6 +22,7 @@
 #                  peer's memory polled) vs anydoor-perf write_lat, per round
 # RESULT test=T runtime_instr=R raw_instr=W extra_instr=R-W ratio=R/W
 set -euo pipefail
+shopt -s inherit_errexit  # (a count that fails inside $(...) stops the script)
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 perf=$build/bin/anydoor-perf
@@ -31,13 +32,13 @@ N2=${N2:-15000}
 port=$((10000 + RANDOM % 20000))  # below the ephemeral range
 export ANYDOOR_POLL=busy ANYDOOR_LOG=warn
 
+if ! [[ "$N1" =~ ^[1-9][0-9]{0,8}$ && "$N2" =~ ^[1-9][0-9]{0,8}$ ]] || ((N2 <= N1)); then
+  echo "instructions: N1 and N2 must be whole numbers with 0 < N1 < N2 < 10^9, no leading zeros (got $N1, $N2)" >&2
+  exit 2
+fi
 # shellcheck source=lib.sh
 source "$root/bench/lib.sh"
 require_tools instructions "$perf" "$rperf" valgrind taskset
-if ! [[ "$N1" =~ ^[0-9]+$ && "$N2" =~ ^[0-9]+$ ]] || ((N1 < 1 || N2 <= N1)); then
-  echo "instructions: N1 and N2 must be whole numbers with 0 < N1 < N2 (got $N1, $N2)" >&2
-  exit 2
-fi
 
 # count BIN TEST ITERS: the client's total instruction count.
 count() {
@@ -58,15 +59,15 @@ count() {
 per_iteration() {
   echo "  $(basename "$1") $2" >&2
   local a b
-  a=$(count "$1" "$2" "$N1")
-  b=$(count "$1" "$2" "$N2")
+  a=$(count "$1" "$2" "$N1") || exit 1
+  b=$(count "$1" "$2" "$N2") || exit 1
   echo $(((b - a) / (N2 - N1)))
 }
 
-raw_lat=$(per_iteration "$perf" lat)
-raw_write=$(per_iteration "$perf" write_lat)
+raw_lat=$(per_iteration "$perf" lat) || exit 1
+raw_write=$(per_iteration "$perf" write_lat) || exit 1
 for t in echo echo_deferred put_lat; do
-  r=$(per_iteration "$rperf" "$t")
+  r=$(per_iteration "$rperf" "$t") || exit 1
   w=$raw_lat
   [[ $t == put_lat ]] && w=$raw_write
   echo "RESULT test=$t runtime_instr=$r raw_instr=$w extra_instr=$((r - w)) ratio=$(awk -v r="$r" -v w="$w" 'BEGIN {printf "%.3f", r / w}')"

@@ -509,7 +509,7 @@ void connection_impl::complete_flushes(std::uint64_t done) noexcept {
 
 std::error_code connection_impl::receive_ending() const noexcept {
   if (peer_closed_ || state_ == state::closed) return errc::connection_closed;
-  if (state_ == state::failed) return error_;
+  if (state_ == state::failed) return error_ ? error_ : make_error_code(errc::connection_closed);  // (never empty)
   return {};
 }
 

@@ -673,7 +673,7 @@ void connection_impl::deliver(bool post) noexcept {
       ++inbox_head_;
       recv_waiting_.remove(n);
       release_received(e.buffer);
-      complete(n, post, state_ == state::failed ? error_ : std::error_code(errc::connection_closed));
+      complete(n, post, state_ == state::failed && error_ ? error_ : std::error_code(errc::connection_closed));
       continue;
     }
     // Larger than the caller's buffer, or than what this connection may

@@ -174,20 +174,29 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
   if (r == put_status::out_of_memory && log_ != nullptr && journal_.kept_items() != 0) {
     // The old items of writes on their way to the log take the room: they
     // move to the journal, and --max-memory bounds the live data alone.
-    // Oldest first and only as many as the put needs: values of the size
-    // of what it writes first, then twice as much as the round before
-    // each time the put still finds no room (the arena may not fit it
-    // into the room freed). A put over a full arena with many writes in
-    // flight copies about its own size, not every kept value, and tries
-    // again a logarithmic number of times.
+    // As few as the put needs: first the oldest whose block can take the
+    // put's item (the arena gives it that block at once); where none can,
+    // or the memory limit still says no, oldest first in rounds, values
+    // of the put's size and then twice as much as the round before each
+    // time it still finds no room (the arena never merges blocks: small
+    // ones help only through the limit, and at worst all move, as before).
+    auto value_of = [this](std::uint64_t item) { return st_.item_value(item); };
+    auto release = [this](std::uint64_t item) {
+      ++stats_.spilled;
+      stats_.spilled_bytes += st_.item_value(item).size();
+      st_.release(item);
+    };
     try {
+      const std::uint64_t before = stats_.spilled;
+      journal_.spill_if(value_of, release, 0, [&](std::uint64_t item) {
+        return st_.block_fits(item, key.size(), value.size());
+      });
+      if (stats_.spilled != before) r = st_.put(key, value, false, &was);
       std::size_t want = std::max<std::size_t>(key.size() + value.size(), 1);
       while (r == put_status::out_of_memory && journal_.kept_items() != 0) {
         const std::size_t kept = journal_.kept_items();
-        const std::size_t moved = journal_.spill([this](std::uint64_t item) { return st_.item_value(item); },
-                                                 [this](std::uint64_t item) { st_.release(item); }, want);
-        stats_.spilled += kept - journal_.kept_items();
-        stats_.spilled_bytes += moved;
+        const std::size_t moved = journal_.spill(value_of, release, want);
+        if (journal_.kept_items() == kept) break;  // (cannot happen: a round moves one at least)
         r = st_.put(key, value, false, &was);
         want = std::max(want, moved) * 2;
       }

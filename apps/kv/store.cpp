@@ -194,6 +194,12 @@ std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std
   return off;
 }
 
+bool store::block_fits(std::uint64_t offset, std::size_t key_size, std::size_t value_size) const noexcept {
+  item_header h;
+  std::memcpy(&h, base_ + arena_offset_ + offset, sizeof h);
+  return h.reserved >= size_class(kItemHeader + key_size + value_size);
+}
+
 void store::release_item(std::uint64_t offset) noexcept {
   item_header h;
   std::memcpy(&h, base_ + arena_offset_ + offset, sizeof h);

@@ -12,8 +12,8 @@
 // its turn), its key and at most kInlineBytes of old value here (about
 // what its record takes in the log's buffer), and an old arena item kept
 // in the arena until then. Should a put find the arena full, kept items
-// are copied here and released (spill), oldest first and as many as the
-// put needs, so --max-memory bounds the live data as before, not the
+// are copied here and released (spill), as few as the put needs (see
+// service::put), so --max-memory bounds the live data as before, not the
 // writes in flight. The two buffers are
 // reused once they drain, so no allocation per write once they have grown.
 // Single-threaded (the store's io thread).
@@ -100,11 +100,16 @@ class undo_journal {
   // (no memory) leaves the rest kept.
   template <class V, class R>
   std::size_t spill(V&& value_of, R&& release, std::size_t at_least = ~std::size_t{0}) {
+    return spill_if(value_of, release, at_least, [](std::uint64_t) { return true; });
+  }
+  // The same, among the kept items for which eligible(offset) holds.
+  template <class V, class R, class E>
+  std::size_t spill_if(V&& value_of, R&& release, std::size_t at_least, E&& eligible) {
     std::size_t moved = 0;
     bool any = false;
     for (std::size_t i = head_; i < entries_.size() && kept_ != 0 && (!any || moved < at_least); ++i) {
       entry& e = entries_[i];
-      if (e.what != prior::kind::item) continue;
+      if (e.what != prior::kind::item || !eligible(e.item)) continue;
       const std::span<const std::byte> v = value_of(e.item);
       const std::size_t at = size_;
       reserve(at + v.size());

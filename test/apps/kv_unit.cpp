@@ -1220,17 +1220,29 @@ TEST_CASE("kv undo journal: taken back newest first above the held position - fo
     const std::string_view v = item == 500 ? std::string_view(five) : std::string_view("six");
     return std::as_bytes(std::span(v.data(), v.size()));
   };
+  // Among the eligible alone: the newer first here.
+  CHECK(j.spill_if(value_of, release, 0, [](std::uint64_t item) { return item == 600; }) == 3);
+  CHECK(j.kept_items() == 1);
+  CHECK(released == std::vector<std::uint64_t>{600});
+  CHECK(j.spill_if(value_of, release, 0, [](std::uint64_t) { return false; }) == 0);  // none eligible
+  CHECK(j.kept_items() == 1);
   // As much as asked, oldest first: one item (at least one, even for 0).
   CHECK(j.spill(value_of, release, 0) == 200);
-  CHECK(j.kept_items() == 1);
-  CHECK(released == std::vector<std::uint64_t>{500});
-  CHECK(j.spill(value_of, release) == 3);  // the rest
-  CHECK(j.spill(value_of, release) == 0);  // none left
   CHECK(j.kept_items() == 0);
-  CHECK(released == std::vector<std::uint64_t>{500, 600});
+  CHECK(released == std::vector<std::uint64_t>{600, 500});
+  CHECK(j.spill(value_of, release) == 0);  // none left
   CHECK(j.take_back(0, record, release) == 3);
   CHECK(seen == std::vector<std::string>{"u=u0", "t=six", "s=" + five});
   CHECK(released.size() == 2);  // (not again)
+  // On until at least `at_least` bytes have moved: 4 takes both.
+  released.clear();
+  j.note("x", item_prior(700));
+  j.set_lsn(110);
+  j.note("y", item_prior(800));
+  j.set_lsn(120);
+  CHECK(j.spill(value_of, release, 4) == 6);  // ("six" each: on past the first)
+  CHECK(released == std::vector<std::uint64_t>{700, 800});
+  CHECK(j.take_back(0, record, release) == 2);
   // A steady load never drains it: what it holds stays near the writes in
   // flight (here 10, 60 bytes of old value each), not everything since it
   // last drained.
@@ -1517,112 +1529,146 @@ TEST_CASE("kv service: a write after the log's close is refused and undone - the
   std::filesystem::remove_all(dir);
 }
 
+// A service with a log over a full arena (64 KiB): `first` (a key and a
+// value) put first where given, then 1000-byte values under k0, k1, ...
+// until a put fails for memory; each write durable before the next.
+struct full_arena {
+  std::string dir = tmpdir();
+  asio::io_context io;
+  stderr_capture quiet;
+  store st{{.max_memory = 64 << 10}};
+  durable_log log{io, {.dir = dir, .sync = sync_mode::everysec},
+                  [](record_type, std::string_view, std::span<const std::byte>) {}};
+  service svc{st, &log};
+  int n = 0;  // the keys k0 ... k(n-1) hold old_value(i)
+
+  static std::string key(int i) { return "k" + std::to_string(i); }
+  static std::string old_value(int i) { return std::string(1000, static_cast<char>('a' + i % 26)); }
+  explicit full_arena(const std::string& first_key = "", const std::string& first_value = "") {
+    if (!first_key.empty()) durable_put(first_key, first_value);
+    while (n < 200 && durable_put(key(n), old_value(n))) ++n;
+    REQUIRE(n > 30);
+    REQUIRE(svc.stats().oom == 1);
+  }
+  ~full_arena() {
+    log.close();
+    std::filesystem::remove_all(dir);
+  }
+  full_arena(const full_arena&) = delete;
+  full_arena& operator=(const full_arena&) = delete;
+  bool durable_put(const std::string& k, const std::string& v) {
+    std::uint64_t lsn = 0;
+    if (!svc.put(k, B(v), lsn).is_ok()) return false;
+    wait_durable(lsn);
+    return true;
+  }
+  void wait_durable(std::uint64_t lsn) {
+    log.async_wait(lsn, [](std::error_code) {});
+    io.restart();
+    io.run();
+  }
+  // Deletes in this turn (nothing durable meanwhile: their old items stay
+  // in the arena, kept for taking the deletes back).
+  void del(const std::string& k) {
+    bool existed = false;
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.del(k, existed, lsn).is_ok());
+    REQUIRE(existed);
+  }
+};
+
 TEST_CASE("kv service: writes on their way to the log never make a put fail for memory - their old values move "
           "out of the arena, and are still taken back",
           "[kv]") {
   // --max-memory bounds the live data: the old items kept for taking
   // writes back must not make a put that fits fail.
-  const std::string dir = tmpdir();
-  asio::io_context io;
-  stderr_capture quiet;
-  store st({.max_memory = 64 << 10});
-  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
-                  [](record_type, std::string_view, std::span<const std::byte>) {});
-  service svc(st, &log);
-  auto old_value = [](int i) { return std::string(1000, static_cast<char>('a' + i % 26)); };
-  int n = 0;
-  for (; n < 200; ++n) {
-    std::uint64_t lsn = 0;
-    if (!svc.put("k" + std::to_string(n), B(old_value(n)), lsn).is_ok()) break;
-    log.async_wait(lsn, [](std::error_code) {});
-    io.restart();
-    io.run();
-  }
-  REQUIRE(n > 30);
+  full_arena a;
+  int n = a.n;
   // The arena is full: room for one item more, made by a delete (a put
   // needs room for its new item before the old one is free).
   --n;
   {
     bool existed = false;
     std::uint64_t lsn = 0;
-    REQUIRE(svc.del("k" + std::to_string(n - 1), existed, lsn).is_ok());
+    REQUIRE(a.svc.del(a.key(n - 1), existed, lsn).is_ok());
     REQUIRE(existed);
-    log.async_wait(lsn, [](std::error_code) {});
-    io.restart();
-    io.run();
+    a.wait_durable(lsn);
     --n;
   }
-  for (int i = 0; i < n; ++i) REQUIRE(S(*svc.get("k" + std::to_string(i))) == old_value(i));
+  for (int i = 0; i < n; ++i) REQUIRE(S(*a.svc.get(a.key(i))) == a.old_value(i));
   // Every key overwritten in one turn (nothing durable meanwhile): fits,
   // as the old values leave the arena.
-  const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes));
+  const file_size_limit limit(static_cast<rlim_t>(a.log.stats().file_bytes));
   for (int i = 0; i < n; ++i) {
     std::uint64_t lsn = 0;
     INFO("key " << i);
-    REQUIRE(svc.put("k" + std::to_string(i), B(std::string(1000, 'N')), lsn).is_ok());
+    REQUIRE(a.svc.put(a.key(i), B(std::string(1000, 'N')), lsn).is_ok());
   }
-  CHECK(svc.stats().oom == 1);  // (the fill's last put alone)
-  run_until_failed(io, log);
-  REQUIRE(log.failed());
-  CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(n));
-  CHECK(svc.stats().restore_failures == 0);
-  for (int i = 0; i < n; ++i) CHECK(S(*svc.get("k" + std::to_string(i))) == old_value(i));
-  log.close();
-  std::filesystem::remove_all(dir);
+  CHECK(a.svc.stats().oom == 1);  // (the fill's last put alone)
+  run_until_failed(a.io, a.log);
+  REQUIRE(a.log.failed());
+  CHECK(a.svc.stats().taken_back == static_cast<std::uint64_t>(n));
+  CHECK(a.svc.stats().restore_failures == 0);
+  for (int i = 0; i < n; ++i) CHECK(S(*a.svc.get(a.key(i))) == a.old_value(i));
 }
 
-TEST_CASE("kv service: a put over a full arena moves only the old items it needs out of the arena - oldest first, "
-          "and every write is still taken back",
+TEST_CASE("kv service: a put over a full arena moves only the old items it needs out of the arena - one whose block "
+          "fits it, and every write is still taken back",
           "[kv]") {
-  const std::string dir = tmpdir();
-  asio::io_context io;
-  stderr_capture quiet;
-  store st({.max_memory = 64 << 10});
-  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
-                  [](record_type, std::string_view, std::span<const std::byte>) {});
-  service svc(st, &log);
-  auto key = [](int i) { return "k" + std::to_string(i); };
-  auto old_value = [](int i) { return std::string(1000, static_cast<char>('a' + i % 26)); };
-  int n = 0;
-  for (; n < 200; ++n) {
-    std::uint64_t lsn = 0;
-    if (!svc.put(key(n), B(old_value(n)), lsn).is_ok()) break;
-    log.async_wait(lsn, [](std::error_code) {});
-    io.restart();
-    io.run();
-  }
-  REQUIRE(n > 30);
-  REQUIRE(svc.stats().oom == 1);  // the arena is full
-  // Twenty deletes in one turn (nothing durable meanwhile): their old items
-  // stay in the arena, kept for taking the deletes back. The file takes no
-  // more: the turn's write will fail.
-  const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes));
+  // `big`: a 4000-byte item among the kept 1000-byte ones (deleted in the
+  // middle), a put of 3000 bytes: only the big block can take it.
+  const bool big = GENERATE(false, true);
+  INFO((big ? "a 3000-byte put, one 4000-byte item kept among 1000-byte ones" : "a 900-byte put"));
+  full_arena a(big ? "big" : "", big ? std::string(4000, 'B') : "");
+  // The file takes no more: the turn's write will fail.
+  const file_size_limit limit(static_cast<rlim_t>(a.log.stats().file_bytes));
   constexpr int kDeleted = 20;
   for (int i = 0; i < kDeleted; ++i) {
-    bool existed = false;
-    std::uint64_t lsn = 0;
-    REQUIRE(svc.del(key(i), existed, lsn).is_ok());
-    REQUIRE(existed);
+    a.del(a.key(i));
+    if (big && i == kDeleted / 2) a.del("big");
   }
-  // A put of 900 bytes: the room of one old item is enough, and only the
-  // oldest moves to the journal (all twenty did before).
   std::uint64_t lsn = 0;
-  REQUIRE(svc.put("new", B(std::string(900, 'N')), lsn).is_ok());
-  INFO("spilled " << svc.stats().spilled << " items, " << svc.stats().spilled_bytes << " bytes");
-  CHECK(svc.stats().spilled >= 1);
-  CHECK(svc.stats().spilled <= 2);
-  CHECK(svc.stats().spilled_bytes == svc.stats().spilled * 1000);
-  CHECK(svc.stats().oom == 1);
+  REQUIRE(a.svc.put("new", B(std::string(big ? 3000 : 900, 'N')), lsn).is_ok());
+  INFO("spilled " << a.svc.stats().spilled << " items, " << a.svc.stats().spilled_bytes << " bytes");
+  // One moved (all twenty kept did before; oldest first, eleven would
+  // have moved before the big one)
+  CHECK(a.svc.stats().spilled == 1);
+  CHECK(a.svc.stats().spilled_bytes == (big ? 4000u : 1000u));
+  CHECK(a.svc.stats().oom == 1);
   // The log fails before any of the turn's records reach the file: every
   // write is taken back, from a spilled value or a kept item alike.
-  run_until_failed(io, log);
-  REQUIRE(log.failed());
-  CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted + 1));
-  CHECK(svc.stats().restore_failures == 0);
-  for (int i = 0; i < n; ++i) CHECK(S(*svc.get(key(i))) == old_value(i));
-  CHECK(!svc.get("new").has_value());
-  log.close();
-  std::filesystem::remove_all(dir);
+  run_until_failed(a.io, a.log);
+  REQUIRE(a.log.failed());
+  CHECK(a.svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted + (big ? 2 : 1)));
+  CHECK(a.svc.stats().restore_failures == 0);
+  for (int i = 0; i < a.n; ++i) CHECK(S(*a.svc.get(a.key(i))) == a.old_value(i));
+  if (big) CHECK(S(*a.svc.get("big")) == std::string(4000, 'B'));
+  CHECK(!a.svc.get("new").has_value());
+}
+
+TEST_CASE("kv service: where no kept block fits a put, kept items move oldest first in rounds - a put no block can "
+          "take still fails for memory, and nothing is lost",
+          "[kv]") {
+  // The arena never merges blocks: 1000-byte ones cannot take a
+  // 3000-byte item, so after every kept one has moved (in rounds of 3003
+  // bytes of values, then twice as much as the round before: 4, 8, then
+  // the last 8 items) the put fails as it did before spilling.
+  full_arena a;
+  const file_size_limit limit(static_cast<rlim_t>(a.log.stats().file_bytes));
+  constexpr int kDeleted = 20;
+  for (int i = 0; i < kDeleted; ++i) a.del(a.key(i));
+  std::uint64_t lsn = 0;
+  const rpc::status st = a.svc.put("new", B(std::string(3000, 'N')), lsn);
+  CHECK(st.code() == rpc::errc::resource_exhausted);
+  CHECK(a.svc.stats().oom == 2);
+  CHECK(a.svc.stats().spilled == static_cast<std::uint64_t>(kDeleted));
+  CHECK(a.svc.stats().spilled_bytes == kDeleted * 1000u);
+  // The deletes still go back whole from their copies.
+  run_until_failed(a.io, a.log);
+  REQUIRE(a.log.failed());
+  CHECK(a.svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted));
+  CHECK(a.svc.stats().restore_failures == 0);
+  for (int i = 0; i < a.n; ++i) CHECK(S(*a.svc.get(a.key(i))) == a.old_value(i));
 }
 
 TEST_CASE("kv service: any batch a full disk refuses is taken back whole - the store as it was, overflow keys and "
