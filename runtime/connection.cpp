@@ -670,7 +670,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   if (state_ == state::failed || state_ == state::closed) return;
   const state was = state_;
   state_ = state::failed;
-  error_ = peer_closed_ ? std::error_code(errc::connection_closed) : ec;
+  error_ = peer_closed_ || !ec ? std::error_code(errc::connection_closed) : ec;  // (never empty once failed)
   if (error_ != errc::connection_closed) fab_->count_failure(error_);
   revoke_windows();
   if (ec == errc::connection_closed) {

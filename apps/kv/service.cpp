@@ -174,34 +174,46 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
   if (r == put_status::out_of_memory && log_ != nullptr && journal_.kept_items() != 0) {
     // The old items of writes on their way to the log take the room: they
     // move to the journal, and --max-memory bounds the live data alone.
-    // As few as the put needs: first the oldest whose block can take the
-    // put's item (the arena gives it that block at once); where none can,
-    // or the memory limit still says no, oldest first in rounds, values
+    // As few as the put needs. First the oldest whose block can take the
+    // put's item: the arena gives it that block at once. Where the memory
+    // limit still says no, a free block waiting (only after a restart
+    // placed items in the arena's slack), oldest first in rounds, values
     // of the put's size and then twice as much as the round before each
-    // time it still finds no room (the arena never merges blocks: small
-    // ones help only through the limit, and at worst all move, as before).
+    // time it still finds no room. Where no block, kept or free, is large
+    // enough, moving smaller ones cannot help (the arena never merges
+    // blocks): none moves, and the put fails for memory as it would have.
+    const std::size_t c = st_.item_class(key.size(), value.size());
     auto value_of = [this](std::uint64_t item) { return st_.item_value(item); };
     auto release = [this](std::uint64_t item) {
       ++stats_.spilled;
       stats_.spilled_bytes += st_.item_value(item).size();
       st_.release(item);
     };
+    std::uint64_t tried_at = stats_.spilled;  // what had moved at the last try of the put
     try {
-      const std::uint64_t before = stats_.spilled;
-      journal_.spill_if(value_of, release, 0, [&](std::uint64_t item) {
-        return st_.block_fits(item, key.size(), value.size());
-      });
-      if (stats_.spilled != before) r = st_.put(key, value, false, &was);
+      // (A scan that found no kept block of class c or more is not made
+      // again for that class or a larger one until an item is kept anew.)
+      if (c < no_fit_class_ || journal_.items_noted() != no_fit_noted_) {
+        journal_.spill_if(value_of, release, 0, [&](std::uint64_t item) { return st_.block_fits(item, c); });
+        if (stats_.spilled != tried_at) {
+          tried_at = stats_.spilled;
+          r = st_.put(key, value, false, &was);
+        } else {
+          no_fit_class_ = c;
+          no_fit_noted_ = journal_.items_noted();
+        }
+      }
       std::size_t want = std::max<std::size_t>(key.size() + value.size(), 1);
-      while (r == put_status::out_of_memory && journal_.kept_items() != 0) {
-        const std::size_t kept = journal_.kept_items();
+      while (r == put_status::out_of_memory && journal_.kept_items() != 0 && st_.free_block_for(c)) {
         const std::size_t moved = journal_.spill(value_of, release, want);
-        if (journal_.kept_items() == kept) break;  // (cannot happen: a round moves one at least)
+        tried_at = stats_.spilled;
         r = st_.put(key, value, false, &was);
         want = std::max(want, moved) * 2;
       }
     } catch (const std::bad_alloc&) {
-      // (no heap for them either: out of memory, as before; those spilled stay so)
+      // No heap for the next copy: those moved stay so, and the put tries
+      // the room they made.
+      if (stats_.spilled != tried_at) r = st_.put(key, value, false, &was);
     }
   }
   if (r == put_status::too_large) return {rpc::errc::invalid_argument, "key or value above the limits"};  // (check() said no)

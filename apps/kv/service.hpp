@@ -150,6 +150,10 @@ class service {
   durable_log* log_;
   std::optional<asio::io_context::executor_type> home_;
   undo_journal journal_;  // with a log: the writes it has not made durable yet
+  // The smallest size class a scan of the kept items found no block for,
+  // as of journal_.items_noted() (see put).
+  std::size_t no_fit_class_ = ~std::size_t{0};
+  std::uint64_t no_fit_noted_ = 0;
   std::uint64_t forgot_until_ = 0;  // the log's durable_lsn() at the last forget_durable()
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // the log's on_failure runs only while this lives
   service_stats stats_;

@@ -194,10 +194,21 @@ std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std
   return off;
 }
 
-bool store::block_fits(std::uint64_t offset, std::size_t key_size, std::size_t value_size) const noexcept {
+std::size_t store::item_class(std::size_t key_size, std::size_t value_size) const noexcept {
+  return size_class(kItemHeader + key_size + value_size);
+}
+
+bool store::block_fits(std::uint64_t offset, std::size_t c) const noexcept {
   item_header h;
   std::memcpy(&h, base_ + arena_offset_ + offset, sizeof h);
-  return h.reserved >= size_class(kItemHeader + key_size + value_size);
+  return h.reserved >= c;
+}
+
+bool store::free_block_for(std::size_t c) const noexcept {
+  for (std::size_t k = c; k < free_lists_.size(); ++k) {
+    if (!free_lists_[k].empty()) return true;
+  }
+  return false;
 }
 
 void store::release_item(std::uint64_t offset) noexcept {

@@ -79,10 +79,18 @@ class store {
   // value, and its release.
   std::span<const std::byte> item_value(std::uint64_t offset) const noexcept { return item_view(offset).value; }
   void release(std::uint64_t offset) noexcept { release_item(offset); }
-  // Whether that item's block, once released, can take an item of this
-  // key and value size at once (the arena hands a freed block to its own
-  // size class or a smaller one; it never splits or merges blocks).
-  bool block_fits(std::uint64_t offset, std::size_t key_size, std::size_t value_size) const noexcept;
+  // The arena's size class of an item of this key and value size.
+  std::size_t item_class(std::size_t key_size, std::size_t value_size) const noexcept;
+  // Whether that kept item's block, once released, can take an item of
+  // class `c` at once (the arena hands a freed block to its own size class
+  // or a smaller one; it never splits or merges blocks).
+  bool block_fits(std::uint64_t offset, std::size_t c) const noexcept;
+  // Whether a freed block of class `c` or larger waits. When a put of that
+  // class has just failed, --max-memory kept it out, not the blocks (only
+  // so after a restart placed items in the arena's slack: otherwise the
+  // blocks in use and free never add up to more than --max-memory), and
+  // releasing any item brings it closer.
+  bool free_block_for(std::size_t c) const noexcept;
   // A view of the value, valid until the next put or del.
   std::optional<std::span<const std::byte>> get(std::string_view key) const noexcept;
   bool contains(std::string_view key) const noexcept { return get(key).has_value(); }

@@ -21,7 +21,10 @@ void undo_journal::note(std::string_view key, const prior& was) {
   if (!v.empty()) std::memcpy(bytes_.get() + e.value_at, v.data(), v.size());
   size_ = e.value_at + v.size();
   entries_.push_back(e);
-  if (e.what == prior::kind::item) ++kept_;
+  if (e.what == prior::kind::item) {
+    ++kept_;
+    ++items_noted_;
+  }
 }
 
 void undo_journal::reserve(std::size_t need) {
@@ -42,6 +45,7 @@ void undo_journal::reset() noexcept {
   size_ = 0;
   head_ = 0;
   kept_ = 0;
+  first_kept_ = 0;
   constexpr std::size_t kKeep = std::size_t{1} << 20;
   if (capacity_ > kKeep) {
     bytes_.reset();
@@ -64,6 +68,7 @@ void undo_journal::compact() noexcept {
     e.at -= shift;
     e.value_at -= shift;
   }
+  first_kept_ = first_kept_ > head_ ? first_kept_ - head_ : 0;
   head_ = 0;
 }
 

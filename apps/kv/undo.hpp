@@ -58,6 +58,7 @@ class undo_journal {
     // spilled after them follow: those stay until the journal drains).
     if (std::max(e.at + e.key_size, e.value_at + e.value_size) == size_) size_ = e.at;
     entries_.pop_back();
+    first_kept_ = std::min(first_kept_, entries_.size());
     if (head_ == entries_.size()) reset();
   }
   // Forgets the writes with positions up to `durable` (made durable),
@@ -103,13 +104,21 @@ class undo_journal {
     return spill_if(value_of, release, at_least, [](std::uint64_t) { return true; });
   }
   // The same, among the kept items for which eligible(offset) holds.
+  // (The scan starts at the first entry that may still keep an item:
+  // those spilled before stay in front until the journal drains.)
   template <class V, class R, class E>
   std::size_t spill_if(V&& value_of, R&& release, std::size_t at_least, E&& eligible) {
     std::size_t moved = 0;
     bool any = false;
-    for (std::size_t i = head_; i < entries_.size() && kept_ != 0 && (!any || moved < at_least); ++i) {
+    bool leading = true;  // no entry from the scan's start to here keeps an item
+    for (std::size_t i = std::max(head_, first_kept_); i < entries_.size() && kept_ != 0 && (!any || moved < at_least);
+         ++i) {
       entry& e = entries_[i];
-      if (e.what != prior::kind::item || !eligible(e.item)) continue;
+      if (e.what != prior::kind::item || !eligible(e.item)) {
+        if (e.what == prior::kind::item) leading = false;
+        if (leading) first_kept_ = i + 1;
+        continue;
+      }
       const std::span<const std::byte> v = value_of(e.item);
       const std::size_t at = size_;
       reserve(at + v.size());
@@ -122,9 +131,12 @@ class undo_journal {
       --kept_;
       moved += v.size();
       any = true;
+      if (leading) first_kept_ = i + 1;
     }
     return moved;
   }
+  // How many writes that kept an item were noted, ever (it only grows).
+  std::uint64_t items_noted() const noexcept { return items_noted_; }
 
   std::size_t kept_items() const noexcept { return kept_; }
   std::size_t writes() const noexcept { return entries_.size() - head_; }
@@ -162,6 +174,8 @@ class undo_journal {
   std::size_t size_ = 0, capacity_ = 0;
   std::size_t head_ = 0;  // entries_ before it are forgotten
   std::size_t kept_ = 0;  // entries of kind item from head_ on
+  std::size_t first_kept_ = 0;  // entries from head_ up to it keep no item (spill's start)
+  std::uint64_t items_noted_ = 0;
 };
 
 }  // namespace anydoor::apps::kv

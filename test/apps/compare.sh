@@ -70,20 +70,20 @@ expect_in "$tmp/compare-kv.out" "^anydoor-kv bench --get read, 32 B values +$n +
 expect_in "$tmp/compare-kv.out" "^TCP floor round trip \(anydoor-tcp-floor\) +$n +$n\$"
 pass "compare-kv"
 
+for bad in "300 300" "08 300" "100 -5"; do
+  read -r n1 n2 <<<"$bad"
+  N1=$n1 N2=$n2 timeout 60 "$src/bench/instructions.sh" "$build" >/dev/null 2>"$tmp/instructions-bad.err"
+  rc=$?
+  [ "$rc" = 2 ] && grep -q "N1 and N2 must be" "$tmp/instructions-bad.err" || fail "instructions.sh with N1=$n1 N2=$n2: exit $rc"
+done
 if command -v valgrind >/dev/null; then
   script instructions N1=100 N2=300 -- "$build"
   for t in echo echo_deferred put_lat; do
     expect_in "$tmp/instructions.out" "^RESULT test=$t runtime_instr=[0-9]+ raw_instr=[0-9]+ extra_instr=-?[0-9]+ ratio=$n\$"
   done
-  for bad in "300 300" "08 300" "100 -5"; do
-    set -- $bad
-    N1=$1 N2=$2 timeout 60 "$src/bench/instructions.sh" "$build" >/dev/null 2>"$tmp/instructions-bad.err"
-    rc=$?
-    [ "$rc" = 2 ] && grep -q "N1 and N2 must be" "$tmp/instructions-bad.err" || fail "instructions.sh with N1=$1 N2=$2: exit $rc"
-  done
   pass "instructions"
 else
-  echo "instructions.sh not run: valgrind is not installed (scripts/setup --bench)"
+  echo "instructions.sh counts not run: valgrind is not installed (scripts/setup --bench)"
 fi
 script message-rate -- "$build" 1 1
 expect_in "$tmp/message-rate.out" "^2 +2 +[0-9]+ +$n"x\$

@@ -1266,6 +1266,46 @@ TEST_CASE("kv undo journal: taken back newest first above the held position - fo
   CHECK(seen == last);
 }
 
+TEST_CASE("kv undo journal: a spill starts past the entries that keep no item - and still finds every kept one after "
+          "the journal moves its entries",
+          "[kv]") {
+  undo_journal j;
+  std::vector<std::uint64_t> released;
+  auto release = [&](std::uint64_t item) { released.push_back(item); };
+  auto value_of = [](std::uint64_t) { return std::as_bytes(std::span("vv", 2)); };
+  const std::string v(40, 'v');
+  for (std::uint64_t i = 1; i <= 100; ++i) {  // inline old values
+    j.note("key" + std::to_string(i), inline_prior(v));
+    j.set_lsn(i);
+  }
+  j.note("a", item_prior(7000));
+  j.set_lsn(101);
+  j.note("b", item_prior(8000));
+  j.set_lsn(102);
+  j.note("c", item_prior(9000));
+  j.set_lsn(103);
+  // b alone: a stays kept in front of it.
+  CHECK(j.spill_if(value_of, release, 0, [](std::uint64_t item) { return item == 8000; }) == 2);
+  CHECK(released == std::vector<std::uint64_t>{8000});
+  // The 100 inline writes made durable: the journal moves the rest to its front.
+  const std::size_t before = j.footprint();
+  j.forget_until(100, release);
+  CHECK(j.footprint() < before);  // (moved)
+  CHECK(j.writes() == 3);
+  CHECK(j.kept_items() == 2);
+  CHECK(j.spill(value_of, release, 0) == 2);  // a, the oldest kept
+  CHECK(released == std::vector<std::uint64_t>{8000, 7000});
+  CHECK(j.spill(value_of, release) == 2);  // then c
+  CHECK(released == std::vector<std::uint64_t>{8000, 7000, 9000});
+  CHECK(j.kept_items() == 0);
+  // Taken back whole, the spilled values as copies.
+  std::vector<std::string> seen;
+  CHECK(j.take_back(0, [&](const undo_journal::before& b) { seen.push_back(std::string(b.key) + "=" + S(b.value)); },
+                    release) == 3);
+  CHECK(seen == std::vector<std::string>{"c=vv", "b=vv", "a=vv"});
+  CHECK(released.size() == 3);  // (none released again)
+}
+
 TEST_CASE("kv store: a put or del told to keep the old value keeps its arena item until released - inline values "
           "copied",
           "[kv]") {
@@ -1646,29 +1686,79 @@ TEST_CASE("kv service: a put over a full arena moves only the old items it needs
   CHECK(!a.svc.get("new").has_value());
 }
 
-TEST_CASE("kv service: where no kept block fits a put, kept items move oldest first in rounds - a put no block can "
-          "take still fails for memory, and nothing is lost",
+TEST_CASE("kv service: where no kept block can take a put and the memory limit is not short, none moves - the put "
+          "fails for memory as it would have, and nothing is lost",
           "[kv]") {
-  // The arena never merges blocks: 1000-byte ones cannot take a
-  // 3000-byte item, so after every kept one has moved (in rounds of 3003
-  // bytes of values, then twice as much as the round before: 4, 8, then
-  // the last 8 items) the put fails as it did before spilling.
-  full_arena a;
+  // The arena never merges blocks: 1000-byte ones cannot take a 3000-byte
+  // item, and copying them out would only grow the heap.
+  const std::string big(4000, 'B');
+  full_arena a("big", big);
   const file_size_limit limit(static_cast<rlim_t>(a.log.stats().file_bytes));
   constexpr int kDeleted = 20;
   for (int i = 0; i < kDeleted; ++i) a.del(a.key(i));
+  for (int attempt = 0; attempt < 2; ++attempt) {  // (the second finds the first's scan remembered)
+    std::uint64_t lsn = 0;
+    const rpc::status st = a.svc.put("new", B(std::string(3000, 'N')), lsn);
+    CHECK(st.code() == rpc::errc::resource_exhausted);
+  }
+  CHECK(a.svc.stats().oom == 3);
+  CHECK(a.svc.stats().spilled == 0);
+  // A block that can take it, kept anew (the delete of the 4000-byte
+  // item): the next put looks again and finds it.
+  a.del("big");
   std::uint64_t lsn = 0;
-  const rpc::status st = a.svc.put("new", B(std::string(3000, 'N')), lsn);
-  CHECK(st.code() == rpc::errc::resource_exhausted);
-  CHECK(a.svc.stats().oom == 2);
-  CHECK(a.svc.stats().spilled == static_cast<std::uint64_t>(kDeleted));
-  CHECK(a.svc.stats().spilled_bytes == kDeleted * 1000u);
-  // The deletes still go back whole from their copies.
+  CHECK(a.svc.put("new", B(std::string(3000, 'N')), lsn).is_ok());
+  CHECK(a.svc.stats().spilled == 1);
+  CHECK(a.svc.stats().spilled_bytes == 4000);
   run_until_failed(a.io, a.log);
   REQUIRE(a.log.failed());
-  CHECK(a.svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted));
+  CHECK(a.svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted + 2));
   CHECK(a.svc.stats().restore_failures == 0);
   for (int i = 0; i < a.n; ++i) CHECK(S(*a.svc.get(a.key(i))) == a.old_value(i));
+  CHECK(S(*a.svc.get("big")) == big);
+  CHECK(!a.svc.get("new").has_value());
+}
+
+TEST_CASE("kv service: over --max-memory after a restart (items in the arena's slack), a put moves kept items oldest "
+          "first in doubling rounds until the limit lets it in - not all of them",
+          "[kv]") {
+  const std::string dir = tmpdir();
+  asio::io_context io;
+  stderr_capture quiet;
+  store st({.max_memory = 64 << 10});
+  // As a replay may place them: 1000-byte items up to 72 KiB in use, past
+  // the 64 KiB limit (the arena keeps a quarter more for replays).
+  int n = 0;
+  while (st.stats().used_bytes < (72u << 10)) {
+    REQUIRE(st.put(full_arena::key(n), B(full_arena::old_value(n)), /*replay=*/true) == put_status::ok);
+    ++n;
+  }
+  durable_log log(io, {.dir = dir, .sync = sync_mode::everysec},
+                  [](record_type, std::string_view, std::span<const std::byte>) {});
+  service svc(st, &log);
+  const file_size_limit limit(static_cast<rlim_t>(log.stats().file_bytes));
+  constexpr int kDeleted = 20;
+  for (int i = 0; i < kDeleted; ++i) {
+    bool existed = false;
+    std::uint64_t lsn = 0;
+    REQUIRE(svc.del(full_arena::key(i), existed, lsn).is_ok());
+  }
+  std::uint64_t lsn = 0;
+  REQUIRE(svc.put("new", B(std::string(1000, 'N')), lsn).is_ok());
+  INFO("spilled " << svc.stats().spilled << " of " << kDeleted << " kept items; " << n << " items, "
+                  << st.stats().used_bytes << " bytes in use");
+  // More than the one whose block fits (the limit was short), not all.
+  CHECK(svc.stats().spilled > 1);
+  CHECK(svc.stats().spilled < static_cast<std::uint64_t>(kDeleted));
+  CHECK(st.stats().used_bytes <= (64u << 10));
+  run_until_failed(io, log);
+  REQUIRE(log.failed());
+  CHECK(svc.stats().taken_back == static_cast<std::uint64_t>(kDeleted + 1));
+  CHECK(svc.stats().restore_failures == 0);
+  for (int i = 0; i < n; ++i) CHECK(S(*svc.get(full_arena::key(i))) == full_arena::old_value(i));
+  CHECK(!svc.get("new").has_value());
+  log.close();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("kv service: any batch a full disk refuses is taken back whole - the store as it was, overflow keys and "
