@@ -181,7 +181,7 @@ std::optional<std::pair<std::uint64_t, std::size_t>> store::allocate(std::size_t
 
 std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value,
                                 bool replay) {
-  const auto got = allocate(size_class(kItemHeader + key.size() + value.size()), replay);
+  const auto got = allocate(item_class(key.size(), value.size()), replay);
   if (!got) return ~std::uint64_t{0};
   const std::uint64_t off = got->first;
   std::byte* p = base_ + arena_offset_ + off;

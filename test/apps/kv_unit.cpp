@@ -111,17 +111,23 @@ std::string tmpdir() {
   return t;
 }
 
+// Runs io until the log has answered for position `lsn`: what it said
+// (EIO should it never answer).
+std::error_code wait_answered(asio::io_context& io, durable_log& log, std::uint64_t lsn) {
+  std::error_code ec{EIO, std::generic_category()};
+  log.async_wait(lsn, [&](std::error_code e) { ec = e; });
+  io.restart();
+  io.run();
+  return ec;
+}
+
 // One put through the service, run until the log has answered it: what
 // the log said (EIO should it never answer).
 std::error_code durable_put(asio::io_context& io, service& svc, durable_log& log, std::string_view key,
                             std::string_view value) {
   std::uint64_t lsn = 0;
   REQUIRE(svc.put(key, B(value), lsn).is_ok());
-  std::error_code ec{EIO, std::generic_category()};
-  log.async_wait(lsn, [&](std::error_code e) { ec = e; });
-  io.restart();
-  io.run();
-  return ec;
+  return wait_answered(io, log, lsn);
 }
 
 // Runs io until the log has failed (its syncing thread found the error),
@@ -1602,11 +1608,7 @@ struct full_arena {
     wait_durable(lsn);
     return true;
   }
-  void wait_durable(std::uint64_t lsn) {
-    log.async_wait(lsn, [](std::error_code) {});
-    io.restart();
-    io.run();
-  }
+  void wait_durable(std::uint64_t lsn) { REQUIRE_FALSE(wait_answered(io, log, lsn)); }
   // Deletes in this turn (nothing durable meanwhile: their old items stay
   // in the arena, kept for taking the deletes back).
   void del(const std::string& k) {
