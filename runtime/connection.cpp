@@ -602,13 +602,37 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
     on_receive_failed({.wr_id = 0, .status = transport::wc_status::work_request_flushed, .qp_num = qpn_});
     return idle;
   }
+  // The marker behind an unsignaled tail, posted once the queue pair was in
+  // error (cover_tail), has not come back although everything before the
+  // tail has: the provider completes no request posted in error (siw's
+  // user-space queue pairs). What is left holds nothing (inline messages,
+  // the zero-length marker), so it retires unanswered after the grace.
+  if (cover_waits_ && sq_retired_ < sq_posted_) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - cover_at_);
+    if (sq_retired_ < cover_from_ || waited < kPeerCloseGrace) {
+      return std::max(fabric_state::kMinTick, kPeerCloseGrace - std::min(waited, kPeerCloseGrace));
+    }
+    log().warn("connection qp {}: the marker behind {} unsignaled requests did not come back in {} ms after the "
+               "move to error: they retire unanswered",
+               qp_num(), sq_posted_ - 1 - cover_from_, waited.count());
+    cover_waits_ = false;
+    asio::post(fab_->io, [self = shared_from_this()] {
+      if (self->sq_retired_ >= self->sq_posted_) return;  // (it came back meanwhile)
+      self->settle_tail_ = true;
+      self->sq_signaled_end_ = self->cover_from_;  // (the marker is part of what retires unanswered)
+      self->settle_tail();
+      self->maybe_release_self();
+    });
+    return idle;
+  }
   // The peer closed and our work requests are still unanswered: once the
   // grace runs out nothing will answer them (its queue pair is in error), so
   // the connection closes as when our close is acknowledged: the queue pair
   // goes to error and they come back flushed. (Posted: the handlers that
-  // ends run outside this tick's walk over the connections.)
+  // ends run outside this tick's walk over the connections. An unsignaled
+  // tail past sq_signaled_end_ waits for no answer: flush_now.)
   if (peer_closed_ && qp_ != nullptr && (state_ == state::open || state_ == state::closing) &&
-      !flushed_after_peer_close_ && sq_retired_ != sq_posted_) {
+      !flushed_after_peer_close_ && sq_retired_ < sq_signaled_end_) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - peer_closed_at_);
     if (waited < kPeerCloseGrace) return std::max(fabric_state::kMinTick, kPeerCloseGrace - waited);
     log().info("connection qp {}: {} work requests still unanswered {} ms after the peer's close: flushing them",
@@ -742,6 +766,7 @@ void connection_impl::end_rendezvous_sends(std::error_code ec) noexcept {
 }
 
 void connection_impl::begin_drain() noexcept {
+  cover_tail();  // (the queue pair is in error now)
   if (draining_ || (sq_retired_ == sq_posted_ && rq_done_ == rq_posted_)) return;
   draining_ = true;
   fab_->busy();

@@ -374,7 +374,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void complete_message(op_node* n, bool post, message m) noexcept;
   void maybe_release_self() noexcept;
   void end_all_waiting(std::error_code ec) noexcept;  // abandon, ~connection_impl
-  void begin_drain() noexcept;  // keeps the reactor polling until every flush is back
+  void begin_drain() noexcept;  // keeps the reactor polling until every flush is back (cover_tail first)
 
   std::shared_ptr<fabric_state> fab_;
   std::unique_ptr<transport::queue_pair> qp_;
@@ -451,6 +451,28 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::size_t stage_control_used_ = 0;
   std::uint64_t sq_retired_ = 0, sq_posted_ = 0, sq_queued_ = 0;
   std::uint32_t since_signal_ = 0;
+  // Unsignaled tails (flush_now): the position after the last signaled
+  // request posted, and whether every request posted since holds nothing
+  // (an inline message with no operation). Posted requests past
+  // sq_signaled_end_ are an uncovered tail: no completion of theirs is due
+  // until a signaled one follows (every signal_interval-th, a flush's
+  // marker, a close, or cover_tail() once the queue pair is in error).
+  std::uint64_t sq_signaled_end_ = 0;
+  bool lone_since_signal_ = true;
+  bool uncovered_tail() const noexcept { return sq_signaled_end_ < sq_posted_ && sq_retired_ < sq_posted_; }
+  // Queues (flush) or posts (after the move to error) a signaled
+  // zero-length RDMA WRITE behind an uncovered tail.
+  void queue_tail_marker(transport::work_request& wr) noexcept;
+  void cover_tail() noexcept;
+  bool settle_tail_ = false;  // cover_tail() could not post: the tail retires here once the rest is back
+  void settle_tail() noexcept;
+  // A marker cover_tail() posted that has not come back: the position
+  // before the tail and when it went (liveness gives up on it after
+  // kPeerCloseGrace: a provider that never completes a request posted in
+  // error, as siw's user-space queue pairs).
+  bool cover_waits_ = false;
+  std::uint64_t cover_from_ = 0;
+  std::chrono::steady_clock::time_point cover_at_{};
 
   // receive queue: ring of posted buffers, FIFO
   std::vector<std::uint32_t> rq_;

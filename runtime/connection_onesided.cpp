@@ -366,8 +366,16 @@ bool connection_impl::emit_segments(op_node* n, bool last_completes, std::size_t
 connection_impl::start_result connection_impl::try_start_onesided(op_node* n, bool post) noexcept {
   switch (n->kind) {
     case op_kind::flush:
-      // Complete once every work request queued before it has retired
-      // (each doorbell ends with a signaled one, so they all will).
+      // Complete once every work request queued before it has retired.
+      // What is queued and not posted yet goes out with a signaled last
+      // one (flush_now signals a doorbell's last while a flush waits). A
+      // tail already posted unsignaled (flush_now) may see nothing
+      // signaled follow it: a marker is queued behind it then.
+      if (sq_queued_ == sq_posted_ && uncovered_tail()) {
+        if (sq_free() == 0) return start_result::blocked_queue;
+        queue_tail_marker(next_wr(slot_kind::none, buffer_pool::npos, nullptr, {}));
+        schedule();
+      }
       send_waiting_.remove(n);
       n->operand = sq_queued_;
       if (sq_retired_ >= sq_queued_) {

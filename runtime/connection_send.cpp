@@ -475,16 +475,32 @@ void connection_impl::flush_now() noexcept {
   }
   std::vector<transport::work_request>& batch = batch_->wrs;
   const std::uint32_t k = opt_.signal_interval;
+  // A doorbell's last request is signaled too, unless it may stay an
+  // uncovered tail: an open connection's message sent inline with no
+  // operation (no pool buffer to give back, its handler ran at the
+  // doorbell), with every unsignaled request since the last signaled one
+  // as lone, no flush waiting, and a slot of the send queue left free
+  // after this post (for a marker: cover_tail, try_start_onesided). A
+  // ping-pong of small messages then takes one send completion per
+  // signal_interval messages instead of one per message.
+  const bool room_after = sq_queued_ - sq_retired_ < sq_.size();
+  std::size_t last_signaled = batch.size();
   for (std::size_t i = 0; i < batch.size(); ++i) {
     sq_slot& s = sq_[ring_slot(sq_posted_ + i, sq_.size())];
-    const bool must = s.kind == slot_kind::read_last || s.op != nullptr || i + 1 == batch.size();
+    const bool lone = s.kind == slot_kind::message && s.op == nullptr && s.buffer == buffer_pool::npos;
+    const bool tail_may_wait =
+        lone && lone_since_signal_ && room_after && flushes_.empty() && state_ == state::open;
+    const bool must = s.kind == slot_kind::read_last || s.op != nullptr || (i + 1 == batch.size() && !tail_may_wait);
     if (must || ++since_signal_ >= k) {
       since_signal_ = 0;
+      lone_since_signal_ = true;
+      last_signaled = i;
       s.signaled = true;
       batch[i].signaled = true;
       ++stats_.signaled;
       fab_->busy();
     } else {
+      lone_since_signal_ = lone_since_signal_ && lone;
       batch[i].signaled = false;
     }
   }
@@ -503,9 +519,68 @@ void connection_impl::flush_now() noexcept {
   }
   stats_.posts += batch.size();
   ++stats_.doorbells;
+  if (last_signaled != batch.size()) sq_signaled_end_ = sq_posted_ + last_signaled + 1;
   sq_posted_ = sq_queued_;
   batch.clear();
   return_batch();
+}
+
+void connection_impl::queue_tail_marker(transport::work_request& wr) noexcept {
+  // A zero-length RDMA WRITE names no memory: the responder checks no key
+  // or address for zero bytes (IBTA C9-88; rxe, siw and the tcp provider
+  // alike, a conformance case). Signaled, its completion retires every
+  // request before it.
+  wr.op = transport::opcode::write;
+  wr.inline_data = false;
+  wr.remote_addr = 0;
+  wr.rkey = 0;
+  wr.signaled = true;
+  ++tx_count_;
+}
+
+void connection_impl::cover_tail() noexcept {
+  // The queue pair is in error: it completes, flushed, what it has not
+  // executed, but a request it executed unsignaled never completes. A
+  // signaled request posted now is flushed behind the tail (the way
+  // ib_drain_sq drains): its completion retires the tail. (Requests still
+  // queued are posted with a signaled last one: flush_now leaves a tail
+  // only on an open connection.)
+  if (qp_ == nullptr || sq_queued_ != sq_posted_ || !uncovered_tail()) return;
+  transport::work_request wr{};
+  wr.wr_id = reactor::persistent_id(send_base_, static_cast<std::uint32_t>(sq_posted_ & kTagMask));
+  queue_tail_marker(wr);
+  std::error_code ec = errc::queue_full;  // (flush_now leaves a slot free behind a tail: never so)
+  if (sq_posted_ - sq_retired_ >= sq_.size() || (ec = qp_->post_send({&wr, 1}))) {
+    log().warn("connection qp {}: no request could follow {} unsignaled ones in error ({}): they retire unanswered",
+               qp_num(), sq_posted_ - sq_signaled_end_, ec.message());
+    settle_tail_ = true;
+    settle_tail();
+    return;
+  }
+  sq_[ring_slot(sq_posted_, sq_.size())] = {buffer_pool::npos, slot_kind::none, nullptr, true};
+  cover_waits_ = true;
+  cover_from_ = sq_signaled_end_;
+  cover_at_ = std::chrono::steady_clock::now();
+  fab_->want_tick(kPeerCloseGrace);
+  sq_queued_ = sq_posted_ = sq_signaled_end_ = sq_posted_ + 1;
+  ++stats_.posts;
+  ++stats_.doorbells;
+  ++stats_.signaled;
+  fab_->busy();
+}
+
+void connection_impl::settle_tail() noexcept {
+  // Only once everything signaled is back (a flushed completion of one of
+  // them may still name a request before the tail). The tail's requests
+  // hold nothing: they only free their slots. (One the device had not
+  // executed may still complete, flushed: on_send_completion_body drops
+  // it as not outstanding.)
+  if (sq_retired_ < sq_signaled_end_) return;
+  settle_tail_ = false;
+  while (sq_retired_ < sq_posted_) {
+    const sq_slot s = std::exchange(sq_[ring_slot(sq_retired_++, sq_.size())], {});
+    if (s.signaled) fab_->idle();  // (a marker that never came back)
+  }
 }
 
 bool connection_impl::took_part(std::error_code ec, std::size_t bad, std::size_t size) noexcept {
@@ -614,6 +689,7 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
       if (st == transport::wc_status::success || peer_closed_) on_close_acked();
     }
   }
+  if (settle_tail_) settle_tail();
   if (refusal_seq_ < sq_retired_ && state_ != state::failed && state_ != state::closed) {
     fail(errc::authentication_failed);  // our refusal of the peer's proof is out
   }

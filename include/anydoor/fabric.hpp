@@ -45,7 +45,7 @@ struct connection_options {
   std::uint32_t eager_limit = 8192;      // payload bytes sent eagerly (also sizes our receive buffers): 1..1 MiB
   std::uint64_t max_message = std::uint64_t{1} << 30;  // largest message sent or accepted: 1..2^40
   std::uint32_t send_queue = 128;        // send work requests in flight: 8..4096
-  std::uint32_t signal_interval = 16;    // signal every k-th send (and the last of each doorbell): 1..send_queue
+  std::uint32_t signal_interval = 16;    // signal every k-th send and most doorbells' last (README): 1..send_queue
   // Shared secret each side proves to the other (HMAC-SHA256 over fresh
   // nonces: nothing of it travels, nothing is replayable); empty: no
   // authentication. At most 1024 bytes; use 16 or more random bytes.

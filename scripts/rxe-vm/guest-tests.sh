@@ -89,6 +89,7 @@ if [ -z "$filter" ] && modprobe siw 2>/dev/null; then
       "requests execute and complete in order on a queue pair" \
       "a batch of requests in one post_send rings one doorbell" \
       "unsignaled requests are retired by a later signaled one" \
+      "a zero-length write with no key or address succeeds and retires the unsignaled requests before it" \
       "notify fd: a completion after arm makes the fd readable" \
       "notify fd: a completion arriving between the last poll and arm is not lost" \
       "a burst larger than one progress pass completes on a queue shared by many queue pairs" \

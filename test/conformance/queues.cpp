@@ -94,6 +94,96 @@ TEST_CASE("unsignaled requests are retired by a later signaled one", "[conforman
   }
 }
 
+// The runtime's marker behind an unsignaled tail (connection_impl::
+// queue_tail_marker): a zero-length RDMA WRITE names no memory, so the
+// responder checks neither key nor address (IBTA C9-88), and its
+// completion retires the unsignaled requests before it.
+TEST_CASE("a zero-length write with no key or address succeeds and retires the unsignaled requests before it",
+          "[conformance]") {
+  connected_pair p({.max_send_wr = 8});
+  char msg[16] = "tail";
+  std::vector<char> dst(3 * 16);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  std::vector<tp::recv_request> recvs;
+  std::vector<tp::sge> rsg;
+  for (std::size_t i = 0; i < 3; ++i) rsg.push_back(dmr->slice(i * 16, 16));
+  for (std::uint64_t i = 0; i < 3; ++i) recvs.push_back({.wr_id = 40 + i, .sg_list = {&rsg[i], 1}});
+  REQUIRE_FALSE(p.b.qp->post_recv(recvs));
+  const tp::sge isg{reinterpret_cast<std::uint64_t>(msg), sizeof msg, 0};
+  for (std::uint64_t i = 0; i < 3; ++i) {  // three doorbells, unsignaled, inline
+    tp::work_request w{.wr_id = 30 + i, .op = tp::opcode::send, .sg_list = {&isg, 1}, .signaled = false,
+                       .inline_data = true};
+    REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
+  }
+  CHECK(p.drv.wait(p.b.cq.get(), 3).size() == 3);
+  tp::work_request marker{.wr_id = 33, .op = tp::opcode::write, .signaled = true, .remote_addr = 0, .rkey = 0};
+  REQUIRE_FALSE(p.a.qp->post_send({&marker, 1}));
+  auto c = p.drv.wait_one(p.a.cq.get());
+  CHECK(c.wr_id == 33);
+  CHECK(c.status == tp::wc_status::success);
+  CHECK(c.opcode == tp::wc_opcode::write);
+  CHECK(p.drv.settle(p.a.cq.get(), 20ms).empty());  // nothing for the three
+  CHECK(p.drv.settle(p.b.cq.get(), 20ms).empty());  // the target sees nothing of it
+  // All four slots were retired: a full queue's worth fits again.
+  std::vector<tp::work_request> eight(8, marker);
+  for (std::uint64_t i = 0; i < 8; ++i) eight[i].wr_id = 50 + i;
+  REQUIRE_FALSE(p.a.qp->post_send(eight));
+  const auto done = p.drv.wait(p.a.cq.get(), 8);
+  CHECK(done.size() == 8);
+  for (const tp::completion& x : done) CHECK(x.status == tp::wc_status::success);
+  // Both queue pairs carry on: a message still arrives.
+  tp::recv_request again{.wr_id = 43, .sg_list = {&rsg[0], 1}};
+  REQUIRE_FALSE(p.b.qp->post_recv({&again, 1}));
+  tp::work_request w{.wr_id = 34, .op = tp::opcode::send, .sg_list = {&isg, 1}, .inline_data = true};
+  REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
+  CHECK(p.drv.wait_one(p.b.cq.get()).status == tp::wc_status::success);
+  CHECK(p.drv.wait_one(p.a.cq.get()).wr_id == 34);
+}
+
+// What the runtime's cover_tail relies on: a request executed unsignaled
+// may never complete, even once the queue pair is in error, but a
+// signaled one posted after the move to error completes (flushed), after
+// whatever of the earlier ones completes at all.
+TEST_CASE("after the move to error a signaled request completes flushed behind the unsignaled ones", "[conformance]") {
+  connected_pair p({.max_send_wr = 8});
+  char msg[16] = "tail";
+  std::vector<char> dst(4 * 16);
+  auto dmr = p.b.pd->register_memory(dst.data(), dst.size(), access::local_write);
+  std::vector<tp::sge> rsg;
+  for (std::size_t i = 0; i < 4; ++i) rsg.push_back(dmr->slice(i * 16, 16));
+  std::vector<tp::recv_request> recvs;
+  for (std::uint64_t i = 0; i < 4; ++i) recvs.push_back({.wr_id = 60 + i, .sg_list = {&rsg[i], 1}});
+  REQUIRE_FALSE(p.b.qp->post_recv(recvs));
+  const tp::sge isg{reinterpret_cast<std::uint64_t>(msg), sizeof msg, 0};
+  for (std::uint64_t i = 0; i < 3; ++i) {
+    tp::work_request w{.wr_id = 70 + i, .op = tp::opcode::send, .sg_list = {&isg, 1}, .signaled = false,
+                       .inline_data = true};
+    REQUIRE_FALSE(p.a.qp->post_send({&w, 1}));
+  }
+  CHECK(p.drv.wait(p.b.cq.get(), 3).size() == 3);
+  p.drv.settle(p.a.cq.get(), 20ms);  // (acknowledged by now)
+  REQUIRE_FALSE(p.a.qp->modify(tp::qp_state::error));
+  tp::work_request marker{.wr_id = 73, .op = tp::opcode::write, .signaled = true, .remote_addr = 0, .rkey = 0};
+  REQUIRE_FALSE(p.a.qp->post_send({&marker, 1}));
+  // a's completions (it posted no receives): any of the three, flushed,
+  // then the marker's, flushed, last.
+  std::vector<tp::completion> got;
+  for (int i = 0; i < 5 && (got.empty() || got.back().wr_id != 73); ++i) {
+    auto one = p.drv.wait(p.a.cq.get(), 1);
+    if (one.empty()) break;
+    got.push_back(one[0]);
+  }
+  REQUIRE_FALSE(got.empty());
+  CHECK(got.back().wr_id == 73);
+  CHECK(got.back().status == tp::wc_status::work_request_flushed);
+  for (std::size_t i = 0; i + 1 < got.size(); ++i) {
+    CHECK(got[i].wr_id >= 70);
+    CHECK(got[i].wr_id < 73);
+    CHECK(got[i].status == tp::wc_status::work_request_flushed);
+  }
+  CHECK(p.drv.settle(p.a.cq.get(), 20ms).empty());  // nothing after it
+}
+
 TEST_CASE("a batch of requests in one post_send rings one doorbell", "[conformance]") {
   connected_pair p;
   std::vector<char> buf(16 * 64, 'b');

@@ -632,6 +632,128 @@ TEST_CASE("batching: sends issued in one turn share a doorbell: only some are si
   CHECK(s.signaled < s.posts / 4);
 }
 
+// A ping-pong of small messages: each doorbell holds one inline message
+// with no operation, so its tail stays unsignaled (flush_now) and only
+// every signal_interval-th message takes a send completion. A flush
+// behind such a tail queues a signaled marker (a zero-length RDMA WRITE)
+// and completes with it; nothing is left behind when the connection ends.
+TEST_CASE("selective signaling: a ping-pong's messages are signaled once per signal_interval - a flush behind them "
+          "adds one marker",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options({.signal_interval = 8}));
+  ad::fabric client(io, test_options({.signal_interval = 8}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    std::array<std::byte, 32> out{};
+    constexpr int kRounds = 61;  // 61 = 7 * 8 + 5: the last 5 are an unsignaled tail
+    const ad::connection_stats s0 = c.stats();
+    for (int i = 0; i < kRounds; ++i) {
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      co_await c.async_receive(use_awaitable);
+    }
+    const ad::connection_stats s1 = c.stats();
+    const std::uint64_t posts = s1.posts - s0.posts, signaled = s1.signaled - s0.signaled;
+    CHECK(s1.inline_sends - s0.inline_sends == kRounds);
+    CHECK(posts >= kRounds);
+    // One per 8 messages (7), and control messages (credits) if any: each
+    // doorbell's last was signaled before (61).
+    CHECK(signaled <= static_cast<std::uint64_t>(kRounds / 8 + (posts - kRounds)));
+    CHECK(signaled >= static_cast<std::uint64_t>(kRounds / 8));
+    // The tail's 5 have no completion coming: the flush's marker brings one
+    // at once (without it, only the next heartbeat would, seconds later).
+    const auto t0 = std::chrono::steady_clock::now();
+    co_await c.async_flush(use_awaitable);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+    const ad::connection_stats s2 = c.stats();
+    CHECK(s2.heartbeats == s1.heartbeats);
+    CHECK(s2.posts == s1.posts + 1);
+    CHECK(s2.signaled == s1.signaled + 1);
+    CHECK(s2.flushes == s1.flushes + 1);
+    // Nothing uncovered now: a second flush posts nothing.
+    co_await c.async_flush(use_awaitable);
+    CHECK(c.stats().posts == s2.posts);
+    // A flush behind a send: one signaled request either way (the send, or
+    // a marker behind it where the lone send rang its doorbell at once).
+    c.async_send(asio::buffer(out), [](ad::error_code ec, std::size_t) { CHECK_FALSE(ec); });
+    co_await c.async_flush(use_awaitable);
+    const ad::connection_stats s3 = c.stats();
+    CHECK(s3.posts - s2.posts >= 1);
+    CHECK(s3.posts - s2.posts <= 2);
+    CHECK(s3.signaled == s2.signaled + 1);
+    co_await c.async_receive(use_awaitable);
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(20));
+  f.check();
+  CHECK(client.stats().connections == 0);
+  CHECK(server.stats().connections == 0);
+}
+
+// A queue pair in error completes, flushed, what it has not executed; a
+// request it executed unsignaled never completes. The connection posts a
+// signaled marker behind an unsignaled tail when it ends (cover_tail), or
+// it would wait for that tail for ever: never released, its reactor never
+// idle.
+TEST_CASE("selective signaling: a connection that ends behind an unsignaled tail is released - abort, close, the "
+          "peer's close, a dropped handle",
+          "[runtime]") {
+  const auto how = GENERATE(as<std::string>{}, "abort", "close", "peer close", "drop");
+  CAPTURE(how);
+  asio::io_context io;
+  ad::fabric server(io, test_options({.signal_interval = 8}));
+  ad::fabric client(io, test_options({.signal_interval = 8}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  std::optional<ad::connection> served;
+  std::uint64_t client_tail = 0, server_tail = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection s = co_await acc.async_accept(use_awaitable);
+    for (int i = 0; i < 5; ++i) {
+      ad::message m = co_await s.async_receive(use_awaitable);
+      co_await s.async_send(m.buffer(), use_awaitable);
+    }
+    server_tail = s.stats().posts - s.stats().signaled;
+    if (how == "peer close") {
+      co_await s.async_close(use_awaitable);
+    } else {
+      served.emplace(std::move(s));  // its peer ends it
+    }
+  }, f.handler());
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    std::array<std::byte, 16> out{};
+    for (int i = 0; i < 5; ++i) {
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      co_await c.async_receive(use_awaitable);
+    }
+    client_tail = c.stats().posts - c.stats().signaled;
+    if (how == "abort") {
+      c.abort();
+    } else if (how == "close") {
+      co_await c.async_close(use_awaitable);
+    } else if (how == "peer close") {
+      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      CHECK(ec == ad::errc::connection_closed);
+    }
+    // "drop": the handle goes with the coroutine.
+  }, f.handler());
+  run_until(io, [&] { return served.has_value() || how == "peer close"; });
+  // The server's handle ends its side once the client's is gone.
+  run_until(io, [&] { return client.stats().connections == 0; }, std::chrono::seconds(5));
+  served.reset();
+  run_to_completion(io, std::chrono::seconds(20));
+  f.check();
+  // Both sides had a tail of unsignaled messages when the connection ended.
+  CHECK(client_tail >= 4);
+  CHECK(server_tail >= 4);
+  CHECK(client.stats().connections == 0);
+  CHECK(server.stats().connections == 0);
+}
+
 TEST_CASE_METHOD(fabric_pair,
                  "batching: a lone send rings in its call - sends from a pass or from handlers never do nor run inline",
           "[runtime]") {

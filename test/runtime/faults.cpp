@@ -696,6 +696,51 @@ TEST_CASE("faults: a post that fails part way counts what the device took - thei
   CHECK_FALSE(c.is_open());
 }
 
+TEST_CASE("faults: a connection that ends behind an unsignaled tail on a device that loses requests posted in "
+          "error is released after a second - not never",
+          "[runtime][faults]") {
+  // A ping-pong leaves the client's last messages unsignaled (flush_now).
+  // The abort moves the queue pair to error and posts a signaled marker
+  // behind them (cover_tail), which this device never completes, as siw's
+  // user-space queue pairs do: the connection lets the tail go after
+  // kPeerCloseGrace, since none of it holds memory.
+  asio::io_context io;
+  ad::fabric server(io, test_options({.signal_interval = 8}));
+  std::unique_ptr<ad::fabric> client = faulty_fabric(io, "lose_late=1", test_options({.signal_interval = 8}));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  auto [a, c] = connect_through(io, *client, acc, addr(acc));
+  failure f;
+  asio::co_spawn(io, [&a = a]() -> awaitable<void> {
+    for (;;) {
+      auto [ec, m] = co_await a.async_receive(asio::as_tuple(use_awaitable));
+      if (ec) co_return;
+      co_await a.async_send(m.buffer(), asio::as_tuple(use_awaitable));
+    }
+  }, f.handler());
+  bool ended = false;
+  asio::co_spawn(io, [&c = c, &ended]() -> awaitable<void> {
+    std::array<std::byte, 16> out{};
+    for (int i = 0; i < 5; ++i) {
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      co_await c.async_receive(use_awaitable);
+    }
+    CHECK(c.stats().posts - c.stats().signaled >= 4);  // the tail
+    c.abort();
+    ended = true;
+  }, f.handler());
+  run_until(io, [&] { return ended; });
+  const auto t0 = std::chrono::steady_clock::now();
+  c = ad::connection{};
+  run_until(io, [&] { return client->stats().connections == 0; }, std::chrono::seconds(10));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took >= ms(900));  // the grace (a marker that came back would end it at once)
+  CHECK(took < std::chrono::seconds(5));
+  a = ad::connection{};
+  run_to_completion(io, std::chrono::seconds(20));
+  f.check();
+  CHECK(server.stats().connections == 0);
+}
+
 TEST_CASE("faults: a completion queue that overflows ends every operation on it once, none reported done",
           "[runtime][faults]") {
   // The client's completion queue holds 8 completions (cq_depth=8). While

@@ -61,6 +61,14 @@ TEST_CASE("fault plan: every key parses and an empty plan is inactive", "[unit][
   CHECK_FALSE(post.applies_to(2));
   CHECK(to_string(post) == "post_fail=3,qp=1");
 
+  const fault_plan late = parse_faults("lose_late=1,qp=2");
+  CHECK(late.lose_late);
+  CHECK(late.active());
+  CHECK(late.applies_to(2));
+  CHECK_FALSE(late.applies_to(1));
+  CHECK(to_string(late) == "lose_late=1,qp=2");
+  CHECK_FALSE(post.lose_late);
+
   // The device's fault: no queue pair's.
   const fault_plan small = parse_faults("cq_depth=4");
   CHECK(small.cq_depth == 4);
@@ -96,5 +104,8 @@ TEST_CASE("fault plan: malformed specifications are refused, naming the item", "
   CHECK(refusal("cq_depth=4,cq_depth=8").find("given twice") != std::string::npos);
   CHECK(refusal("post_fail=0").find("must be in 1..") != std::string::npos);
   CHECK(refusal("post_fail=1,post_fail=2").find("given twice") != std::string::npos);
+  CHECK(refusal("lose_late=0").find("must be in 1..1") != std::string::npos);
+  CHECK(refusal("lose_late=2").find("must be in 1..1") != std::string::npos);
+  CHECK(refusal("lose_late=1,lose_late=1").find("given twice") != std::string::npos);
   CHECK(refusal("cut=1,drop=5").find("ANYDOOR_TCP_FAULTS") != std::string::npos);
 }

@@ -20,6 +20,10 @@
 //                     system_category) after posting every request but the
 //                     last (*bad names it), as ibv_post_send can leave a
 //                     batch
+//     lose_late=1     a request posted while the queue pair is in error
+//                     never completes (as a user-space queue pair of siw,
+//                     Linux 6.1, leaves it), where it would complete
+//                     flushed at once
 //     cq_depth=N      the device's completion queues hold at most N
 //                     completions, whatever depth was asked: a queue too
 //                     small for its queue pairs, which overflows
@@ -50,10 +54,11 @@ struct fault_plan {
   std::uint32_t stall_ms = 0;  // 0: for good
   std::uint32_t cq_depth = 0;  // 0: as asked
   std::optional<std::uint64_t> post_fail;
+  bool lose_late = false;
 
   // A fault of the queue pairs'.
   bool active() const noexcept {
-    return cut_after || delay_ms != 0 || corrupt || stop_reading_after || post_fail;
+    return cut_after || delay_ms != 0 || corrupt || stop_reading_after || post_fail || lose_late;
   }
   // Any fault at all (the device's included).
   bool any() const noexcept { return active() || cq_depth != 0; }

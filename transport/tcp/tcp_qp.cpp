@@ -416,6 +416,10 @@ std::error_code tcp_qp::post_send_locked(std::span<const work_request> wrs, std:
   }
   counters_.send_wrs += wrs.size();
   if (state_ == qp_state::error) {
+    if (faults_ != nullptr && faults_->lose_late) {
+      log().warn("qp {}: fault injection: {} requests posted in error never complete", qpn_, wrs.size());
+      return {};
+    }
     for (const work_request& wr : wrs) {
       push_send({.wr_id = wr.wr_id, .status = wc_status::work_request_flushed,
                  .opcode = completion_opcode(wr.op), .qp_num = qpn_});
