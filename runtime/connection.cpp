@@ -620,7 +620,7 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
       if (self->sq_retired_ >= self->sq_posted_) return;  // (it came back meanwhile)
       self->settle_tail_ = true;
       self->sq_signaled_end_ = self->cover_from_;  // (the marker is part of what retires unanswered)
-      self->settle_tail();
+      self->settle_tail(false);
       self->maybe_release_self();
     });
     return idle;

@@ -465,7 +465,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void queue_tail_marker(transport::work_request& wr) noexcept;
   void cover_tail() noexcept;
   bool settle_tail_ = false;  // cover_tail() could not post: the tail retires here once the rest is back
-  void settle_tail() noexcept;
+  void settle_tail(bool post) noexcept;  // (post: as complete())
   // A marker cover_tail() posted that has not come back: the position
   // before the tail and when it went (liveness gives up on it after
   // kPeerCloseGrace: a provider that never completes a request posted in

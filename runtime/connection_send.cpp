@@ -554,7 +554,7 @@ void connection_impl::cover_tail() noexcept {
     log().warn("connection qp {}: no request could follow {} unsignaled ones in error ({}): they retire unanswered",
                qp_num(), sq_posted_ - sq_signaled_end_, ec.message());
     settle_tail_ = true;
-    settle_tail();
+    settle_tail(true);
     return;
   }
   sq_[ring_slot(sq_posted_, sq_.size())] = {buffer_pool::npos, slot_kind::none, nullptr, true};
@@ -569,18 +569,23 @@ void connection_impl::cover_tail() noexcept {
   fab_->busy();
 }
 
-void connection_impl::settle_tail() noexcept {
+void connection_impl::settle_tail(bool post) noexcept {
   // Only once everything signaled is back (a flushed completion of one of
   // them may still name a request before the tail). The tail's requests
   // hold nothing: they only free their slots. (One the device had not
   // executed may still complete, flushed: on_send_completion_body drops
-  // it as not outstanding.)
+  // it as not outstanding while the connection lives.) The connection has
+  // ended: what still waits (a flush over the tail, an operation parked
+  // behind it) ends with its error.
   if (sq_retired_ < sq_signaled_end_) return;
   settle_tail_ = false;
   while (sq_retired_ < sq_posted_) {
     const sq_slot s = std::exchange(sq_[ring_slot(sq_retired_++, sq_.size())], {});
     if (s.signaled) fab_->idle();  // (a marker that never came back)
   }
+  const std::error_code ec = error_ ? error_ : std::error_code(errc::connection_closed);
+  while (op_node* n = flushes_.pop_front()) complete(n, post, ec);
+  complete_parked(post);
 }
 
 bool connection_impl::took_part(std::error_code ec, std::size_t bad, std::size_t size) noexcept {
@@ -594,6 +599,7 @@ void connection_impl::on_post_failed(std::error_code ec, bool partial) noexcept 
   if (!partial) {
     fail(ec);
     drop_unposted();  // (a closed connection's: fail() does nothing then)
+    cover_tail();     // (a closed connection's tail: the batch that would have covered it is gone)
     // What waited on the work just dropped ends too (a closed connection's:
     // fail() ended a live one's): a flush that covers it now, with the
     // error; an operation parked on it once what is posted is back.
@@ -689,7 +695,6 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
       if (st == transport::wc_status::success || peer_closed_) on_close_acked();
     }
   }
-  if (settle_tail_) settle_tail();
   if (refusal_seq_ < sq_retired_ && state_ != state::failed && state_ != state::closed) {
     fail(errc::authentication_failed);  // our refusal of the peer's proof is out
   }
@@ -706,6 +711,7 @@ void connection_impl::retire_through(std::uint64_t seq, transport::wc_status sta
     while (op_node* n = flushes_.pop_front()) complete(n, false, ec);
   }
   complete_parked(false);
+  if (settle_tail_) settle_tail(false);  // (what is left is the tail: the flushes still waiting cover it)
 }
 
 // An operation that ended early (the connection failed or the peer closed)

@@ -742,11 +742,19 @@ TEST_CASE("selective signaling: a connection that ends behind an unsignaled tail
     // "drop": the handle goes with the coroutine.
   }, f.handler());
   run_until(io, [&] { return served.has_value() || how == "peer close"; });
-  // The server's handle ends its side once the client's is gone.
+  // At once: the marker comes back (the fallback would take a second).
+  const auto t0 = std::chrono::steady_clock::now();
   run_until(io, [&] { return client.stats().connections == 0; }, std::chrono::seconds(5));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(900));
+  // The server's handle ends its side.
+  const auto t1 = std::chrono::steady_clock::now();
   served.reset();
+  run_until(io, [&] { return server.stats().connections == 0; }, std::chrono::seconds(5));
+  CHECK(std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(900));
   run_to_completion(io, std::chrono::seconds(20));
   f.check();
+  CHECK(client.stats().reactor.stray == 0);  // every completion named a request outstanding
+  CHECK(server.stats().reactor.stray == 0);
   // Both sides had a tail of unsignaled messages when the connection ended.
   CHECK(client_tail >= 4);
   CHECK(server_tail >= 4);
