@@ -710,6 +710,7 @@ TEST_CASE("selective signaling: a connection that ends behind an unsignaled tail
   failure f;
   std::optional<ad::connection> served;
   std::uint64_t client_tail = 0, server_tail = 0;
+  bool client_ended = false;
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection s = co_await acc.async_accept(use_awaitable);
     for (int i = 0; i < 5; ++i) {
@@ -739,9 +740,10 @@ TEST_CASE("selective signaling: a connection that ends behind an unsignaled tail
       auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
       CHECK(ec == ad::errc::connection_closed);
     }
-    // "drop": the handle goes with the coroutine.
+    client_ended = true;
+    // "drop" and "peer close": the handle goes with the coroutine.
   }, f.handler());
-  run_until(io, [&] { return served.has_value() || how == "peer close"; });
+  run_until(io, [&] { return client_ended && (served.has_value() || how == "peer close"); });
   // At once: the marker comes back (the fallback would take a second).
   const auto t0 = std::chrono::steady_clock::now();
   run_until(io, [&] { return client.stats().connections == 0; }, std::chrono::seconds(5));
