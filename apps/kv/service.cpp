@@ -179,9 +179,11 @@ rpc::status service::put(std::string_view key, std::span<const std::byte> value,
     // limit still says no, a free block waiting (only after a restart
     // placed items in the arena's slack), oldest first in rounds, values
     // of the put's size and then twice as much as the round before each
-    // time it still finds no room. Where no block, kept or free, is large
-    // enough, moving smaller ones cannot help (the arena never merges
-    // blocks): none moves, and the put fails for memory as it would have.
+    // time it still finds no room. Where no block, kept (merged with the
+    // free blocks beside it) or free, is large enough, none moves, and the
+    // put fails for memory as it would have (kept items side by side would
+    // merge once all were released: not tried, the heap would hold their
+    // copies for a put that may still not fit).
     const std::size_t c = st_.item_class(key.size(), value.size());
     auto value_of = [this](std::uint64_t item) { return st_.item_value(item); };
     auto release = [this](std::uint64_t item) {

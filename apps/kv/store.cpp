@@ -19,6 +19,17 @@ namespace anydoor::apps::kv {
 namespace {
 
 constexpr std::uint64_t kPage = 4096;
+// Arena blocks (store.hpp): the tag's flags, the smallest block (a free
+// one's header, links and size) and the largest a merge makes.
+constexpr std::uint32_t kFree = 1;
+constexpr std::uint32_t kPrevFree = 2;
+constexpr std::uint32_t kSizeMask = ~std::uint32_t{7};
+constexpr std::uint64_t kMinBlock = 40;
+constexpr std::uint64_t kMaxBlock = std::uint64_t{1} << 31;
+constexpr std::uint64_t kNoBlock = ~std::uint64_t{0};
+constexpr std::size_t kTagAt = 20;   // item_header::reserved
+constexpr std::size_t kNextAt = 8;   // a free block's links
+constexpr std::size_t kPrevAt = 24;
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 #ifdef MADV_POPULATE_WRITE
 constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
@@ -120,15 +131,17 @@ store::store(const store_options& o) : o_(o) {
   }
   std::random_device rd;
   seed_ = (std::uint64_t{rd()} << 32) ^ rd();
-  // Size classes: 32 .. 64 by 8, then four per power of two, up to the largest item.
+  // Size classes: 40 .. 64 by 8, then four per power of two, up to the
+  // largest item (1.25 GiB at most: below kMaxBlock).
   const std::size_t largest = kItemHeader + o_.max_key + o_.max_value;
   std::vector<std::size_t> sizes;
-  for (std::size_t s = 32; s <= 64; s += 8) sizes.push_back(s);
+  for (std::size_t s = kMinBlock; s <= 64; s += 8) sizes.push_back(s);
   for (std::size_t p2 = 64; sizes.back() < largest; p2 *= 2) {
     for (std::size_t q = 1; q <= 4; ++q) sizes.push_back(p2 + q * (p2 / 4));
   }
   class_sizes_ = std::move(sizes);
-  free_lists_.resize(class_sizes_.size());
+  bins_.assign(class_sizes_.size(), kNoBlock);
+  bin_bits_.assign((class_sizes_.size() + 63) / 64, 0);
 }
 
 store::~store() { ::munmap(base_, total_); }
@@ -149,32 +162,95 @@ std::size_t store::size_class(std::size_t n) const noexcept {
                                   class_sizes_.begin());
 }
 
-std::optional<std::pair<std::uint64_t, std::size_t>> store::allocate(std::size_t c, bool replay) noexcept {
+std::uint32_t store::tag_at(std::uint64_t off) const noexcept {
+  std::uint32_t t;
+  std::memcpy(&t, arena_at(off) + kTagAt, sizeof t);
+  return t;
+}
+
+void store::set_tag(std::uint64_t off, std::uint32_t tag) noexcept { std::memcpy(arena_at(off) + kTagAt, &tag, sizeof tag); }
+
+std::uint64_t store::word_at(std::uint64_t off) const noexcept {
+  std::uint64_t w;
+  std::memcpy(&w, arena_at(off), sizeof w);
+  return w;
+}
+
+void store::set_word(std::uint64_t off, std::uint64_t v) noexcept { std::memcpy(arena_at(off), &v, sizeof v); }
+
+std::size_t store::bin_of(std::uint64_t size) const noexcept {
+  // (size >= kMinBlock = class_sizes_[0]: the last class at most size)
+  return static_cast<std::size_t>(std::upper_bound(class_sizes_.begin(), class_sizes_.end(), size) -
+                                  class_sizes_.begin()) - 1;
+}
+
+void store::link_free(std::uint64_t off, std::uint64_t size, std::uint32_t prev_free) noexcept {
+  const std::size_t b = bin_of(size);
+  set_word(off, 0);  // version 0: no item (a reader on its way here fails its checks)
+  set_tag(off, static_cast<std::uint32_t>(size) | kFree | prev_free);
+  set_word(off + size - 8, size);
+  set_word(off + kNextAt, bins_[b]);
+  set_word(off + kPrevAt, kNoBlock);
+  if (bins_[b] != kNoBlock) set_word(bins_[b] + kPrevAt, off);
+  bins_[b] = off;
+  bin_bits_[b / 64] |= std::uint64_t{1} << (b % 64);
+  ++free_count_;
+}
+
+void store::unlink_free(std::uint64_t off) noexcept {
+  const std::size_t b = bin_of(tag_at(off) & kSizeMask);
+  const std::uint64_t next = word_at(off + kNextAt), prev = word_at(off + kPrevAt);
+  if (prev != kNoBlock) {
+    set_word(prev + kNextAt, next);
+  } else {
+    bins_[b] = next;
+  }
+  if (next != kNoBlock) set_word(next + kPrevAt, prev);
+  if (bins_[b] == kNoBlock) bin_bits_[b / 64] &= ~(std::uint64_t{1} << (b % 64));
+  --free_count_;
+}
+
+void store::mark_prev_free(std::uint64_t next, bool free) noexcept {
+  if (next >= bump_) return;  // (the top)
+  const std::uint32_t t = tag_at(next);
+  set_tag(next, free ? t | kPrevFree : t & ~kPrevFree);
+}
+
+std::optional<store::grant> store::allocate(std::size_t c, bool replay) noexcept {
   // Clients get --max-memory; a replay may use the arena's slack (an item
   // may land in the arena on replay where it sat inline before: the
   // neighbourhoods differ under another seed).
   const std::uint64_t limit = replay ? arena_size_ : o_.max_memory;
-  const std::size_t bytes = class_sizes_[c];
-  if (!free_lists_[c].empty() && st_.used_bytes + bytes <= limit) {
-    const std::uint64_t off = free_lists_[c].back();
-    free_lists_[c].pop_back();
-    st_.used_bytes += bytes;
-    return std::pair{off, c};
+  const std::uint64_t bytes = class_sizes_[c];
+  if (st_.used_bytes + bytes > limit) return std::nullopt;
+  // The smallest bin from c up with a free block (a bin's blocks are all
+  // at least its class's size): split, the rest staying free, unless too
+  // little would be left.
+  for (std::size_t w = c / 64; w < bin_bits_.size(); ++w) {
+    std::uint64_t bits = bin_bits_[w];
+    if (w == c / 64) bits &= ~std::uint64_t{0} << (c % 64);
+    if (bits == 0) continue;
+    const std::size_t b = w * 64 + static_cast<std::size_t>(std::countr_zero(bits));
+    const std::uint64_t off = bins_[b];
+    const std::uint32_t t = tag_at(off);
+    const std::uint64_t size = t & kSizeMask;
+    const std::uint64_t given = size - bytes >= kMinBlock ? bytes : size;
+    if (st_.used_bytes + given > limit) break;  // (a few bytes over: the top may do)
+    unlink_free(off);
+    if (given < size) {
+      link_free(off + given, size - given, 0);  // (the block above it still has a free one below)
+    } else {
+      mark_prev_free(off + size, false);
+    }
+    st_.used_bytes += given;
+    return grant{off, static_cast<std::uint32_t>(given) | (t & kPrevFree)};
   }
-  if (bump_ + bytes <= limit && st_.used_bytes + bytes <= limit) {
+  if (bump_ + bytes <= limit) {
+    // (The block below the top is never free: a freed one reaching the top goes into it.)
     const std::uint64_t off = bump_;
     bump_ += bytes;
     st_.used_bytes += bytes;
-    return std::pair{off, c};
-  }
-  // A freed block of a larger class (no split: the item keeps the whole
-  // block, and gives it back to that class when freed).
-  for (std::size_t k = c + 1; k < class_sizes_.size(); ++k) {
-    if (free_lists_[k].empty() || st_.used_bytes + class_sizes_[k] > limit) continue;
-    const std::uint64_t off = free_lists_[k].back();
-    free_lists_[k].pop_back();
-    st_.used_bytes += class_sizes_[k];
-    return std::pair{off, k};
+    return grant{off, static_cast<std::uint32_t>(bytes)};
   }
   return std::nullopt;
 }
@@ -183,10 +259,10 @@ std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std
                                 bool replay) {
   const auto got = allocate(item_class(key.size(), value.size()), replay);
   if (!got) return ~std::uint64_t{0};
-  const std::uint64_t off = got->first;
-  std::byte* p = base_ + arena_offset_ + off;
+  const std::uint64_t off = got->offset;
+  std::byte* p = arena_at(off);
   item_header h{version, static_cast<std::uint32_t>(key.size()), static_cast<std::uint32_t>(value.size()), 0,
-                static_cast<std::uint32_t>(got->second)};
+                got->tag};
   h.crc = item_crc(h, key, value);
   std::memcpy(p, &h, sizeof h);
   std::memcpy(p + kItemHeader, key.data(), key.size());
@@ -199,25 +275,106 @@ std::size_t store::item_class(std::size_t key_size, std::size_t value_size) cons
 }
 
 bool store::block_fits(std::uint64_t offset, std::size_t c) const noexcept {
-  item_header h;
-  std::memcpy(&h, base_ + arena_offset_ + offset, sizeof h);
-  return h.reserved >= c;
+  const std::uint32_t t = tag_at(offset);
+  std::uint64_t off = offset, size = t & kSizeMask;
+  if (off + size < bump_ && (tag_at(off + size) & kFree) != 0) size += tag_at(off + size) & kSizeMask;
+  if ((t & kPrevFree) != 0) {
+    const std::uint64_t below = word_at(off - 8);
+    off -= below;
+    size += below;
+  }
+  if (off + size >= bump_) return off + class_sizes_[c] <= o_.max_memory;  // back to the top
+  return size >= class_sizes_[c];
 }
 
 bool store::free_block_for(std::size_t c) const noexcept {
-  for (std::size_t k = c; k < free_lists_.size(); ++k) {
-    if (!free_lists_[k].empty()) return true;
+  for (std::size_t b = c; b < bins_.size(); ++b) {
+    if (bins_[b] != kNoBlock) return true;
   }
-  return false;
+  return bump_ + class_sizes_[c] <= o_.max_memory;
 }
 
 void store::release_item(std::uint64_t offset) noexcept {
-  item_header h;
-  std::memcpy(&h, base_ + arena_offset_ + offset, sizeof h);
-  // The old bytes stay as they are until the memory is reused: a reader
-  // still on its way sees either the whole old item or a CRC mismatch.
-  free_lists_[h.reserved].push_back(offset);
-  st_.used_bytes -= class_sizes_[h.reserved];
+  const std::uint32_t t = tag_at(offset);
+  std::uint64_t off = offset, size = t & kSizeMask;
+  st_.used_bytes -= size;
+  // Its key and value cleared: a deleted value is not left for remote
+  // readers of the arena (a reader still on its way fails the item's CRC).
+  std::memset(arena_at(off) + kItemHeader, 0, size - kItemHeader);
+  std::uint32_t prev_free = t & kPrevFree;
+  if (off + size < bump_) {
+    const std::uint32_t above = tag_at(off + size);
+    if ((above & kFree) != 0 && size + (above & kSizeMask) <= kMaxBlock) {
+      unlink_free(off + size);
+      size += above & kSizeMask;
+    }
+  }
+  if (prev_free != 0) {
+    const std::uint64_t below = word_at(off - 8);
+    if (below + size <= kMaxBlock) {
+      unlink_free(off - below);
+      off -= below;
+      size += below;
+      prev_free = tag_at(off) & kPrevFree;
+    }
+  }
+  if (off + size == bump_) {
+    // Back to the top, with any free block left below it (one a merge
+    // past kMaxBlock kept apart).
+    bump_ = off;
+    while (prev_free != 0) {
+      const std::uint64_t below = word_at(bump_ - 8);
+      unlink_free(bump_ - below);
+      bump_ -= below;
+      prev_free = tag_at(bump_) & kPrevFree;
+    }
+    return;
+  }
+  link_free(off, size, prev_free);
+  mark_prev_free(off + size, true);
+}
+
+std::string store::check_arena() const {
+  std::uint64_t off = 0, used = 0, frees = 0;
+  bool below_free = false;
+  while (off < bump_) {
+    const std::uint32_t t = tag_at(off);
+    const std::uint64_t size = t & kSizeMask;
+    const std::string at = "block at " + std::to_string(off) + " (tag " + std::to_string(t) + ")";
+    if (size < kMinBlock || off + size > bump_) return at + ": a size out of the arena";
+    if (((t & kPrevFree) != 0) != below_free) return at + ": its flag says otherwise of the block below";
+    below_free = (t & kFree) != 0;
+    if (below_free) {
+      ++frees;
+      if (word_at(off) != 0) return at + ": free, with a version";
+      if (word_at(off + size - 8) != size) return at + ": free, its size at its end differs";
+    } else {
+      used += size;
+    }
+    off += size;
+  }
+  if (below_free) return "a free block just below the top";
+  if (used != st_.used_bytes) {
+    return "blocks in use add up to " + std::to_string(used) + ", used_bytes says " + std::to_string(st_.used_bytes);
+  }
+  std::uint64_t listed = 0;
+  for (std::size_t b = 0; b < bins_.size(); ++b) {
+    const bool bit = (bin_bits_[b / 64] >> (b % 64) & 1u) != 0;
+    if (bit != (bins_[b] != kNoBlock)) return "bin " + std::to_string(b) + ": its bit disagrees";
+    std::uint64_t prev = kNoBlock;
+    for (std::uint64_t o = bins_[b]; o != kNoBlock; o = word_at(o + kNextAt)) {
+      if (o >= bump_ || (tag_at(o) & kFree) == 0) return "bin " + std::to_string(b) + " lists a block not free";
+      if (bin_of(tag_at(o) & kSizeMask) != b) return "bin " + std::to_string(b) + " lists a block of another bin";
+      if (word_at(o + kPrevAt) != prev) return "bin " + std::to_string(b) + ": a broken back link";
+      if (++listed > frees) return "bins list more blocks than are free (a loop?)";
+      prev = o;
+    }
+  }
+  if (listed != frees || frees != free_count_) {
+    return std::to_string(frees) + " free blocks, " + std::to_string(listed) + " listed, " +
+           std::to_string(free_count_) + " counted";
+  }
+  return {};
 }
 
 store::view store::item_view(std::uint64_t offset) const noexcept {
@@ -314,9 +471,9 @@ void store::capture(const found& f, prior& was) const noexcept {
 void store::forget(const found& f, std::uint64_t home, prior* was) noexcept {
   if (was != nullptr) capture(f, *was);
   if (f.in_overflow) {
-    if (was == nullptr) release_item(f.of->second);
     const view v = item_view(f.of->second);
     st_.live_bytes -= v.key.size() + v.value.size();
+    if (was == nullptr) release_item(f.of->second);  // (after its view: release clears it)
     overflow_.erase(f.of);
     --header(home).overflow;
     --st_.overflow_keys;

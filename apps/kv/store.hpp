@@ -6,9 +6,12 @@
 // knows to ask by RPC.
 //
 // Memory: --max-memory bounds the arena (items: header, key, value,
-// rounded to a size class; a class without a free block borrows a larger
-// freed one); small items live inline in their slot. A put that does not
-// fit fails with out_of_memory and changes nothing.
+// rounded to a size class); small items live inline in their slot. A put
+// that does not fit fails with out_of_memory and changes nothing. Freed
+// blocks merge with free neighbours and go back to the top, and a larger
+// free block is split for a smaller item: memory freed by one size of
+// item serves any other (a client that fills the store with small items
+// and deletes them leaves it as empty as it found it).
 // Single-threaded (the server's io thread).
 #pragma once
 
@@ -81,16 +84,20 @@ class store {
   void release(std::uint64_t offset) noexcept { release_item(offset); }
   // The arena's size class of an item of this key and value size.
   std::size_t item_class(std::size_t key_size, std::size_t value_size) const noexcept;
-  // Whether that kept item's block, once released, can take an item of
-  // class `c` at once (the arena hands a freed block to its own size class
-  // or a smaller one; it never splits or merges blocks).
+  // Whether that kept item's block, once released (merged with the free
+  // blocks beside it, or given back to the top), can take an item of
+  // class `c` at once.
   bool block_fits(std::uint64_t offset, std::size_t c) const noexcept;
-  // Whether a freed block of class `c` or larger waits. When a put of that
-  // class has just failed, --max-memory kept it out, not the blocks (only
-  // so after a restart placed items in the arena's slack: otherwise the
-  // blocks in use and free never add up to more than --max-memory), and
-  // releasing any item brings it closer.
+  // Whether a free block of class `c` or larger waits, or the top has room
+  // for one. When a put of that class has just failed, --max-memory kept
+  // it out, not the blocks (only so after a restart placed items in the
+  // arena's slack: otherwise the blocks in use and free never add up to
+  // more than --max-memory), and releasing any item brings it closer.
   bool free_block_for(std::size_t c) const noexcept;
+  // The arena's blocks walked and checked against the free lists and
+  // used_bytes (for tests): empty when consistent, else the first fault.
+  std::string check_arena() const;
+  std::uint64_t free_blocks() const noexcept { return free_count_; }  // (for tests)
   // A view of the value, valid until the next put or del.
   std::optional<std::span<const std::byte>> get(std::string_view key) const noexcept;
   bool contains(std::string_view key) const noexcept { return get(key).has_value(); }
@@ -156,11 +163,33 @@ class store {
   void forget(const found& f, std::uint64_t home, prior* was) noexcept;
   void capture(const found& f, prior& was) const noexcept;  // what f holds, into was
 
-  // The arena: size classes (each a quarter step between powers of two),
-  // free lists, a bump pointer.
+  // The arena: blocks from offset 0 up to bump_ (the top, free above),
+  // each a multiple of 8 bytes, at least kMinBlock. Every block starts
+  // with an item_header whose last word (`reserved`, outside the item's
+  // CRC: readers never look at it) is the block's tag: its size | kFree |
+  // kPrevFree (the block below it is free). A free block's header has
+  // version 0 (no slot points at it; a reader still on its way to it
+  // fails its checks), links to the next (bytes 8..16) and previous
+  // (24..32) free block of its bin, and its size in its last 8 bytes, for
+  // the block above to find its start. Bins: one per size class, holding
+  // the free blocks at least that class's size and below the next's.
+  // Freed blocks merge with free neighbours (up to kMaxBlock) and return
+  // to the top when they reach it.
   std::size_t size_class(std::size_t n) const noexcept;
-  // {offset, the class actually given} (a larger free block when c has none).
-  std::optional<std::pair<std::uint64_t, std::size_t>> allocate(std::size_t c, bool replay) noexcept;
+  struct grant {
+    std::uint64_t offset;
+    std::uint32_t tag;  // for the item's header
+  };
+  std::optional<grant> allocate(std::size_t c, bool replay) noexcept;
+  std::byte* arena_at(std::uint64_t off) const noexcept { return base_ + arena_offset_ + off; }
+  std::uint32_t tag_at(std::uint64_t off) const noexcept;
+  void set_tag(std::uint64_t off, std::uint32_t tag) noexcept;
+  std::uint64_t word_at(std::uint64_t off) const noexcept;
+  void set_word(std::uint64_t off, std::uint64_t v) noexcept;
+  std::size_t bin_of(std::uint64_t size) const noexcept;
+  void link_free(std::uint64_t off, std::uint64_t size, std::uint32_t prev_free) noexcept;
+  void unlink_free(std::uint64_t off) noexcept;
+  void mark_prev_free(std::uint64_t next, bool free) noexcept;
 
   store_options o_;
   std::byte* base_ = nullptr;
@@ -171,9 +200,11 @@ class store {
   std::uint64_t seed_ = 0;
   std::uint64_t next_version_ = 1;
   bool index_resident_ = false;
-  std::uint64_t bump_ = 0;  // arena bytes handed out from the top
+  std::uint64_t bump_ = 0;  // the top: the arena's blocks end here
   std::vector<std::size_t> class_sizes_;
-  std::vector<std::vector<std::uint64_t>> free_lists_;
+  std::vector<std::uint64_t> bins_;      // each bin's first free block (kNoBlock: none)
+  std::vector<std::uint64_t> bin_bits_;  // bit k: bins_[k] has one
+  std::uint64_t free_count_ = 0;
   // Overflowed keys: key -> item offset.
   // (ordered: a snapshot resumes after the last key it took)
   mutable std::map<std::string, std::uint64_t, std::less<>> overflow_;

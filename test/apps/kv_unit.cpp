@@ -1691,8 +1691,9 @@ TEST_CASE("kv service: a put over a full arena moves only the old items it needs
 TEST_CASE("kv service: where no kept block can take a put and the memory limit is not short, none moves - the put "
           "fails for memory as it would have, and nothing is lost",
           "[kv]") {
-  // The arena never merges blocks: 1000-byte ones cannot take a 3000-byte
-  // item, and copying them out would only grow the heap.
+  // A kept 1000-byte block, with the free ones beside it (none here: the
+  // arena is full), cannot take a 3000-byte item, and copying kept items
+  // out in the hope that neighbours merge is not tried.
   const std::string big(4000, 'B');
   full_arena a("big", big);
   const file_size_limit limit(static_cast<rlim_t>(a.log.stats().file_bytes));
@@ -3003,6 +3004,134 @@ TEST_CASE("kv store: memory freed in one size class serves other sizes", "[kv]")
   while (m < 2 * n && st.put("small" + std::to_string(m), B(small)) == put_status::ok) ++m;
   CHECK(m >= n);  // at least one per freed block
   for (int i = 0; i < m; ++i) CHECK(S(*st.get("small" + std::to_string(i))) == small);
+}
+
+TEST_CASE("kv store: a client that fills the store with small items and deletes them leaves room for the largest "
+          "value",
+          "[kv]") {
+  // The attack a size-class arena without merging falls to: every block
+  // freed stays a small one, and a larger value never fits again.
+  store st({.max_memory = 1 << 20, .max_value = 256 << 10});
+  const std::string small(90, 's');  // (past the inline limit: arena items)
+  int n = 0;
+  while (st.put("k" + std::to_string(n), B(small)) == put_status::ok) ++n;
+  REQUIRE(n > 1000);
+  REQUIRE(st.check_arena().empty());
+  for (int i = 0; i < n; ++i) REQUIRE(st.del("k" + std::to_string(i)));
+  CHECK(st.stats().used_bytes == 0);
+  CHECK(st.free_blocks() == 0);  // every block back in the top
+  INFO(st.check_arena());
+  CHECK(st.check_arena().empty());
+  const std::string big(256 << 10, 'b');
+  int m = 0;
+  while (st.put("big" + std::to_string(m), B(big)) == put_status::ok) ++m;
+  CHECK(m == 3);  // (1 MiB: three items of a 320 KiB class)
+  for (int i = 0; i < m; ++i) CHECK(S(*st.get("big" + std::to_string(i))) == big);
+  // Every other small item deleted: the holes merge pairwise only where
+  // neighbours are free, and still take a value twice their size.
+  for (int i = 0; i < m; ++i) REQUIRE(st.del("big" + std::to_string(i)));
+  for (int i = 0; i < 4000; ++i) REQUIRE(st.put("k" + std::to_string(i), B(small)) == put_status::ok);
+  for (int i = 0; i < 4000; i += 2) REQUIRE(st.del("k" + std::to_string(i)));
+  for (int i = 1; i < 4000; i += 4) REQUIRE(st.del("k" + std::to_string(i)));  // (k0..k2 of each four now free)
+  CHECK(st.check_arena().empty());
+  const std::string mid(250, 'm');  // two small blocks and more
+  for (int i = 0; i < 900; ++i) REQUIRE(st.put("m" + std::to_string(i), B(mid)) == put_status::ok);
+  CHECK(st.check_arena().empty());
+}
+
+TEST_CASE("kv store: freed blocks merge with free neighbours above and below, and a large one is split for small items",
+          "[kv]") {
+  store st({.max_memory = 1 << 20, .max_value = 64 << 10});
+  const std::string v(1000, 'v');
+  for (const char* k : {"a", "b", "c", "d"}) REQUIRE(st.put(k, B(v)) == put_status::ok);
+  const std::uint64_t one = st.stats().used_bytes / 4;
+  REQUIRE(st.del("a"));
+  REQUIRE(st.del("c"));
+  CHECK(st.free_blocks() == 2);
+  REQUIRE(st.del("b"));  // merges with both
+  CHECK(st.free_blocks() == 1);
+  INFO(st.check_arena());
+  CHECK(st.check_arena().empty());
+  // The merged block (three items' worth, below d) takes an item of a
+  // class nearly three times theirs (3584 bytes against 1280): from it,
+  // not from the top.
+  REQUIRE(one == 1280);
+  const std::string big(3500, 'B');
+  REQUIRE(st.put("big", B(big)) == put_status::ok);
+  CHECK(st.stats().used_bytes <= 4 * one + 8);  // (d and the big one: no room past them used)
+  CHECK(st.check_arena().empty());
+  // Split: the big block freed serves small items, several per block.
+  REQUIRE(st.del("big"));
+  const std::uint64_t before = st.stats().used_bytes;
+  for (int i = 0; i < 20; ++i) REQUIRE(st.put("s" + std::to_string(i), B(std::string(100, 's'))) == put_status::ok);
+  CHECK(st.check_arena().empty());
+  CHECK(st.free_blocks() == 1);  // what is left of it
+  CHECK(st.stats().used_bytes - before <= 20 * 160);
+  // d, the highest, freed: with the free block below it, back to the top.
+  for (int i = 0; i < 20; ++i) REQUIRE(st.del("s" + std::to_string(i)));
+  REQUIRE(st.del("d"));
+  CHECK(st.free_blocks() == 0);
+  CHECK(st.stats().used_bytes == 0);
+  CHECK(st.check_arena().empty());
+}
+
+TEST_CASE("kv store: random puts and deletes keep the arena consistent and every value intact", "[kv]") {
+  store st({.max_memory = 2 << 20, .max_value = 64 << 10});
+  std::mt19937_64 rng(GENERATE(1u, 2u, 3u));
+  std::map<std::string, std::string> model;
+  std::uniform_int_distribution<int> key(0, 599);
+  // Mostly small values, some large: sizes from inline to 40 KiB.
+  auto size = [&rng] {
+    const auto r = rng() % 100;
+    return static_cast<std::size_t>(r < 60 ? rng() % 300 : r < 95 ? rng() % 4000 : rng() % 40000);
+  };
+  std::uint64_t ooms = 0;
+  for (int op = 0; op < 20000; ++op) {
+    const std::string k = "key" + std::to_string(key(rng));
+    if (rng() % 3 == 0) {
+      CHECK(st.del(k) == (model.erase(k) == 1));
+    } else {
+      const std::string v(size(), static_cast<char>('a' + op % 26));
+      const put_status r = st.put(k, B(v));
+      if (r == put_status::ok) {
+        model[k] = v;
+      } else {
+        REQUIRE(r == put_status::out_of_memory);
+        ++ooms;
+      }
+    }
+    if (op % 1000 == 999) {
+      INFO("after " << op + 1 << " operations");
+      REQUIRE(st.check_arena().empty());
+      CHECK(st.stats().used_bytes <= (2u << 20));
+    }
+  }
+  INFO(ooms << " puts refused for memory");
+  for (const auto& [k, v] : model) REQUIRE(S(*st.get(k)) == v);
+  CHECK(st.stats().keys == model.size());
+  for (const auto& [k, v] : model) REQUIRE(st.del(k));
+  CHECK(st.stats().used_bytes == 0);
+  CHECK(st.free_blocks() == 0);
+  CHECK(st.check_arena().empty());
+}
+
+TEST_CASE("kv store: a deleted value's bytes do not stay in the registered arena", "[kv]") {
+  store st({.max_memory = 1 << 20});
+  const std::string secret(3000, 'Q');
+  REQUIRE(st.put("a", B(secret)) == put_status::ok);
+  REQUIRE(st.put("b", B(std::string(3000, 'b'))) == put_status::ok);  // (a stays below the top)
+  const std::span<const std::byte> mem = st.memory();
+  auto holds = [&] {
+    const std::string_view all(reinterpret_cast<const char*>(mem.data()), mem.size());
+    return all.find(std::string(64, 'Q')) != std::string_view::npos;
+  };
+  REQUIRE(holds());
+  REQUIRE(st.del("a"));
+  CHECK(!holds());
+  // Overwritten: the old value goes the same way.
+  REQUIRE(st.put("c", B(secret)) == put_status::ok);
+  REQUIRE(st.put("c", B(std::string(3000, 'c'))) == put_status::ok);
+  CHECK(!holds());
 }
 
 namespace {
