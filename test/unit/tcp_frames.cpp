@@ -1290,6 +1290,70 @@ TEST_CASE("tcp provider: a large write leaves in sendmsg calls of at most kMaxSe
   CHECK(p.ep.qp->state() == tp::qp_state::rts);
 }
 
+TEST_CASE("tcp provider: an ACK for a request not all sent yet is a bad response - nothing completes before its "
+          "memory has been read",
+          "[unit][tcp]") {
+  // A peer that stops reading keeps a large request in the batch; it
+  // cannot have received it, so an ACK for it is forged. Taken, the
+  // request would complete while its bytes were still to be read from
+  // the caller's memory: whatever the caller wrote there next (a pool
+  // buffer reused for another connection's message) would go to the peer.
+  raw_peer p;
+  constexpr std::size_t kSize = 24 << 20;
+  std::vector<std::byte> src(kSize, std::byte{'a'});
+  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
+  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const bool carried = GENERATE(false, true);
+  INFO((carried ? "the ACK in a request's header" : "the ACK in a frame of its own"));
+  const tp::work_request wr{.wr_id = 5, .op = tp::opcode::send, .sg_list = {&sg, 1}};
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  auto* qp = static_cast<tcp_qp*>(p.ep.qp.get());
+  const auto sent = qp->counters().bytes_sent;
+  REQUIRE(sent < kHeaderSize + kSize);  // the socket is full: the rest waits in the batch
+  if (carried) {
+    p.send_frame({.type = frame_type::fetch_add, .flags = kFlagAck, .psn = 1, .remote_addr = p.base(),
+                  .rkey = p.mr->rkey(), .ack_psn = 1, .compare_add = 1});
+  } else {
+    p.send_frame({.type = frame_type::ack, .psn = 1});
+  }
+  driver d{p.ep.cq.get()};
+  const auto c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 5);
+  CHECK(c.status == tp::wc_status::bad_response);
+  CHECK(p.ep.qp->state() == tp::qp_state::error);
+  CHECK(d.settle(p.ep.cq.get(), 50ms).empty());  // completed once
+}
+
+TEST_CASE("tcp provider: a request is answerable once all of it is in the socket - a batch sent in pieces, a small "
+          "send that only partly fitted",
+          "[unit][tcp]") {
+  // The honest peer's side of the check above: the ACK that follows the
+  // request's last byte completes it with success.
+  raw_peer p;
+  constexpr std::size_t kSize = 24 << 20;
+  std::vector<std::byte> src(kSize, std::byte{'b'});
+  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
+  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const tp::work_request wr{.wr_id = 6, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = p.base(),
+                            .rkey = p.mr->rkey()};
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  std::vector<std::byte> got(kHeaderSize + kSize);
+  std::size_t n = 0;
+  driver d{p.ep.cq.get()};
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (n < got.size() && std::chrono::steady_clock::now() < deadline) {
+    d.step();
+    const ssize_t r = ::recv(p.fd, got.data() + n, got.size() - n, MSG_DONTWAIT);
+    if (r > 0) n += static_cast<std::size_t>(r);
+  }
+  REQUIRE(n == got.size());
+  p.send_frame({.type = frame_type::ack, .psn = 1});
+  const auto c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 6);
+  CHECK(c.status == tp::wc_status::success);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);
+}
+
 TEST_CASE("tcp provider: a queue pair that fails gives back at once what it borrowed", "[unit][tcp]") {
   // Not at its destruction: a failed connection the application keeps
   // holds no staging buffer and no transmit batch.

@@ -345,6 +345,9 @@ struct tx_batch {
     // address it stands for, once pin_iov translated it (a dma-buf's
     // mapping; 0 for ordinary memory)
     std::uint64_t delta = 0;
+    // The last iovec of a request: once it is all in the socket, the
+    // requests before send-queue position `resp` have gone (sq_sent_).
+    bool request_end = false;
   };
   std::array<iovec, kMaxIov> iov;
   std::array<iov_ref, kMaxIov> ref;
@@ -716,6 +719,7 @@ class tcp_qp final : public queue_pair {
   void add_iov(const void* p, std::size_t n, iov_ref ref) noexcept;
   void add_header(const void* p, iov_ref ref) noexcept;
   void add_header(const void* p) noexcept;
+  void mark_request_end(std::uint64_t next) noexcept;  // the last iovec added
   bool fill_read(response& r, std::uint64_t pos) noexcept;  // false: the batch is full
   bool pin_iov() noexcept;  // false: the stream must be cut
   // Copies up to kCopyBounce bytes of iovec i (copied memory at registered
@@ -808,6 +812,11 @@ class tcp_qp final : public queue_pair {
   std::vector<sge> sq_sges_;
   std::size_t sq_stride_ = 0;
   std::uint64_t sq_head_ = 0, sq_ack_ = 0, sq_tx_ = 0, sq_tail_ = 0;
+  // The requests before it are all in the socket (sq_ack_ <= sq_sent_ <=
+  // sq_tx_: framed into the batch is not sent). A response answers only
+  // these: the peer cannot have seen the others, and an ACK for one would
+  // complete it while its memory is still to be read for sending.
+  std::uint64_t sq_sent_ = 0;
   std::uint32_t next_psn_ = 1;
   std::uint8_t rnr_left_ = 7;
   bool rnr_waiting_ = false;

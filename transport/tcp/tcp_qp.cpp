@@ -164,7 +164,7 @@ std::error_code tcp_qp::modify(qp_state next) noexcept {
     case qp_state::reset:
       close_socket();
       // Like verbs: outstanding work is discarded without completions.
-      sq_head_ = sq_ack_ = sq_tx_ = sq_tail_ = 0;
+      sq_head_ = sq_ack_ = sq_tx_ = sq_sent_ = sq_tail_ = 0;
       rq_head_ = rq_tail_ = 0;
       next_psn_ = expected_psn_ = 1;
       rnr_left_ = attr_.rnr_retry;
@@ -297,7 +297,7 @@ void tcp_qp::enter_error(wc_status head_status) noexcept {
     const wc_status s = i == sq_ack_ ? head_status : wc_status::work_request_flushed;
     push_send({.wr_id = e.wr.wr_id, .status = s, .opcode = completion_opcode(e.wr.op), .qp_num = qpn_});
   }
-  sq_head_ = sq_ack_ = sq_tx_ = sq_tail_;
+  sq_head_ = sq_ack_ = sq_tx_ = sq_sent_ = sq_tail_;
   // The receive a message was filling when the connection failed: taken
   // from the queue (its own or the shared one), so it flushes first.
   flush_filling_receive();

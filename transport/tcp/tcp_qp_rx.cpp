@@ -713,7 +713,10 @@ bool tcp_qp::read_segments(const sq_entry& head, std::uint64_t bytes) noexcept {
 }
 
 bool tcp_qp::handle_response(const frame_header& h) noexcept {
-  if (sq_ack_ == sq_tx_) {
+  // (Outstanding: in the socket whole. One framed but not all sent yet is
+  // one the peer cannot answer: taken, its answer would complete it while
+  // its memory is still to be read.)
+  if (sq_ack_ == sq_sent_) {
     protocol_error("response with no request outstanding");
     return false;
   }
@@ -729,7 +732,7 @@ bool tcp_qp::handle_response(const frame_header& h) noexcept {
   switch (h.type) {
     case frame_type::ack: {
       const std::uint64_t count = std::uint64_t{h.psn - head.psn} + 1;
-      if (!psn_le(head.psn, h.psn) || count > sq_tx_ - sq_ack_) {
+      if (!psn_le(head.psn, h.psn) || count > sq_sent_ - sq_ack_) {
         protocol_error("ACK for a request never sent");
         return false;
       }

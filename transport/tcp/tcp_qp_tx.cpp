@@ -52,6 +52,12 @@ void tcp_qp::add_header(const void* p, iov_ref ref) noexcept {
 
 void tcp_qp::add_header(const void* p) noexcept { add_header(p, iov_ref{}); }
 
+void tcp_qp::mark_request_end(std::uint64_t next) noexcept {
+  iov_ref& r = tx_->ref[iov_count_ - 1];
+  r.request_end = true;
+  r.resp = next;
+}
+
 bool tcp_qp::fill_iov() noexcept {
   hdr_used_ = 0;
   const std::size_t cap = resp_.size();
@@ -105,6 +111,7 @@ bool tcp_qp::fill_requests(std::optional<std::uint32_t>& ack) noexcept {
     if (e.local_error != wc_status::success || e.wr.op == opcode::bind_window) {
       if (e.local_error == wc_status::success && sq_ack_ == sq_tx_) {
         ++sq_tx_;  // a bind with nothing before it outstanding: complete now
+        sq_sent_ = sq_tx_;
         complete_head(wc_status::success, 0);
         // A completion queue that overflowed moved the queue pair to error,
         // which may have closed the socket and given the batch back.
@@ -144,6 +151,7 @@ bool tcp_qp::fill_requests(std::optional<std::uint32_t>& ack) noexcept {
         if (s.length != 0) add_iov(reinterpret_cast<const void*>(s.addr), s.length, {iov_kind::request_payload, false, s.lkey, 0});
       }
     }
+    mark_request_end(sq_tx_ + 1);
     ++sq_tx_;
   }
   return true;
@@ -184,6 +192,7 @@ bool tcp_qp::send_solo() noexcept {
   if (n < 0) return false;
   // The request (and the ACK) is on its way, at least in part.
   ++sq_tx_;
+  if (static_cast<std::size_t>(n) == kHeaderSize + e.length) sq_sent_ = sq_tx_;
   resp_head_ = resp_queued_ = resp_tail_;
   largest_send_ = std::max(largest_send_, total);
   counters_.bytes_sent += static_cast<std::uint64_t>(n);
@@ -203,6 +212,7 @@ bool tcp_qp::send_solo() noexcept {
   }
   const std::size_t skip = sent > kHeaderSize ? sent - kHeaderSize : 0;
   if (e.length > skip) add_iov(reinterpret_cast<std::byte*>(sges_of(sq_tx_ - 1)) + skip, e.length - skip, {});
+  mark_request_end(sq_tx_);
   flush();
   return true;
 }
@@ -450,6 +460,7 @@ void tcp_qp::flush_batch() noexcept {
           if (needs_response(sq_[ring_slot(i, attr_.max_send_wr)].wr.op)) --rd_atomic_out_;
         }
         sq_tx_ = rewind_to_;
+        sq_sent_ = std::min(sq_sent_, rewind_to_);
         rd_done_ = rd_off_ = 0;
         rd_sge_ = 0;
         // A bind or failed request that waited at the old sq_tx_ waits again
@@ -501,6 +512,7 @@ void tcp_qp::flush_batch() noexcept {
     }
     counters_.bytes_sent += static_cast<std::uint64_t>(n);
     auto left = static_cast<std::size_t>(n);
+    const std::size_t from = iov_pos_;
     while (left > 0 && iov_pos_ < iov_count_) {
       iovec& v = tx_->iov[iov_pos_];
       const std::size_t take = std::min(left, v.iov_len);
@@ -509,7 +521,10 @@ void tcp_qp::flush_batch() noexcept {
       left -= take;
       if (v.iov_len == 0) ++iov_pos_;
     }
-    unbounce();
+    unbounce();  // (may step back into a copied piece not all sent)
+    for (std::size_t i = from; i < iov_pos_; ++i) {
+      if (tx_->ref[i].request_end) sq_sent_ = std::max(sq_sent_, tx_->ref[i].resp);
+    }
   }
   if (rx_paused_ && resp_tail_ - resp_head_ < resp_.size()) {
     rx_paused_ = false;  // room again: read on (what arrived meanwhile waits in the socket)
