@@ -90,6 +90,7 @@ call_op* client_impl::acquire(std::error_code& ec) noexcept {
   }
   if (free_.empty()) {
     try {
+      held_.resize(ops_.size() + 1);  // (first: a retry after a failure finds it done)
       auto op = std::make_unique<call_op>();
       op->owner = this;
       op->index = static_cast<std::uint32_t>(ops_.size());
@@ -225,9 +226,10 @@ void client_impl::on_sent(call_op* op, const error_code& ec, bool payload) noexc
   if (payload && op->deferred) {
     op->deferred = false;
     const std::error_code why = op->deferred_ec;
+    reply r = std::exchange(held_[op->index], reply{});
     auto* fin = op->finish;
     if (op->sends == 0) release(*op);
-    fin(*op, why, {}, false);
+    fin(*op, why, std::move(r), false);
     return;
   }
   if (op->st == call_op::state::done && op->sends == 0 && !op->deferred) release(*op);
@@ -326,16 +328,18 @@ void client_impl::complete(call_op& op, std::error_code ec, reply&& r, bool post
   op.st = call_op::state::done;
   --pending_;
   stats_.in_flight = pending_;
-  if (early) {
-    op.send_cancel.emit(asio::cancellation_type::terminal);  // a one-message request still queued never goes
-    if (op.payload_pending) {
-      // The peer may still read the payload from the caller's memory: the
-      // call completes when that send does (on_sent).
-      op.deferred = true;
-      op.deferred_ec = ec;
-      if (pending_ == 0) became_idle();
-      return;
-    }
+  if (early) op.send_cancel.emit(asio::cancellation_type::terminal);  // a one-message request still queued never goes
+  if (op.payload_pending) {
+    // The peer may still read the payload from the caller's memory (its
+    // registration stands until the send ends): the call completes when
+    // that send does (on_sent). So it does when the reply came first: a
+    // server that answers before reading the request all through must not
+    // read what the caller puts in that memory next.
+    op.deferred = true;
+    op.deferred_ec = ec;
+    held_[op.index] = std::move(r);
+    if (pending_ == 0) became_idle();
+    return;
   }
   auto* fin = op.finish;
   if (op.sends == 0) release(op);  // the handler is still in op until fin moves it out

@@ -61,8 +61,9 @@ class client_impl : public std::enable_shared_from_this<client_impl> {
   call_op* find_sent(std::uint64_t call_id) noexcept;
   // Takes the op out of every list and completes it.
   // `early`: the call ends before its reply (deadline, cancel): a request
-  // still queued is withdrawn; one being read from the caller's memory is
-  // waited for.
+  // still queued is withdrawn. Early or not (a reply that came before the
+  // server had read the payload), a call whose payload may still be read
+  // from the caller's memory completes only when that send ends.
   void complete(call_op& op, std::error_code ec, reply&& r, bool post, bool early = false) noexcept;
   void unqueue(call_op& op) noexcept;
   void release(call_op& op) noexcept;
@@ -85,6 +86,9 @@ class client_impl : public std::enable_shared_from_this<client_impl> {
   errc payload_status_ = errc::ok;
 
   std::vector<std::unique_ptr<call_op>> ops_;
+  // By op index: the reply of a call completed while its payload was still
+  // being sent (op.deferred), handed over when that send ends.
+  std::vector<reply> held_;
   std::vector<std::uint32_t> free_;
   std::uint32_t pending_ = 0;  // unsent + sent
   std::uint32_t sent_ = 0;     // waiting for a reply

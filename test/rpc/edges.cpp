@@ -368,6 +368,48 @@ TEST_CASE("rpc: a reply status beyond the known set arrives as unknown and the l
   f.check();
 }
 
+TEST_CASE("rpc: a reply that comes before the server read the request's payload completes the call only once "
+          "that payload is read - the caller's memory is never readable after the call",
+          "[rpc]") {
+  // A hostile (or broken) server answers a call with a rendezvous payload
+  // and reads the payload afterwards: the call must not complete while the
+  // caller's buffer is still registered for the server to read, or the
+  // server reads whatever the caller puts there next.
+  rpc_env env;  // its fabrics, without the rpc server
+  ad::acceptor acc = env.server_fab.listen(test_host(), 0);
+  failure f;
+  const std::string big(1 << 20, 'p');  // (a rendezvous payload: READ by the server from the caller's memory)
+  bool completed = false;
+  bool completed_before_read = false;
+  std::string read_back;
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message head = co_await c.async_receive(use_awaitable);  // the request's header (its payload follows)
+    const parsed_reply r = parse(head);
+    auto reply = frame(1, 2, 0, 0, 0, r.id, 0);
+    reply.resize(24);
+    for (char ch : std::string_view("early")) reply.push_back(static_cast<std::byte>(ch));
+    co_await c.async_send(asio::buffer(reply), use_awaitable);
+    asio::steady_timer t(env.io, std::chrono::milliseconds(300));
+    co_await t.async_wait(use_awaitable);
+    completed_before_read = completed;
+    ad::message payload = co_await c.async_receive(use_awaitable);  // now READ: the fin follows
+    read_back = str(payload.bytes());
+  }, f.handler());
+  asio::co_spawn(env.io, [&]() -> awaitable<void> {
+    rpc::client cli(co_await env.client_fab.async_connect(addr(acc), use_awaitable));
+    auto [ec, r] = co_await cli.async_call(m::raw_echo, asio::buffer(big), asio::as_tuple(use_awaitable));
+    completed = true;
+    CHECK(!ec);
+    CHECK(str(r.bytes()) == "early");  // the reply held, then handed over whole
+  }, f.handler());
+  run_to_completion(env.io);
+  f.check();
+  CHECK(completed);
+  CHECK(!completed_before_read);
+  CHECK(read_back == big);
+}
+
 TEST_CASE("rpc: a raw client's cancel gets the reply status cancelled on the wire", "[rpc]") {
   rpc_env env;
   bool started = false;
