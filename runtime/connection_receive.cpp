@@ -210,6 +210,18 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   }
   credits_ += h.credits;
   --peer_view_;
+  if (state_ != state::setup && peer_view_ < 0) {
+    // A message past the credits we gave: its receive was posted only
+    // because we re-posted others (an honest peer counts what we return,
+    // and our count of its credits is never below its own). Taken, such a
+    // peer could queue fins and credit replies without bound while
+    // returning none of ours. (During setup the hello's grant is counted
+    // only by on_connected: the next message checks what came before.)
+    log().warn("connection qp {}: the peer sent past the credits it was given ({} over)", qp_num(), -peer_view_);
+    release_received(buffer);
+    fail(errc::protocol_error);
+    return;
+  }
   if (state_ != state::setup && credits_ > static_cast<std::int64_t>(peer_.max_credits)) {
     log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_num(),
                credits_, peer_.max_credits);

@@ -689,3 +689,122 @@ TEST_CASE("auth: a confirmation out of turn, a message before confirming, or no 
     CHECK(took[3] >= 400ms);
   }
 }
+
+namespace {
+
+// A raw peer (no auth) connected to `acc`'s fabric, driven by `script` on
+// its own thread; the server side's application takes every message until
+// its connection ends. The ending's error and the messages taken.
+struct hostile_run {
+  ad::error_code ended;
+  std::size_t taken = 0;
+  std::chrono::steady_clock::duration took{};  // from the first message to the ending
+  bool raw_ok = true;
+};
+template <class Script>
+hostile_run run_hostile(asio::io_context& io, ad::acceptor& acc, Script script) {
+  hostile_run out;
+  auto guard = asio::make_work_guard(io);
+  failure f;
+  std::atomic<bool> server_done{false};
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    std::chrono::steady_clock::time_point first{};
+    for (;;) {
+      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      if (ec) {
+        out.ended = ec;
+        break;
+      }
+      if (out.taken++ == 0) first = std::chrono::steady_clock::now();
+    }
+    out.took = std::chrono::steady_clock::now() - first;
+    server_done = true;
+  }, f.handler());
+  std::thread raw([&] {
+    raw_peer p;
+    if (!p.reset()) return void(out.raw_ok = false);
+    auto res = p.dev->connect(*p.qp, test_host(), acc.port(), make_hello(1, false, 2), std::chrono::seconds(10));
+    if (res.ec || res.private_data.size() < kHello) return void(out.raw_ok = false);
+    script(p, get<std::uint16_t>(std::span<const std::byte>(res.private_data), 8), server_done);
+  });
+  std::thread releaser([&] {
+    raw.join();
+    asio::post(io, [&] { guard.reset(); });
+  });
+  run_to_completion(io);
+  releaser.join();
+  f.check();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("hostile peer: messages past the credits it was given fail the connection with protocol_error", "[runtime]") {
+  // Its receives are re-posted as the application takes its messages, so
+  // the provider lets them in; the credits say no. (Taken, a peer that
+  // returns none of ours made fins and credit replies queue without bound.)
+  asio::io_context io;
+  ad::connection_options co;
+  co.credits = 8;
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::size_t kSent = 80;
+  const hostile_run r = run_hostile(io, acc, [](raw_peer& p, std::uint16_t granted, std::atomic<bool>& done) {
+    (void)granted;
+    const std::array<std::byte, 4> ping{std::byte{'p'}, std::byte{'i'}, std::byte{'n'}, std::byte{'g'}};
+    bool failed = false;
+    for (std::size_t i = 0; i < kSent && !failed && !done; ++i) {
+      if (!p.send(message(kTypeEager, 0, 0, ping))) break;  // (credits 0 in every header: none returned)
+      (void)p.receive(2ms, &failed);                        // (takes what completed)
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (!done && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  });
+  CHECK(r.raw_ok);
+  INFO("the application took " << r.taken << " messages");
+  CHECK(r.ended == ad::errc::protocol_error);
+  CHECK(r.taken < kSent);
+  CHECK(r.taken >= 8);  // the grant, at least, was honoured
+}
+
+TEST_CASE("hostile peer: one that keeps our credits back cannot hold a connection past keepalive by going silent",
+          "[runtime]") {
+  // It uses every credit it was given (no control reserve) and returns
+  // none: we owe it credits and have none to send them with, so its
+  // silence is not ours to excuse (an honest peer keeps a credit to return
+  // ours with, and its heartbeats come).
+  asio::io_context io;
+  ad::connection_options co;
+  co.credits = 8;
+  co.keepalive = std::chrono::milliseconds(400);
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  std::size_t sent = 0;
+  const hostile_run r = run_hostile(io, acc, [&sent](raw_peer& p, std::uint16_t granted, std::atomic<bool>& done) {
+    const std::array<std::byte, 4> ping{std::byte{'p'}, std::byte{'i'}, std::byte{'n'}, std::byte{'g'}};
+    std::int64_t credits = granted;
+    bool failed = false;
+    // Spends what it has, counting what our messages return, until nothing comes back.
+    for (int idle = 0; idle < 200 && !failed && !done;) {
+      if (credits > 0 && p.send(message(kTypeEager, 0, 0, ping))) {
+        --credits;
+        ++sent;
+        idle = 0;
+      } else {
+        ++idle;
+      }
+      if (auto m = p.receive(1ms, &failed); m && m->size() >= 8) credits += get<std::uint16_t>(*m, 2);
+    }
+    // Then silent, until the server gives up (or 10 s).
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (!done && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  });
+  CHECK(r.raw_ok);
+  INFO("the peer sent " << sent << " messages; the connection ended after "
+                        << std::chrono::duration_cast<std::chrono::milliseconds>(r.took).count() << " ms");
+  CHECK(sent >= 8);
+  CHECK(r.taken == sent);
+  CHECK(r.ended == ad::errc::timed_out);
+  CHECK(r.took < std::chrono::seconds(5));
+}
