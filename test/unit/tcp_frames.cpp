@@ -506,6 +506,45 @@ TEST_CASE("tcp provider: a queue pair in error drops what the peer keeps sending
   CHECK(calls <= 5);
 }
 
+TEST_CASE("tcp provider: after an RNR NAK, the payloads of the requests dropped meanwhile are read a bounded amount "
+          "per pass",
+          "[unit][tcp]") {
+  // A send finds no receive (RNR NAK); until it comes again every other
+  // request is dropped, its payload read and thrown away. A peer that
+  // streams gigabyte frames then must not hold one poll (and every queue
+  // pair behind it) for as long as it keeps sending.
+  raw_peer p;  // (no receive posted)
+  p.send_frame({.type = frame_type::send, .psn = 1, .length = 4}, "abcd", 4);
+  driver d{p.ep.cq.get()};
+  for (int i = 0; i < 20 && p.ep.qp->counters().rnr_naks_sent == 0; ++i) d.step();
+  REQUIRE(p.ep.qp->counters().rnr_naks_sent == 1);
+  constexpr std::size_t kJunk = std::size_t{64} << 20;
+  std::thread sender([&p] {
+    std::vector<std::byte> frame(kHeaderSize + kJunk, std::byte{0x5a});
+    encode(frame_header{.type = frame_type::send, .psn = 9, .length = static_cast<std::uint32_t>(kJunk)},
+           std::span<std::byte, kHeaderSize>(frame.data(), kHeaderSize));
+    for (std::size_t at = 0; at < frame.size();) {
+      const ssize_t n = ::send(p.fd, frame.data() + at, frame.size() - at, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      at += static_cast<std::size_t>(n);
+    }
+  });
+  std::this_thread::sleep_for(200ms);  // (the sockets' buffers fill)
+  std::uint64_t largest = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (p.ep.qp->counters().bytes_received < kHeaderSize + 4 + kHeaderSize + kJunk &&
+         std::chrono::steady_clock::now() < deadline) {
+    const std::uint64_t before = p.ep.qp->counters().bytes_received;
+    d.step();
+    largest = std::max(largest, p.ep.qp->counters().bytes_received - before);
+  }
+  sender.join();
+  INFO("the largest pass read " << largest << " bytes");
+  CHECK(p.ep.qp->counters().bytes_received == kHeaderSize + 4 + kHeaderSize + kJunk);  // all of it, in the end
+  CHECK(largest <= 4 * kRxStagingBytes + kRxStagingBytes);
+  CHECK(p.ep.qp->state() == tp::qp_state::rts);  // dropped, not a failure
+}
+
 TEST_CASE("tcp provider: a listener runs handshakes concurrently: idle and garbage sockets delay nobody",
           "[unit][tcp]") {
   // 100 sockets that never send a hello and 20 that send garbage, then a
@@ -1322,6 +1361,27 @@ TEST_CASE("tcp provider: an ACK for a request not all sent yet is a bad response
   CHECK(c.status == tp::wc_status::bad_response);
   CHECK(p.ep.qp->state() == tp::qp_state::error);
   CHECK(d.settle(p.ep.cq.get(), 50ms).empty());  // completed once
+}
+
+TEST_CASE("tcp provider: a NAK may come on a request's header, before the rest of it is sent", "[unit][tcp]") {
+  // A responder refuses a request when its header arrives (a bad key, no
+  // receive): the refusal is a NAK, taken while the payload is still on
+  // its way (the queue pair fails, or for RNR sends it again later).
+  raw_peer p;
+  constexpr std::size_t kSize = 24 << 20;
+  std::vector<std::byte> src(kSize, std::byte{'c'});
+  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
+  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const tp::work_request wr{.wr_id = 8, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = 0x1000,
+                            .rkey = 1};
+  REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
+  REQUIRE(p.ep.qp->counters().bytes_sent < kHeaderSize + kSize);  // (the rest waits in the batch)
+  p.send_frame({.type = frame_type::nak, .psn = 1, .imm = static_cast<std::uint32_t>(nak_code::remote_access)});
+  driver d{p.ep.cq.get()};
+  const auto c = d.wait_one(p.ep.cq.get());
+  CHECK(c.wr_id == 8);
+  CHECK(c.status == tp::wc_status::remote_access_error);
+  CHECK(p.ep.qp->state() == tp::qp_state::error);
 }
 
 TEST_CASE("tcp provider: a request is answerable once all of it is in the socket - a batch sent in pieces, a small "

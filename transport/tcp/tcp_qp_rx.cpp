@@ -170,6 +170,11 @@ void tcp_qp::receive_frames() noexcept {
   // of a ping-pong). What arrives meanwhile is taken by the next pass, and
   // a sleeping consumer is woken for it (the socket is watched level-triggered).
   bool drained = false;
+  // Payload bytes read only to be dropped (a request refused or discarded,
+  // with no destination): at most kMaxDiscardPerPass a pass, as in error,
+  // or a peer streaming gigabyte frames past an RNR NAK holds the pass
+  // (and every queue pair behind it) for as long as it keeps sending.
+  std::size_t dropped = 0;
   // A NAK that ends a poisoned read is on its way: the queue pair goes to
   // error once it is out, so no later request may execute meanwhile.
   for (int frames = 0; frames < kMaxFramesPerProgress && fd_ >= 0 && state_ != qp_state::error && !fatal_pending_;) {
@@ -350,6 +355,11 @@ void tcp_qp::receive_frames() noexcept {
         drained = static_cast<std::size_t>(n) < asked;
         if (direct == nullptr) {
           rx_end_ = static_cast<std::size_t>(n);
+          if ((s == nullptr || s->key == 0) && (dropped += static_cast<std::size_t>(n)) >= kMaxDiscardPerPass &&
+              !drained) {
+            rx_more_ = true;  // pending work: the next pass goes on (phase_ and payload_left_ say where)
+            return;
+          }
           continue;
         }
         got = std::min(static_cast<std::size_t>(n), static_cast<std::size_t>(want));
@@ -713,10 +723,14 @@ bool tcp_qp::read_segments(const sq_entry& head, std::uint64_t bytes) noexcept {
 }
 
 bool tcp_qp::handle_response(const frame_header& h) noexcept {
-  // (Outstanding: in the socket whole. One framed but not all sent yet is
-  // one the peer cannot answer: taken, its answer would complete it while
-  // its memory is still to be read.)
-  if (sq_ack_ == sq_sent_) {
+  // Outstanding: for an ACK or a read's or atomic's answer, in the socket
+  // whole (one framed but not all sent yet is one the peer cannot answer:
+  // taken, its answer would complete it while its memory is still to be
+  // read); for a NAK, framed (a peer refuses a request on its header, an
+  // RNR NAK while the rest of it still comes; a NAK completes nothing
+  // with success: the request is sent again, or the queue pair fails and
+  // stops sending at once).
+  if (sq_ack_ == (h.type == frame_type::nak ? sq_tx_ : sq_sent_)) {
     protocol_error("response with no request outstanding");
     return false;
   }
