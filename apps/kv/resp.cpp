@@ -133,7 +133,11 @@ bool split_inline(std::string_view line, std::vector<std::string_view>& args, st
 void resp_parser::reset() noexcept {
   pos_ = 0;
   want_ = -1;
-  spans_.clear();
+  if (spans_.capacity() > kKeptArgs) {
+    std::vector<std::pair<std::size_t, std::size_t>>().swap(spans_);
+  } else {
+    spans_.clear();
+  }
 }
 
 resp_parse resp_parser::next(std::string_view in, std::vector<std::string_view>& args, std::size_t& consumed,
@@ -277,12 +281,30 @@ asio::awaitable<void> resp_door::accept_loop() {
 }
 
 asio::awaitable<void> resp_door::session(tcp::socket s) {
+  constexpr std::size_t kInput = 16 * 1024;  // the input buffer at rest
+  std::string in(kInput, '\0');
+  // However the session ends (an exception from a command, say bad_alloc,
+  // included), the socket is closed and forgotten: stop() must not reach a
+  // socket of a frame that is gone.
+  struct session_end {
+    resp_door& d;
+    tcp::socket& s;
+    const std::string& in;
+    ~session_end() {
+      error_code ignored;
+      s.close(ignored);
+      d.open_.erase(std::remove(d.open_.begin(), d.open_.end(), &s), d.open_.end());
+      --d.st_.connections;
+      d.st_.input_buffer_bytes -= in.size();
+    }
+  };
   open_.push_back(&s);
   ++st_.connections;
   ++st_.connections_total;
+  st_.input_buffer_bytes += in.size();
+  const session_end ending{*this, s, in};
   const std::size_t limit = max_request_;
   resp_parser parser(lim_);
-  std::string in(16 * 1024, '\0');
   std::size_t start = 0, end = 0;
   std::string out;
   std::vector<std::string_view> args;
@@ -341,6 +363,16 @@ asio::awaitable<void> resp_door::session(tcp::socket s) {
       end -= start;
       start = 0;
     }
+    // A buffer grown for a large request goes back to its size at rest
+    // once what it holds fits (an idle connection keeps 16 KiB, not the
+    // largest request it ever sent); so do the argument views.
+    if (in.size() > kInput && end <= kInput / 2) {
+      std::string rest(kInput, '\0');
+      std::memcpy(rest.data(), in.data(), end);
+      st_.input_buffer_bytes -= in.size() - kInput;
+      in.swap(rest);
+    }
+    if (args.capacity() > resp_parser::kKeptArgs) std::vector<std::string_view>().swap(args);
     if (end == in.size()) {
       if (in.size() >= limit) {
         ++st_.protocol_errors;
@@ -348,16 +380,14 @@ asio::awaitable<void> resp_door::session(tcp::socket s) {
         co_await asio::async_write(s, asio::buffer(out), tuple);
         break;
       }
-      in.resize(std::min(limit, in.size() * 2));
+      const std::size_t grown = std::min(limit, in.size() * 2);
+      st_.input_buffer_bytes += grown - in.size();
+      in.resize(grown);
     }
     auto [ec, n] = co_await s.async_read_some(asio::buffer(in.data() + end, in.size() - end), tuple);
     if (ec) break;
     end += n;
   }
-  error_code ignored;
-  s.close(ignored);
-  open_.erase(std::remove(open_.begin(), open_.end(), &s), open_.end());
-  --st_.connections;
 }
 
 void resp_door::info(std::string_view section, std::string& out) const {
@@ -370,8 +400,9 @@ void resp_door::info(std::string_view section, std::string& out) const {
   }
   if (all || sec == "memory") {
     const auto ss = svc_.data().stats();
-    t += "# Memory\r\nused_memory:" + std::to_string(ss.used_bytes) + "\r\nmaxmemory:" +
-         std::to_string(svc_.data().options().max_memory) + "\r\nmaxmemory_policy:noeviction\r\n\r\n";
+    t += "# Memory\r\nused_memory:" + std::to_string(ss.used_bytes + ss.overflow_bytes) + "\r\nmaxmemory:" +
+         std::to_string(svc_.data().options().max_memory) + "\r\nmaxmemory_policy:noeviction\r\nmem_clients_normal:" +
+         std::to_string(st_.input_buffer_bytes) + "\r\n\r\n";
   }
   if (all || sec == "persistence") {
     const durable_log* log = const_cast<service&>(svc_).log();

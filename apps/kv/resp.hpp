@@ -42,7 +42,12 @@ class resp_parser {
  public:
   explicit resp_parser(const resp_limits& lim) : lim_(lim) {}
   resp_parse next(std::string_view in, std::vector<std::string_view>& args, std::size_t& consumed, std::string& why);
+  // Also lets go of the memory a command of many arguments took (more
+  // than kKeptArgs), so that a connection does not keep it.
   void reset() noexcept;
+  // Bytes the parser holds (for tests).
+  std::size_t memory() const noexcept { return spans_.capacity() * sizeof(spans_[0]); }
+  static constexpr std::size_t kKeptArgs = 4096;
 
  private:
   resp_limits lim_;
@@ -58,6 +63,9 @@ struct resp_stats {
   std::uint64_t connections_total = 0;
   std::uint64_t commands = 0;
   std::uint64_t protocol_errors = 0;
+  // Bytes the connections' input buffers hold now (16 KiB each at rest: one
+  // grown for a large request is cut back once it is served).
+  std::uint64_t input_buffer_bytes = 0;
   std::uint64_t rejected = 0;          // over max_clients
   std::uint64_t accept_errors = 0;     // accept(2) failed (out of descriptors, say): retried after 100 ms
 };

@@ -30,6 +30,11 @@ constexpr std::uint64_t kNoBlock = ~std::uint64_t{0};
 constexpr std::size_t kTagAt = 20;   // item_header::reserved
 constexpr std::size_t kNextAt = 8;   // a free block's links
 constexpr std::size_t kPrevAt = 24;
+
+// What an overflow table entry takes from the heap (store_stats::overflow_bytes):
+// a map node (links, colour, a std::string, the offset) and its
+// allocation's overhead, and the key's bytes past the string's own 15.
+std::uint64_t overflow_charge(std::size_t key_size) noexcept { return 96 + (key_size > 15 ? key_size + 1 : 0); }
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 #ifdef MADV_POPULATE_WRITE
 constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
@@ -216,13 +221,14 @@ void store::mark_prev_free(std::uint64_t next, bool free) noexcept {
   set_tag(next, free ? t | kPrevFree : t & ~kPrevFree);
 }
 
-std::optional<store::grant> store::allocate(std::size_t c, bool replay) noexcept {
+std::optional<store::grant> store::allocate(std::size_t c, bool replay, std::uint64_t extra) noexcept {
   // Clients get --max-memory; a replay may use the arena's slack (an item
   // may land in the arena on replay where it sat inline before: the
   // neighbourhoods differ under another seed).
   const std::uint64_t limit = replay ? arena_size_ : o_.max_memory;
   const std::uint64_t bytes = class_sizes_[c];
-  if (st_.used_bytes + bytes > limit) return std::nullopt;
+  const std::uint64_t held = st_.used_bytes + st_.overflow_bytes + extra;
+  if (held + bytes > limit) return std::nullopt;
   // The smallest bin from c up with a free block (a bin's blocks are all
   // at least its class's size): split, the rest staying free, unless too
   // little would be left.
@@ -235,7 +241,7 @@ std::optional<store::grant> store::allocate(std::size_t c, bool replay) noexcept
     const std::uint32_t t = tag_at(off);
     const std::uint64_t size = t & kSizeMask;
     const std::uint64_t given = size - bytes >= kMinBlock ? bytes : size;
-    if (st_.used_bytes + given > limit) break;  // (a few bytes over: the top may do)
+    if (held + given > limit) break;  // (a few bytes over: the top may do)
     unlink_free(off);
     if (given < size) {
       link_free(off + given, size - given, 0);  // (the block above it still has a free one below)
@@ -256,8 +262,8 @@ std::optional<store::grant> store::allocate(std::size_t c, bool replay) noexcept
 }
 
 std::uint64_t store::write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value,
-                                bool replay) {
-  const auto got = allocate(item_class(key.size(), value.size()), replay);
+                                bool replay, std::uint64_t extra) {
+  const auto got = allocate(item_class(key.size(), value.size()), replay, extra);
   if (!got) return ~std::uint64_t{0};
   const std::uint64_t off = got->offset;
   std::byte* p = arena_at(off);
@@ -474,6 +480,7 @@ void store::forget(const found& f, std::uint64_t home, prior* was) noexcept {
     const view v = item_view(f.of->second);
     st_.live_bytes -= v.key.size() + v.value.size();
     if (was == nullptr) release_item(f.of->second);  // (after its view: release clears it)
+    st_.overflow_bytes -= overflow_charge(f.of->first.size());
     overflow_.erase(f.of);
     --header(home).overflow;
     --st_.overflow_keys;
@@ -535,8 +542,11 @@ put_status store::put(std::string_view key, std::span<const std::byte> value, bo
       return put_status::ok;
     }
   }
-  // An item in the arena.
-  const std::uint64_t off = write_item(version, key, value, replay);
+  // An item in the arena (and, for a new key with no free slot, an entry
+  // of the overflow table, charged with it).
+  const bool to_overflow = !old && free_slot(home, nullptr) == nullptr;
+  const std::uint64_t charge = to_overflow ? overflow_charge(key.size()) : 0;
+  const std::uint64_t off = write_item(version, key, value, replay, charge);
   if (off == ~std::uint64_t{0}) return put_status::out_of_memory;
   const auto len = static_cast<std::uint32_t>(kItemHeader + kv);
   if (old && !old->in_overflow) {
@@ -559,7 +569,13 @@ put_status store::put(std::string_view key, std::span<const std::byte> value, bo
     point(*s, version, h, off, len);
     ++st_.keys;
   } else {
-    overflow_.emplace(std::string(key), off);
+    try {
+      overflow_.emplace(std::string(key), off);
+    } catch (...) {  // (std::bad_alloc: the put fails whole)
+      release_item(off);
+      throw;
+    }
+    st_.overflow_bytes += charge;
     ++header(home).overflow;
     ++st_.overflow_keys;
     ++st_.keys;

@@ -41,6 +41,11 @@ struct store_stats {
   std::uint64_t inline_keys = 0;
   std::uint64_t overflow_keys = 0;
   std::uint64_t used_bytes = 0;  // arena bytes held by items
+  // Heap the overflow table takes for its keys (an estimate per entry:
+  // its node, and the key where it does not fit the string itself),
+  // counted against --max-memory with used_bytes: a client that aims keys
+  // at full neighbourhoods cannot grow the heap past the limit.
+  std::uint64_t overflow_bytes = 0;
   std::uint64_t live_bytes = 0;  // key + value bytes of every key
 };
 
@@ -154,7 +159,7 @@ class store {
   slot* free_slot(std::uint64_t home, const slot* except) const noexcept;
 
   std::uint64_t write_item(std::uint64_t version, std::string_view key, std::span<const std::byte> value,
-                           bool replay);
+                           bool replay, std::uint64_t extra = 0);
   void release_item(std::uint64_t offset) noexcept;
   void fill_inline(slot& s, std::uint64_t version, std::uint64_t h, std::string_view key,
                    std::span<const std::byte> value) noexcept;
@@ -180,7 +185,8 @@ class store {
     std::uint64_t offset;
     std::uint32_t tag;  // for the item's header
   };
-  std::optional<grant> allocate(std::size_t c, bool replay) noexcept;
+  // `extra`: bytes charged besides the block (an overflow entry's).
+  std::optional<grant> allocate(std::size_t c, bool replay, std::uint64_t extra = 0) noexcept;
   std::byte* arena_at(std::uint64_t off) const noexcept { return base_ + arena_offset_ + off; }
   std::uint32_t tag_at(std::uint64_t off) const noexcept;
   void set_tag(std::uint64_t off, std::uint32_t tag) noexcept;

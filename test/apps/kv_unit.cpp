@@ -17,6 +17,7 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
@@ -880,7 +881,7 @@ TEST_CASE("kv log: a snapshot taken in steps under churn - deletes behind its cu
                       [](record_type, std::string_view, std::span<const std::byte>) {});
       service svc(st, &log);
       std::uint64_t lsn = 0;
-      for (; next_key < 6500; ++next_key) {
+      for (; next_key < 6200; ++next_key) {  // (about 8 MB: items and the overflow table)
         REQUIRE(svc.put("key" + std::to_string(next_key), B(value), lsn).is_ok());
         live_keys.push_back(next_key);
       }
@@ -2866,6 +2867,9 @@ TEST_CASE("kv resp: a request trickling in byte by byte parses in linear time, p
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
   REQUIRE(p.next(std::string_view(cmd).substr(used), args, used, why) == resp_parse::command);
   CHECK(args == std::vector<std::string_view>{"PING"});
+  // The 40000 arguments' list was let go of (a connection does not keep
+  // what its largest command took); a small command's is kept.
+  CHECK(p.memory() <= resp_parser::kKeptArgs * sizeof(std::pair<std::size_t, std::size_t>));
   // An inline line trickling in is not rescanned either.
   std::string line(60000, 'a');
   line += "\r\n";
@@ -2876,6 +2880,70 @@ TEST_CASE("kv resp: a request trickling in byte by byte parses in linear time, p
   }
   CHECK(r == resp_parse::command);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+}
+
+TEST_CASE("kv resp: a connection's input buffer grown for a large request goes back to 16 KiB once it is served - "
+          "so does the parser's list of many arguments",
+          "[kv]") {
+  asio::io_context io;
+  store st({.max_memory = 8 << 20, .max_value = 1 << 20});
+  service svc(st, nullptr);
+  resp_door door(io, svc, "127.0.0.1", 0);
+  failure f;
+  std::uint64_t at_rest = 0, grown = 0, after = 0, after_args = 0, closed = 0;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    asio::ip::tcp::socket c(io);
+    co_await c.async_connect({asio::ip::make_address("127.0.0.1"), door.port()}, asio::use_awaitable);
+    auto roundtrip = [&](std::string req, std::size_t reply_size) -> asio::awaitable<std::string> {
+      co_await asio::async_write(c, asio::buffer(req), asio::use_awaitable);
+      std::string reply(reply_size, '\0');
+      co_await asio::async_read(c, asio::buffer(reply), asio::use_awaitable);
+      co_return reply;
+    };
+    std::string r = co_await roundtrip("PING\r\n", 7);
+    CHECK(r == "+PONG\r\n");
+    at_rest = door.stats().input_buffer_bytes;
+    // A 900 KB value: the buffer grows to hold the request.
+    const std::string value(900 * 1000, 'v');
+    std::string set = "*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$" + std::to_string(value.size()) + "\r\n" + value + "\r\n";
+    co_await asio::async_write(c, asio::buffer(set.data(), set.size() / 2), asio::use_awaitable);
+    while (door.stats().input_buffer_bytes == at_rest) {
+      asio::steady_timer t(io, std::chrono::milliseconds(1));
+      co_await t.async_wait(asio::use_awaitable);
+    }
+    grown = door.stats().input_buffer_bytes;
+    r = co_await roundtrip(set.substr(set.size() / 2), 5);
+    CHECK(r == "+OK\r\n");
+    r = co_await roundtrip("PING\r\n", 7);
+    CHECK(r == "+PONG\r\n");
+    after = door.stats().input_buffer_bytes;
+    // 20000 arguments (MSET of 10000 keys): served, then let go of.
+    std::string mset = "*20001\r\n$4\r\nMSET\r\n";
+    for (int i = 0; i < 10000; ++i) {
+      const std::string k = "m" + std::to_string(i);
+      mset += "$" + std::to_string(k.size()) + "\r\n" + k + "\r\n$1\r\nx\r\n";
+    }
+    r = co_await roundtrip(mset, 5);
+    CHECK(r == "+OK\r\n");
+    r = co_await roundtrip("PING\r\n", 7);
+    CHECK(r == "+PONG\r\n");
+    after_args = door.stats().input_buffer_bytes;
+    c.close();
+    while (door.stats().connections != 0) {
+      asio::steady_timer t(io, std::chrono::milliseconds(1));
+      co_await t.async_wait(asio::use_awaitable);
+    }
+    closed = door.stats().input_buffer_bytes;
+    door.stop();
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(at_rest == 16 * 1024);
+  CHECK(grown > 900 * 1000 / 2);
+  CHECK(after == 16 * 1024);
+  CHECK(after_args == 16 * 1024);
+  CHECK(closed == 0);
+  CHECK(S(*st.get("m9999")) == "x");
 }
 
 TEST_CASE("kv read: a key that exists before and after an update is never read as absent, whatever mix of old and "
@@ -3113,6 +3181,27 @@ TEST_CASE("kv store: random puts and deletes keep the arena consistent and every
   CHECK(st.stats().used_bytes == 0);
   CHECK(st.free_blocks() == 0);
   CHECK(st.check_arena().empty());
+}
+
+TEST_CASE("kv store: keys in the overflow table are charged to max_memory with their items", "[kv]") {
+  // One bucket: eight slots, every later key overflows (a client that
+  // knows the seed can aim keys at one neighbourhood). Its table's heap
+  // counts against the limit, so the limit bounds what the store holds.
+  constexpr std::uint64_t kMax = 256 << 10;
+  store st({.max_memory = kMax, .buckets = 1});
+  const std::string key_tail(40, 'k');  // (keys past the string's own bytes)
+  int n = 0;
+  while (st.put(std::to_string(n) + key_tail, B("v")) == put_status::ok) ++n;
+  const store_stats ss = st.stats();
+  INFO(n << " keys, " << ss.overflow_keys << " in the overflow table: " << ss.used_bytes << " arena bytes, "
+         << ss.overflow_bytes << " for the table");
+  CHECK(ss.overflow_keys + 8 == static_cast<std::uint64_t>(n));
+  CHECK(ss.overflow_bytes >= ss.overflow_keys * 96);
+  CHECK(ss.used_bytes + ss.overflow_bytes <= kMax);
+  CHECK(ss.used_bytes < kMax - 4096);  // (the arena alone would have taken more)
+  for (int i = 0; i < n; ++i) REQUIRE(st.del(std::to_string(i) + key_tail));
+  CHECK(st.stats().overflow_bytes == 0);
+  CHECK(st.stats().used_bytes == 0);
 }
 
 TEST_CASE("kv store: a deleted value's bytes do not stay in the registered arena", "[kv]") {
