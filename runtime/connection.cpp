@@ -649,12 +649,12 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
     return idle;
   }
   // Silence is excused while the peer cannot speak: it holds at most the
-  // credit kept for control messages because our application has not
-  // taken its messages. Not when we owe it credits and cannot send them
-  // for want of any of ours: then the peer keeps ours back (an honest one
-  // always keeps one to return credits with), and its silence counts.
-  const bool we_silence_it = peer_view_ <= 1 && !(owed_ > 0 && credits_ < 1);
-  if (rx_count_ != rx_mark_ || we_silence_it) {
+  // credit kept for control messages (our application has not taken its
+  // messages, or we owe it credits we have none to return with: its own
+  // application holds ours, which an honest peer may do for as long as it
+  // likes; a hostile one can so hold the connection open, until our side
+  // closes it: README "Liveness").
+  if (rx_count_ != rx_mark_ || peer_view_ <= 1) {
     rx_mark_ = rx_count_;
     last_rx_ = now;
   }

@@ -380,9 +380,9 @@ asio::awaitable<void> resp_door::session(tcp::socket s) {
         co_await asio::async_write(s, asio::buffer(out), tuple);
         break;
       }
-      const std::size_t grown = std::min(limit, in.size() * 2);
-      st_.input_buffer_bytes += grown - in.size();
-      in.resize(grown);
+      const std::size_t was = in.size();
+      in.resize(std::min(limit, was * 2));
+      st_.input_buffer_bytes += in.size() - was;  // (after: a resize that throws counts nothing)
     }
     auto [ec, n] = co_await s.async_read_some(asio::buffer(in.data() + end, in.size() - end), tuple);
     if (ec) break;

@@ -304,8 +304,10 @@ void store::release_item(std::uint64_t offset) noexcept {
   const std::uint32_t t = tag_at(offset);
   std::uint64_t off = offset, size = t & kSizeMask;
   st_.used_bytes -= size;
-  // Its key and value cleared: a deleted value is not left for remote
-  // readers of the arena (a reader still on its way fails the item's CRC).
+  // Its header (but the tag), key and value cleared: a deleted value, or
+  // its CRC to test guesses against, is not left for remote readers of
+  // the arena (a reader still on its way fails the item's checks).
+  std::memset(arena_at(off), 0, kTagAt);
   std::memset(arena_at(off) + kItemHeader, 0, size - kItemHeader);
   std::uint32_t prev_free = t & kPrevFree;
   if (off + size < bump_) {
@@ -433,6 +435,9 @@ void store::fill_inline(slot& s, std::uint64_t version, std::uint64_t h, std::st
   std::memcpy(s.data + 2, &v, 2);
   std::memcpy(s.data + 4, key.data(), k);
   if (v != 0) std::memcpy(s.data + 4 + k, value.data(), v);
+  // (The rest cleared: a longer value the slot held before is not left
+  // for remote readers. Past what the CRC covers: readers never look.)
+  std::memset(s.data + 4 + k + v, 0, sizeof s.data - 4 - k - v);
   s.hash = h;
   s.offset = 0;
   s.length = kInlineFlag | static_cast<std::uint32_t>(k + v);
@@ -451,6 +456,7 @@ void store::point(slot& s, std::uint64_t version, std::uint64_t h, std::uint64_t
   s.hash = h;
   s.offset = offset;
   s.length = length;
+  std::memset(s.data, 0, sizeof s.data);  // (a small value it held is not left behind; outside the CRC)
   s.version = version;
   s.crc = slot_crc(s);
   s.version = keep;
@@ -489,6 +495,7 @@ void store::forget(const found& f, std::uint64_t home, prior* was) noexcept {
     st_.live_bytes -= v.key.size() + v.value.size();
     const bool inl = (f.s->length & kInlineFlag) != 0;
     publish(*f.s, 0);
+    std::memset(f.s->data, 0, sizeof f.s->data);  // (after: a reader of the slot as it was sees it whole or not valid)
     if (inl) {
       --st_.inline_keys;
     } else if (was == nullptr) {

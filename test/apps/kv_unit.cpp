@@ -3221,6 +3221,22 @@ TEST_CASE("kv store: a deleted value's bytes do not stay in the registered arena
   REQUIRE(st.put("c", B(secret)) == put_status::ok);
   REQUIRE(st.put("c", B(std::string(3000, 'c'))) == put_status::ok);
   CHECK(!holds());
+  // Small values that live in their slot: deleted, overwritten by a
+  // shorter one, grown into an arena item.
+  auto small_held = [&](std::string_view what) {
+    const std::string_view all(reinterpret_cast<const char*>(mem.data()), mem.size());
+    return all.find(what) != std::string_view::npos;
+  };
+  REQUIRE(st.put("pin", B("SECRET-TOKEN-1234")) == put_status::ok);
+  REQUIRE(small_held("SECRET-TOKEN-1234"));
+  REQUIRE(st.del("pin"));
+  CHECK(!small_held("SECRET-TOKEN-1234"));
+  REQUIRE(st.put("pin", B("SECRET-TOKEN-5678")) == put_status::ok);
+  REQUIRE(st.put("pin", B("short")) == put_status::ok);
+  CHECK(!small_held("TOKEN-5678"));
+  REQUIRE(st.put("pin2", B("SECRET-TOKEN-9999")) == put_status::ok);
+  REQUIRE(st.put("pin2", B(std::string(500, 'g'))) == put_status::ok);  // (to the arena)
+  CHECK(!small_held("TOKEN-9999"));
 }
 
 namespace {
