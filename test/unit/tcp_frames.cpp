@@ -4,6 +4,9 @@
 #include "../support/harness.hpp"
 #include "tcp/tcp_provider.hpp"
 #include "tcp/wire.hpp"
+#include "log.hpp"
+
+#include <spdlog/sinks/ostream_sink.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -19,6 +22,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 
 using namespace anydoor::test;
 using namespace anydoor::transport::tcp;
@@ -166,6 +170,31 @@ struct raw_peer {
     }
     return false;
   }
+};
+
+// Reads got.size() bytes off the raw peer's socket while driving the
+// provider (which sends them), for at most `limit`: how many came.
+std::size_t drive_and_read(raw_peer& p, driver& d, std::vector<std::byte>& got, std::chrono::seconds limit = 20s) {
+  std::size_t n = 0;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (n < got.size() && std::chrono::steady_clock::now() < deadline) {
+    d.step();
+    const ssize_t r = ::recv(p.fd, got.data() + n, got.size() - n, MSG_DONTWAIT);
+    if (r > 0) n += static_cast<std::size_t>(r);
+  }
+  return n;
+}
+
+// A large registered source (the provider's to read, no remote access),
+// for requests a peer that does not read cannot take all at once.
+struct big_source {
+  std::vector<std::byte> bytes;
+  std::unique_ptr<tp::memory_region> mr;
+  tp::sge sg;
+  big_source(raw_peer& p, std::size_t size, std::byte fill)
+      : bytes(size, fill),
+        mr(p.ep.pd->register_memory(bytes.data(), bytes.size(), access::none)),
+        sg(mr->slice(0, static_cast<std::uint32_t>(size))) {}
 };
 
 }  // namespace
@@ -551,6 +580,17 @@ TEST_CASE("tcp provider: a listener runs handshakes concurrently: idle and garba
   // real client: its request comes back within milliseconds, and the idle
   // ones are dropped (counted) when their handshake timeout passes.
   one_qp e;
+  // (The log is watched too: refusals are told at most every 10 s.)
+  std::ostringstream logged;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(logged);
+  anydoor::log().sinks().push_back(sink);
+  struct unhook {
+    std::shared_ptr<spdlog::sinks::sink> s;
+    ~unhook() {
+      auto& v = anydoor::log().sinks();
+      v.erase(std::remove(v.begin(), v.end(), s), v.end());
+    }
+  } unhook_sink{sink};
   auto lis = e.dev->listen("127.0.0.1", 0, {.handshake_timeout = 700ms});
   std::vector<int> idle;
   for (int i = 0; i < 100; ++i) idle.push_back(raw_connect(lis->port()));
@@ -579,6 +619,15 @@ TEST_CASE("tcp provider: a listener runs handshakes concurrently: idle and garba
   CHECK(ec == anydoor::errc::timed_out);
   CHECK(lis->refused() == 120);
   for (int fd : idle) ::close(fd);
+  // 120 refusals within two seconds: one line (the first), not 120.
+  const std::string text = logged.str();
+  std::size_t lines = 0;
+  for (std::size_t at = text.find("refused a connection attempt"); at != std::string::npos;
+       at = text.find("refused a connection attempt", at + 1)) {
+    ++lines;
+  }
+  INFO(text);
+  CHECK(lines == 1);
 }
 
 TEST_CASE("tcp provider: a listener drops the oldest handshake beyond max_pending", "[unit][tcp]") {
@@ -1310,15 +1359,8 @@ TEST_CASE("tcp provider: a large write leaves in sendmsg calls of at most kMaxSe
   if (bytes > 2 * tx_batch::kMaxSendBytes) CHECK(bytes <= (calls - 1) * tx_batch::kMaxSendBytes);
   // The peer reads it all: the header, then the payload, byte for byte.
   std::vector<std::byte> got(kHeaderSize + kSize);
-  std::size_t n = 0;
   driver d{p.ep.cq.get()};
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (n < got.size() && std::chrono::steady_clock::now() < deadline) {
-    d.step();
-    const ssize_t r = ::recv(p.fd, got.data() + n, got.size() - n, MSG_DONTWAIT);
-    if (r > 0) n += static_cast<std::size_t>(r);
-  }
-  REQUIRE(n == got.size());
+  REQUIRE(drive_and_read(p, d, got) == got.size());
   frame_header h;
   REQUIRE(decode(std::span<const std::byte, kHeaderSize>(got.data(), kHeaderSize), h) == decode_error::none);
   CHECK(h.type == frame_type::write);
@@ -1339,9 +1381,8 @@ TEST_CASE("tcp provider: an ACK for a request not all sent yet is a bad response
   // buffer reused for another connection's message) would go to the peer.
   raw_peer p;
   constexpr std::size_t kSize = 24 << 20;
-  std::vector<std::byte> src(kSize, std::byte{'a'});
-  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
-  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const big_source src(p, kSize, std::byte{'a'});
+  const tp::sge& sg = src.sg;
   const bool carried = GENERATE(false, true);
   INFO((carried ? "the ACK in a request's header" : "the ACK in a frame of its own"));
   const tp::work_request wr{.wr_id = 5, .op = tp::opcode::send, .sg_list = {&sg, 1}};
@@ -1369,9 +1410,8 @@ TEST_CASE("tcp provider: a NAK may come on a request's header, before the rest o
   // its way (the queue pair fails, or for RNR sends it again later).
   raw_peer p;
   constexpr std::size_t kSize = 24 << 20;
-  std::vector<std::byte> src(kSize, std::byte{'c'});
-  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
-  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const big_source src(p, kSize, std::byte{'c'});
+  const tp::sge& sg = src.sg;
   const tp::work_request wr{.wr_id = 8, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = 0x1000,
                             .rkey = 1};
   REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
@@ -1390,22 +1430,14 @@ TEST_CASE("tcp provider: a request is answerable once all of it is in the socket
   // request's last byte completes it with success.
   raw_peer p;
   constexpr std::size_t kSize = 24 << 20;
-  std::vector<std::byte> src(kSize, std::byte{'b'});
-  auto smr = p.ep.pd->register_memory(src.data(), src.size(), access::none);
-  const tp::sge sg = smr->slice(0, static_cast<std::uint32_t>(kSize));
+  const big_source src(p, kSize, std::byte{'b'});
+  const tp::sge& sg = src.sg;
   const tp::work_request wr{.wr_id = 6, .op = tp::opcode::write, .sg_list = {&sg, 1}, .remote_addr = p.base(),
                             .rkey = p.mr->rkey()};
   REQUIRE_FALSE(p.ep.qp->post_send({&wr, 1}));
   std::vector<std::byte> got(kHeaderSize + kSize);
-  std::size_t n = 0;
   driver d{p.ep.cq.get()};
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (n < got.size() && std::chrono::steady_clock::now() < deadline) {
-    d.step();
-    const ssize_t r = ::recv(p.fd, got.data() + n, got.size() - n, MSG_DONTWAIT);
-    if (r > 0) n += static_cast<std::size_t>(r);
-  }
-  REQUIRE(n == got.size());
+  REQUIRE(drive_and_read(p, d, got) == got.size());
   p.send_frame({.type = frame_type::ack, .psn = 1});
   const auto c = d.wait_one(p.ep.cq.get());
   CHECK(c.wr_id == 6);

@@ -320,8 +320,20 @@ class tcp_listener final : public listener {
     }
   }
 
+  // Told at most every 10 s (anyone who can connect can make refusals as
+  // fast as it connects), with how many since the last report;
+  // refused() counts them all.
   void refuse(pending& p, std::string_view why) {
-    log().warn("tcp listener: refused a connection attempt: {}", why);
+    ++refusals_unreported_;
+    const auto now = clock::now();
+    if (last_refusal_warning_ == clock::time_point{} || now - last_refusal_warning_ >= std::chrono::seconds(10)) {
+      log().warn("tcp listener: refused a connection attempt: {}{}", why,
+                 refusals_unreported_ > 1
+                     ? " (and " + std::to_string(refusals_unreported_ - 1) + " more since the last report)"
+                     : std::string());
+      last_refusal_warning_ = now;
+      refusals_unreported_ = 0;
+    }
     refused_.fetch_add(1, std::memory_order_relaxed);
     ::close(p.fd);
     p.fd = -1;
@@ -336,6 +348,8 @@ class tcp_listener final : public listener {
   bool listener_readable_ = true;  // the last poll said so (or none yet): accept_new tries
   clock::time_point last_accept_warning_{};
   std::uint64_t accept_failures_ = 0;  // since the last warning
+  clock::time_point last_refusal_warning_{};
+  std::uint64_t refusals_unreported_ = 0;
 };
 
 addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive, std::error_code& ec) {
