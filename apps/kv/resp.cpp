@@ -399,8 +399,7 @@ void resp_door::info(std::string_view section, std::string& out) const {
     t += "process_id:" + std::to_string(::getpid()) + "\r\ntcp_port:" + std::to_string(port_) + "\r\n\r\n";
   }
   if (all || sec == "memory") {
-    const auto ss = svc_.data().stats();
-    t += "# Memory\r\nused_memory:" + std::to_string(ss.used_bytes + ss.overflow_bytes) + "\r\nmaxmemory:" +
+    t += "# Memory\r\nused_memory:" + std::to_string(svc_.data().charged_bytes()) + "\r\nmaxmemory:" +
          std::to_string(svc_.data().options().max_memory) + "\r\nmaxmemory_policy:noeviction\r\nmem_clients_normal:" +
          std::to_string(st_.input_buffer_bytes) + "\r\n\r\n";
   }

@@ -17,7 +17,7 @@
 namespace anydoor::apps::kv {
 
 std::string oom_message(const store& st, std::size_t key, std::size_t value) {
-  return "OOM command not allowed when used memory > 'maxmemory' (" + std::to_string(st.stats().used_bytes + st.stats().overflow_bytes) +
+  return "OOM command not allowed when used memory > 'maxmemory' (" + std::to_string(st.charged_bytes()) +
          " of " + std::to_string(st.options().max_memory) + " bytes in use; this item needs about " +
          std::to_string(kItemHeader + key + value) + ")";
 }

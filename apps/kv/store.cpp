@@ -227,7 +227,7 @@ std::optional<store::grant> store::allocate(std::size_t c, bool replay, std::uin
   // neighbourhoods differ under another seed).
   const std::uint64_t limit = replay ? arena_size_ : o_.max_memory;
   const std::uint64_t bytes = class_sizes_[c];
-  const std::uint64_t held = st_.used_bytes + st_.overflow_bytes + extra;
+  const std::uint64_t held = charged_bytes() + extra;
   if (held + bytes > limit) return std::nullopt;
   // The smallest bin from c up with a free block (a bin's blocks are all
   // at least its class's size): split, the rest staying free, unless too

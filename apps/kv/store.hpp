@@ -132,6 +132,9 @@ class store {
   std::uint64_t next_version() const noexcept { return next_version_; }
   std::uint64_t slot_buckets() const noexcept { return buckets_ + 1; }
   store_stats stats() const noexcept { return st_; }
+  // What counts against max_memory: the arena's blocks in use and the
+  // overflow table's heap (INFO's used_memory).
+  std::uint64_t charged_bytes() const noexcept { return st_.used_bytes + st_.overflow_bytes; }
   // The index was faulted in at construction (not when it would take more
   // than half the RAM or the memory cgroup's limit, nor when the kernel
   // refused: it is then faulted in as keys arrive).

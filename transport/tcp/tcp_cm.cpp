@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string>
 #include <system_error>
+#include <utility>
 
 namespace anydoor::transport::tcp {
 
@@ -155,6 +156,24 @@ class tcp_request final : public connection_request {
 // its own deadline (listen_options::handshake_timeout): an idle or slow
 // socket delays nobody, a flood of them evicts the oldest beyond
 // max_pending. get_request returns the first complete hello.
+// A warning a peer (or the system) can repeat as fast as it likes, told
+// at most every 10 s: note() counts each occurrence and returns how many
+// there were since the last report, this one included, when this one is
+// to be told (the first, or 10 s after the last report), else 0.
+class warning_limit {
+ public:
+  std::uint64_t note(clock::time_point now) noexcept {
+    ++since_;
+    if (last_ != clock::time_point{} && now - last_ < std::chrono::seconds(10)) return 0;
+    last_ = now;
+    return std::exchange(since_, 0);
+  }
+
+ private:
+  clock::time_point last_{};
+  std::uint64_t since_ = 0;
+};
+
 class tcp_listener final : public listener {
  public:
   tcp_listener(int fd, std::uint16_t port, const listen_options& o) : fd_(fd), port_(port), opt_(o) {}
@@ -248,13 +267,9 @@ class tcp_listener final : public listener {
             // that stays readable. Told at most every 10 s, with how often
             // since.
             const int err = errno;
-            ++accept_failures_;
-            if (last_accept_warning_ == clock::time_point{} ||
-                clock::now() - last_accept_warning_ >= std::chrono::seconds(10)) {
+            if (const std::uint64_t n = accept_warning_.note(clock::now())) {
               log().warn("tcp listener: cannot accept: {}{}; pausing 100 ms ({} times since the last report)",
-                         std::strerror(err), err == EMFILE ? fd_limit_note() : std::string(), accept_failures_);
-              last_accept_warning_ = clock::now();
-              accept_failures_ = 0;
+                         std::strerror(err), err == EMFILE ? fd_limit_note() : std::string(), n);
             }
             accept_paused_until_ = clock::now() + std::chrono::milliseconds(100);
             listener_readable_ = false;
@@ -324,15 +339,9 @@ class tcp_listener final : public listener {
   // fast as it connects), with how many since the last report;
   // refused() counts them all.
   void refuse(pending& p, std::string_view why) {
-    ++refusals_unreported_;
-    const auto now = clock::now();
-    if (last_refusal_warning_ == clock::time_point{} || now - last_refusal_warning_ >= std::chrono::seconds(10)) {
+    if (const std::uint64_t n = refusal_warning_.note(clock::now())) {
       log().warn("tcp listener: refused a connection attempt: {}{}", why,
-                 refusals_unreported_ > 1
-                     ? " (and " + std::to_string(refusals_unreported_ - 1) + " more since the last report)"
-                     : std::string());
-      last_refusal_warning_ = now;
-      refusals_unreported_ = 0;
+                 n > 1 ? " (and " + std::to_string(n - 1) + " more since the last report)" : std::string());
     }
     refused_.fetch_add(1, std::memory_order_relaxed);
     ::close(p.fd);
@@ -346,10 +355,8 @@ class tcp_listener final : public listener {
   std::atomic<std::uint64_t> refused_{0};
   clock::time_point accept_paused_until_{};
   bool listener_readable_ = true;  // the last poll said so (or none yet): accept_new tries
-  clock::time_point last_accept_warning_{};
-  std::uint64_t accept_failures_ = 0;  // since the last warning
-  clock::time_point last_refusal_warning_{};
-  std::uint64_t refusals_unreported_ = 0;
+  warning_limit accept_warning_;   // out of descriptors or memory
+  warning_limit refusal_warning_;  // refused connection attempts
 };
 
 addrinfo* resolve(const std::string& host, std::uint16_t port, bool passive, std::error_code& ec) {
