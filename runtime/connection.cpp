@@ -525,6 +525,11 @@ void connection_impl::start_close(op_node* n) {
 
 void connection_impl::cancel(op_node* n, asio::cancellation_type /*type*/) {
   auto keep = shared_from_this();
+  // A rendezvous send whose request is out: the peer is asked to drop it.
+  if (n->kind == op_kind::send && n->phase == op_phase::posted && n->cookie != 0 && n->mr != nullptr) {
+    withdraw(n);
+    return;
+  }
   // A queued operation is in its kind's waiting list; any other is on the
   // wire (or done) and runs to completion.
   if (n->phase != op_phase::queued) return;
@@ -591,6 +596,39 @@ void connection_impl::start_liveness() noexcept {
 }
 
 std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::time_point now) noexcept {
+  const state was = state_;
+  const std::chrono::milliseconds withdrawals = watch_withdrawals(now);
+  if (state_ != was) return fabric_state::kMaxTick;  // (it failed the connection)
+  return std::max(fabric_state::kMinTick, std::min(withdrawals, watch_peer(now)));
+}
+
+std::chrono::milliseconds connection_impl::watch_withdrawals(std::chrono::steady_clock::time_point now) noexcept {
+  std::chrono::milliseconds next = fabric_state::kMaxTick;
+  if (withdrawing_ == 0 || (state_ != state::open && state_ != state::closing)) return next;
+  const std::chrono::milliseconds grace = withdraw_grace();
+  std::uint32_t asked = 0;
+  for (op_node* p = active_.head; p != nullptr; p = p->next) {
+    if (p->kind != op_kind::send || p->operand == 0) continue;
+    ++asked;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - p->deadline);
+    if (waited >= grace) {
+      // Its memory stays readable until the queue pair goes: failing the
+      // connection is what ends the send.
+      log().warn("connection qp {}: the peer did not answer the withdrawal of a {}-byte rendezvous message in {} ms "
+                 "({}): failing the connection",
+                 qp_num(), p->length, waited.count(),
+                 p->operand == 1 ? "not sent: no credit" : "sent");
+      auto keep = shared_from_this();
+      fail(errc::timed_out);
+      return fabric_state::kMaxTick;
+    }
+    next = std::min(next, grace - waited);
+  }
+  withdrawing_ = asked;
+  return next;
+}
+
+std::chrono::milliseconds connection_impl::watch_peer(std::chrono::steady_clock::time_point now) noexcept {
   constexpr std::chrono::milliseconds idle = fabric_state::kMaxTick;
   // On a shared receive queue, a queue pair can fail with no completion at
   // all (no receive of its own to flush, nothing sent): its state tells.
@@ -648,15 +686,29 @@ std::chrono::milliseconds connection_impl::liveness(std::chrono::steady_clock::t
   if ((state_ != state::open && state_ != state::closing) || auth_ != nullptr || qp_ == nullptr || peer_closed_) {
     return idle;
   }
-  // Silence is excused while the peer cannot speak: it holds at most the
-  // credit kept for control messages (our application has not taken its
-  // messages, or we owe it credits we have none to return with: its own
-  // application holds ours, which an honest peer may do for as long as it
-  // likes; a hostile one can so hold the connection open, until our side
-  // closes it: README "Liveness").
-  if (rx_count_ != rx_mark_ || peer_view_ <= 1) {
+  // What the peer's device answered since the last tick: a completion of
+  // ours (an RC request completes once the responder acknowledged it).
+  const bool acked = sq_retired_ != ack_mark_;
+  ack_mark_ = sq_retired_;
+  if (rx_count_ != rx_mark_) {
     rx_mark_ = rx_count_;
     last_rx_ = now;
+  } else if (peer_view_ <= 1 && opt_.keepalive.count() > 0) {
+    // The peer cannot speak: it holds at most the credit kept for control
+    // messages (our application has not taken its messages, or we owe it
+    // credits we have none to return with: its own application holds
+    // ours, which an honest peer may do for as long as it likes). Its
+    // device still answers: an acknowledged request of ours counts as word
+    // from it, and when none is due a probe asks, a zero-length RDMA WRITE
+    // (no credit, no receive, no memory named; nothing reaches the peer's
+    // application). A frozen process or a host gone answers nothing; a
+    // hostile peer's device answers, so it can still hold the connection
+    // open until our side closes it (README "Liveness").
+    if (acked) {
+      last_rx_ = now;
+    } else if (now - last_rx_ >= opt_.keepalive / 4 && !close_sent_) {
+      probe();
+    }
   }
   if (tx_count_ != tx_mark_) {
     tx_mark_ = tx_count_;
@@ -758,6 +810,7 @@ void connection_impl::end_waiting_sends(std::error_code ec) noexcept {
 }
 
 void connection_impl::end_rendezvous_sends(std::error_code ec) noexcept {
+  withdrawing_ = withdraw_unsent_ = 0;
   for (op_node* n = active_.head; n != nullptr;) {
     op_node* next = n->next;
     if (n->kind == op_kind::send) {  // rendezvous sends: the fin will never come

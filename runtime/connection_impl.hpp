@@ -129,6 +129,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // they come back flushed. (A NIC reports retry_exceeded first, in about
   // half a second; rxe retries for ever: transport/verbs/verbs_util.hpp.)
   static constexpr std::chrono::milliseconds kPeerCloseGrace{1000};
+  // How long the peer has to answer the withdrawal of a rendezvous message
+  // (a cancelled send) without keepalive; with it, keepalive.
+  static constexpr std::chrono::milliseconds kWithdrawGrace{10000};
 
   // Flushing (fabric_state).
   void flush() noexcept;
@@ -267,6 +270,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void complete_parked(bool post) noexcept;
   void park_partial_reads() noexcept;
   bool enqueue_control(protocol::msg_type type, std::uint8_t status, std::uint32_t aux) noexcept;
+  // Asks the peer's device for an answer (liveness): a signaled zero-length
+  // RDMA WRITE, unless a signaled request is outstanding already.
+  void probe() noexcept;
   // Work requests that can be queued now: free send queue slots, and room
   // for one gather entry each (see stage_sge_).
   // (Borrows the doorbell batch: hold_batch.)
@@ -310,6 +316,19 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   }
   std::uint16_t take_owed() noexcept;
   void post_fins() noexcept;
+  // A cancelled rendezvous send (its request out): asks the peer to drop
+  // it unread (protocol withdraw); it ends with the peer's fin, or fails the
+  // connection when none comes within withdraw_grace().
+  void withdraw(op_node* n) noexcept;
+  void post_withdraws() noexcept;        // the withdraw messages waiting for a credit
+  void withdraw_received(std::uint32_t cookie) noexcept;  // drops that request if it is still unread
+  std::chrono::milliseconds withdraw_grace() const noexcept {
+    return opt_.keepalive.count() > 0 ? opt_.keepalive : kWithdrawGrace;
+  }
+  // Fails the connection when a withdrawal went unanswered past the grace;
+  // else when to look again (kMaxTick when none waits).
+  std::chrono::milliseconds watch_withdrawals(std::chrono::steady_clock::time_point now) noexcept;
+  std::chrono::milliseconds watch_peer(std::chrono::steady_clock::time_point now) noexcept;
   void maybe_send_credits() noexcept;
   void arm_buffer_timer() noexcept;
   void schedule() noexcept;
@@ -506,6 +525,11 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::uint32_t split_total_ = 0;   // ... its length
   std::uint64_t inbox_head_ = 0, inbox_tail_ = 0;
   std::vector<fin_entry> fins_;     // fins waiting for a credit
+  // Rendezvous sends of ours in active_ whose withdrawal was asked
+  // (op_node::operand 1: its withdraw message not sent yet, 2: sent;
+  // op_node::deadline: when asked), and of those not sent yet: hints,
+  // recounted by the walks over active_ that use them.
+  std::uint32_t withdrawing_ = 0, withdraw_unsent_ = 0;
 
   op_list send_waiting_;   // sends not yet started, in order
   op_list at_doorbell_;    // eager sends queued by completion handlers: complete once posted (flush)
@@ -535,6 +559,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   // path), and when the tick last saw each change
   std::uint64_t rx_count_ = 0, rx_mark_ = 0;
   std::uint64_t tx_count_ = 0, tx_mark_ = 0;
+  std::uint64_t ack_mark_ = 0;  // sq_retired_ at the last tick
   std::chrono::steady_clock::time_point last_rx_{}, last_tx_{};
   std::chrono::steady_clock::time_point peer_closed_at_{};  // when the peer's close arrived
   bool flushed_after_peer_close_ = false;  // kPeerCloseGrace ran out with work requests unanswered

@@ -251,7 +251,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
   // Between the pieces of a split message the peer sends nothing but more
   // pieces, credits and fins (it stages the pieces all at once).
   if (split_left_ != 0 && h.type != protocol::msg_type::split && h.type != protocol::msg_type::credit &&
-      h.type != protocol::msg_type::fin) {
+      h.type != protocol::msg_type::fin && h.type != protocol::msg_type::withdraw) {
     log().warn("connection qp {}: a message (type {}) inside a split one ({} of its {} bytes still to come)",
                qp_num(), static_cast<int>(h.type), split_left_, split_total_);
     release_received(buffer);
@@ -311,8 +311,19 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       active_.remove(n);
       n->mr.reset();
       std::error_code ec;
+      const bool asked = n->operand != 0;  // (its withdrawal)
+      if (asked && withdrawing_ > 0) --withdrawing_;
       switch (static_cast<protocol::fin_status>(h.status)) {
         case protocol::fin_status::ok: break;
+        case protocol::fin_status::withdrawn:
+          if (!asked) {
+            log().warn("connection qp {}: rendezvous {} withdrawn unasked", qp_num(), h.aux);
+            complete(n, false, errc::protocol_error);
+            fail(errc::protocol_error);
+            return;
+          }
+          ec = std::make_error_code(std::errc::operation_canceled);
+          break;
         case protocol::fin_status::message_size: ec = errc::message_size; break;
         case protocol::fin_status::no_memory: ec = errc::peer_out_of_memory; break;
         case protocol::fin_status::read_failed: ec = errc::protocol_error; break;
@@ -330,6 +341,10 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       complete(n, false, ec, ec ? 0 : static_cast<std::size_t>(n->length));
       return;
     }
+    case protocol::msg_type::withdraw:
+      repost(buffer);
+      withdraw_received(h.aux);
+      return;
     case protocol::msg_type::notify: {
       if (notes_tail_ - notes_head_ >= notes_.size()) {  // cannot happen with a conforming peer
         release_received(buffer);
@@ -502,6 +517,25 @@ void connection_impl::on_close_acked() noexcept {
   park_partial_reads();
   begin_drain();
   deliver(false);
+}
+
+void connection_impl::withdraw_received(std::uint32_t cookie) noexcept {
+  // Still in the inbox: no receive has started reading it (start_read
+  // takes it out), so it goes unread, and the others close up behind it.
+  // Else it is being read or was (its fin tells the sender), or the cookie
+  // is unknown: nothing to do.
+  const std::size_t cap = inbox_.size();
+  for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) {
+    const inbox_entry& e = inbox_[ring_slot(i, cap)];
+    if (!e.rts || protocol::decode_rts(fab_->pool->data(e.buffer) + protocol::kHeaderSize).cookie != cookie) continue;
+    const std::uint32_t buffer = e.buffer;
+    for (std::uint64_t j = i; j + 1 < inbox_tail_; ++j) inbox_[ring_slot(j, cap)] = inbox_[ring_slot(j + 1, cap)];
+    --inbox_tail_;
+    repost(buffer);
+    fins_.push_back({cookie, protocol::fin_status::withdrawn});
+    schedule();
+    return;
+  }
 }
 
 // Starts reading a rendezvous message: its destination is registered (and,

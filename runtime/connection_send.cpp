@@ -310,6 +310,30 @@ void connection_impl::post_fins() noexcept {
   fins_.erase(fins_.begin(), fins_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
+void connection_impl::withdraw(op_node* n) noexcept {
+  if (n->operand != 0 || (state_ != state::open && state_ != state::closing)) return;  // (asked already)
+  n->operand = 1;
+  n->deadline = std::chrono::steady_clock::now();
+  ++withdrawing_;
+  ++withdraw_unsent_;
+  fab_->want_tick(withdraw_grace());
+  schedule();
+}
+
+void connection_impl::post_withdraws() noexcept {
+  // In the order asked; what finds no credit waits for the next pass.
+  std::uint32_t left = 0;
+  for (op_node* p = active_.head; p != nullptr; p = p->next) {
+    if (p->kind != op_kind::send || p->operand != 1) continue;
+    if (left == 0 && enqueue_control(protocol::msg_type::withdraw, 0, p->cookie)) {
+      p->operand = 2;
+    } else {
+      ++left;
+    }
+  }
+  withdraw_unsent_ = left;
+}
+
 // sq_free() borrows the doorbell batch to see the room there is; a pass
 // that queued nothing in the end (an operation blocked for credits, a
 // buffer or memory, or one that failed) gives it back at once, so that no
@@ -323,11 +347,12 @@ bool connection_impl::progress_sends(bool post) noexcept {
 bool connection_impl::progress_sends_body(bool post) noexcept {
   if (state_ != state::open && state_ != state::closing) return false;
   if (!fins_.empty()) post_fins();
+  if (withdraw_unsent_ != 0) post_withdraws();
   continue_reads();
   while (!send_waiting_.empty()) {
     if (try_start(send_waiting_.head, post) != start_result::started) return false;
   }
-  if (state_ == state::closing && close_op_ != nullptr && !close_sent_ && fins_.empty()) {
+  if (state_ == state::closing && close_op_ != nullptr && !close_sent_ && fins_.empty() && withdraw_unsent_ == 0) {
     bool rendezvous_out = false;
     for (op_node* p = active_.head; p != nullptr; p = p->next) rendezvous_out |= p->kind == op_kind::send;
     if (!rendezvous_out && enqueue_control(protocol::msg_type::close, 0, 0)) close_sent_ = true;
@@ -443,7 +468,9 @@ void connection_impl::flush_now() noexcept {
   // During setup the connect/accept thread owns the queue pair: what is
   // queued waits for on_connected.
   if (qp_ == nullptr || state_ == state::setup) return;
-  if (!send_waiting_.empty() || !fins_.empty() || (close_op_ != nullptr && !close_sent_)) progress_sends(true);
+  if (!send_waiting_.empty() || !fins_.empty() || withdraw_unsent_ != 0 || (close_op_ != nullptr && !close_sent_)) {
+    progress_sends(true);
+  }
   if (!recv_batch_.empty() && (state_ == state::closed || state_ == state::failed)) {
     drop_unposted_receives();  // the queue pair is in error: see there
   }
@@ -535,7 +562,22 @@ void connection_impl::queue_tail_marker(transport::work_request& wr) noexcept {
   wr.remote_addr = 0;
   wr.rkey = 0;
   wr.signaled = true;
-  ++tx_count_;
+  // (Not counted in tx_count_: nothing of it reaches the peer's
+  // application, so it is no heartbeat.)
+}
+
+void connection_impl::probe() noexcept {
+  // One at a time: while a signaled request is outstanding, its answer
+  // (or its silence) says as much. A tail posted unsignaled has none due:
+  // the probe retires it too.
+  if (qp_ == nullptr || sq_queued_ != sq_posted_ || sq_retired_ < sq_signaled_end_) return;
+  if (sq_free() == 0) {
+    return_batch();
+    return;
+  }
+  queue_tail_marker(next_wr(slot_kind::none, buffer_pool::npos, nullptr, {}));
+  ++stats_.heartbeats;
+  schedule();
 }
 
 void connection_impl::cover_tail() noexcept {

@@ -81,14 +81,15 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
   h.status = get_le<std::uint8_t>(p);
   h.credits = get_le<std::uint16_t>(p);
   h.aux = get_le<std::uint32_t>(p);
-  if (type < 1 || type > 8) return false;
+  if (type < 1 || type > 9) return false;
   h.type = static_cast<msg_type>(type);
   switch (h.type) {
     case msg_type::eager: return true;
     case msg_type::split: return in.size() > kHeaderSize;
     case msg_type::rts:
     case msg_type::notify: return in.size() == kRtsSize;
-    case msg_type::fin: return in.size() == kHeaderSize && h.status <= 3;
+    case msg_type::fin: return in.size() == kHeaderSize && h.status <= 4;
+    case msg_type::withdraw: return in.size() == kHeaderSize && h.status == 0;
     case msg_type::credit:
     case msg_type::close: return in.size() == kHeaderSize;
     case msg_type::auth:

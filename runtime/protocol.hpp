@@ -42,6 +42,12 @@
 //   rts    rendezvous request: body { u64 length, u64 addr, u32 rkey, u32 cookie }:
 //          the receiver RDMA-READs [addr, addr + length) with rkey, then sends fin
 //   fin    rendezvous done: aux = cookie, status = fin_status
+//   withdraw  the sender of a rendezvous message takes it back (its send
+//          was cancelled): aux = its cookie, no body. A receiver that has
+//          not started reading it drops it (its application never sees it)
+//          and answers fin with status withdrawn; one that has started, or
+//          finished, answers (or has answered) the usual fin; an unknown
+//          cookie is ignored (a fin already on its way).
 //   credit only returns credits
 //   close  graceful close: the sender sends nothing after it
 //   auth   the authentication step above: body = 32-byte MAC (status 0), or
@@ -62,8 +68,9 @@ namespace anydoor::protocol {
 inline constexpr std::uint32_t kMagic = 0x31524441;  // "ADR1"
 // 2: fin status 3 is no_memory; 3: challenge-response authentication;
 // 4: keepalive in the hello (48 bytes); 6: max_credits in the hello (50
-// bytes): credits are the initial grant, max_credits the window; 7: split
-inline constexpr std::uint16_t kVersion = 7;
+// bytes): credits are the initial grant, max_credits the window; 7: split;
+// 8: withdraw, fin status 4 is withdrawn
+inline constexpr std::uint16_t kVersion = 8;
 inline constexpr std::size_t kHelloSize = 50;
 inline constexpr std::size_t kHeaderSize = 8;
 inline constexpr std::size_t kRtsSize = kHeaderSize + 24;
@@ -117,12 +124,15 @@ std::array<std::byte, kHelloSize> encode(const hello& h) noexcept;
 // accepts).
 decode_status decode(std::span<const std::byte> in, hello& out) noexcept;
 
-enum class msg_type : std::uint8_t { eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6, auth = 7, split = 8 };
+enum class msg_type : std::uint8_t {
+  eager = 1, rts = 2, fin = 3, credit = 4, close = 5, notify = 6, auth = 7, split = 8, withdraw = 9
+};
 enum class auth_status : std::uint8_t { proof = 0, refused = 1, confirmed = 2 };
 // ok; message_size: larger than the receiver's buffer or its rendezvous
 // memory budget; read_failed: the RDMA READ failed; no_memory: the receiver
-// could not allocate or register the destination.
-enum class fin_status : std::uint8_t { ok = 0, message_size = 1, read_failed = 2, no_memory = 3 };
+// could not allocate or register the destination; withdrawn: dropped unread
+// at the sender's request (withdraw).
+enum class fin_status : std::uint8_t { ok = 0, message_size = 1, read_failed = 2, no_memory = 3, withdrawn = 4 };
 
 struct header {
   msg_type type = msg_type::eager;

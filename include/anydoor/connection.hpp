@@ -40,9 +40,9 @@
 // rendezvous message may complete after an eager one that arrived later.
 //
 // Cancellation (per operation, through the handler's cancellation slot): a
-// waiting receive or a send that is still queued completes with
-// std::errc::operation_canceled and the connection stays usable; an operation
-// already on the wire runs to completion.
+// waiting receive or a queued send completes with operation_canceled and the
+// connection stays usable; a rendezvous send on the wire is withdrawn (README,
+// Cancellation); other work already on the wire runs to completion.
 //
 // Close: async_close() sends what is queued, tells the peer, and completes
 // when the peer has closed too; the peer's pending and later receives fail

@@ -187,10 +187,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     rr[i] = {.wr_id = 100 + i, .sg_list = {&rsg[i], 1}};
   }
   if (qp->post_recv(rr)) die("post_recv");
-  // The runtime's hello (protocol.hpp, version 7, no authentication).
+  // The runtime's hello (protocol.hpp, version 8, no authentication).
   std::array<std::byte, 50> hello{};  // keepalive 0: no heartbeats asked
   const std::uint32_t magic = 0x31524441, recv_buffer = kRecv, eager = kRecv - 8;
-  const std::uint16_t version = 7, credits = kPeerCredits;
+  const std::uint16_t version = 8, credits = kPeerCredits;
   const std::uint64_t max_message = 1 << 20;
   std::memcpy(hello.data(), &magic, 4);
   std::memcpy(hello.data() + 4, &version, 2);

@@ -69,7 +69,7 @@ def write(target, named):
 write("frames", seeds)
 
 # --- handshake: the tcp provider's 24-byte frame, then the runtime's hello
-# (runtime/protocol.hpp, version 7) in its private data.
+# (runtime/protocol.hpp, version 8) in its private data.
 def tcp_handshake(kind, pdata):
     return b"ADTP" + struct.pack("<BBHIII4x", WIRE_VERSION, kind, len(pdata), 7, 128, 64) + pdata
 
@@ -169,7 +169,7 @@ def rts_body(length, addr, rkey, cookie):
     return struct.pack("<QQII", length, addr, rkey, cookie)
 
 
-EAGER, RTS, FIN, CREDIT, CLOSE, NOTIFY, AUTH, SPLIT = 1, 2, 3, 4, 5, 6, 7, 8
+EAGER, RTS, FIN, CREDIT, CLOSE, NOTIFY, AUTH, SPLIT, WITHDRAW = 1, 2, 3, 4, 5, 6, 7, 8, 9
 write("messages", {
     "eager": msg(EAGER, body=b"abcd") + msg(EAGER, body=b"x" * 200),
     "rendezvous": msg(RTS, body=rts_body(512, PEER, PEER_RKEY, 7)) + msg(EAGER, body=b"after"),
@@ -181,6 +181,8 @@ write("messages", {
     + msg(EAGER, body=b"after"),
     "split_broken": msg(SPLIT, aux=100, body=b"a" * 50) + msg(EAGER, body=b"x"),
     "auth_confirmed": msg(AUTH, status=2) + msg(AUTH, status=1),
+    "withdraw": msg(RTS, body=rts_body(512, PEER, PEER_RKEY, 7)) + msg(RTS, body=rts_body(256, PEER, PEER_RKEY, 8))
+    + msg(WITHDRAW, aux=7) + msg(WITHDRAW, aux=99) + msg(EAGER, body=b"after"),
     "mixed": msg(EAGER, body=b"1") + msg(RTS, body=rts_body(300, PEER + 4096, PEER_RKEY, 9)) + msg(FIN, aux=1)
     + msg(NOTIFY, aux=1, body=rts_body(8, PEER, PEER_RKEY, 0)) + msg(CREDIT) + msg(CLOSE),
 })

@@ -3,10 +3,12 @@
 // peers that follow (or break) the protocol; their proofs are computed here
 // with OpenSSL from the protocol's description, not with the runtime's code.
 #include "../support/runtime.hpp"
+#include "../support/sleep.hpp"
 
 #include <anydoor/anydoor.hpp>
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/post.hpp>
@@ -692,33 +694,24 @@ TEST_CASE("auth: a confirmation out of turn, a message before confirming, or no 
 
 namespace {
 
-// A raw peer (no auth) connected to `acc`'s fabric, driven by `script` on
-// its own thread; the server side's application takes every message until
-// its connection ends. The ending's error and the messages taken.
+// A raw peer (no auth, granting 2 credits) connected to `acc`'s fabric,
+// driven by `script` on its own thread, while `server` runs on the
+// accepted connection. `server_done` tells the script when it has ended.
 struct hostile_run {
   ad::error_code ended;
   std::size_t taken = 0;
   std::chrono::steady_clock::duration took{};  // from the first message to the ending
   bool raw_ok = true;
 };
-template <class Script>
-hostile_run run_hostile(asio::io_context& io, ad::acceptor& acc, Script script) {
+template <class Script, class Server>
+hostile_run run_raw(asio::io_context& io, ad::acceptor& acc, Script script, Server server) {
   hostile_run out;
   auto guard = asio::make_work_guard(io);
   failure f;
   std::atomic<bool> server_done{false};
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
-    std::chrono::steady_clock::time_point first{};
-    for (;;) {
-      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
-      if (ec) {
-        out.ended = ec;
-        break;
-      }
-      if (out.taken++ == 0) first = std::chrono::steady_clock::now();
-    }
-    out.took = std::chrono::steady_clock::now() - first;
+    co_await server(c, out);
     server_done = true;
   }, f.handler());
   std::thread raw([&] {
@@ -737,8 +730,109 @@ hostile_run run_hostile(asio::io_context& io, ad::acceptor& acc, Script script) 
   f.check();
   return out;
 }
+// run_raw with a server whose application takes every message until its
+// connection ends: the ending's error and the messages taken.
+template <class Script>
+hostile_run run_hostile(asio::io_context& io, ad::acceptor& acc, Script script) {
+  return run_raw(io, acc, script, [](ad::connection& c, hostile_run& out) -> awaitable<void> {
+    std::chrono::steady_clock::time_point first{};
+    for (;;) {
+      auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));
+      if (ec) {
+        out.ended = ec;
+        break;
+      }
+      if (out.taken++ == 0) first = std::chrono::steady_clock::now();
+    }
+    out.took = std::chrono::steady_clock::now() - first;
+  });
+}
 
 }  // namespace
+
+TEST_CASE("hostile peer: a withdrawal it never answers fails the connection with timed_out after keepalive, and "
+          "the cancelled send with it",
+          "[runtime]") {
+  // The peer takes our rendezvous request, then the withdraw, answers
+  // neither and stays alive (a credit message every 100 ms): the send's
+  // memory stays readable by it until the connection goes.
+  asio::io_context io;
+  ad::connection_options co;
+  co.keepalive = std::chrono::milliseconds(1000);  // the withdrawal's grace
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::uint8_t kTypeRts = 2, kTypeCredit = 4, kTypeWithdraw = 9;
+  std::atomic<bool> saw_rts{false}, saw_withdraw{false};
+  ad::error_code send_ended;
+  int send_completions = 0;
+  std::chrono::steady_clock::duration took{};
+  static const std::vector<std::byte> big = pattern(std::size_t{1} << 20, 3);
+  const hostile_run r = run_raw(
+      io, acc,
+      [&](raw_peer& p, std::uint16_t, std::atomic<bool>& done) {
+        const auto deadline = std::chrono::steady_clock::now() + 8s;
+        while (!done && std::chrono::steady_clock::now() < deadline) {
+          if (auto m = p.receive(100ms); m && !m->empty()) {
+            if (static_cast<std::uint8_t>((*m)[0]) == kTypeRts) saw_rts = true;
+            if (static_cast<std::uint8_t>((*m)[0]) == kTypeWithdraw) saw_withdraw = true;
+          }
+          if (!p.send(message(kTypeCredit, 0, 0))) break;
+        }
+      },
+      [&](ad::connection& c, hostile_run&) -> awaitable<void> {
+        asio::cancellation_signal cancel;
+        c.async_send(asio::buffer(big), asio::bind_cancellation_slot(cancel.slot(), [&](ad::error_code ec, std::size_t) {
+                       send_ended = ec;
+                       ++send_completions;
+                     }));
+        co_await sleep_for(200ms);
+        CHECK(send_completions == 0);
+        const auto t0 = std::chrono::steady_clock::now();
+        cancel.emit(asio::cancellation_type::terminal);
+        for (int i = 0; i < 400 && send_completions == 0; ++i) co_await sleep_for(10ms);
+        took = std::chrono::steady_clock::now() - t0;
+        co_await sleep_for(50ms);  // nothing completes twice
+        CHECK(!c.is_open());
+      });
+  CHECK(r.raw_ok);
+  CHECK(saw_rts);
+  CHECK(saw_withdraw);
+  CHECK(send_completions == 1);
+  CHECK(send_ended == ad::errc::timed_out);
+  INFO("the cancelled send ended " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                                   << " ms after the cancellation");
+  CHECK(took >= 900ms);   // the grace (keepalive), less a tick's rounding
+  CHECK(took <= 3000ms);  // generous for sanitizer builds
+}
+
+TEST_CASE("hostile peer: a fin that says withdrawn for a send never withdrawn fails the connection with "
+          "protocol_error",
+          "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::uint8_t kTypeRts = 2, kTypeFin = 3, kFinWithdrawn = 4;
+  ad::error_code send_ended;
+  static const std::vector<std::byte> big = pattern(std::size_t{1} << 20, 4);
+  const hostile_run r = run_raw(
+      io, acc,
+      [&](raw_peer& p, std::uint16_t, std::atomic<bool>& done) {
+        const auto deadline = std::chrono::steady_clock::now() + 5s;
+        while (!done && std::chrono::steady_clock::now() < deadline) {
+          auto m = p.receive(100ms);
+          if (!m || m->size() != 32 || static_cast<std::uint8_t>((*m)[0]) != kTypeRts) continue;
+          bytes fin = message(kTypeFin, kFinWithdrawn, 0);
+          std::memcpy(fin.data() + 4, m->data() + 28, 4);  // aux = the request's cookie
+          if (!p.send(fin)) break;
+        }
+      },
+      [&](ad::connection& c, hostile_run&) -> awaitable<void> {
+        auto [ec, n] = co_await c.async_send(asio::buffer(big), asio::as_tuple(use_awaitable));
+        send_ended = ec;
+      });
+  CHECK(r.raw_ok);
+  CHECK(send_ended == ad::errc::protocol_error);
+}
 
 TEST_CASE("hostile peer: messages past the credits it was given fail the connection with protocol_error", "[runtime]") {
   // Its receives are re-posted as the application takes its messages, so

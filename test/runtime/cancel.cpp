@@ -3,6 +3,7 @@
 // connection carries on: the sends queued around it, and later ones, arrive
 // in order.
 #include "../support/runtime.hpp"
+#include "../support/sleep.hpp"
 
 #include <anydoor/anydoor.hpp>
 
@@ -14,6 +15,7 @@
 
 #include <array>
 #include <cstring>
+#include <vector>
 
 using namespace anydoor::test;
 namespace asio = boost::asio;
@@ -135,4 +137,78 @@ TEST_CASE("cancellation: a send queued for credits completes with operation_canc
   // the receiver got the others, in order, and never the cancelled ones
   CHECK(received == expected);
   CHECK(after_last == ad::errc::connection_closed);
+}
+
+TEST_CASE("cancellation: a rendezvous send the receiver has not started reading is withdrawn: it ends with "
+          "operation_canceled, the receiver never sees it, and the messages around it arrive",
+          "[runtime]") {
+  // Three messages: A and B by rendezvous, then C eagerly. The receiver's
+  // application takes nothing until B's send has ended, so B's request is
+  // still in its inbox, between A's and C's, when the withdrawal comes.
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::size_t kLarge = std::size_t{1} << 20;
+  const std::vector<std::byte> a = pattern(kLarge, 1), b = pattern(kLarge, 2);
+  failure f;
+  asio::steady_timer gate(io, asio::steady_timer::time_point::max());
+  std::vector<std::vector<std::byte>> received;
+  std::array<ad::error_code, 3> results;
+  std::array<int, 3> completions{};
+  std::chrono::steady_clock::duration withdrawal{};
+  ad::connection_stats client_stats;
+  bool open_after = false;
+
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    co_await gate.async_wait(asio::as_tuple(use_awaitable));
+    for (int i = 0; i < 2; ++i) {
+      ad::message m = co_await c.async_receive(use_awaitable);
+      received.emplace_back(m.data(), m.data() + m.size());
+    }
+    co_await c.async_send(asio::buffer("ok", 2), use_awaitable);
+    open_after = c.is_open();
+    auto [ec, m] = co_await c.async_receive(asio::as_tuple(use_awaitable));  // the close
+    CHECK(ec == ad::errc::connection_closed);
+  }, f.handler());
+
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    asio::cancellation_signal cancel_b;
+    const auto record = [&](std::size_t i) {
+      return [&, i](ad::error_code ec, std::size_t) {
+        results[i] = ec;
+        ++completions[i];
+      };
+    };
+    c.async_send(asio::buffer(a), record(0));
+    c.async_send(asio::buffer(b), asio::bind_cancellation_slot(cancel_b.slot(), record(1)));
+    c.async_send(asio::buffer("C", 1), record(2));
+    co_await sleep_for(std::chrono::milliseconds(50));  // the requests are out, none read
+    CHECK(completions[1] == 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    cancel_b.emit(asio::cancellation_type::terminal);
+    for (int i = 0; i < 500 && completions[1] == 0; ++i) co_await sleep_for(std::chrono::milliseconds(2));
+    withdrawal = std::chrono::steady_clock::now() - t0;
+    gate.cancel();
+    ad::message ok = co_await c.async_receive(use_awaitable);
+    CHECK(ok.size() == 2);
+    client_stats = c.stats();
+    co_await c.async_close(use_awaitable);
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(completions == std::array<int, 3>{1, 1, 1});
+  CHECK(!results[0]);
+  CHECK(results[1] == std::errc::operation_canceled);
+  CHECK(!results[2]);
+  INFO("the withdrawal took " << std::chrono::duration_cast<std::chrono::milliseconds>(withdrawal).count() << " ms");
+  CHECK(withdrawal < std::chrono::milliseconds(500));  // answered by the peer at once, no grace run out
+  REQUIRE(received.size() == 2);
+  CHECK(received[0] == a);
+  CHECK(received[1] == std::vector<std::byte>{std::byte{'C'}});
+  CHECK(open_after);
+  CHECK(client_stats.rendezvous_sends == 2);
+  CHECK(client_stats.messages_sent == 2);  // A and C: B was not sent
 }

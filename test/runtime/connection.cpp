@@ -1163,7 +1163,14 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
     return h;
   };
   std::vector<bad> cases = {
-      {"unknown type", header(9, 0, 0, 0)},
+      {"unknown type", header(10, 0, 0, 0)},
+      {"withdraw with a status", header(9, 1, 0, 5)},
+      {"withdraw with a body", [&] {
+         auto m = header(9, 0, 0, 5);
+         m.resize(12);
+         return m;
+       }()},
+      {"fin with an unknown status", header(3, 5, 0, 77)},
       {"short message", std::vector<std::byte>(3)},
       {"more credits than receives", header(4, 0, 60000, 0)},
       {"fin for an unknown rendezvous", header(3, 0, 0, 77)},

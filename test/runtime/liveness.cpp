@@ -38,6 +38,29 @@ int wait_exit(pid_t pid, std::chrono::seconds limit) {
   return -1;
 }
 
+// Starts anydoor-test-peer against `where` (with `mode`, if any).
+pid_t start_peer(const std::string& where, const char* mode = nullptr) {
+  const std::string peer = sibling("anydoor-test-peer");
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::execl(peer.c_str(), peer.c_str(), where.c_str(), mode, static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return child;
+}
+
+// Resumes a stopped child and waits for it to exit; its wait status, or -1
+// (then it was killed).
+int resume_and_reap(pid_t child, bool stopped) {
+  if (stopped) ::kill(child, SIGCONT);
+  const int status = wait_exit(child, std::chrono::seconds(15));
+  if (status == -1) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+  return status;
+}
+
 }  // namespace
 
 TEST_CASE("liveness: a frozen peer (SIGSTOP) is detected within keepalive and every pending operation ends once "
@@ -48,14 +71,8 @@ TEST_CASE("liveness: a frozen peer (SIGSTOP) is detected within keepalive and ev
   co.keepalive = ms(1000);
   ad::fabric server(io, test_options(co));
   ad::acceptor acc = server.listen(test_host(), 0);
-  const std::string peer = sibling("anydoor-test-peer");
-  const std::string where = addr(acc);
-  const pid_t child = ::fork();
+  const pid_t child = start_peer(addr(acc));
   REQUIRE(child >= 0);
-  if (child == 0) {
-    ::execl(peer.c_str(), peer.c_str(), where.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   std::vector<ad::error_code> ends;
   std::chrono::steady_clock::duration first{}, last{};
   bool stopped = false;
@@ -83,12 +100,7 @@ TEST_CASE("liveness: a frozen peer (SIGSTOP) is detected within keepalive and ev
     co_await sleep_for(ms(200));  // nothing completes twice
   }, f.handler());
   run_to_completion(io, std::chrono::seconds(30));
-  if (stopped) ::kill(child, SIGCONT);
-  const int status = wait_exit(child, std::chrono::seconds(15));
-  if (status == -1) {
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
-  }
+  const int status = resume_and_reap(child, stopped);
   f.check();
   REQUIRE(ends.size() == 2);
   CHECK(ends[0] == ad::errc::timed_out);
@@ -105,6 +117,70 @@ TEST_CASE("liveness: a frozen peer (SIGSTOP) is detected within keepalive and ev
   REQUIRE(status != -1);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("liveness: a frozen peer that holds our credits is detected within keepalive by probes its device "
+          "no longer answers",
+          "[runtime]") {
+  // The peer fills our receives and our application takes nothing: the
+  // peer has no credit to speak with, so its silence is no sign. Probes (a
+  // zero-length RDMA WRITE, answered by the peer's device, here its tcp
+  // provider) keep the connection up while it runs, and stop coming back
+  // once it is frozen.
+  asio::io_context io;
+  ad::connection_options co;
+  co.keepalive = ms(1000);
+  co.credits = 8;
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  const pid_t child = start_peer(addr(acc), "flood");
+  REQUIRE(child >= 0);
+  bool stopped = false;
+  bool open_before = false;
+  ms detected{-1};
+  ad::error_code after;
+  std::uint64_t probes = 0;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await acc.async_accept(use_awaitable);
+    ad::message ready = co_await c.async_receive(use_awaitable);
+    CHECK(ready.size() == 5);
+    // Two keepalives with the peer unable to speak: it stays up.
+    const std::uint64_t before = c.stats().heartbeats;
+    co_await sleep_for(ms(2000));
+    open_before = c.is_open();
+    probes = c.stats().heartbeats - before;
+    if (provider_under_test() != "tcp") co_return;  // (see below)
+    REQUIRE(::kill(child, SIGSTOP) == 0);
+    stopped = true;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 500 && c.is_open(); ++i) co_await sleep_for(ms(10));
+    if (!c.is_open()) detected = std::chrono::duration_cast<ms>(std::chrono::steady_clock::now() - t0);
+    auto [ec, n] = co_await c.async_send(asio::buffer("x", 1), asio::as_tuple(use_awaitable));
+    after = ec;
+  }, f.handler());
+  run_to_completion(io, std::chrono::seconds(30));
+  f.check();
+  CHECK(open_before);
+  INFO("heartbeats and probes in 2 s: " << probes);
+  CHECK(probes >= 4);
+  if (provider_under_test() != "tcp") {
+    // A NIC answers for a frozen process (its queue pair lives in the
+    // kernel and the device): only the first half holds there.
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    WARN("the frozen-peer half runs on the tcp provider only: a NIC answers probes for a frozen process");
+    return;
+  }
+  const int status = resume_and_reap(child, stopped);
+  INFO("detected after " << detected.count() << " ms");
+  CHECK(detected >= ms(0));
+  CHECK(detected <= ms(2000));  // within keepalive (plus scheduling, generous for sanitizer builds)
+  CHECK(after == ad::errc::timed_out);
+  std::printf("liveness: a frozen peer holding our credits detected %lld ms after SIGSTOP (keepalive 1000 ms)\n",
+              static_cast<long long>(detected.count()));
+  REQUIRE(status != -1);
+  CHECK(WIFEXITED(status));
 }
 
 TEST_CASE("liveness: idle connections stay up on heartbeats at the stricter side's rate", "[runtime]") {

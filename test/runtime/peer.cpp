@@ -1,7 +1,10 @@
-// anydoor-test-peer HOST:PORT: a runtime client in its own process, for tests
-// that need a peer to die for real (kill -9). It connects (provider from
-// ANYDOOR_TEST_PROVIDER, default tcp), sends "ready", then receives until
-// the connection ends. Exit status 0 when the connection ended, 1 on error.
+// anydoor-test-peer HOST:PORT [flood]: a runtime client in its own process,
+// for tests that need a peer to die or freeze for real (kill -9, SIGSTOP).
+// It connects (provider from ANYDOOR_TEST_PROVIDER, default tcp), sends
+// "ready", then receives until the connection ends. With "flood" it also
+// sends 200 messages of 100 bytes after "ready" without waiting for them
+// (those past its credits wait for the server's application to take some).
+// Exit status 0 when the connection ended, 1 on error.
 #include <anydoor/anydoor.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -16,8 +19,9 @@ namespace asio = boost::asio;
 namespace ad = anydoor;
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: anydoor-test-peer HOST:PORT\n");
+  const bool flood = argc == 3 && std::string(argv[2]) == "flood";
+  if (argc != 2 && !flood) {
+    std::fprintf(stderr, "usage: anydoor-test-peer HOST:PORT [flood]\n");
     return 2;
   }
   try {
@@ -31,6 +35,8 @@ int main(int argc, char** argv) {
     asio::co_spawn(io, [&]() -> asio::awaitable<void> {
       ad::connection c = co_await fab.async_connect(argv[1], asio::use_awaitable);
       co_await c.async_send(asio::buffer("ready", 5), asio::use_awaitable);
+      static const std::string payload(100, 'f');
+      for (int i = 0; flood && i < 200; ++i) c.async_send(asio::buffer(payload), [](ad::error_code, std::size_t) {});
       for (;;) {
         auto [ec, m] = co_await c.async_receive(asio::as_tuple(asio::use_awaitable));
         if (ec) break;

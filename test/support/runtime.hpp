@@ -43,7 +43,7 @@ namespace ad = anydoor;
 
 // The runtime's wire version (runtime/protocol.hpp's kVersion), for tests
 // that speak the protocol themselves: a change there must be made here too.
-inline constexpr std::uint16_t kWireVersion = 7;
+inline constexpr std::uint16_t kWireVersion = 8;
 
 // A runtime hello as a raw provider-level client would send it (see
 // runtime/protocol.hpp): magic, version, kind hello, credits, flags (none:
