@@ -608,7 +608,7 @@ std::chrono::milliseconds connection_impl::watch_withdrawals(std::chrono::steady
   const std::chrono::milliseconds grace = withdraw_grace();
   std::uint32_t asked = 0;
   for (op_node* p = active_.head; p != nullptr; p = p->next) {
-    if (p->kind != op_kind::send || p->operand == 0) continue;
+    if (p->kind != op_kind::send || p->operand == 0 || p->operand == 3) continue;
     ++asked;
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - p->deadline);
     if (waited >= grace) {

@@ -190,10 +190,14 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     bool rts = false;
     std::uint32_t split_total = 0;  // a piece of a split message this long (0: none)
     bool split_last = false;        // its last piece
+    std::uint32_t cookie = 0;       // a rendezvous request's (rts)
   };
+  // A fin, or the answer to a withdraw that came too late, waiting for a
+  // credit.
   struct fin_entry {
     std::uint32_t cookie = 0;
     protocol::fin_status status = protocol::fin_status::ok;
+    protocol::msg_type type = protocol::msg_type::fin;
   };
 
   void on_send_completion(const transport::completion& wc) noexcept;
@@ -322,6 +326,7 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   void withdraw(op_node* n) noexcept;
   void post_withdraws() noexcept;        // the withdraw messages waiting for a credit
   void withdraw_received(std::uint32_t cookie) noexcept;  // drops that request if it is still unread
+  void withdraw_refused(std::uint32_t cookie) noexcept;   // the peer is reading it: its fin follows
   std::chrono::milliseconds withdraw_grace() const noexcept {
     return opt_.keepalive.count() > 0 ? opt_.keepalive : kWithdrawGrace;
   }
@@ -526,9 +531,10 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   std::uint64_t inbox_head_ = 0, inbox_tail_ = 0;
   std::vector<fin_entry> fins_;     // fins waiting for a credit
   // Rendezvous sends of ours in active_ whose withdrawal was asked
-  // (op_node::operand 1: its withdraw message not sent yet, 2: sent;
-  // op_node::deadline: when asked), and of those not sent yet: hints,
-  // recounted by the walks over active_ that use them.
+  // (op_node::operand 1: its withdraw message not sent yet, 2: sent, 3:
+  // the peer answered that it is reading it; op_node::deadline: when asked,
+  // then when sent), and of those not sent yet: hints, recounted by the
+  // walks over active_ that use them.
   std::uint32_t withdrawing_ = 0, withdraw_unsent_ = 0;
 
   op_list send_waiting_;   // sends not yet started, in order

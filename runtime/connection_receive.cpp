@@ -286,8 +286,10 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     }
     case protocol::msg_type::eager:
     case protocol::msg_type::rts: {
+      std::uint32_t cookie = 0;
       if (h.type == protocol::msg_type::rts) {
         const protocol::rts_body b = protocol::decode_rts(data + protocol::kHeaderSize);
+        cookie = b.cookie;
         if (b.length == 0 || b.length > opt_.max_message) {
           log().warn("connection qp {}: rendezvous request of {} bytes (maximum {})", qp_num(), b.length,
                      opt_.max_message);
@@ -296,7 +298,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
           return;
         }
       }
-      push_inbox({buffer, length, h.type == protocol::msg_type::rts});
+      push_inbox({buffer, length, h.type == protocol::msg_type::rts, 0, false, cookie});
       return;
     }
     case protocol::msg_type::fin: {
@@ -311,8 +313,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       active_.remove(n);
       n->mr.reset();
       std::error_code ec;
-      const bool asked = n->operand != 0;  // (its withdrawal)
-      if (asked && withdrawing_ > 0) --withdrawing_;
+      const bool asked = n->operand != 0;  // (its withdrawal; withdrawing_ is recounted by watch_withdrawals)
       switch (static_cast<protocol::fin_status>(h.status)) {
         case protocol::fin_status::ok: break;
         case protocol::fin_status::withdrawn:
@@ -343,7 +344,11 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
     }
     case protocol::msg_type::withdraw:
       repost(buffer);
-      withdraw_received(h.aux);
+      if (h.status == static_cast<std::uint8_t>(protocol::withdraw_status::request)) {
+        withdraw_received(h.aux);
+      } else {
+        withdraw_refused(h.aux);
+      }
       return;
     case protocol::msg_type::notify: {
       if (notes_tail_ - notes_head_ >= notes_.size()) {  // cannot happen with a conforming peer
@@ -520,15 +525,16 @@ void connection_impl::on_close_acked() noexcept {
 }
 
 void connection_impl::withdraw_received(std::uint32_t cookie) noexcept {
+  // After our close we send nothing more (the close ends the sender's send).
+  if (close_sent_ || (state_ != state::open && state_ != state::closing)) return;
   // Still in the inbox: no receive has started reading it (start_read
   // takes it out), so it goes unread, and the others close up behind it.
-  // Else it is being read or was (its fin tells the sender), or the cookie
-  // is unknown: nothing to do.
   const std::size_t cap = inbox_.size();
   for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) {
     const inbox_entry& e = inbox_[ring_slot(i, cap)];
-    if (!e.rts || protocol::decode_rts(fab_->pool->data(e.buffer) + protocol::kHeaderSize).cookie != cookie) continue;
+    if (!e.rts || e.cookie != cookie) continue;
     const std::uint32_t buffer = e.buffer;
+    if (i == inbox_head_) budget_blocked_ = false;  // (it was what waited for rendezvous_memory, if anything)
     for (std::uint64_t j = i; j + 1 < inbox_tail_; ++j) inbox_[ring_slot(j, cap)] = inbox_[ring_slot(j + 1, cap)];
     --inbox_tail_;
     repost(buffer);
@@ -536,6 +542,28 @@ void connection_impl::withdraw_received(std::uint32_t cookie) noexcept {
     schedule();
     return;
   }
+  // Being read: the sender is told at once, its fin comes when the read
+  // ends. Else the read has ended and its fin is out or queued (ahead of
+  // anything we would send now), or the cookie is unknown: nothing to say.
+  for (op_node* p = active_.head; p != nullptr; p = p->next) {
+    if ((p->kind != op_kind::receive_message && p->kind != op_kind::receive_buffer) || p->cookie != cookie) continue;
+    fins_.push_back({cookie, protocol::fin_status::ok, protocol::msg_type::withdraw});
+    schedule();
+    return;
+  }
+}
+
+void connection_impl::withdraw_refused(std::uint32_t cookie) noexcept {
+  // Only for a send of ours whose withdrawal we asked and that the peer
+  // has not finished (its fin comes after this answer).
+  for (op_node* p = active_.head; p != nullptr; p = p->next) {
+    if (p->kind != op_kind::send || p->cookie != cookie) continue;
+    if (p->operand != 2) break;
+    p->operand = 3;  // (watch_withdrawals no longer times it)
+    return;
+  }
+  log().warn("connection qp {}: an answer to a withdrawal of rendezvous {} never asked", qp_num(), cookie);
+  fail(errc::protocol_error);
 }
 
 // Starts reading a rendezvous message: its destination is registered (and,

@@ -303,8 +303,12 @@ bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t stat
 
 void connection_impl::post_fins() noexcept {
   std::size_t done = 0;
-  while (done < fins_.size() && enqueue_control(protocol::msg_type::fin, static_cast<std::uint8_t>(fins_[done].status),
-                                                fins_[done].cookie)) {
+  while (done < fins_.size() &&
+         enqueue_control(fins_[done].type,
+                         fins_[done].type == protocol::msg_type::fin
+                             ? static_cast<std::uint8_t>(fins_[done].status)
+                             : static_cast<std::uint8_t>(protocol::withdraw_status::too_late),
+                         fins_[done].cookie)) {
     ++done;
   }
   fins_.erase(fins_.begin(), fins_.begin() + static_cast<std::ptrdiff_t>(done));
@@ -327,6 +331,7 @@ void connection_impl::post_withdraws() noexcept {
     if (p->kind != op_kind::send || p->operand != 1) continue;
     if (left == 0 && enqueue_control(protocol::msg_type::withdraw, 0, p->cookie)) {
       p->operand = 2;
+      p->deadline = std::chrono::steady_clock::now();  // (the grace counts from here on)
     } else {
       ++left;
     }

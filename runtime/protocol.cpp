@@ -89,7 +89,7 @@ bool decode(std::span<const std::byte> in, header& h) noexcept {
     case msg_type::rts:
     case msg_type::notify: return in.size() == kRtsSize;
     case msg_type::fin: return in.size() == kHeaderSize && h.status <= 4;
-    case msg_type::withdraw: return in.size() == kHeaderSize && h.status == 0;
+    case msg_type::withdraw: return in.size() == kHeaderSize && h.status <= 1;
     case msg_type::credit:
     case msg_type::close: return in.size() == kHeaderSize;
     case msg_type::auth:

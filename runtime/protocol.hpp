@@ -42,12 +42,14 @@
 //   rts    rendezvous request: body { u64 length, u64 addr, u32 rkey, u32 cookie }:
 //          the receiver RDMA-READs [addr, addr + length) with rkey, then sends fin
 //   fin    rendezvous done: aux = cookie, status = fin_status
-//   withdraw  the sender of a rendezvous message takes it back (its send
-//          was cancelled): aux = its cookie, no body. A receiver that has
-//          not started reading it drops it (its application never sees it)
-//          and answers fin with status withdrawn; one that has started, or
-//          finished, answers (or has answered) the usual fin; an unknown
-//          cookie is ignored (a fin already on its way).
+//   withdraw  status 0: the sender of a rendezvous message takes it back
+//          (its send was cancelled): aux = its cookie, no body. A receiver
+//          that has not started reading it drops it (its application never
+//          sees it) and answers fin with status withdrawn; one that is
+//          reading it answers withdraw with status 1 (too late: the fin
+//          follows when the read ends); one that has finished has sent its
+//          fin already, and an unknown cookie is ignored. A receiver that
+//          has sent close answers nothing (the close ends the send).
 //   credit only returns credits
 //   close  graceful close: the sender sends nothing after it
 //   auth   the authentication step above: body = 32-byte MAC (status 0), or
@@ -133,6 +135,7 @@ enum class auth_status : std::uint8_t { proof = 0, refused = 1, confirmed = 2 };
 // could not allocate or register the destination; withdrawn: dropped unread
 // at the sender's request (withdraw).
 enum class fin_status : std::uint8_t { ok = 0, message_size = 1, read_failed = 2, no_memory = 3, withdrawn = 4 };
+enum class withdraw_status : std::uint8_t { request = 0, too_late = 1 };
 
 struct header {
   msg_type type = msg_type::eager;

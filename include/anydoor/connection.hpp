@@ -196,7 +196,7 @@ struct connection_stats {
   std::uint64_t inline_puts = 0;       // puts whose bytes went in their work request (<= 64 B, host memory)
   std::uint64_t notifications_sent = 0;
   std::uint64_t notifications_received = 0;
-  std::uint64_t heartbeats = 0;        // sent while idle (connection_options::keepalive)
+  std::uint64_t heartbeats = 0;        // and liveness probes, sent while idle (keepalive)
   std::uint64_t scoped_registrations = 0;  // async_register_memory completed successfully
 };
 

@@ -182,7 +182,7 @@ write("messages", {
     "split_broken": msg(SPLIT, aux=100, body=b"a" * 50) + msg(EAGER, body=b"x"),
     "auth_confirmed": msg(AUTH, status=2) + msg(AUTH, status=1),
     "withdraw": msg(RTS, body=rts_body(512, PEER, PEER_RKEY, 7)) + msg(RTS, body=rts_body(256, PEER, PEER_RKEY, 8))
-    + msg(WITHDRAW, aux=7) + msg(WITHDRAW, aux=99) + msg(EAGER, body=b"after"),
+    + msg(WITHDRAW, aux=7) + msg(WITHDRAW, aux=99) + msg(WITHDRAW, status=1, aux=8) + msg(EAGER, body=b"after"),
     "mixed": msg(EAGER, body=b"1") + msg(RTS, body=rts_body(300, PEER + 4096, PEER_RKEY, 9)) + msg(FIN, aux=1)
     + msg(NOTIFY, aux=1, body=rts_body(8, PEER, PEER_RKEY, 0)) + msg(CREDIT) + msg(CLOSE),
 })

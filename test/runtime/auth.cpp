@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <thread>
 
@@ -107,6 +108,7 @@ struct raw_peer {
   // provider refused (no Catch2 assertion: it runs on the raw thread).
   bool reset() {
     qp.reset();
+    arrived.clear();
     std::error_code ec;
     std::array<tp::completion, 16> wc;
     while (cq->poll(wc, ec) > 0) {  // what the old queue pair left
@@ -126,29 +128,64 @@ struct raw_peer {
     sges[slot] = mr->slice(slot * 256, static_cast<std::uint32_t>(m.size()));
     return !qp->post_send(std::array{send_wr(slot, {&sges[slot], 1})});
   }
+  // RDMA-READs `len` bytes at addr/rkey into mem[0, len) and waits up to
+  // 2 s for its completion: its status (nullopt: none came). Messages that
+  // arrive meanwhile are kept for receive().
+  std::optional<tp::wc_status> read(std::uint64_t addr, std::uint32_t rkey, std::uint32_t len) {
+    sges[0] = mr->slice(0, len);
+    tp::work_request wr = send_wr(50, {&sges[0], 1});
+    wr.op = tp::opcode::read;
+    wr.remote_addr = addr;
+    wr.rkey = rkey;
+    if (qp->post_send(std::array{wr})) return std::nullopt;
+    const auto deadline = std::chrono::steady_clock::now() + 2s;
+    std::array<tp::completion, 16> wc;
+    std::error_code ec;
+    while (std::chrono::steady_clock::now() < deadline) {
+      const std::size_t n = cq->poll(wc, ec);
+      std::optional<tp::wc_status> status;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (wc[i].wr_id == 50) status = wc[i].status;
+        if (wc[i].wr_id >= 100 && wc[i].status == tp::wc_status::success) {
+          const std::size_t at = (wc[i].wr_id - 100) * 256;
+          arrived.emplace_back(mem.begin() + static_cast<std::ptrdiff_t>(at),
+                               mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
+        }
+      }
+      if (status) return status;
+      if (n == 0) std::this_thread::sleep_for(1ms);
+    }
+    return std::nullopt;
+  }
   // The next received message; nullopt when none came within `limit` or the
   // queue pair failed (then *failed is set).
   std::optional<bytes> receive(std::chrono::milliseconds limit, bool* failed = nullptr) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     std::array<tp::completion, 16> wc;
     std::error_code ec;
-    while (std::chrono::steady_clock::now() < deadline) {
+    for (;;) {
+      if (!arrived.empty()) {
+        bytes m = std::move(arrived.front());
+        arrived.pop_front();
+        return m;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
       const std::size_t n = cq->poll(wc, ec);
       for (std::size_t i = 0; i < n; ++i) {
         if (wc[i].status != tp::wc_status::success) {
           if (failed != nullptr) *failed = true;
           return std::nullopt;
         }
-        if (wc[i].wr_id >= 100) {
+        if (wc[i].wr_id >= 100) {  // (kept: more than one may come in a poll)
           const std::size_t at = (wc[i].wr_id - 100) * 256;
-          return bytes(mem.begin() + static_cast<std::ptrdiff_t>(at),
-                       mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
+          arrived.emplace_back(mem.begin() + static_cast<std::ptrdiff_t>(at),
+                               mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
         }
       }
       if (n == 0) std::this_thread::sleep_for(1ms);
     }
-    return std::nullopt;
   }
+  std::deque<bytes> arrived;  // received, not returned yet
 };
 
 // `rounds` connects of `client` to `port` in turn, each ended at once (a
@@ -832,6 +869,177 @@ TEST_CASE("hostile peer: a fin that says withdrawn for a send never withdrawn fa
       });
   CHECK(r.raw_ok);
   CHECK(send_ended == ad::errc::protocol_error);
+}
+
+namespace {
+// A rendezvous request as received by a raw peer: where and under which
+// key to read it, and its cookie.
+struct rts_seen {
+  std::uint64_t length = 0, addr = 0;
+  std::uint32_t rkey = 0, cookie = 0;
+};
+std::optional<rts_seen> as_rts(const std::optional<bytes>& m) {
+  if (!m || m->size() != 32 || static_cast<std::uint8_t>((*m)[0]) != 2) return std::nullopt;
+  const std::span<const std::byte> b(*m);
+  return rts_seen{get<std::uint64_t>(b, 8), get<std::uint64_t>(b, 16), get<std::uint32_t>(b, 24),
+                  get<std::uint32_t>(b, 28)};
+}
+bool is_withdraw(const std::optional<bytes>& m) {
+  return m && m->size() == 8 && static_cast<std::uint8_t>((*m)[0]) == 9 && (*m)[1] == std::byte{0};
+}
+// A message with aux = cookie.
+bytes with_cookie(std::uint8_t type, std::uint8_t status, std::uint32_t cookie) {
+  bytes m = message(type, status, 0);
+  put<std::uint32_t>(m, 4, cookie);
+  return m;
+}
+}  // namespace
+
+TEST_CASE("hostile peer: once a withdrawn send has ended its memory is not readable, though it was before",
+          "[runtime]") {
+  // The peer reads a little of our request (allowed), answers the
+  // withdrawal honestly, then tries to read the rest with the same key.
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  static const std::vector<std::byte> big = pattern(std::size_t{1} << 20, 5);
+  std::optional<tp::wc_status> before, after;
+  bool first_bytes_match = false;
+  std::atomic<bool> send_done{false};
+  ad::error_code send_ended;
+  const hostile_run r = run_raw(
+      io, acc,
+      [&](raw_peer& p, std::uint16_t, std::atomic<bool>&) {
+        std::optional<rts_seen> rts;
+        for (int i = 0; i < 50 && !rts; ++i) rts = as_rts(p.receive(100ms));
+        if (!rts) return;
+        before = p.read(rts->addr, rts->rkey, 64);
+        first_bytes_match = std::memcmp(p.mem.data(), big.data(), 64) == 0;
+        bool withdrawn = false;
+        for (int i = 0; i < 50 && !withdrawn; ++i) withdrawn = is_withdraw(p.receive(100ms));
+        if (!withdrawn || !p.send(with_cookie(3, 4, rts->cookie))) return;  // fin, withdrawn
+        for (int i = 0; i < 200 && !send_done; ++i) std::this_thread::sleep_for(10ms);
+        after = p.read(rts->addr + 4096, rts->rkey, 64);
+      },
+      [&](ad::connection& c, hostile_run&) -> awaitable<void> {
+        asio::cancellation_signal cancel;
+        c.async_send(asio::buffer(big), asio::bind_cancellation_slot(cancel.slot(), [&](ad::error_code ec, std::size_t) {
+                       send_ended = ec;
+                       send_done = true;
+                     }));
+        co_await sleep_for(300ms);  // the peer's first read
+        cancel.emit(asio::cancellation_type::terminal);
+        for (int i = 0; i < 300 && !send_done; ++i) co_await sleep_for(10ms);
+        co_await sleep_for(300ms);  // the peer's second read
+      });
+  CHECK(r.raw_ok);
+  REQUIRE(before.has_value());
+  CHECK(*before == tp::wc_status::success);
+  CHECK(first_bytes_match);
+  CHECK(send_ended == std::errc::operation_canceled);
+  REQUIRE(after.has_value());
+  CHECK(*after != tp::wc_status::success);
+}
+
+TEST_CASE("hostile peer: a withdrawal answered too late (reading) is not timed: the send ends with the fin, "
+          "later than the grace, with success",
+          "[runtime]") {
+  asio::io_context io;
+  ad::connection_options co;
+  co.keepalive = std::chrono::milliseconds(1000);  // the withdrawal's grace
+  ad::fabric server(io, test_options(co));
+  ad::acceptor acc = server.listen(test_host(), 0);
+  static const std::vector<std::byte> big = pattern(std::size_t{1} << 20, 6);
+  std::atomic<bool> send_done{false};
+  ad::error_code send_ended;
+  std::chrono::steady_clock::duration took{};
+  bool open_after = false;
+  const hostile_run r = run_raw(
+      io, acc,
+      [&](raw_peer& p, std::uint16_t, std::atomic<bool>&) {
+        std::optional<rts_seen> rts;
+        for (int i = 0; i < 50 && !rts; ++i) rts = as_rts(p.receive(100ms));
+        if (!rts) return;
+        bool withdrawn = false;
+        for (int i = 0; i < 50 && !withdrawn; ++i) withdrawn = is_withdraw(p.receive(100ms));
+        if (!withdrawn || !p.send(with_cookie(9, 1, rts->cookie))) return;  // withdraw, too late
+        // "Reading" for 1.5 grace periods, alive all along.
+        const auto until = std::chrono::steady_clock::now() + 1500ms;
+        while (std::chrono::steady_clock::now() < until) {
+          (void)p.receive(100ms);  // (takes the send completions too)
+          if (!p.send(message(4, 0, 0))) return;
+        }
+        if (!p.send(with_cookie(3, 0, rts->cookie))) return;  // fin, ok
+        for (int i = 0; i < 200 && !send_done; ++i) std::this_thread::sleep_for(10ms);
+      },
+      [&](ad::connection& c, hostile_run&) -> awaitable<void> {
+        asio::cancellation_signal cancel;
+        c.async_send(asio::buffer(big), asio::bind_cancellation_slot(cancel.slot(), [&](ad::error_code ec, std::size_t) {
+                       send_ended = ec;
+                       send_done = true;
+                     }));
+        co_await sleep_for(100ms);
+        const auto t0 = std::chrono::steady_clock::now();
+        cancel.emit(asio::cancellation_type::terminal);
+        for (int i = 0; i < 400 && !send_done; ++i) co_await sleep_for(10ms);
+        took = std::chrono::steady_clock::now() - t0;
+        open_after = c.is_open();
+      });
+  CHECK(r.raw_ok);
+  CHECK(send_done);
+  CHECK(!send_ended);
+  CHECK(took >= 1400ms);
+  CHECK(open_after);
+}
+
+TEST_CASE("a withdrawal that comes while the receiver reads the message is answered too late, then fin ok, and "
+          "the message is delivered",
+          "[runtime]") {
+  // A raw sender: its rendezvous request, then (before its device has
+  // served any of our READs: it polls nothing meanwhile) its withdrawal.
+  if (provider_under_test() != "tcp") {
+    WARN("runs on the tcp provider only: a NIC serves the READ whether or not the raw sender polls");
+    return;
+  }
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  constexpr std::uint32_t kCookie = 77;
+  static const std::vector<std::byte> source = pattern(64 * 1024, 7);
+  std::vector<std::pair<std::uint8_t, std::uint8_t>> answers;  // (type, status) of what came with aux kCookie
+  std::vector<std::byte> got;
+  const hostile_run r = run_raw(
+      io, acc,
+      [&](raw_peer& p, std::uint16_t, std::atomic<bool>& done) {
+        auto src = p.pd->register_memory(const_cast<std::byte*>(source.data()), source.size(), tp::access::remote_read);
+        bytes body(24);
+        put<std::uint64_t>(body, 0, source.size());
+        put<std::uint64_t>(body, 8, reinterpret_cast<std::uint64_t>(source.data()));
+        put<std::uint32_t>(body, 16, src->rkey());
+        put<std::uint32_t>(body, 20, kCookie);
+        if (!p.send(message(2, 0, 0, body))) return;
+        std::this_thread::sleep_for(200ms);  // the receiver's READ is out, unanswered
+        if (!p.send(with_cookie(9, 0, kCookie))) return;
+        const auto deadline = std::chrono::steady_clock::now() + 5s;
+        while (!done && std::chrono::steady_clock::now() < deadline && answers.size() < 2) {
+          auto m = p.receive(50ms);
+          if (m && m->size() == 8 && get<std::uint32_t>(std::span<const std::byte>(*m), 4) == kCookie) {
+            answers.emplace_back(static_cast<std::uint8_t>((*m)[0]), static_cast<std::uint8_t>((*m)[1]));
+          }
+        }
+        while (!done && std::chrono::steady_clock::now() < deadline) (void)p.receive(50ms);
+      },
+      [&](ad::connection& c, hostile_run&) -> awaitable<void> {
+        ad::message m = co_await c.async_receive(use_awaitable);
+        got.assign(m.data(), m.data() + m.size());
+        co_await sleep_for(300ms);  // the answers reach the raw peer
+
+      });
+  CHECK(r.raw_ok);
+  CHECK(got == source);
+  using answer = std::pair<std::uint8_t, std::uint8_t>;
+  for (const answer& a : answers) UNSCOPED_INFO("answer type " << int(a.first) << " status " << int(a.second));
+  CHECK(answers == std::vector<answer>{{9, 1}, {3, 0}});  // withdraw: too late, then fin: ok
 }
 
 TEST_CASE("hostile peer: messages past the credits it was given fail the connection with protocol_error", "[runtime]") {

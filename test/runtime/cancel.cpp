@@ -142,20 +142,21 @@ TEST_CASE("cancellation: a send queued for credits completes with operation_canc
 TEST_CASE("cancellation: a rendezvous send the receiver has not started reading is withdrawn: it ends with "
           "operation_canceled, the receiver never sees it, and the messages around it arrive",
           "[runtime]") {
-  // Three messages: A and B by rendezvous, then C eagerly. The receiver's
-  // application takes nothing until B's send has ended, so B's request is
-  // still in its inbox, between A's and C's, when the withdrawal comes.
+  // Four messages: A and B by rendezvous, C eagerly, D in eager pieces
+  // (split). The receiver's application takes nothing until B's send has
+  // ended, so B's request is still in its inbox, between A's and C's and
+  // D's pieces, when the withdrawal comes.
   asio::io_context io;
   ad::fabric server(io, test_options());
   ad::fabric client(io, test_options());
   ad::acceptor acc = server.listen(test_host(), 0);
   constexpr std::size_t kLarge = std::size_t{1} << 20;
-  const std::vector<std::byte> a = pattern(kLarge, 1), b = pattern(kLarge, 2);
+  const std::vector<std::byte> a = pattern(kLarge, 1), b = pattern(kLarge, 2), d = pattern(20000, 4);
   failure f;
   asio::steady_timer gate(io, asio::steady_timer::time_point::max());
   std::vector<std::vector<std::byte>> received;
-  std::array<ad::error_code, 3> results;
-  std::array<int, 3> completions{};
+  std::array<ad::error_code, 4> results;
+  std::array<int, 4> completions{};
   std::chrono::steady_clock::duration withdrawal{};
   ad::connection_stats client_stats;
   bool open_after = false;
@@ -163,7 +164,7 @@ TEST_CASE("cancellation: a rendezvous send the receiver has not started reading 
   asio::co_spawn(io, [&]() -> awaitable<void> {
     ad::connection c = co_await acc.async_accept(use_awaitable);
     co_await gate.async_wait(asio::as_tuple(use_awaitable));
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 3; ++i) {
       ad::message m = co_await c.async_receive(use_awaitable);
       received.emplace_back(m.data(), m.data() + m.size());
     }
@@ -185,6 +186,7 @@ TEST_CASE("cancellation: a rendezvous send the receiver has not started reading 
     c.async_send(asio::buffer(a), record(0));
     c.async_send(asio::buffer(b), asio::bind_cancellation_slot(cancel_b.slot(), record(1)));
     c.async_send(asio::buffer("C", 1), record(2));
+    c.async_send(asio::buffer(d), record(3));
     co_await sleep_for(std::chrono::milliseconds(50));  // the requests are out, none read
     CHECK(completions[1] == 0);
     const auto t0 = std::chrono::steady_clock::now();
@@ -199,16 +201,19 @@ TEST_CASE("cancellation: a rendezvous send the receiver has not started reading 
   }, f.handler());
   run_to_completion(io);
   f.check();
-  CHECK(completions == std::array<int, 3>{1, 1, 1});
+  CHECK(completions == std::array<int, 4>{1, 1, 1, 1});
   CHECK(!results[0]);
   CHECK(results[1] == std::errc::operation_canceled);
   CHECK(!results[2]);
+  CHECK(!results[3]);
   INFO("the withdrawal took " << std::chrono::duration_cast<std::chrono::milliseconds>(withdrawal).count() << " ms");
   CHECK(withdrawal < std::chrono::milliseconds(500));  // answered by the peer at once, no grace run out
-  REQUIRE(received.size() == 2);
+  REQUIRE(received.size() == 3);
   CHECK(received[0] == a);
   CHECK(received[1] == std::vector<std::byte>{std::byte{'C'}});
+  CHECK(received[2] == d);
   CHECK(open_after);
   CHECK(client_stats.rendezvous_sends == 2);
-  CHECK(client_stats.messages_sent == 2);  // A and C: B was not sent
+  CHECK(client_stats.split_sends == 1);
+  CHECK(client_stats.messages_sent == 3);  // A, C and D: B was not sent
 }

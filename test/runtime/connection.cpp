@@ -1164,7 +1164,8 @@ TEST_CASE("a peer's malformed messages fail its connection with protocol_error, 
   };
   std::vector<bad> cases = {
       {"unknown type", header(10, 0, 0, 0)},
-      {"withdraw with a status", header(9, 1, 0, 5)},
+      {"withdraw with an unknown status", header(9, 2, 0, 5)},
+      {"an answer to a withdrawal never asked", header(9, 1, 0, 5)},
       {"withdraw with a body", [&] {
          auto m = header(9, 0, 0, 5);
          m.resize(12);
