@@ -191,7 +191,7 @@ TEST_CASE("cancellation: a rendezvous send the receiver has not started reading 
     CHECK(completions[1] == 0);
     const auto t0 = std::chrono::steady_clock::now();
     cancel_b.emit(asio::cancellation_type::terminal);
-    for (int i = 0; i < 500 && completions[1] == 0; ++i) co_await sleep_for(std::chrono::milliseconds(2));
+    for (int i = 0; i < 2500 && completions[1] == 0; ++i) co_await sleep_for(std::chrono::milliseconds(2));
     withdrawal = std::chrono::steady_clock::now() - t0;
     gate.cancel();
     ad::message ok = co_await c.async_receive(use_awaitable);
@@ -207,7 +207,9 @@ TEST_CASE("cancellation: a rendezvous send the receiver has not started reading 
   CHECK(!results[2]);
   CHECK(!results[3]);
   INFO("the withdrawal took " << std::chrono::duration_cast<std::chrono::milliseconds>(withdrawal).count() << " ms");
-  CHECK(withdrawal < std::chrono::milliseconds(500));  // answered by the peer at once, no grace run out
+  // Answered by the peer, not the grace run out (keepalive: 10 s); about
+  // 1 ms here, under a second in the emulated rxe VM.
+  CHECK(withdrawal < std::chrono::seconds(5));
   REQUIRE(received.size() == 3);
   CHECK(received[0] == a);
   CHECK(received[1] == std::vector<std::byte>{std::byte{'C'}});
