@@ -89,6 +89,7 @@ connection_impl::~connection_impl() {
   for (std::uint64_t i = rq_done_; i < rq_queued_; ++i) fab_->pool->put(rq_[ring_slot(i, rq_.size())]);
   for (std::uint64_t i = inbox_head_; i < inbox_tail_; ++i) release_received(inbox_[ring_slot(i, inbox_.size())].buffer);
   for (std::uint64_t i = notes_head_; i < notes_tail_; ++i) release_received(notes_[ring_slot(i, notes_.size())]);
+  drop_fins();
   for (std::uint64_t i = sq_retired_; i < sq_queued_; ++i) {
     const sq_slot& s = sq_[ring_slot(i, sq_.size())];
     if (s.buffer != buffer_pool::npos) fab_->pool->put(s.buffer);
@@ -763,7 +764,7 @@ void connection_impl::fail(std::error_code ec) noexcept {
   if (qp_ != nullptr && was != state::setup) (void)qp_->modify(transport::qp_state::error);
   drop_unposted();
   begin_drain();
-  fins_.clear();
+  drop_fins();
   end_waiting_sends(error_);
   while (op_node* n = behind_staged_.pop_front()) complete(n, true, error_);  // never started (issued after those)
   end_waiting_staged(error_);
@@ -807,6 +808,13 @@ void connection_impl::end_waiting_sends(std::error_code ec) noexcept {
     }
     complete(n, true, ec);
   }
+}
+
+void connection_impl::drop_fins() noexcept {
+  for (const fin_entry& f : fins_) {
+    if (f.held != buffer_pool::npos) release_received(f.held);
+  }
+  fins_.clear();
 }
 
 void connection_impl::end_rendezvous_sends(std::error_code ec) noexcept {

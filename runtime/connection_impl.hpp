@@ -193,12 +193,16 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     std::uint32_t cookie = 0;       // a rendezvous request's (rts)
   };
   // A fin, or the answer to a withdraw that came too late, waiting for a
-  // credit.
+  // credit. A fin for a withdrawn request holds that request's receive
+  // buffer until it goes (so what waits is bounded by the credits the peer
+  // spent: it cannot queue answers without end by returning one credit).
   struct fin_entry {
     std::uint32_t cookie = 0;
     protocol::fin_status status = protocol::fin_status::ok;
     protocol::msg_type type = protocol::msg_type::fin;
+    std::uint32_t held = buffer_pool::npos;
   };
+  void drop_fins() noexcept;  // forgets them, giving back the buffers they hold
 
   void on_send_completion(const transport::completion& wc) noexcept;
   void on_recv_completion(const transport::completion& wc) noexcept;

@@ -313,7 +313,9 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
       active_.remove(n);
       n->mr.reset();
       std::error_code ec;
-      const bool asked = n->operand != 0;  // (its withdrawal; withdrawing_ is recounted by watch_withdrawals)
+      // (Withdrawn only when we asked and the peer has not said it reads it;
+      // withdrawing_ is recounted by watch_withdrawals.)
+      const bool asked = n->operand == 2;
       switch (static_cast<protocol::fin_status>(h.status)) {
         case protocol::fin_status::ok: break;
         case protocol::fin_status::withdrawn:
@@ -537,16 +539,19 @@ void connection_impl::withdraw_received(std::uint32_t cookie) noexcept {
     if (i == inbox_head_) budget_blocked_ = false;  // (it was what waited for rendezvous_memory, if anything)
     for (std::uint64_t j = i; j + 1 < inbox_tail_; ++j) inbox_[ring_slot(j, cap)] = inbox_[ring_slot(j + 1, cap)];
     --inbox_tail_;
-    repost(buffer);
-    fins_.push_back({cookie, protocol::fin_status::withdrawn});
+    fins_.push_back({cookie, protocol::fin_status::withdrawn, protocol::msg_type::fin, buffer});  // (reposted once out)
     schedule();
     return;
   }
-  // Being read: the sender is told at once, its fin comes when the read
-  // ends. Else the read has ended and its fin is out or queued (ahead of
-  // anything we would send now), or the cookie is unknown: nothing to say.
+  // Being read: the sender is told at once (once: a repeated withdraw is
+  // ignored), its fin comes when the read ends. Else the read has ended and
+  // its fin is out or queued (ahead of anything we would send now), or the
+  // cookie is unknown: nothing to say. (op_node::operand 1 on a receive:
+  // answered too late.)
   for (op_node* p = active_.head; p != nullptr; p = p->next) {
     if ((p->kind != op_kind::receive_message && p->kind != op_kind::receive_buffer) || p->cookie != cookie) continue;
+    if (p->operand != 0) return;
+    p->operand = 1;
     fins_.push_back({cookie, protocol::fin_status::ok, protocol::msg_type::withdraw});
     schedule();
     return;

@@ -309,6 +309,7 @@ void connection_impl::post_fins() noexcept {
                              ? static_cast<std::uint8_t>(fins_[done].status)
                              : static_cast<std::uint8_t>(protocol::withdraw_status::too_late),
                          fins_[done].cookie)) {
+    if (fins_[done].held != buffer_pool::npos) repost(fins_[done].held);
     ++done;
   }
   fins_.erase(fins_.begin(), fins_.begin() + static_cast<std::ptrdiff_t>(done));
