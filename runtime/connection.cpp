@@ -812,7 +812,7 @@ void connection_impl::end_waiting_sends(std::error_code ec) noexcept {
 
 void connection_impl::drop_fins() noexcept {
   for (const fin_entry& f : fins_) {
-    if (f.held != buffer_pool::npos) release_received(f.held);
+    if (f.held) release_received(f.word);
   }
   fins_.clear();
 }

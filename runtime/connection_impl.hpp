@@ -184,24 +184,28 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
     op_node* op = nullptr;
     bool signaled = false;
   };
+  // (20 bytes, 8 for a fin: one of each per credit and connection.)
   struct inbox_entry {
     std::uint32_t buffer = 0;
-    std::uint32_t length = 0;  // bytes received (header included)
-    bool rts = false;
+    std::uint32_t length = 0;       // bytes received (header included)
     std::uint32_t split_total = 0;  // a piece of a split message this long (0: none)
-    bool split_last = false;        // its last piece
     std::uint32_t cookie = 0;       // a rendezvous request's (rts)
+    bool rts = false;
+    bool split_last = false;        // its last piece
   };
   // A fin, or the answer to a withdraw that came too late, waiting for a
   // credit. A fin for a withdrawn request holds that request's receive
   // buffer until it goes (so what waits is bounded by the credits the peer
-  // spent: it cannot queue answers without end by returning one credit).
+  // spent: it cannot queue answers without end by returning one credit);
+  // its cookie is read from there.
   struct fin_entry {
-    std::uint32_t cookie = 0;
+    std::uint32_t word = 0;  // the cookie, or the buffer held
     protocol::fin_status status = protocol::fin_status::ok;
     protocol::msg_type type = protocol::msg_type::fin;
-    std::uint32_t held = buffer_pool::npos;
+    bool held = false;
   };
+  static_assert(sizeof(inbox_entry) == 20 && sizeof(fin_entry) == 8, "per-connection memory (scale-idle-memory-srq)");
+  std::uint32_t cookie_of(const fin_entry& f) const noexcept;
   void drop_fins() noexcept;  // forgets them, giving back the buffers they hold
 
   void on_send_completion(const transport::completion& wc) noexcept;

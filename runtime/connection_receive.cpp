@@ -281,7 +281,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         split_left_ = h.aux;
       }
       split_left_ -= piece;
-      push_inbox({buffer, length, false, split_total_, split_left_ == 0});
+      push_inbox({.buffer = buffer, .length = length, .split_total = split_total_, .split_last = split_left_ == 0});
       return;
     }
     case protocol::msg_type::eager:
@@ -298,7 +298,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
           return;
         }
       }
-      push_inbox({buffer, length, h.type == protocol::msg_type::rts, 0, false, cookie});
+      push_inbox({.buffer = buffer, .length = length, .cookie = cookie, .rts = h.type == protocol::msg_type::rts});
       return;
     }
     case protocol::msg_type::fin: {
@@ -539,7 +539,7 @@ void connection_impl::withdraw_received(std::uint32_t cookie) noexcept {
     if (i == inbox_head_) budget_blocked_ = false;  // (it was what waited for rendezvous_memory, if anything)
     for (std::uint64_t j = i; j + 1 < inbox_tail_; ++j) inbox_[ring_slot(j, cap)] = inbox_[ring_slot(j + 1, cap)];
     --inbox_tail_;
-    fins_.push_back({cookie, protocol::fin_status::withdrawn, protocol::msg_type::fin, buffer});  // (reposted once out)
+    fins_.push_back({buffer, protocol::fin_status::withdrawn, protocol::msg_type::fin, true});  // (reposted once out)
     schedule();
     return;
   }

@@ -301,6 +301,10 @@ bool connection_impl::enqueue_control(protocol::msg_type type, std::uint8_t stat
   return true;
 }
 
+std::uint32_t connection_impl::cookie_of(const fin_entry& f) const noexcept {
+  return f.held ? protocol::decode_rts(fab_->pool->data(f.word) + protocol::kHeaderSize).cookie : f.word;
+}
+
 void connection_impl::post_fins() noexcept {
   std::size_t done = 0;
   while (done < fins_.size() &&
@@ -308,8 +312,8 @@ void connection_impl::post_fins() noexcept {
                          fins_[done].type == protocol::msg_type::fin
                              ? static_cast<std::uint8_t>(fins_[done].status)
                              : static_cast<std::uint8_t>(protocol::withdraw_status::too_late),
-                         fins_[done].cookie)) {
-    if (fins_[done].held != buffer_pool::npos) repost(fins_[done].held);
+                         cookie_of(fins_[done]))) {
+    if (fins_[done].held) repost(fins_[done].word);
     ++done;
   }
   fins_.erase(fins_.begin(), fins_.begin() + static_cast<std::ptrdiff_t>(done));
