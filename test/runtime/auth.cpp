@@ -109,6 +109,7 @@ struct raw_peer {
   bool reset() {
     qp.reset();
     arrived.clear();
+    sent = sends_done = 0;
     std::error_code ec;
     std::array<tp::completion, 16> wc;
     while (cq->poll(wc, ec) > 0) {  // what the old queue pair left
@@ -122,7 +123,16 @@ struct raw_peer {
     }
     return !qp->post_recv(rr);
   }
+  // Posts a message from the next of 8 send slots, once the send queue has
+  // room (what completes meanwhile is taken: poll).
   bool send(std::span<const std::byte> m) {
+    const auto deadline = std::chrono::steady_clock::now() + 2s;
+    while (sent > sends_done && sent - sends_done >= 8) {  // (a test's own polls may take some: then no wait)
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::size_t n = 0;
+      if (!poll(n)) return false;
+      if (n == 0) std::this_thread::sleep_for(1ms);
+    }
     const std::uint32_t slot = 8 + static_cast<std::uint32_t>(sent++ % 8);
     std::memcpy(mem.data() + slot * 256, m.data(), m.size());
     sges[slot] = mr->slice(slot * 256, static_cast<std::uint32_t>(m.size()));
@@ -133,36 +143,25 @@ struct raw_peer {
   // arrive meanwhile are kept for receive().
   std::optional<tp::wc_status> read(std::uint64_t addr, std::uint32_t rkey, std::uint32_t len) {
     sges[0] = mr->slice(0, len);
-    tp::work_request wr = send_wr(50, {&sges[0], 1});
+    tp::work_request wr = send_wr(kReadId, {&sges[0], 1});
     wr.op = tp::opcode::read;
     wr.remote_addr = addr;
     wr.rkey = rkey;
+    read_status.reset();
     if (qp->post_send(std::array{wr})) return std::nullopt;
+    ++sent;
     const auto deadline = std::chrono::steady_clock::now() + 2s;
-    std::array<tp::completion, 16> wc;
-    std::error_code ec;
-    while (std::chrono::steady_clock::now() < deadline) {
-      const std::size_t n = cq->poll(wc, ec);
-      std::optional<tp::wc_status> status;
-      for (std::size_t i = 0; i < n; ++i) {
-        if (wc[i].wr_id == 50) status = wc[i].status;
-        if (wc[i].wr_id >= 100 && wc[i].status == tp::wc_status::success) {
-          const std::size_t at = (wc[i].wr_id - 100) * 256;
-          arrived.emplace_back(mem.begin() + static_cast<std::ptrdiff_t>(at),
-                               mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
-        }
-      }
-      if (status) return status;
+    while (!read_status && std::chrono::steady_clock::now() < deadline) {
+      std::size_t n = 0;
+      (void)poll(n);  // (the read's own failure is its status)
       if (n == 0) std::this_thread::sleep_for(1ms);
     }
-    return std::nullopt;
+    return read_status;
   }
   // The next received message; nullopt when none came within `limit` or the
   // queue pair failed (then *failed is set).
   std::optional<bytes> receive(std::chrono::milliseconds limit, bool* failed = nullptr) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
-    std::array<tp::completion, 16> wc;
-    std::error_code ec;
     for (;;) {
       if (!arrived.empty()) {
         bytes m = std::move(arrived.front());
@@ -170,21 +169,39 @@ struct raw_peer {
         return m;
       }
       if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
-      const std::size_t n = cq->poll(wc, ec);
-      for (std::size_t i = 0; i < n; ++i) {
-        if (wc[i].status != tp::wc_status::success) {
-          if (failed != nullptr) *failed = true;
-          return std::nullopt;
-        }
-        if (wc[i].wr_id >= 100) {  // (kept: more than one may come in a poll)
-          const std::size_t at = (wc[i].wr_id - 100) * 256;
-          arrived.emplace_back(mem.begin() + static_cast<std::ptrdiff_t>(at),
-                               mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
-        }
+      std::size_t n = 0;
+      if (!poll(n)) {
+        if (failed != nullptr) *failed = true;
+        return std::nullopt;
       }
       if (n == 0) std::this_thread::sleep_for(1ms);
     }
   }
+  // Takes what completed (n: how many): messages into `arrived` (more than
+  // one may come in a poll), sends counted, a read's status kept; false
+  // when something other than a read failed.
+  bool poll(std::size_t& n) {
+    std::array<tp::completion, 16> wc;
+    std::error_code ec;
+    n = cq->poll(wc, ec);
+    bool ok = true;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (wc[i].wr_id < 100) ++sends_done;
+      if (wc[i].wr_id == kReadId) {
+        read_status = wc[i].status;
+      } else if (wc[i].status != tp::wc_status::success) {
+        ok = false;
+      } else if (wc[i].wr_id >= 100) {
+        const std::size_t at = (wc[i].wr_id - 100) * 256;
+        arrived.emplace_back(mem.begin() + static_cast<std::ptrdiff_t>(at),
+                             mem.begin() + static_cast<std::ptrdiff_t>(at + wc[i].byte_len));
+      }
+    }
+    return ok;
+  }
+  static constexpr std::uint64_t kReadId = 50;
+  std::uint64_t sends_done = 0;  // send completions taken (reads included)
+  std::optional<tp::wc_status> read_status;
   std::deque<bytes> arrived;  // received, not returned yet
 };
 
