@@ -269,7 +269,8 @@ void connection_impl::on_connected(const protocol::hello& peer, std::unique_ptr<
   if (state_ == state::setup) state_ = state::open;
   // What early messages queued (re-posted receives, credits) waited for the
   // setup thread to let go of the queue pair.
-  if (!recv_batch_.empty() || queued_sends() != 0 || batch_failed_) schedule();  // (batch_failed_: flush_now fails it)
+  // (batch_failed_: flush_now fails it; fins_: answers to a withdrawal that came during setup)
+  if (!recv_batch_.empty() || queued_sends() != 0 || batch_failed_ || !fins_.empty()) schedule();
   if (credits_ > static_cast<std::int64_t>(peer.max_credits)) {  // returned before the handshake completed here
     log().warn("connection qp {}: the peer returned more credits than its window ({} > {})", qp_num(),
                credits_, peer.max_credits);

@@ -527,8 +527,11 @@ void connection_impl::on_close_acked() noexcept {
 }
 
 void connection_impl::withdraw_received(std::uint32_t cookie) noexcept {
-  // After our close we send nothing more (the close ends the sender's send).
-  if (close_sent_ || (state_ != state::open && state_ != state::closing)) return;
+  // After our close we send nothing more (the close ends the sender's send);
+  // an ended connection sends nothing at all. (During setup the answer
+  // waits with what else is queued: a fast peer's request and withdrawal
+  // can come before our side of the handshake has ended.)
+  if (close_sent_ || state_ == state::failed || state_ == state::closed) return;
   // Still in the inbox: no receive has started reading it (start_read
   // takes it out), so it goes unread, and the others close up behind it.
   const std::size_t cap = inbox_.size();
