@@ -311,7 +311,7 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         return;
       }
       active_.remove(n);
-      n->mr.reset();
+      drop_source(n);  // (before the handler runs: its buffer is the application's again)
       std::error_code ec;
       // (Withdrawn only when we asked and the peer has not said it reads it;
       // withdrawing_ is recounted by watch_withdrawals.)
@@ -605,8 +605,10 @@ bool connection_impl::start_read(op_node* n, const protocol::rts_body& b) noexce
       dst = n->large.get();
     }
     if (n->mr == nullptr) {
-      n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, dst, span, transport::access::local_write,
-                                         !allocate && !staged && n->device_mask != 0);
+      n->mr = fab_->register_releasing([&] {
+        return cuda::detail::register_any(*fab_->device, *fab_->pd, dst, span, transport::access::local_write,
+                                          !allocate && !staged && n->device_mask != 0);
+      });
     }
   } catch (const std::exception& e2) {
     log().warn("connection: cannot receive a {}-byte message: {}", b.length, e2.what());

@@ -155,8 +155,10 @@ connection_impl::start_result connection_impl::try_start(op_node* n, bool post) 
   }
   if (!eager) {
     try {
-      n->mr = cuda::detail::register_any(*fab_->device, *fab_->pd, const_cast<void*>(source), n->length,
-                                         transport::access::remote_read, from_device && !staged);
+      n->mr = fab_->register_releasing([&] {
+        return cuda::detail::register_any(*fab_->device, *fab_->pd, const_cast<void*>(source), n->length,
+                                          transport::access::remote_read, from_device && !staged);
+      });
     } catch (const std::system_error& e) {
       log().warn("connection: registering a {}-byte rendezvous source failed: {}", n->length, e.what());
       if (buf != buffer_pool::npos) fab_->put_buffer(buf);

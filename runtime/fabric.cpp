@@ -15,6 +15,7 @@
 #include <sanitizer/asan_interface.h>
 
 #include <algorithm>
+#include <bit>
 #include <atomic>
 #include <charconv>
 #include <condition_variable>
@@ -72,6 +73,8 @@ const fabric_options& checked(const fabric_options& o) {
           "fabric: gpu_staging_buffers must be in 2..1024");
   require(o.gpu_staging_chunk * o.gpu_staging_buffers <= (std::size_t{1} << 34),
           "fabric: gpu_staging_chunk x gpu_staging_buffers must be at most 16 GiB");
+  require(o.late_read_grace.count() >= 0 && o.late_read_grace <= std::chrono::seconds(10),
+          "fabric: late_read_grace must be in 0..10 s");
   require(c.keepalive.count() == 0 || (c.keepalive >= std::chrono::milliseconds(200) && c.keepalive <= std::chrono::hours(1)),
           "fabric: connection.keepalive must be 0 or in 200 ms..1 h");
   return o;
@@ -331,6 +334,63 @@ void fabric_state::trim_free_lists() noexcept {
   }
 }
 
+void fabric_state::retire_source(std::unique_ptr<transport::memory_region> mr, std::unique_ptr<std::byte[]> copy,
+                                 std::size_t bytes) noexcept {
+  const auto now = std::chrono::steady_clock::now();
+  release_sources(now, false);
+  const auto grace = options.late_read_grace;
+  bool held = grace.count() > 0 && bytes <= kRetiredBytes;
+  if (held && retired_.empty()) {
+    try {
+      retired_.resize(kRetiredMax);
+    } catch (const std::bad_alloc&) {
+      held = false;  // (no memory for the ring)
+    }
+  }
+  if (!held) {
+    if (grace.count() > 0) ++retired_early_;
+    mr.reset();  // the registration before the memory it covers
+    copy.reset();
+    return;
+  }
+  const std::uint64_t early = retired_early_;
+  while (retired_count_ != 0 && (retired_count_ == kRetiredMax || retired_bytes_ + bytes > kRetiredBytes)) {
+    release_oldest_source();
+    ++retired_early_;
+  }
+  if (retired_early_ != early && (early == 0 || std::has_single_bit(retired_early_))) {
+    log().info("fabric: rendezvous sources held for late READs reached {} or {} bytes: {} deregistered before "
+               "late_read_grace so far",
+               kRetiredMax, kRetiredBytes, retired_early_);
+  }
+  retired_source& r = retired_[(retired_head_ + retired_count_) % kRetiredMax];
+  r = {now + grace, bytes, std::move(mr), std::move(copy)};
+  ++retired_count_;
+  retired_bytes_ += bytes;
+  if (retired_count_ == 1) {
+    try {
+      want_tick(grace);
+    } catch (...) {
+      // (the next tick, within kMaxTick, deregisters it)
+    }
+  }
+}
+
+void fabric_state::release_oldest_source() noexcept {
+  retired_source& r = retired_[retired_head_];
+  r.mr.reset();  // the registration before the memory it covers
+  r.copy.reset();
+  retired_bytes_ -= r.bytes;
+  retired_head_ = (retired_head_ + 1) % kRetiredMax;
+  --retired_count_;
+}
+
+std::size_t fabric_state::release_sources(std::chrono::steady_clock::time_point now, bool all) noexcept {
+  std::size_t n = 0;
+  for (; retired_count_ != 0 && (all || retired_[retired_head_].until <= now); ++n) release_oldest_source();
+  return n;
+}
+
 void fabric_state::liveness_tick() noexcept {
   tick_posted_ = false;
   trim_free_lists();
@@ -339,6 +399,10 @@ void fabric_state::liveness_tick() noexcept {
   reactor->poll_now();
   const auto now = std::chrono::steady_clock::now();
   std::chrono::milliseconds next = kMaxTick;
+  release_sources(now, false);
+  if (retired_count_ != 0) {
+    next = std::chrono::ceil<std::chrono::milliseconds>(retired_[retired_head_].until - now);
+  }
   // (connection_impl::liveness may fail a connection: that never removes it from conns_ here.)
   for (std::size_t i = 0; i < conns_.size(); ++i) next = std::min(next, conns_[i]->liveness(now));
   next = std::max(next, kMinTick);
@@ -356,7 +420,8 @@ fabric_state::~fabric_state() {
   srq.reset();  // its queue pairs are gone (connections hold the fabric); before the pool's memory
   reactor.reset();
   cache.reset();
-  drop_kept();  // (before the protection domain)
+  release_sources({}, true);  // (before the protection domain)
+  drop_kept();
   pool.reset();
 }
 
@@ -669,6 +734,7 @@ std::error_code fabric_state::check_peer(const protocol::hello& peer) const noex
 
 fabric::fabric(asio::io_context& io, fabric_options options)
     : state_(std::make_shared<detail::fabric_state>(io, options)) {
+  state_->reactor->set_owner(state_);  // (a handler it runs may destroy this fabric)
   state_->start_liveness();
 }
 // Connection attempts in progress end now (their handlers complete with
@@ -728,6 +794,9 @@ fabric_stats fabric::stats() const noexcept {
   s.srq_spare = state_->srq_spare();
   s.kept_blocks = state_->kept_blocks();
   s.kept_bytes = state_->kept_bytes();
+  s.retired_sources = state_->retired_sources();
+  s.retired_bytes = state_->retired_bytes();
+  s.retired_early = state_->retired_early();
   return s;
 }
 

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <cstddef>
@@ -144,6 +145,45 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   void keep_block(std::unique_ptr<op_node> h) noexcept;
   std::size_t kept_blocks() const noexcept { return kept_blocks_.size(); }
   std::size_t kept_bytes() const noexcept { return kept_bytes_; }
+  // Registrations of rendezvous sources once their sends end, where the
+  // device may deliver a stale duplicate of the peer's READ late
+  // (capabilities::late_duplicates): the peer read the source and said so,
+  // but a READ it resent may still be on its way, and the responder
+  // re-executes it, checking the key anew; a key already revoked fails the
+  // queue pair. Each registration (with the host copy it covers, of a
+  // staged GPU message) is kept options.late_read_grace after its send
+  // ended, then deregistered by a tick; at most kRetiredMax of them,
+  // kRetiredBytes in all (past either the oldest go early; a larger one is
+  // not kept). Meanwhile any peer of the fabric that has the key (one
+  // protection domain) can read the range it names, whatever the
+  // application has put there since (SECURITY.md). Only on the fabric's
+  // io_context thread.
+  static constexpr std::size_t kRetiredMax = 256;
+  static constexpr std::size_t kRetiredBytes = std::size_t{64} << 20;
+  void retire_source(std::unique_ptr<transport::memory_region> mr, std::unique_ptr<std::byte[]> copy,
+                     std::size_t bytes) noexcept;
+  // Deregisters those whose grace is over at `now` (every one with `all`);
+  // returns how many.
+  std::size_t release_sources(std::chrono::steady_clock::time_point now, bool all) noexcept;
+  std::size_t retired_sources() const noexcept { return retired_count_; }
+  std::size_t retired_bytes() const noexcept { return retired_bytes_; }
+  std::uint64_t retired_early() const noexcept { return retired_early_; }
+  // Registers with `reg` (which throws std::system_error on failure); a
+  // registration the device refused (errc::registration_failed: verbs'
+  // ENOMEM under RLIMIT_MEMLOCK among others) while held sources pin
+  // memory releases them all and tries once more.
+  template <class Register>
+  auto register_releasing(Register&& reg) -> decltype(reg()) {
+    try {
+      return reg();
+    } catch (const std::system_error& e) {
+      if (e.code() != errc::registration_failed) throw;
+      const std::size_t n = release_sources({}, true);
+      if (n == 0) throw;
+      retired_early_ += n;
+    }
+    return reg();
+  }
   std::size_t nodes_made() const noexcept { return nodes_.made(); }
   std::size_t nodes_free() const noexcept { return nodes_.free_count(); }
   std::size_t active() const noexcept { return active_; }
@@ -241,6 +281,18 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::vector<std::unique_ptr<op_node>> spare_holders_;  // capacity kKeptBlocks, reserved
   std::size_t kept_bytes_ = 0;
   std::chrono::steady_clock::time_point kept_clock_{};  // of the last trim (a kept holder's deadline field)
+  struct retired_source {
+    std::chrono::steady_clock::time_point until{};
+    std::size_t bytes = 0;
+    std::unique_ptr<transport::memory_region> mr;
+    std::unique_ptr<std::byte[]> copy;  // (after mr: the registration goes first)
+  };
+  std::vector<retired_source> retired_;  // a ring of kRetiredMax (sized at the first retire_source)
+  std::size_t retired_head_ = 0;
+  std::size_t retired_count_ = 0;
+  std::size_t retired_bytes_ = 0;
+  std::uint64_t retired_early_ = 0;
+  void release_oldest_source() noexcept;
   std::unique_ptr<op_node> unkeep(std::size_t i) noexcept;  // kept block i out of the list
   void free_block(op_node& h) noexcept;  // unpoisoned, deregistered, freed (the holder stays)
   void drop_kept() noexcept;             // frees every kept block

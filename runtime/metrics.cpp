@@ -156,6 +156,12 @@ std::string prometheus_text(const std::vector<metrics_snapshot>& snaps) {
       {{"anydoor_rendezvous_kept_bytes", "gauge",
         "Registered memory of released large messages kept for the next ones."},
        [](const metrics_snapshot& s) { return s.fabric.kept_bytes; }},
+      {{"anydoor_rendezvous_retired_bytes", "gauge",
+        "Registered sources of ended rendezvous sends held for late duplicate READs (late_read_grace)."},
+       [](const metrics_snapshot& s) { return s.fabric.retired_bytes; }},
+      {{"anydoor_rendezvous_retired_early_total", "counter",
+        "Rendezvous sources deregistered before late_read_grace (the 256 or 64 MiB reached)."},
+       [](const metrics_snapshot& s) { return s.fabric.retired_early; }},
   };
   for (const reactor_family& rf : reactor_families) {
     w.begin(rf.f);

@@ -259,6 +259,7 @@ void reactor::start() {
   queued_loop_ = epoch;
   asio::post(io_, [this, alive = alive_, epoch] {
     if (!*alive) return;
+    const auto keep = owner_.lock();  // (set_owner)
     if (queued_loop_ == epoch) queued_loop_ = 0;
     if (!running_ || epoch != epoch_) return;
     if (mode_ == poll_mode::event) {
@@ -290,6 +291,7 @@ void reactor::post_spin_step(std::shared_ptr<bool> alive, std::uint64_t epoch) {
   if (epoch == epoch_) queued_loop_ = epoch;
   ex.execute([this, alive = std::move(alive), epoch]() mutable {
     if (!*alive) return;
+    const auto keep = owner_.lock();  // (set_owner; released after the step, *this perhaps with it)
     if (queued_loop_ == epoch) queued_loop_ = 0;
     if (epoch == epoch_) spin_step(std::move(alive));
   });
@@ -390,6 +392,7 @@ void reactor::wait_readable() {
   fd_.async_wait(asio::posix::stream_descriptor::wait_read,
                  [this, alive = alive_](const boost::system::error_code& ec) {
     if (!*alive) return;
+    const auto keep = owner_.lock();  // (set_owner)
     waiting_ = false;
     if (!running_) return;
     // Cancelled by a stop() that a start() has since undone: wait again.

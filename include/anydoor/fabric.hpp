@@ -159,6 +159,17 @@ struct fabric_options {
   std::size_t gpu_bounce_threshold = 0;               // 0..2^30
   std::size_t gpu_staging_chunk = std::size_t{1} << 20;  // 4096..2^30
   std::uint32_t gpu_staging_buffers = 4;               // 2..1024
+  // How long a rendezvous source's registration outlives its send where
+  // the fabric may deliver a stale duplicate of the peer's READ late
+  // (transport::capabilities::late_duplicates: InfiniBand, RoCE): the
+  // peer's NIC resends a READ after its ack timeout (67 ms with anydoor's
+  // verbs provider), and a resent request still on its way when the READ
+  // completes is executed again, key checked anew; a key gone by then
+  // fails the connection. The default covers one resend. At most 256
+  // sources and 64 MiB are held (past either, the oldest go early; a
+  // larger one is not held); while held, peers of this fabric that have
+  // the key can read that buffer (SECURITY.md). 0: not held. 0..10 s.
+  std::chrono::milliseconds late_read_grace{100};
 };
 
 struct fabric_stats {
@@ -180,6 +191,12 @@ struct fabric_stats {
   // blocks of at most 2 MiB, 8 MiB in all; one unused for 2 to 3 s is freed.
   std::uint64_t kept_blocks = 0;
   std::uint64_t kept_bytes = 0;
+  // Registrations of rendezvous sources whose sends have ended, held
+  // late_read_grace longer (fabric_options): now, and how many went before
+  // their time because the 256 or 64 MiB were reached (or one was larger).
+  std::uint64_t retired_sources = 0;
+  std::uint64_t retired_bytes = 0;
+  std::uint64_t retired_early = 0;
 };
 
 // One connection of a fabric, for monitoring (fabric::connection_reports).

@@ -125,6 +125,13 @@ class reactor {
     yield_check_ctx_ = ctx;
   }
 
+  // What owns the reactor, held by the reactor's own handlers (its loop's
+  // steps, its wait on the notify fd) while they run: a completion handler
+  // they dispatch may destroy the owner (a fabric destroyed by the
+  // coroutine one of its completions resumed), and the reactor then goes
+  // once that handler of its own has returned, not under it.
+  void set_owner(std::weak_ptr<const void> owner) noexcept { owner_ = std::move(owner); }
+
   // Busy and adaptive modes call fn(ctx) before each poll of a round and
   // once as the round ends: where the runtime posts what was queued outside
   // a completion pass (re-posted receives, sends of resumed coroutines)
@@ -220,6 +227,7 @@ class reactor {
   // Handlers still queued in the io_context when the reactor is destroyed
   // see this flag cleared and do nothing.
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  std::weak_ptr<const void> owner_;  // set_owner
 };
 
 }  // namespace anydoor

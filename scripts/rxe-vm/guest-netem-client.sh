@@ -79,6 +79,31 @@ fi
 echo "rxe after:  $(counters)"
 impair none
 fi
+# A stale duplicate READ after the FIN: the server's RDMA READ requests
+# (BTH opcode 0x0c) reach this guest 90 ms late, longer than the
+# requester's ack timeout (67 ms), so its NIC sends each READ again; the
+# first answer completes the READ and the server's FIN arrives while the
+# resent request is still on its way. Our NIC executes it again with the
+# key checked anew: the source's registration must still be there
+# (fabric_options::late_read_grace), or our queue pair goes to error.
+if wanted late-read; then
+echo; echo "=== late-read (the server's READ requests delayed 90 ms on their way in; nothing else)"
+echo "rxe before: $(counters)"
+if tc qdisc replace dev ifb0 root handle 1: prio &&
+   tc qdisc add dev ifb0 parent 1:1 handle 10: netem delay 90ms &&
+   tc filter add dev ifb0 parent 1: protocol ip prio 1 u32 match ip protocol 17 0xff match u16 4791 0xffff at 22 \
+     match u8 0x0c 0xff at 28 flowid 1:1; then
+  timeout 300 bin/anydoor-netem-check --connect $server --label late-read --ops 100 --deadline 120 || fail=$((fail + 1))
+  delayed=$(tc -s qdisc show dev ifb0 | awk '/qdisc netem 10:/{getline; print $4}')
+  echo "late-read: READ requests delayed: ${delayed:-none}"
+  # Nothing delayed: the filter matched nothing and the scenario proved nothing.
+  [ "${delayed:-0}" -ge 1 ] || { echo "late-read: verdict=fail (no READ request was delayed)"; fail=$((fail + 1)); }
+else
+  echo "netem: cannot install the READ delay"; fail=$((fail + 1))
+fi
+echo "rxe after:  $(counters)"
+impair none
+fi
 if wanted total-loss; then
 echo; echo "=== total-loss (netem loss 100% after connecting)"
 echo "rxe before: $(counters)"

@@ -13,6 +13,7 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/deferred.hpp>
 #include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -115,6 +116,96 @@ TEST_CASE("echo: eager, inline, split and rendezvous messages arrive whole and i
   CHECK(server.stats().accepted == 1);
   CHECK(fs.reactor.completions > 0);
   CHECK(fs.pool.gets > 0);
+}
+
+// A rendezvous source's key must hold a moment after its send where the
+// fabric may deliver a stale duplicate of the peer's READ (rxe, RoCE,
+// InfiniBand): revoked at once, a late duplicate fails the connection
+// (rxe-netem's late-read scenario). On a stream transport (tcp, siw)
+// nothing is held: the tcp provider's key would name memory the user may
+// free. (The limits, late_read_grace 0 and a failed connection: the
+// faults suite, on tcp with late_duplicates=1.)
+TEST_CASE("rendezvous: a source's registration outlives its send by late_read_grace where late duplicate READs "
+          "can come, never on a stream transport", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::fabric client(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 1), f.handler());
+  const bool late = client.device().caps().late_duplicates;
+  INFO("late_duplicates: " << late);
+  CHECK(late == (client.provider() == "verbs" && client.device().name().find("siw") == std::string_view::npos));
+  bool done = false;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    ad::connection c = co_await client.async_connect(addr(acc), use_awaitable);
+    const std::size_t size = 100000;  // above the eager limit and eager_split_limit: by rendezvous
+    const auto out = pattern(size, 3);
+    const auto before = std::chrono::steady_clock::now();
+    const std::size_t sent = co_await c.async_send(asio::buffer(out), use_awaitable);
+    REQUIRE(sent == size);
+    CHECK(c.stats().rendezvous_sends == 1);
+    // (The send's node is released once its handler has been dispatched.)
+    co_await asio::post(co_await asio::this_coro::executor, use_awaitable);
+    const ad::fabric_stats s = client.stats();
+    if (std::chrono::steady_clock::now() - before < std::chrono::milliseconds(90)) {
+      CHECK(s.retired_sources == (late ? 1u : 0u));
+      CHECK(s.retired_bytes == (late ? size : 0u));
+    }
+    CHECK(s.retired_early == 0);
+    ad::message m = co_await c.async_receive(use_awaitable);
+    CHECK(m.size() == size);
+    m = {};
+    // Deregistered by a tick once its 100 ms are over.
+    const bool gone = co_await until([&] { return client.stats().retired_sources == 0; }, std::chrono::seconds(3),
+                                     std::chrono::milliseconds(1));
+    CHECK(gone);
+    if (late) {
+      const auto held = std::chrono::steady_clock::now() - before;
+      CHECK(held >= std::chrono::milliseconds(100));
+    }
+    CHECK(client.stats().retired_bytes == 0);
+    co_await c.async_close(use_awaitable);
+    done = true;
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(done);
+}
+
+// The natural way to scope a client: the fabric goes at the end of the
+// block, in the coroutine that the close's completion resumed, which runs
+// inside the fabric's own reactor (a completion it dispatches). The
+// reactor, and the fabric's state, must outlive that handler.
+TEST_CASE("a fabric destroyed by a coroutine that its own completions resumed", "[runtime]") {
+  asio::io_context io;
+  ad::fabric server(io, test_options());
+  ad::acceptor acc = server.listen(test_host(), 0);
+  failure f;
+  asio::co_spawn(io, echo_server(acc, 3), f.handler());
+  int rounds = 0;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (int i = 0; i < 3; ++i) {
+      auto client = std::make_unique<ad::fabric>(io, test_options());
+      ad::connection c = co_await client->async_connect(addr(acc), use_awaitable);
+      const auto out = pattern(i == 1 ? 100000 : 64, static_cast<std::uint32_t>(i));  // (eager, rendezvous)
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      ad::message m = co_await c.async_receive(use_awaitable);
+      CHECK(m.size() == out.size());
+      m = {};
+      if (i == 2) {
+        c.abort();  // (the last ends without a close)
+      } else {
+        co_await c.async_close(use_awaitable);
+      }
+      c = {};
+      client.reset();  // here, inside a handler of its own reactor
+      ++rounds;
+    }
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(rounds == 3);
 }
 
 TEST_CASE_METHOD(fabric_pair,
@@ -1340,6 +1431,14 @@ TEST_CASE("fabric options are checked - each refusal names its option", "[runtim
             "rendezvous_memory"));
   CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = 4095; }, "fragment_size"));
   CHECK(bad([](ad::fabric_options& o) { o.connection.fragment_size = (1u << 30) + 1; }, "fragment_size"));
+  CHECK(bad([](ad::fabric_options& o) { o.late_read_grace = std::chrono::milliseconds(-1); }, "late_read_grace"));
+  CHECK(bad([](ad::fabric_options& o) { o.late_read_grace = std::chrono::milliseconds(10001); }, "late_read_grace"));
+  for (const auto g : {std::chrono::milliseconds(0), std::chrono::milliseconds(10000)}) {
+    ad::fabric_options o = test_options();
+    o.late_read_grace = g;
+    asio::io_context io2;
+    CHECK_NOTHROW(ad::fabric(io2, o));
+  }
   CHECK(bad([](ad::fabric_options& o) { o.cache_max_entries = 0; }, "cache_max_entries"));
   CHECK(bad([](ad::fabric_options& o) { o.cache_max_entries = (std::size_t{1} << 20) + 1; }, "cache_max_entries"));
   CHECK(bad([](ad::fabric_options& o) { o.cache_max_bytes = 4095; }, "cache_max_bytes"));

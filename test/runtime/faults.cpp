@@ -12,6 +12,8 @@
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
@@ -24,6 +26,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 using namespace anydoor::test;
 namespace asio = boost::asio;
@@ -937,4 +941,130 @@ TEST_CASE("faults: a completion queue that overflows ends every operation on it 
     CHECK(e.code() == ad::errc::invalid_state);
     CHECK(std::string(e.what()).find("completion queue was lost") != std::string::npos);
   }
+}
+
+// What the runtime holds for late duplicate READs (fabric_options::
+// late_read_grace), on a device that says they can come
+// (late_duplicates=1: the tcp device then claims capabilities::
+// late_duplicates; these buffers outlive every grace).
+TEST_CASE("faults: late_duplicates=1 - rendezvous sources are held late_read_grace after their sends, at most 256 "
+          "and 64 MiB, none with 0 or once the connection failed",
+          "[faults]") {
+  asio::io_context io;
+  ad::fabric_options so = test_options();
+  so.connection.rendezvous_memory = std::uint64_t{256} << 20;  // (the 65 MiB message)
+  ad::fabric server(io, so);
+  ad::acceptor acc = server.listen(test_host(), 0);
+  // Receives every message of each connection until it ends, except on
+  // the connection that receives nothing at all (its RTS waits unread).
+  bool hold_next = false;
+  ad::connection held;  // (posts no receive)
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    for (;;) {
+      auto [ec, c] = co_await acc.async_accept(asio::as_tuple(use_awaitable));
+      if (ec) co_return;
+      if (std::exchange(hold_next, false)) {
+        held = std::move(c);
+        continue;
+      }
+      asio::co_spawn(co_await asio::this_coro::executor, [](ad::connection conn) -> awaitable<void> {
+        for (;;) {
+          auto [e, m] = co_await conn.async_receive(asio::as_tuple(use_awaitable));
+          if (e) co_return;
+        }
+      }(std::move(c)), asio::detached);
+    }
+  }, asio::detached);
+  auto client_with = [&](std::chrono::milliseconds grace) {
+    ad::fabric_options o = test_options();
+    o.late_read_grace = grace;
+    return faulty_fabric(io, "late_duplicates=1", o);
+  };
+  bool done = false;
+  failure f;
+  asio::co_spawn(io, [&]() -> awaitable<void> {
+    auto ex = co_await asio::this_coro::executor;
+    {  // The default, 100 ms: held that long, then deregistered by a tick.
+      auto client = client_with(std::chrono::milliseconds(100));
+      CHECK(client->device().caps().late_duplicates);
+      ad::connection c = co_await client->async_connect(addr(acc), use_awaitable);
+      const auto out = pattern(100000, 1);
+      const auto before = std::chrono::steady_clock::now();
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      co_await asio::post(ex, use_awaitable);
+      ad::fabric_stats s = client->stats();
+      CHECK(s.retired_sources == 1);
+      CHECK(s.retired_bytes == 100000);
+      const bool gone = co_await until([&] { return client->stats().retired_sources == 0; }, std::chrono::seconds(3),
+                                       ms(1));
+      CHECK(gone);
+      CHECK(std::chrono::steady_clock::now() - before >= ms(100));
+      s = client->stats();
+      CHECK(s.retired_bytes == 0);
+      CHECK(s.retired_early == 0);
+      co_await c.async_close(use_awaitable);
+    }
+    {  // 10 s: the limits make the oldest go early.
+      auto client = client_with(std::chrono::seconds(10));
+      ad::connection c = co_await client->async_connect(addr(acc), use_awaitable);
+      const auto small = pattern(70000, 2);  // above eager_split_limit (64 KiB): by rendezvous
+      for (int i = 0; i < 300; ++i) co_await c.async_send(asio::buffer(small), use_awaitable);
+      co_await asio::post(ex, use_awaitable);
+      ad::fabric_stats s = client->stats();
+      CHECK(c.stats().rendezvous_sends == 300);
+      CHECK(s.retired_sources == 256);
+      CHECK(s.retired_bytes == 256u * 70000u);
+      CHECK(s.retired_early == 44);
+      const auto big = pattern(std::size_t{1} << 20, 3);
+      for (int i = 0; i < 70; ++i) co_await c.async_send(asio::buffer(big), use_awaitable);
+      co_await asio::post(ex, use_awaitable);
+      s = client->stats();
+      CHECK(s.retired_sources == 64);  // 64 MiB exactly
+      CHECK(s.retired_bytes == std::uint64_t{64} << 20);
+      CHECK(s.retired_early == 44 + 256 + 6);
+      // One larger than the whole limit is not held (nor does it push the others out).
+      const std::vector<std::byte> huge(std::size_t{65} << 20, std::byte{7});
+      co_await c.async_send(asio::buffer(huge), use_awaitable);
+      co_await asio::post(ex, use_awaitable);
+      s = client->stats();
+      CHECK(s.retired_sources == 64);
+      CHECK(s.retired_early == 44 + 256 + 6 + 1);
+      co_await c.async_close(use_awaitable);
+    }  // (the fabric goes with 64 held: deregistered before its protection domain)
+    {  // 0: nothing held.
+      auto client = client_with(ms(0));
+      ad::connection c = co_await client->async_connect(addr(acc), use_awaitable);
+      const auto out = pattern(100000, 4);
+      co_await c.async_send(asio::buffer(out), use_awaitable);
+      co_await asio::post(ex, use_awaitable);
+      const ad::fabric_stats s = client->stats();
+      CHECK(s.retired_sources == 0);
+      CHECK(s.retired_early == 0);
+      co_await c.async_close(use_awaitable);
+    }
+    {  // A connection that failed: its queue pair executes nothing more, so nothing is held.
+      auto client = client_with(std::chrono::seconds(10));
+      hold_next = true;
+      ad::connection c = co_await client->async_connect(addr(acc), use_awaitable);
+      const auto out = pattern(100000, 5);
+      std::optional<ad::error_code> sent;
+      c.async_send(asio::buffer(out), [&](ad::error_code ec, std::size_t) { sent = ec; });
+      const bool out_there = co_await until([&] { return c.stats().rendezvous_sends == 1; });
+      CHECK(out_there);
+      c.abort();
+      const bool ended = co_await until([&] { return sent.has_value(); });
+      REQUIRE(ended);
+      CHECK(*sent);
+      co_await asio::post(ex, use_awaitable);
+      const ad::fabric_stats s = client->stats();
+      CHECK(s.retired_sources == 0);
+      CHECK(s.retired_early == 0);
+    }
+    held = {};
+    acc.close();
+    done = true;
+  }, f.handler());
+  run_to_completion(io);
+  f.check();
+  CHECK(done);
 }

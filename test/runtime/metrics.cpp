@@ -77,6 +77,10 @@ TEST_CASE("metrics: a fabric's page counts its connections, their traffic and th
   CHECK(metric_sum(open_page, "anydoor_connection_messages_sent_total") == 9);
   CHECK(metric_sum(open_page, "anydoor_connection_bytes_received_total") == 20800);
   CHECK(metric_sum(open_page, "anydoor_rendezvous_kept_bytes") == 20480);  // whole pages
+  CHECK(open_page.find("# TYPE anydoor_rendezvous_retired_bytes gauge\n") != std::string::npos);
+  CHECK(open_page.find("# TYPE anydoor_rendezvous_retired_early_total counter\n") != std::string::npos);
+  CHECK(metric_sum(open_page, "anydoor_rendezvous_retired_early_total") == 0);
+  if (!server.device().caps().late_duplicates) CHECK(metric_sum(open_page, "anydoor_rendezvous_retired_bytes") == 0);
   CHECK(metric_sum(open_page, "anydoor_connection_failures_total") == 0);
   CHECK(open_page.find("# TYPE anydoor_connections_open gauge\n") != std::string::npos);
   CHECK(open_page.find("peer=\"" + test_host() + "\"") != std::string::npos);

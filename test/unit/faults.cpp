@@ -76,6 +76,12 @@ TEST_CASE("fault plan: every key parses and an empty plan is inactive", "[unit][
   CHECK(small.any());
   CHECK_FALSE(small.applies_to(1));
   CHECK(to_string(small) == "cq_depth=4");
+  const fault_plan dup = parse_faults("late_duplicates=1");
+  CHECK(dup.late_duplicates);
+  CHECK_FALSE(dup.active());  // the device's: no queue pair fault
+  CHECK(dup.any());
+  CHECK(to_string(dup) == "late_duplicates=1");
+  CHECK_FALSE(small.late_duplicates);
   CHECK_FALSE(none.any());
 }
 
@@ -98,7 +104,7 @@ TEST_CASE("fault plan: malformed specifications are refused, naming the item", "
   CHECK(refusal("drop=5").find("unknown key") != std::string::npos);
   CHECK(refusal("stall=100").find("stall needs stop_reading") != std::string::npos);
   CHECK(refusal("qp=1").find("none is given") != std::string::npos);
-  CHECK(refusal("qp=1,cq_depth=4").find("cq_depth is the device's") != std::string::npos);
+  CHECK(refusal("qp=1,cq_depth=4").find("cq_depth and late_duplicates are the device's") != std::string::npos);
   CHECK(refusal("cq_depth=0").find("must be in 1..1048576") != std::string::npos);
   CHECK(refusal("cq_depth=1048577").find("must be in 1..1048576") != std::string::npos);
   CHECK(refusal("cq_depth=4,cq_depth=8").find("given twice") != std::string::npos);
@@ -107,5 +113,8 @@ TEST_CASE("fault plan: malformed specifications are refused, naming the item", "
   CHECK(refusal("lose_late=0").find("must be in 1..1") != std::string::npos);
   CHECK(refusal("lose_late=2").find("must be in 1..1") != std::string::npos);
   CHECK(refusal("lose_late=1,lose_late=1").find("given twice") != std::string::npos);
+  CHECK(refusal("late_duplicates=0").find("must be in 1..1") != std::string::npos);
+  CHECK(refusal("late_duplicates=1,late_duplicates=1").find("given twice") != std::string::npos);
+  CHECK(refusal("qp=1,late_duplicates=1").find("late_duplicates are the device's") != std::string::npos);
   CHECK(refusal("cut=1,drop=5").find("ANYDOOR_TCP_FAULTS") != std::string::npos);
 }

@@ -70,19 +70,23 @@ fault_plan parse_faults(std::string_view spec) {
     } else if (key == "lose_late") {
       once(plan.lose_late);
       plan.lose_late = number(item, value, 1, 1) == 1;
+    } else if (key == "late_duplicates") {
+      once(plan.late_duplicates);
+      plan.late_duplicates = number(item, value, 1, 1) == 1;
     } else if (key == "cq_depth") {
       once(seen_cq_depth);
       seen_cq_depth = true;
       plan.cq_depth = static_cast<std::uint32_t>(number(item, value, 1, 1u << 20));
     } else {
-      fail(item, "unknown key (known: qp, cut, delay, corrupt, stop_reading, stall, post_fail, lose_late, cq_depth)");
+      fail(item, "unknown key (known: qp, cut, delay, corrupt, stop_reading, stall, post_fail, lose_late, late_duplicates, "
+           "cq_depth)");
     }
   }
   if (seen_stall && !plan.stop_reading_after) fail("stall", "stall needs stop_reading");
   if (seen_qp && !plan.active()) {
-    fail("qp", plan.cq_depth != 0 ? "qp selects a queue pair for cut, delay, corrupt, stop_reading, post_fail or "
+    fail("qp", plan.cq_depth != 0 || plan.late_duplicates ? "qp selects a queue pair for cut, delay, corrupt, stop_reading, post_fail or "
                                     "lose_late, and none is "
-                                    "given (cq_depth is the device's, for every queue pair)"
+                                    "given (cq_depth and late_duplicates are the device's, for every queue pair)"
                                   : "qp selects a queue pair for a fault, and none is given");
   }
   return plan;
@@ -109,6 +113,7 @@ std::string to_string(const fault_plan& plan) {
   if (plan.stall_ms != 0) add("stall", plan.stall_ms);
   if (plan.post_fail) add("post_fail", *plan.post_fail);
   if (plan.lose_late) add("lose_late", 1);
+  if (plan.late_duplicates) add("late_duplicates", 1);
   if (plan.cq_depth != 0) add("cq_depth", plan.cq_depth);
   if (plan.qp != 0) add("qp", plan.qp);
   return s;

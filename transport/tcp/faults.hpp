@@ -24,6 +24,11 @@
 //                     never completes (as a user-space queue pair of siw,
 //                     Linux 6.1, leaves it), where it would complete
 //                     flushed at once
+//     late_duplicates=1  the device reports capabilities::late_duplicates
+//                     (as InfiniBand and RoCE do) without delivering any
+//                     duplicate itself: for tests of what the runtime
+//                     holds for them (fabric_options::late_read_grace);
+//                     the device's, as cq_depth
 //     cq_depth=N      the device's completion queues hold at most N
 //                     completions, whatever depth was asked: a queue too
 //                     small for its queue pairs, which overflows
@@ -55,13 +60,14 @@ struct fault_plan {
   std::uint32_t cq_depth = 0;  // 0: as asked
   std::optional<std::uint64_t> post_fail;
   bool lose_late = false;
+  bool late_duplicates = false;
 
   // A fault of the queue pairs'.
   bool active() const noexcept {
     return cut_after || delay_ms != 0 || corrupt || stop_reading_after || post_fail || lose_late;
   }
   // Any fault at all (the device's included).
-  bool any() const noexcept { return active() || cq_depth != 0; }
+  bool any() const noexcept { return active() || cq_depth != 0 || late_duplicates; }
   bool applies_to(std::uint32_t ordinal) const noexcept { return active() && (qp == 0 || qp == ordinal); }
 };
 

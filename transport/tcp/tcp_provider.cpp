@@ -679,6 +679,7 @@ std::size_t tcp_cq::ack_events() noexcept {
 
 tcp_device::tcp_device(std::string name, fault_plan faults) : name_(std::move(name)), caps_(make_caps()) {
   shared_->faults = faults;
+  caps_.late_duplicates = faults.late_duplicates;
   if (faults.any()) {
     log().warn("tcp provider: fault injection is on ({}={})", kFaultsVariable, to_string(faults));
   }

@@ -202,6 +202,7 @@ verbs_device::verbs_device(const std::string& wanted) : state_(std::make_shared<
         // InfiniBand and RoCE connect with REQ, REP and RTU; iWARP's MPA
         // exchange ends on the listener's side.
         c.established_by_message = !state_->iwarp;
+        c.late_duplicates = !state_->iwarp;  // (iWARP runs over TCP: in order, exactly once)
         c.memory_windows = attr.max_mw > 0 && (attr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A |
                                                                         IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
         // GID: rdma_cm picks the source GID of a connection from its source

@@ -182,6 +182,17 @@ struct capabilities {
   // the connection manager's own resend, seconds later: a connecting
   // runtime speaks first.
   bool established_by_message = false;
+  // The fabric is packet-switched (InfiniBand, RoCE: not iWARP's TCP, not
+  // the tcp provider) and may deliver a stale duplicate of a request late:
+  // an RDMA READ that the requester resent, arriving after the requester
+  // saw the READ complete and spoke again. The responder re-executes it
+  // (IBTA's duplicate READ), checking the key anew, and a key revoked
+  // meanwhile fails its queue pair (rxe: the NAK, then the queue pair in
+  // error with no completion of its own). The runtime keeps the keys of
+  // its rendezvous sources alive a moment after their sends where this is
+  // set (fabric_options::late_read_grace); a region the application
+  // deregisters right after a peer's READ is exposed to the same.
+  bool late_duplicates = false;
 };
 
 // Creation attributes of a shared receive queue (ibv_srq_init_attr).
