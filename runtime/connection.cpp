@@ -381,12 +381,14 @@ void connection_impl::unpin(op_node* n) noexcept {
   n->npins = 0;
 }
 
-void connection_impl::drop_source(op_node* n) noexcept {
-  // A rendezvous source the peer was told of (its key went out in a
-  // request): a stale duplicate of the peer's READ may still come, unless
-  // the queue pair is in error (it executes nothing more).
-  if (n->kind == op_kind::send && n->cookie != 0 && n->mr != nullptr && state_ != state::failed &&
-      fab_->device->caps().late_duplicates) {
+void connection_impl::drop_source(op_node* n, bool peer_read) noexcept {
+  // A rendezvous source the peer may have read (its key went out in a
+  // request, and the peer did not answer that it dropped the request
+  // unread): a stale duplicate of the peer's READ may still come, while
+  // the queue pair can execute one (open or closing; not once it failed or
+  // closed: in error, or gone).
+  if (peer_read && n->kind == op_kind::send && n->cookie != 0 && n->mr != nullptr &&
+      (state_ == state::open || state_ == state::closing) && fab_->device->caps().late_duplicates) {
     fab_->retire_source(std::move(n->mr), std::move(n->large), n->length);
   }
   n->mr.reset();
@@ -395,7 +397,7 @@ void connection_impl::drop_source(op_node* n) noexcept {
 
 void connection_impl::release(op_node* n) noexcept {
   unpin(n);
-  drop_source(n);
+  drop_source(n, true);
   for (unsigned i = 0; n->split_mask != 0; ++i, n->split_mask = static_cast<std::uint16_t>(n->split_mask >> 1)) {
     if ((n->split_mask & 1u) != 0) n->split[i].reset();
   }

@@ -85,8 +85,9 @@ class connection_impl : public std::enable_shared_from_this<connection_impl> {
   op_node* acquire(op_kind kind);
   void release(op_node* n) noexcept;
   // n's registration and copy: freed, or (a rendezvous source whose key
-  // went out) held for late duplicate READs (fabric_state::retire_source).
-  void drop_source(op_node* n) noexcept;
+  // went out, and that the peer may have read) held for late duplicate
+  // READs (fabric_state::retire_source).
+  void drop_source(op_node* n, bool peer_read) noexcept;
   void unpin(op_node* n) noexcept;  // registration-cache entries the operation held
   void start_send(op_node* n);
   void start_receive(op_node* n);

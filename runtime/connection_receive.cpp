@@ -311,7 +311,9 @@ void connection_impl::handle_message(std::uint32_t buffer, std::uint32_t length)
         return;
       }
       active_.remove(n);
-      drop_source(n);  // (before the handler runs: its buffer is the application's again)
+      // (Before the handler runs: its buffer is the application's again. A
+      // request the peer dropped unread had no READ that could come late.)
+      drop_source(n, static_cast<protocol::fin_status>(h.status) != protocol::fin_status::withdrawn);
       std::error_code ec;
       // (Withdrawn only when we asked and the peer has not said it reads it;
       // withdrawing_ is recounted by watch_withdrawals.)
@@ -826,7 +828,8 @@ bool connection_impl::deliver_split(op_node* n, bool post) noexcept {
       block.reset(new (std::nothrow) std::byte[span]);
       if (block != nullptr && span <= fabric_state::kKeptBlockMax) {
         try {
-          mr = fab_->pd->register_memory(block.get(), span, transport::access::local_write);
+          mr = fab_->register_releasing(
+              [&] { return fab_->pd->register_memory(block.get(), span, transport::access::local_write); });
         } catch (const std::exception&) {
           mr.reset();
         }

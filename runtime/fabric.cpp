@@ -15,6 +15,8 @@
 #include <sanitizer/asan_interface.h>
 
 #include <algorithm>
+#include <fstream>
+#include <string>
 #include <bit>
 #include <atomic>
 #include <charconv>
@@ -28,6 +30,7 @@
 
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 namespace anydoor {
@@ -115,6 +118,7 @@ fabric_state::fabric_state(asio::io_context& io_ctx, const fabric_options& o)
     : io(io_ctx), options(checked(o)), device(transport::open_device(o.device)) {
   const transport::capabilities& caps = device->caps();
   const connection_options& c = options.connection;
+  if (caps.late_duplicates && options.late_read_grace.count() > 0) retired_limit_ = held_sources_limit();
   // Receive completions: each connection's own receives, or the shared
   // queue's (whichever connection takes them).
   const std::uint64_t depth = options.srq_buffers != 0
@@ -339,7 +343,7 @@ void fabric_state::retire_source(std::unique_ptr<transport::memory_region> mr, s
   const auto now = std::chrono::steady_clock::now();
   release_sources(now, false);
   const auto grace = options.late_read_grace;
-  bool held = grace.count() > 0 && bytes <= kRetiredBytes;
+  bool held = grace.count() > 0 && bytes <= retired_limit_;
   if (held && retired_.empty()) {
     try {
       retired_.resize(kRetiredMax);
@@ -354,14 +358,14 @@ void fabric_state::retire_source(std::unique_ptr<transport::memory_region> mr, s
     return;
   }
   const std::uint64_t early = retired_early_;
-  while (retired_count_ != 0 && (retired_count_ == kRetiredMax || retired_bytes_ + bytes > kRetiredBytes)) {
+  while (retired_count_ != 0 && (retired_count_ == kRetiredMax || retired_bytes_ + bytes > retired_limit_)) {
     release_oldest_source();
     ++retired_early_;
   }
   if (retired_early_ != early && (early == 0 || std::has_single_bit(retired_early_))) {
-    log().info("fabric: rendezvous sources held for late READs reached {} or {} bytes: {} deregistered before "
-               "late_read_grace so far",
-               kRetiredMax, kRetiredBytes, retired_early_);
+    log().warn("fabric: rendezvous sources held for late duplicate READs reached {} or {} bytes: {} deregistered "
+               "before late_read_grace so far (a late READ of one fails its connection)",
+               kRetiredMax, retired_limit_, retired_early_);
   }
   retired_source& r = retired_[(retired_head_ + retired_count_) % kRetiredMax];
   r = {now + grace, bytes, std::move(mr), std::move(copy)};
@@ -374,6 +378,30 @@ void fabric_state::retire_source(std::unique_ptr<transport::memory_region> mr, s
       // (the next tick, within kMaxTick, deregisters it)
     }
   }
+}
+
+std::size_t fabric_state::held_sources_limit() {
+  // Held registrations pin pages: under a finite RLIMIT_MEMLOCK (without
+  // CAP_IPC_LOCK, which lifts it) they hold at most an eighth of it, so
+  // that registrations of the rest of the process still fit.
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return kRetiredBytes;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("CapEff:", 0) != 0) continue;
+    try {
+      const unsigned long long eff = std::stoull(line.substr(7), nullptr, 16);
+      if ((eff & (1ull << 14)) != 0) return kRetiredBytes;  // CAP_IPC_LOCK
+    } catch (const std::exception&) {
+      // (unreadable: the limit applies)
+    }
+    break;
+  }
+  const std::size_t limit = std::min<std::size_t>(kRetiredBytes, static_cast<std::size_t>(rl.rlim_cur / 8));
+  log().info("fabric: RLIMIT_MEMLOCK is {} bytes: rendezvous sources held for late duplicate READs take at most {}",
+             static_cast<unsigned long long>(rl.rlim_cur), limit);
+  return limit;
 }
 
 void fabric_state::release_oldest_source() noexcept {
@@ -400,9 +428,11 @@ void fabric_state::liveness_tick() noexcept {
   const auto now = std::chrono::steady_clock::now();
   std::chrono::milliseconds next = kMaxTick;
   release_sources(now, false);
-  if (retired_count_ != 0) {
-    next = std::chrono::ceil<std::chrono::milliseconds>(retired_[retired_head_].until - now);
-  }
+  // Held sources: a tick every late_read_grace while any is held (each
+  // goes within twice the grace). Not the time left to the oldest: a
+  // deadline that nears by a millisecond per tick would have every tick
+  // wake the thread for the next at once.
+  if (retired_count_ != 0) next = std::min(next, options.late_read_grace);
   // (connection_impl::liveness may fail a connection: that never removes it from conns_ here.)
   for (std::size_t i = 0; i < conns_.size(); ++i) next = std::min(next, conns_[i]->liveness(now));
   next = std::max(next, kMinTick);
@@ -771,7 +801,10 @@ memory_region fabric::register_memory(std::span<std::byte> memory, access acc) {
                             "fabric: CUDA managed memory cannot be registered (it migrates between host and GPU): "
                             "register a cuMemAlloc or cuMemHostAlloc buffer");
   }
-  return memory_region(detail::register_in_pieces(*state_->pd, memory.data(), memory.size(), acc, state_->piece_shift),
+  return memory_region(state_->register_releasing([&] {
+                         return detail::register_in_pieces(*state_->pd, memory.data(), memory.size(), acc,
+                                                           state_->piece_shift);
+                       }),
                        kind);
 }
 

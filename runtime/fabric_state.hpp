@@ -167,6 +167,7 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::size_t release_sources(std::chrono::steady_clock::time_point now, bool all) noexcept;
   std::size_t retired_sources() const noexcept { return retired_count_; }
   std::size_t retired_bytes() const noexcept { return retired_bytes_; }
+  std::size_t retired_limit() const noexcept { return retired_limit_; }
   std::uint64_t retired_early() const noexcept { return retired_early_; }
   // Registers with `reg` (which throws std::system_error on failure); a
   // registration the device refused (errc::registration_failed: verbs'
@@ -292,6 +293,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::size_t retired_count_ = 0;
   std::size_t retired_bytes_ = 0;
   std::uint64_t retired_early_ = 0;
+  std::size_t retired_limit_ = kRetiredBytes;  // kRetiredBytes, less under a finite RLIMIT_MEMLOCK
+  static std::size_t held_sources_limit();
   void release_oldest_source() noexcept;
   std::unique_ptr<op_node> unkeep(std::size_t i) noexcept;  // kept block i out of the list
   void free_block(op_node& h) noexcept;  // unpoisoned, deregistered, freed (the holder stays)

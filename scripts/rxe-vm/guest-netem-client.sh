@@ -93,11 +93,14 @@ if tc qdisc replace dev ifb0 root handle 1: prio &&
    tc qdisc add dev ifb0 parent 1:1 handle 10: netem delay 90ms &&
    tc filter add dev ifb0 parent 1: protocol ip prio 1 u32 match ip protocol 17 0xff match u16 4791 0xffff at 22 \
      match u8 0x0c 0xff at 28 flowid 1:1; then
+  dups=$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/duplicate_request 2>/dev/null || echo 0)
   timeout 300 bin/anydoor-netem-check --connect $server --label late-read --ops 100 --deadline 120 || fail=$((fail + 1))
   delayed=$(tc -s qdisc show dev ifb0 | awk '/qdisc netem 10:/{getline; print $4}')
-  echo "late-read: READ requests delayed: ${delayed:-none}"
-  # Nothing delayed: the filter matched nothing and the scenario proved nothing.
+  dups=$(( $(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/duplicate_request 2>/dev/null || echo 0) - dups ))
+  echo "late-read: READ requests delayed: ${delayed:-none}, duplicate requests executed here: $dups"
+  # Nothing delayed, or no duplicate came: the scenario proved nothing.
   [ "${delayed:-0}" -ge 1 ] || { echo "late-read: verdict=fail (no READ request was delayed)"; fail=$((fail + 1)); }
+  [ "$dups" -ge 1 ] || { echo "late-read: verdict=fail (no duplicate request reached this side)"; fail=$((fail + 1)); }
 else
   echo "netem: cannot install the READ delay"; fail=$((fail + 1))
 fi
