@@ -15,17 +15,17 @@
 #include <sanitizer/asan_interface.h>
 
 #include <algorithm>
-#include <fstream>
-#include <string>
-#include <bit>
 #include <atomic>
+#include <bit>
 #include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <mutex>
 #include <new>
 #include <stop_token>
+#include <string>
 #include <thread>
 
 #include <poll.h>

@@ -153,7 +153,8 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   // queue pair. Each registration (with the host copy it covers, of a
   // staged GPU message) is kept options.late_read_grace after its send
   // ended, then deregistered by a tick; at most kRetiredMax of them,
-  // kRetiredBytes in all (past either the oldest go early; a larger one is
+  // kRetiredBytes in all, less under a finite RLIMIT_MEMLOCK
+  // (held_sources_limit; past either the oldest go early; a larger one is
   // not kept). Meanwhile any peer of the fabric that has the key (one
   // protection domain) can read the range it names, whatever the
   // application has put there since (SECURITY.md). Only on the fabric's
@@ -167,7 +168,6 @@ class fabric_state : public std::enable_shared_from_this<fabric_state> {
   std::size_t release_sources(std::chrono::steady_clock::time_point now, bool all) noexcept;
   std::size_t retired_sources() const noexcept { return retired_count_; }
   std::size_t retired_bytes() const noexcept { return retired_bytes_; }
-  std::size_t retired_limit() const noexcept { return retired_limit_; }
   std::uint64_t retired_early() const noexcept { return retired_early_; }
   // Registers with `reg` (which throws std::system_error on failure); a
   // registration the device refused (errc::registration_failed: verbs'
